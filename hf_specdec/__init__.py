@@ -1,0 +1,20 @@
+"""hf_specdec: fast, lossless speculative decoding for Hugging Face transformers.
+
+    import hf_specdec
+    model = hf_specdec.enable(model)          # same object, now paged + fast
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+    stats = hf_specdec.last_generation_stats(model)
+"""
+
+from hf_specdec.attention import register as _register_attention
+from hf_specdec.auto import AutoModelForCausalLM
+from hf_specdec.config import CacheConfig, SpecDecodingConfig
+from hf_specdec.generation import SpecStats, disable, enable, last_generation_stats
+
+__version__ = "0.1.0"
+__all__ = [
+    "AutoModelForCausalLM", "CacheConfig", "SpecDecodingConfig", "SpecStats", "disable", "enable",
+    "last_generation_stats",
+]
+
+_register_attention()

@@ -1,0 +1,60 @@
+"""The ``"hf_specdec"`` attention function registered with ``transformers.AttentionInterface``.
+
+Inside hf_specdec's generate loop every forward carries ``paged_cache=<PagedKVCache>`` as a keyword
+argument, which transformers passes down to the attention function. Then the K/V of this forward are
+already in the pages (``PagedKVCache.update``), and attention reads the layer's pages — a KV-shared
+layer reads its producer's — applying causal and sliding-window masking itself; the mask argument is
+ignored. Without ``paged_cache`` (a plain ``model(...)`` call, training, a DynamicCache) the model's
+original attention runs, so an enabled model still behaves as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from hf_specdec.kernels import paged_attention
+
+ATTENTION_NAME = "hf_specdec"
+
+
+def hf_specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask, scaling: float | None = None, sliding_window: int | None = None,
+                         paged_cache=None, **kwargs):
+    """query [batch, heads, q_len, head_dim] -> (out [batch, q_len, heads, head_dim], None)."""
+    if paged_cache is None or paged_cache.meta is None:
+        return _fallback(module)(module, query, key, value, attention_mask,
+                                 scaling=scaling, sliding_window=sliding_window, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return paged_attention_forward(paged_cache, module.layer_idx, query, scaling), None
+
+
+def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of this forward's queries [batch, heads, q_len, head_dim] over a layer's pages.
+
+    The model may have dropped leading query slots (Gemma 4 slices to ``logits_to_keep`` before its
+    KV-shared layers): the kept slots are the last ones, so their positions follow from q_len."""
+    meta = paged_cache.meta
+    k_cache, v_cache, block_tables, window = paged_cache.layer_pages(layer_idx)
+    q_len = query.shape[2]
+    q_lens, q_pos0 = meta.q_lens, meta.q_pos0
+    if q_len != meta.q_len:
+        q_pos0 = q_pos0 + (meta.q_len - q_len)
+        q_lens = q_lens.clamp(max=q_len)
+    return paged_attention(query.transpose(1, 2), k_cache, v_cache, block_tables, meta.kv_lens, q_pos0, q_lens,
+                           scale=scaling, sliding_window=window)
+
+
+def _fallback(module: torch.nn.Module):
+    # hf_specdec registers sdpa's boolean masks under its name, so every model falls back to sdpa
+    # (eager and flash originals compute the same function, up to rounding).
+    return sdpa_attention_forward
+
+
+def register() -> None:
+    """Register the attention function and its mask builder under ``"hf_specdec"`` (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, hf_specdec_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)

@@ -1,0 +1,21 @@
+"""``hf_specdec.AutoModelForCausalLM``: transformers' loader followed by :func:`hf_specdec.enable`."""
+
+from __future__ import annotations
+
+import transformers
+
+from hf_specdec.config import CacheConfig
+from hf_specdec.generation import enable
+
+
+class AutoModelForCausalLM:
+    """Load a causal LM with transformers and enable hf_specdec on it."""
+
+    def __init__(self):
+        raise TypeError("use hf_specdec.AutoModelForCausalLM.from_pretrained(path_or_id, **hf_kwargs)")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, cache_config: CacheConfig | None = None,
+                        **kwargs):
+        model = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        return enable(model, cache_config)

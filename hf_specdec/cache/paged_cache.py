@@ -1,0 +1,217 @@
+"""PagedKVCache: a ``transformers.Cache`` whose K/V live in fixed-size blocks, one pool per KV group.
+
+Storage of group ``g`` is two tensors ``[num_layers_in_group, num_blocks, block_size, num_kv_heads,
+head_dim]`` (K and V). Rows of a batch are independent sequences with their own lengths: a row's
+tokens occupy positions ``0 .. len-1`` (left padding is never stored). One forward goes:
+
+    meta = cache.begin_forward(num_new_tokens_per_row, q_len)   # allocate + slot mapping, host side
+    model(..., past_key_values=cache, paged_cache=cache)         # update() stores K/V by slot mapping;
+                                                                  # the "hf_specdec" attention reads pages
+    cache.commit(new_lengths)                                    # rollback rejected tokens, slide windows
+
+Query slots of a forward are right-aligned: slot ``i`` of row ``b`` is padding iff
+``i < q_len - num_new[b]``; the real slots hold positions ``len_before[b] ..`` in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from hf_specdec.cache.block_manager import RELEASED, BlockManager
+from hf_specdec.cache.kv_layout import KVLayout
+from hf_specdec.config import CacheConfig
+from hf_specdec.kernels import store_kv
+
+
+class CacheCapacityError(ValueError):
+    """A request needs more KV cache than CacheConfig allows."""
+
+
+@dataclass
+class ForwardMeta:
+    """Device-side description of the tokens of one forward (shared by every layer)."""
+
+    q_len: int
+    kv_lens: torch.Tensor  # [batch] int32, keys per row after this forward's append
+    q_pos0: torch.Tensor  # [batch] int32, position of query slot 0 (negative for padded prefill rows)
+    q_lens: torch.Tensor  # [batch] int32, real (non-padding) query slots per row
+    position_ids: torch.Tensor  # [batch, q_len] int64, padding slots clamped to 0
+    slot_mapping: list[torch.Tensor]  # per group: [batch * q_len] int64, -1 for padding
+    block_tables: list[torch.Tensor]  # per group: [batch, max_blocks] int32, -1 where released/unused
+
+
+class PagedKVCache(Cache):
+    def __init__(self, layout: KVLayout, num_blocks: list[int], batch_size: int, *, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__(layers=[])
+        self.layout = layout
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        windows = [g.sliding_window for g in layout.groups]
+        self.manager = BlockManager(num_blocks, block_size, windows)
+        self.seq_ids = [self.manager.add_sequence() for _ in range(batch_size)]
+        self.k_storage, self.v_storage = [], []
+        for grp, n in zip(layout.groups, num_blocks):
+            shape = (len(grp.layers), n, block_size, grp.num_kv_heads, grp.head_dim)
+            self.k_storage.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.v_storage.append(torch.zeros(shape, dtype=dtype, device=self.device))
+        self.meta: ForwardMeta | None = None
+
+    # ---- sizing -----------------------------------------------------------------------------
+    @classmethod
+    def for_request(cls, layout: KVLayout, cache_config: CacheConfig, prompt_lens: list[int], max_new_tokens: int,
+                    lookahead: int, *, dtype: torch.dtype, device) -> "PagedKVCache":
+        """A cache sized so the request never runs out of blocks (or as CacheConfig.num_blocks says)."""
+        bs = cache_config.block_size
+        full_need = [-(-(p + max_new_tokens + lookahead) // bs) + 1 for p in prompt_lens]
+        if cache_config.max_cache_tokens is not None and sum(full_need) * bs > cache_config.max_cache_tokens:
+            raise CacheCapacityError(
+                f"this batch needs {sum(full_need) * bs} cached tokens per full-attention KV group but "
+                f"CacheConfig.max_cache_tokens={cache_config.max_cache_tokens}. Raise max_cache_tokens, or lower the "
+                "batch size, the prompt lengths or max_new_tokens."
+            )
+        num_blocks = []
+        for grp in layout.groups:
+            if cache_config.num_blocks is not None:
+                num_blocks.append(cache_config.num_blocks)
+            elif grp.is_sliding:
+                span = -(-(grp.sliding_window - 1 + lookahead) // bs) + 2
+                num_blocks.append(sum(min(f, max(-(-p // bs) + 1, span)) for f, p in zip(full_need, prompt_lens)))
+            else:
+                num_blocks.append(sum(full_need))
+        return cls(layout, num_blocks, len(prompt_lens), block_size=bs, dtype=dtype, device=device)
+
+    # ---- step bookkeeping ---------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [self.manager.num_tokens(s) for s in self.seq_ids]
+
+    def begin_forward(self, num_new: list[int], q_len: int) -> ForwardMeta:
+        """Allocate room for ``num_new[b]`` tokens per row and describe the forward for the kernels."""
+        if len(num_new) != self.batch_size:
+            raise ValueError(f"num_new has {len(num_new)} rows, the cache {self.batch_size}.")
+        if any(n > q_len or n < 0 for n in num_new):
+            raise ValueError(f"each row needs 0 <= num_new <= q_len={q_len}, got {num_new}.")
+        before = self.seq_lens
+        self.manager.append({s: n for s, n in zip(self.seq_ids, num_new) if n})
+        slots, tables = [], []
+        for g in range(self.manager.num_groups):
+            mapping = []
+            for s, n, start in zip(self.seq_ids, num_new, before):
+                mapping += [-1] * (q_len - n) + self.manager.slots(s, g, start, start + n)
+            slots.append(torch.tensor(mapping, dtype=torch.int64))
+            tables.append(self._table_tensor(g))
+        kv_lens = torch.tensor([b + n for b, n in zip(before, num_new)], dtype=torch.int32)
+        q_pos0 = kv_lens - q_len
+        positions = (q_pos0[:, None].long() + torch.arange(q_len)[None, :]).clamp_(min=0)
+        to_dev = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        self.meta = ForwardMeta(
+            q_len=q_len, kv_lens=to_dev(kv_lens), q_pos0=to_dev(q_pos0.to(torch.int32)),
+            q_lens=to_dev(torch.tensor(num_new, dtype=torch.int32)), position_ids=to_dev(positions),
+            slot_mapping=[to_dev(t) for t in slots], block_tables=[to_dev(t) for t in tables],
+        )
+        return self.meta
+
+    def _table_tensor(self, group: int) -> torch.Tensor:
+        rows = [self.manager.block_table(s, group) for s in self.seq_ids]
+        width = max(1, max(len(r) for r in rows))
+        return torch.tensor([r + [RELEASED] * (width - len(r)) for r in rows], dtype=torch.int32)
+
+    def commit(self, new_lens: list[int]) -> None:
+        """Keep ``new_lens[b]`` tokens of each row (rollback of rejected drafts) and slide the windows."""
+        for s, n in zip(self.seq_ids, new_lens):
+            self.manager.truncate(s, n)
+            self.manager.slide(s)
+        self.meta = None
+
+    def free(self) -> None:
+        """Return every block to the pools (the cache can not be used afterwards)."""
+        for s in self.seq_ids:
+            self.manager.free_sequence(s)
+        self.seq_ids = []
+
+    # ---- pages --------------------------------------------------------------------------------
+    def layer_pages(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
+        """(k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim], block_tables, sliding_window) of a
+        layer; a KV-shared layer gets its producer's pages."""
+        group, index = self.layout.layer_slot[layer_idx]
+        window = self.layout.groups[group].sliding_window
+        return self.k_storage[group][index], self.v_storage[group][index], self.meta.block_tables[group], window
+
+    def gather(self, row: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Dense K/V ``[kv_heads, n, head_dim]`` of the live positions ``[start, len)`` of one row, and start."""
+        group, index = self.layout.layer_slot[layer_idx]
+        seq = self.seq_ids[row]
+        length = self.manager.num_tokens(seq)
+        table = self.manager.block_table(seq, group)
+        start = next((j * self.block_size for j, b in enumerate(table) if b != RELEASED), length)
+        slots = torch.tensor(self.manager.slots(seq, group, start, length), dtype=torch.long, device=self.device)
+        k = self.k_storage[group][index].flatten(0, 1)[slots].transpose(0, 1)
+        v = self.v_storage[group][index].flatten(0, 1)[slots].transpose(0, 1)
+        return k, v, start
+
+    # ---- transformers.Cache API ---------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Store this forward's K/V ``[batch, kv_heads, q_len, head_dim]`` into the layer's pages."""
+        if self.meta is None:
+            raise RuntimeError(
+                "PagedKVCache is filled by hf_specdec's generate loop (begin_forward/commit). To run a plain "
+                "forward with a cache, pass a transformers DynamicCache instead."
+            )
+        group, index = self.layout.layer_slot[layer_idx]
+        batch, heads, q_len, dim = key_states.shape
+        if q_len != self.meta.q_len:
+            raise ValueError(f"layer {layer_idx} stores {q_len} tokens per row, the forward has {self.meta.q_len}.")
+        store_kv(key_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
+                 value_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
+                 self.k_storage[group][index], self.v_storage[group][index], self.meta.slot_mapping[group])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.seq_lens, default=0)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query, layer_idx: int = 0) -> tuple[int, int]:
+        q_len = query if isinstance(query, int) else query.shape[-1]
+        return self.get_seq_length() + q_len, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length()
+
+    def crop(self, max_length: int) -> None:
+        for s in self.seq_ids:
+            n = self.manager.num_tokens(s)
+            self.manager.truncate(s, max(0, n + max_length) if max_length < 0 else min(n, max_length))
+
+    def __len__(self) -> int:
+        return self.layout.num_layers
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [self.layout.group_of(i).is_sliding for i in range(self.layout.num_layers)]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.layout.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.layout.num_layers

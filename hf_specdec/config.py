@@ -1,0 +1,50 @@
+"""Configuration dataclasses, validated once in ``__post_init__``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPEC_MODES = ("mtp", "dflash")
+
+
+@dataclass
+class CacheConfig:
+    """How the paged KV cache is laid out and sized.
+
+    block_size: tokens per block (page). Every KV group uses the same block size.
+    num_blocks: blocks per KV group. ``None`` sizes each group for the request at hand
+        (prompt + new tokens + speculative lookahead), which never runs out.
+    max_cache_tokens: an upper bound on the tokens a full-attention KV group may hold
+        across all rows of a batch; a request needing more raises before touching any state.
+        ``None`` means no bound.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_cache_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"CacheConfig.block_size must be a power of two >= 1, got {self.block_size}.")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"CacheConfig.num_blocks must be >= 1 or None, got {self.num_blocks}.")
+        if self.max_cache_tokens is not None and self.max_cache_tokens < self.block_size:
+            raise ValueError(
+                f"CacheConfig.max_cache_tokens must be >= block_size ({self.block_size}), got {self.max_cache_tokens}."
+            )
+
+
+@dataclass
+class SpecDecodingConfig:
+    """What a speculative ``generate`` call runs: the mode and the number of drafts per step (k)."""
+
+    spec_mode: str
+    num_speculative_tokens: int
+
+    def __post_init__(self):
+        if self.spec_mode not in SPEC_MODES:
+            raise ValueError(f"spec_mode must be one of {SPEC_MODES}, got {self.spec_mode!r}.")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}."
+            )

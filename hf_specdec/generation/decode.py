@@ -1,0 +1,74 @@
+"""Plain (non-speculative) decoding through the paged cache.
+
+``paged_decode`` has the signature of transformers' ``GenerationMixin._sample`` and is handed to
+``GenerationMixin.generate(custom_generate=...)``, so transformers prepares everything a user's
+``generate`` call means (generation config, logits processors, stopping criteria, special tokens,
+max length, streamer prompt) and this loop only runs the model: one forward per token, one host sync
+per step (the "is any row still running" check).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from hf_specdec.generation.model_runner import ModelRunner, real_token_counts
+from hf_specdec.generation.sampling import mask_finished, select_tokens
+from hf_specdec.generation.stats import SpecStats
+
+
+def paged_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                 streamer=None, **model_kwargs):
+    """Decode ``input_ids`` [batch, prompt_len] (left-padded) token by token; returns what ``_sample`` returns."""
+    state = model._hf_specdec
+    stats = SpecStats()
+    prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
+    batch = input_ids.shape[0]
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    scores_out, logits_out = [], []
+    runner = ModelRunner(model, state.layout, state.cache_config)
+    runner.start(prompt_lens, generation_config.max_length - input_ids.shape[1])
+    try:
+        # 1. prefill: every prompt token of every row, logits of the last one
+        outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, **model_kwargs)
+        lens = list(prompt_lens)
+        runner.commit(lens)
+        unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
+        active = batch
+        while True:
+            # 2. pick the next token of each row from the processed scores
+            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+            scores = logits_processor(input_ids, logits)
+            next_tokens = select_tokens(scores, generation_config.do_sample)
+            if has_eos:
+                next_tokens = mask_finished(next_tokens, unfinished, generation_config._pad_token_tensor)
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            if keep_scores:
+                scores_out.append(scores)
+            if keep_logits:
+                logits_out.append(logits)
+            if streamer is not None:
+                streamer.put(next_tokens.cpu())
+            stats.record_step([1] * active)
+            # 3. stop check: the one host sync of the step
+            unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+            active = int(unfinished.sum())
+            if active == 0:
+                break
+            # 4. one decode forward for every row
+            outputs = runner.forward(next_tokens[:, None], [1] * batch, keep_logits=1)
+            lens = [n + 1 for n in lens]
+            runner.commit(lens)
+    finally:
+        runner.finish()
+    if streamer is not None:
+        streamer.end()
+    state.last_stats = stats.finish()
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(
+            sequences=input_ids, scores=tuple(scores_out) if keep_scores else None,
+            logits=tuple(logits_out) if keep_logits else None,
+        )
+    return input_ids

@@ -1,0 +1,79 @@
+"""``enable(model)``: make an HF causal LM decode through hf_specdec, on that instance only."""
+
+from __future__ import annotations
+
+import threading
+import types
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedModel
+
+from hf_specdec.attention import ATTENTION_NAME, register
+from hf_specdec.cache import KVLayout, kv_layout_from_config
+from hf_specdec.config import CacheConfig
+from hf_specdec.generation.generate import generate
+from hf_specdec.generation.stats import SpecStats
+
+
+@dataclass
+class EnabledState:
+    """What ``enable`` attached to a model (``model._hf_specdec``)."""
+
+    layout: KVLayout
+    cache_config: CacheConfig
+    original_attention: str
+    last_stats: SpecStats | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one generate at a time per model
+
+
+def enable(model, cache_config: CacheConfig | None = None):
+    """Route ``model``'s attention and ``generate`` through hf_specdec; returns the same object.
+
+    Scoped to the instance and reversible (:func:`disable`). Plain forwards keep the model's behaviour."""
+    state = getattr(model, "_hf_specdec", None)
+    if state is not None:
+        if cache_config is not None:
+            state.cache_config = cache_config
+        return model
+    _check_supported(model)
+    layout = kv_layout_from_config(model.config)
+    register()
+    original = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    model._hf_specdec = EnabledState(layout, cache_config or CacheConfig(), original)
+    model.generate = types.MethodType(generate, model)
+    return model
+
+
+def disable(model):
+    """Undo :func:`enable` on ``model``; returns the same object."""
+    state = getattr(model, "_hf_specdec", None)
+    if state is None:
+        return model
+    model.set_attn_implementation(state.original_attention)
+    del model.generate
+    del model._hf_specdec
+    return model
+
+
+def last_generation_stats(model) -> SpecStats | None:
+    """SpecStats of the last ``generate`` call of an enabled model (None before the first)."""
+    state = getattr(model, "_hf_specdec", None)
+    if state is None:
+        raise ValueError("this model is not enabled; call hf_specdec.enable(model) first.")
+    return state.last_stats
+
+
+def _check_supported(model) -> None:
+    if not isinstance(model, PreTrainedModel) or not hasattr(model, "generate"):
+        raise TypeError(
+            f"hf_specdec.enable needs a transformers causal LM (a PreTrainedModel with generate), got "
+            f"{type(model).__name__}. Load one with AutoModelForCausalLM.from_pretrained."
+        )
+    if model.config.is_encoder_decoder:
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder; hf_specdec supports decoder-only causal LMs.")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
+            "hf_specdec cannot plug its paged attention in. Use the model without hf_specdec.enable()."
+        )

@@ -1,0 +1,82 @@
+"""ModelRunner: runs an HF causal LM forward through a PagedKVCache.
+
+The runner knows nothing about sampling or drafting: it turns "these tokens per row" into one
+model forward with the right positions, slot mapping and block tables, and returns logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_specdec.cache import KVLayout, PagedKVCache
+from hf_specdec.config import CacheConfig
+
+# Keys of HF's prepared model_kwargs that the runner replaces with its own.
+_RUNNER_KEYS = {
+    "attention_mask", "position_ids", "logits_to_keep", "use_cache", "past_key_values", "cache_position",
+    "output_attentions", "output_hidden_states", "return_dict",
+}
+
+
+def real_token_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
+    """Real tokens per row of a left-padded batch; raises on right padding or empty rows."""
+    batch, length = input_ids.shape
+    if attention_mask is None:
+        return [length] * batch
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; "
+            "pass the 2D mask the tokenizer returned with the ids."
+        )
+    mask = attention_mask.to(torch.bool)
+    counts = mask.sum(dim=1)
+    # Left padding means the real tokens are exactly the last `count` positions of each row.
+    expected = torch.arange(length, device=mask.device)[None, :] >= (length - counts)[:, None]
+    if not torch.equal(mask, expected):
+        raise ValueError(
+            "hf_specdec needs left-padded batches (padding before the prompt, contiguous real tokens). "
+            "Set tokenizer.padding_side = 'left' before tokenizing."
+        )
+    counts = counts.tolist()
+    if min(counts) == 0:
+        raise ValueError(f"row {counts.index(0)} of the batch has no tokens; remove empty prompts.")
+    return counts
+
+
+class ModelRunner:
+    """One paged forward at a time for ``model`` (an HF causal LM enabled by hf_specdec)."""
+
+    def __init__(self, model, layout: KVLayout, cache_config: CacheConfig):
+        self.model = model
+        self.layout = layout
+        self.cache_config = cache_config
+        self.cache: PagedKVCache | None = None
+        self._mask_stub: torch.Tensor | None = None
+
+    def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0) -> PagedKVCache:
+        dtype = self.model.get_input_embeddings().weight.dtype
+        self.cache = PagedKVCache.for_request(self.layout, self.cache_config, prompt_lens, max_new_tokens,
+                                              lookahead, dtype=dtype, device=self.model.device)
+        # A 4D mask is passed through transformers' mask builders untouched; the paged attention ignores it.
+        self._mask_stub = torch.ones(len(prompt_lens), 1, 1, 1, dtype=torch.bool, device=self.model.device)
+        return self.cache
+
+    def finish(self) -> None:
+        if self.cache is not None:
+            self.cache.free()
+        self.cache = None
+
+    def forward(self, input_ids: torch.Tensor, num_new: list[int], keep_logits: int = 0, **model_kwargs):
+        """Run ``input_ids`` [batch, q_len] (right-aligned real tokens, ``num_new[b]`` per row) through the
+        model, with logits of the last ``keep_logits`` slots (0: all); the tokens stay in the cache until
+        :meth:`commit` says otherwise. ``model_kwargs`` not owned by the runner (e.g. pixel inputs) pass through."""
+        meta = self.cache.begin_forward(num_new, input_ids.shape[1])
+        extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
+        return self.model(
+            input_ids=input_ids, position_ids=meta.position_ids, attention_mask=self._mask_stub,
+            past_key_values=self.cache, paged_cache=self.cache, use_cache=True,
+            logits_to_keep=keep_logits, return_dict=True, **extra,
+        )
+
+    def commit(self, new_lens: list[int]) -> None:
+        self.cache.commit(new_lens)
