@@ -1,0 +1,90 @@
+"""Invariant 3 (rollback purity) at the cache level: after any sequence of appends, rollbacks and
+window slides, each row's pages hold exactly the K/V of the tokens it kept."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hf_specdec.cache import CacheCapacityError, KVLayout, PagedKVCache
+from hf_specdec.cache.block_manager import OutOfBlocksError
+from hf_specdec.config import CacheConfig
+
+WINDOW = 5
+LAYOUT = KVLayout.from_layers([(2, 8, None), (1, 16, WINDOW), (1, 16, WINDOW)], {0: 0, 1: 1, 2: 1})
+
+
+def _store(cache, num_new, q_len, gen):
+    """One forward's worth of K/V for every layer; returns what each row appended, per layer."""
+    cache.begin_forward(num_new, q_len)
+    added = {}
+    for layer in (0, 1):
+        grp = LAYOUT.group_of(layer)
+        k = torch.randn(cache.batch_size, grp.num_kv_heads, q_len, grp.head_dim, generator=gen)
+        v = torch.randn(k.shape, generator=gen)
+        cache.update(k, v, layer)
+        added[layer] = [(k[b, :, q_len - n:], v[b, :, q_len - n:]) for b, n in enumerate(num_new)]
+    return added
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=3, max_size=3), st.lists(st.integers(0, 6),
+                                                                                       min_size=3, max_size=3)),
+                min_size=1, max_size=12))
+def test_pages_match_a_dense_reference_after_appends_and_rollbacks(steps):
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(LAYOUT, [64, 64], 3, block_size=4, dtype=torch.float32, device="cpu")
+    dense = {layer: [(torch.zeros(LAYOUT.group_of(layer).num_kv_heads, 0, LAYOUT.group_of(layer).head_dim),) * 2
+                     for _ in range(3)] for layer in (0, 1)}
+    for num_new, rejected in steps:
+        q_len = max(num_new)
+        added = _store(cache, num_new, q_len, gen)
+        keep = [n - min(r, n) for n, r in zip(num_new, rejected)]  # a verify that rejects some of its tokens
+        cache.commit([before + k for before, k in zip([d[0].shape[1] for d in dense[0]], keep)])
+        for layer in (0, 1):
+            for b in range(3):
+                k_new, v_new = added[layer][b]
+                k_old, v_old = dense[layer][b]
+                dense[layer][b] = (torch.cat([k_old, k_new[:, :keep[b]]], 1), torch.cat([v_old, v_new[:, :keep[b]]], 1))
+        for layer in (0, 1, 2):
+            producer = LAYOUT.producer[layer]
+            for b in range(3):
+                k, v, start = cache.gather(b, layer)
+                k_ref, v_ref = dense[producer][b]
+                length = k_ref.shape[1]
+                assert torch.equal(k, k_ref[:, start:]) and torch.equal(v, v_ref[:, start:])
+                if LAYOUT.group_of(layer).is_sliding:
+                    assert start <= max(0, length - WINDOW + 1)  # everything the next query can see is kept
+                else:
+                    assert start == 0
+    cache.free()
+    assert all(p.num_free == 64 for p in cache.manager.pools)
+
+
+def test_sliding_group_memory_stays_bounded():
+    cache = PagedKVCache(LAYOUT, [64, 4], 1, block_size=4, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    for step in range(40):
+        _store(cache, [1], 1, gen)
+        cache.commit([step + 1])
+        assert cache.manager.num_live_blocks(cache.seq_ids[0], 1) <= 3
+
+
+def test_out_of_blocks_raises_before_touching_state():
+    cache = PagedKVCache(LAYOUT, [2, 2], 2, block_size=4, dtype=torch.float32, device="cpu")
+    cache.begin_forward([4, 4], 4)
+    cache.commit([4, 4])
+    with pytest.raises(OutOfBlocksError, match="num_blocks"):
+        cache.begin_forward([1, 1], 1)
+    assert cache.seq_lens == [4, 4]
+
+
+def test_request_over_max_cache_tokens_names_the_knob():
+    config = CacheConfig(block_size=4, max_cache_tokens=32)
+    with pytest.raises(CacheCapacityError, match="max_cache_tokens"):
+        PagedKVCache.for_request(LAYOUT, config, [20, 20], 10, 0, dtype=torch.float32, device="cpu")
+
+
+def test_update_outside_a_paged_forward_says_what_to_use():
+    cache = PagedKVCache(LAYOUT, [4, 4], 1, block_size=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="DynamicCache"):
+        cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), 0)

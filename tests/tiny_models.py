@@ -1,0 +1,69 @@
+"""Tiny random models that keep each architecture's structural quirks (fp32, CPU, seconds)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+S, F = "sliding_attention", "full_attention"
+
+
+def gemma4_e2b_style(**overrides) -> Gemma4ForCausalLM:
+    """E2B-like: per-layer inputs (PLE), the last 2 layers KV-shared, sliding window 8."""
+    config = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=8, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=97, layer_types=[S, S, F, S, S, F],
+        final_logit_softcapping=30.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    config.update(overrides)
+    return _build(Gemma4ForCausalLM, Gemma4TextConfig(**config))
+
+
+def gemma4_31b_style(**overrides) -> Gemma4ForCausalLM:
+    """31B-like: attention_k_eq_v with fewer full-layer kv heads (4 sliding / 1 full), no KV sharing."""
+    config = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=8, num_kv_shared_layers=0, hidden_size_per_layer_input=0, layer_types=[S, S, F, S, S, F],
+        final_logit_softcapping=30.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    config.update(overrides)
+    return _build(Gemma4ForCausalLM, Gemma4TextConfig(**config))
+
+
+def llama(**overrides) -> LlamaForCausalLM:
+    config = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config.update(overrides)
+    return _build(LlamaForCausalLM, LlamaConfig(**config))
+
+
+def qwen3(**overrides) -> Qwen3ForCausalLM:
+    config = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config.update(overrides)
+    return _build(Qwen3ForCausalLM, Qwen3Config(**config))
+
+
+def _build(cls, config):
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    # Random init gives near-uniform logits; a larger scale makes greedy choices decisive.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+def left_padded_batch(lengths: list[int], vocab: int = 97, pad: int = 0, seed: int = 0):
+    """input_ids, attention_mask of a left-padded batch of random prompts with the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask
