@@ -1,0 +1,128 @@
+"""Triton paged attention vs its torch reference at Gemma-4-31B attention shapes, on one CUDA GPU.
+
+    PYTHONPATH=. python benchmarks/kernels_gpu_check.py
+
+Layers: sliding (32 q / 16 kv heads, head_dim 256, window 1024) and full (32 q / 4 kv heads,
+head_dim 512); decode (T=1) and verify (T=8); batch 1 and 8; context 2048 and 8192; block_size 16;
+bf16 with random pages (shuffled physical blocks, released window blocks set to -1); plus a
+left-padded prefill (T=512, batch 2) per layer, whose GB/s is not its measure (compute-bound). Per
+case: relative error ||out - ref|| / ||ref|| (pass < 1e-2), median time (triton.testing.do_bench),
+and bandwidth counting the K/V bytes of the keys the queries can see. Prints a table, then one JSON
+line.
+"""
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from itertools import product
+
+import torch
+
+from hf_specdec.kernels import paged_attention, paged_attention_reference, store_kv, store_kv_reference
+
+LAYERS = {
+    "sliding": dict(num_heads=32, num_kv_heads=16, head_dim=256, sliding_window=1024),
+    "full": dict(num_heads=32, num_kv_heads=4, head_dim=512, sliding_window=None),
+}
+BLOCK_SIZE = 16
+PASS_REL_ERROR = 1e-2
+
+
+@dataclass
+class Result:
+    layer: str
+    batch: int
+    context: int
+    q_len: int
+    rel_error: float
+    triton_ms: float
+    reference_ms: float
+    gb_per_s: float
+    passed: bool
+
+
+def make_inputs(batch, context, q_len, num_heads, num_kv_heads, head_dim, sliding_window, device="cuda"):
+    """Rows end at slightly different lengths; their blocks are scattered over the pool at random."""
+    kv_lens = torch.tensor([context - 13 * b for b in range(batch)], dtype=torch.int32)
+    blocks_per_row = math.ceil(context / BLOCK_SIZE)
+    num_blocks = batch * blocks_per_row
+    table = torch.randperm(num_blocks).view(batch, blocks_per_row).to(torch.int32)
+    q_pos0 = kv_lens - q_len
+    if sliding_window is not None:
+        first_visible = (q_pos0 - sliding_window + 1).clamp_min(0)
+        released = torch.arange(blocks_per_row)[None, :] < (first_visible // BLOCK_SIZE)[:, None]
+        table[released] = -1
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn(cache_shape, dtype=torch.bfloat16, device=device)
+    q = torch.randn(batch, q_len, num_heads, head_dim, dtype=torch.bfloat16, device=device)
+    q_lens = torch.full((batch,), q_len, dtype=torch.int32)
+    if q_len > 8:  # prefill: left padding in every row but the first
+        q_lens[1:] = q_len * 2 // 3
+    index_args = [t.to(device) for t in (table, kv_lens, q_pos0, q_lens)]
+    return q, k_cache, v_cache, *index_args
+
+
+def visible_kv_bytes(kv_lens, q_len, num_kv_heads, head_dim, sliding_window) -> int:
+    """K and V bytes of the keys that at least one query of each row sees."""
+    keys = kv_lens.long()
+    if sliding_window is not None:
+        keys = keys.clamp_max(sliding_window + q_len - 1)
+    return int(keys.sum()) * num_kv_heads * head_dim * 2 * torch.bfloat16.itemsize
+
+
+def check_case(layer, batch, context, q_len) -> Result:
+    import triton.testing
+
+    shape = LAYERS[layer]
+    args = make_inputs(batch, context, q_len, **shape)
+    kwargs = dict(scale=1.0, sliding_window=shape["sliding_window"])  # Gemma 4 normalises q and k
+    out = paged_attention(*args, **kwargs)
+    ref = paged_attention_reference(*args, **kwargs)
+    rel_error = float((out.float() - ref.float()).norm() / ref.float().norm())
+    triton_ms = triton.testing.do_bench(lambda: paged_attention(*args, **kwargs, out=out))
+    reference_ms = triton.testing.do_bench(lambda: paged_attention_reference(*args, **kwargs))
+    kv_bytes = visible_kv_bytes(args[4], q_len, shape["num_kv_heads"], shape["head_dim"], shape["sliding_window"])
+    return Result(layer, batch, context, q_len, rel_error, triton_ms, reference_ms,
+                  kv_bytes / (triton_ms * 1e-3) / 1e9, rel_error < PASS_REL_ERROR)
+
+
+def check_store_kv() -> bool:
+    """store_kv (Triton) == store_kv_reference at the full layer's shape: 8 tokens, one of them padding."""
+    num_kv_heads, head_dim = LAYERS["full"]["num_kv_heads"], LAYERS["full"]["head_dim"]
+    caches = [torch.randn(64, BLOCK_SIZE, num_kv_heads, head_dim, device="cuda").bfloat16() for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    key, value = (torch.randn(8, num_kv_heads, head_dim, device="cuda") for _ in range(2))
+    slots = torch.randperm(64 * BLOCK_SIZE, device="cuda")[:8]
+    slots[3] = -1
+    store_kv(key, value, *caches, slots)
+    store_kv_reference(key, value, *expected, slots)
+    return all(torch.equal(a, b) for a, b in zip(caches, expected))
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 0
+    import triton
+
+    torch.manual_seed(0)
+    store_kv_ok = check_store_kv()
+    cases = [*product(LAYERS, (1, 8), (2048, 8192), (1, 8)), *product(LAYERS, (2,), (2048,), (512,))]
+    results = [check_case(*case) for case in cases]
+    print(f"{'layer':8} {'batch':>5} {'ctx':>5} {'T':>3} {'rel_err':>9} {'triton_ms':>9} {'ref_ms':>8} "
+          f"{'GB/s':>7}  ok")
+    for r in results:
+        print(f"{r.layer:8} {r.batch:5d} {r.context:5d} {r.q_len:3d} {r.rel_error:9.2e} {r.triton_ms:9.4f} "
+              f"{r.reference_ms:8.3f} {r.gb_per_s:7.0f}  {'yes' if r.passed else 'NO'}")
+    print(f"store_kv exact: {'yes' if store_kv_ok else 'NO'}")
+    all_pass = store_kv_ok and all(r.passed for r in results)
+    print(json.dumps({"benchmark": "kernels_gpu_check", "device": torch.cuda.get_device_name(),
+                      "torch": torch.__version__, "triton": triton.__version__, "store_kv_exact": store_kv_ok,
+                      "all_pass": all_pass, "results": [asdict(r) for r in results]}))
+    return 0 if all_pass else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Choosing between a Triton kernel and its torch reference, and the shared launcher checks.
+
+Triton is optional at import time: CPU-only installs (macOS has no triton wheel) still import the
+kernel modules and run the torch references. ``triton`` / ``tl`` below are then stand-ins whose
+``jit`` leaves the kernel body a plain, never-launched function.
+"""
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton is installed wherever the tests run
+
+    class _TritonStandIn:
+        constexpr = None
+
+        @staticmethod
+        def jit(fn):
+            return fn
+
+    triton = tl = _TritonStandIn()
+    HAS_TRITON = False
+
+FORCE_TRITON_ENV = "HF_SPECDEC_FORCE_TRITON"
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether kernels run their Triton body for `tensor` (else the torch reference).
+
+    Auto: Triton for CUDA tensors. ``HF_SPECDEC_FORCE_TRITON=1`` forces Triton on any device (tests
+    pair it with ``TRITON_INTERPRET=1``, set before the kernels are imported, to run the bodies on
+    CPU); ``HF_SPECDEC_FORCE_TRITON=0`` forces the reference, e.g. to bisect a GPU mismatch.
+    """
+    if not HAS_TRITON:
+        return False
+    forced = os.environ.get(FORCE_TRITON_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return tensor.is_cuda
+
+
+def interpreting(kernel) -> bool:
+    """Whether `kernel` was jitted under TRITON_INTERPRET=1 (it then runs on CPU tensors)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def check(condition: bool, message: str) -> None:
+    """Launcher checks raise ValueError saying what to pass instead."""
+    if not condition:
+        raise ValueError(message)
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    check(len(set(devices.values())) == 1, f"all tensors must be on one device, got {devices}")
+
+
+def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous, same shape."""
+    check(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+          f"got shape {tuple(k_cache.shape)}")
+    check(v_cache.shape == k_cache.shape, f"v_cache shape {tuple(v_cache.shape)} must equal "
+          f"k_cache shape {tuple(k_cache.shape)}")
+    check(v_cache.dtype == k_cache.dtype, f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) "
+          "must share one dtype")
+    check(k_cache.is_contiguous() and v_cache.is_contiguous(),
+          "k_cache and v_cache must be contiguous: pass the cache storage itself, not a slice or "
+          "transpose of it (pages are addressed as block_id * block_size + offset)")
+    check(k_cache.is_floating_point(), f"caches must be floating point, got {k_cache.dtype}")

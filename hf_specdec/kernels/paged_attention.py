@@ -1,0 +1,329 @@
+"""paged_attention: queries of a ragged batch attend to keys stored in pages.
+
+One kernel serves every use: prefill (left-padded rows), decode (T=1), verify (T=k+1 causal queries
+per row at per-row offsets), a drafter's query one position past another model's last key (Q-only),
+bidirectional queries (``causal=False``), sliding windows and GQA.
+
+Positions. Row b holds keys at logical positions ``0 .. kv_lens[b]-1``; key j lives in physical block
+``block_tables[b, j // block_size]`` at offset ``j % block_size``. Query slot i of row b sits at
+position ``p = q_pos0[b] + i``; slots ``i < q_len - q_lens[b]`` are left padding and output 0.
+Key j is visible to a valid query at p iff::
+
+    j < kv_lens[b]  and  (not causal or j <= p)  and  (sliding_window is None or j > p - sliding_window)
+
+so a window of W keys includes the query's own position (the HF convention); without ``causal`` the
+window still bounds keys from below. A valid query that sees no key outputs 0, never NaN. Table
+entries of blocks that no query can see (released window blocks, the unused tail) are never read,
+so they may hold anything (e.g. -1).
+
+GPU design. One program per (query tile, kv head, row) attends for all ``group = num_heads //
+num_kv_heads`` query heads of that kv head at once: its q tile is ``[BLOCK_T * group, head_dim]``, so
+each K/V page is read once per kv head (GQA packing). It walks the row's block table from the first
+block inside the window of its earliest query to the last key its latest query sees, with an online
+(flash-decoding style) softmax in fp32. `_attend_key_range` is the loop over one key range: a split-KV
+variant for long contexts runs it on slices of the range and merges the (acc, max, sum) partials.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import (check, check_paged_cache, check_same_device, interpreting, next_power_of_2, tl, triton,
+                        use_triton)
+
+MAX_TRITON_HEAD_DIM = 512
+
+
+@triton.jit
+def _attend_key_range(
+    q,  # [BLOCK_M, BLOCK_D] queries of the tile, in the dtype of both matmuls
+    pos,  # [BLOCK_M] query positions
+    row_valid,  # [BLOCK_M] real (non-padding, in-range) query rows
+    acc, m_i, l_i,  # [BLOCK_M, BLOCK_D], [BLOCK_M], [BLOCK_M] running output, max and sum (base 2)
+    k_cache_ptr, v_cache_ptr, block_table_ptr,  # block_table_ptr: this row's [max_blocks_per_row]
+    kv_head, kv_lo, kv_hi,  # keys [kv_lo, kv_hi) of this row
+    num_kv_heads, head_dim, block_size, max_blocks_per_row, qk_scale, sliding_window,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    # Start on a BLOCK_N boundary so that pages are read whole; keys below kv_lo stay masked (their
+    # pages may be released).
+    for n0 in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        logical = j // block_size
+        j_valid = (j >= kv_lo) & (j < kv_hi) & (logical < max_blocks_per_row)
+        physical = tl.load(block_table_ptr + logical, mask=j_valid, other=0).to(tl.int64)
+        kv_offset = ((physical * block_size + j % block_size) * num_kv_heads + kv_head) * head_dim
+        k = tl.load(k_cache_ptr + kv_offset[None, :] + d[:, None],
+                    mask=j_valid[None, :] & d_mask[:, None], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = row_valid[:, None] & j_valid[None, :]
+        if CAUSAL:
+            visible &= j[None, :] <= pos[:, None]
+        if HAS_WINDOW:
+            visible &= j[None, :] > pos[:, None] - sliding_window
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no key yet keep max -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        v = tl.load(v_cache_ptr + kv_offset[:, None] + d[None, :],
+                    mask=j_valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [batch, q_len, num_heads, head_dim], any strides
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    block_tables_ptr,  # [batch, max_blocks_per_row] int32
+    kv_lens_ptr, q_pos0_ptr, q_lens_ptr,  # [batch] int32
+    out_ptr,  # [batch, q_len, num_heads, head_dim], any strides
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_ob, stride_ot, stride_oh, stride_od,
+    stride_table_row, q_len, num_kv_heads, head_dim, block_size, max_blocks_per_row,
+    qk_scale, sliding_window,
+    GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    kv_len = tl.load(kv_lens_ptr + row)
+    pos0 = tl.load(q_pos0_ptr + row)
+    first_valid_slot = q_len - tl.load(q_lens_ptr + row)
+
+    # Tile row m is query slot tile*BLOCK_T + m // GROUP of q head kv_head*GROUP + m % GROUP.
+    m = tl.arange(0, BLOCK_M)
+    slot = tile * BLOCK_T + m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    in_tile = (m < BLOCK_T * GROUP) & (slot < q_len)
+    row_valid = in_tile & (slot >= first_valid_slot)
+    pos = pos0 + slot
+
+    # Keys any valid query of the tile can see: [kv_lo, kv_hi).
+    lo_slot = tl.maximum(tile * BLOCK_T, first_valid_slot)
+    hi_slot = tl.minimum(tile * BLOCK_T + BLOCK_T, q_len)
+    kv_hi = kv_len
+    if CAUSAL:
+        kv_hi = tl.minimum(kv_hi, pos0 + hi_slot)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(pos0 + lo_slot - sliding_window + 1, 0)
+    kv_hi = tl.where(lo_slot < hi_slot, kv_hi, kv_lo)  # an all-padding tile reads nothing
+
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    q = tl.load(q_ptr + row * stride_qb + slot[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :] * stride_qd, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_key_range(
+        q, pos, row_valid, acc, m_i, l_i,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + row * stride_table_row,
+        kv_head, kv_lo, kv_hi,
+        num_kv_heads, head_dim, block_size, max_blocks_per_row, qk_scale, sliding_window,
+        BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, DOT_PRECISION,
+    )
+    # Padding rows and queries without a visible key have acc = 0, l = 0: they output 0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + row * stride_ob + slot[:, None] * stride_ot + head[:, None] * stride_oh
+             + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=in_tile[:, None] & d_mask[None, :])
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    block_t: int  # query slots per program
+    block_m: int  # rows of the q tile: block_t * group, padded to a power of 2 (>= 16 for tl.dot)
+    block_n: int  # keys per loop step
+    block_d: int  # head_dim padded to a power of 2
+    num_warps: int
+
+
+def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = None) -> _Tiles:
+    """Tile sizes from head_dim: K, V and q tiles (x num_stages) must fit shared memory, and
+    head_dim 512 leaves room only for 16 x 32 tiles. Tuned later on H100/H200."""
+    block_d = max(16, next_power_of_2(head_dim))
+    max_m, default_n, num_warps = {16: (64, 64, 4), 32: (64, 64, 4), 64: (64, 64, 4),
+                                   128: (64, 64, 4), 256: (32, 32, 8), 512: (16, 32, 8)}[block_d]
+    block_m = max(16, next_power_of_2(group), min(max_m, next_power_of_2(group * q_len)))
+    return _Tiles(block_t=block_m // group, block_m=block_m, block_n=block_n or default_n,
+                  block_d=block_d, num_warps=num_warps)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [batch, q_len, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [batch, max_blocks_per_row] int32
+    kv_lens: torch.Tensor,  # [batch] int32
+    q_pos0: torch.Tensor,  # [batch] int32
+    q_lens: torch.Tensor,  # [batch] int32
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    causal: bool = True,
+    out: torch.Tensor | None = None,  # [batch, q_len, num_heads, head_dim]
+) -> torch.Tensor:
+    """Attention of `q` over paged K/V (see the module docstring); returns [batch, q_len, num_heads,
+    head_dim] in q.dtype, written into `out` when given. Softmax of ``scale * q.k`` in fp32.
+
+    The Triton path never syncs with the host, so it can be captured in a CUDA graph.
+    """
+    _check_paged_attention_args(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
+                                scale, sliding_window, out)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.numel() == 0:
+        return out
+    run = _paged_attention_triton if use_triton(q) else paged_attention_reference
+    run(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
+        scale=scale, sliding_window=sliding_window, causal=causal, out=out)
+    return out
+
+
+def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale,
+                            sliding_window, causal, out, block_n=None) -> torch.Tensor:
+    batch, q_len, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check(head_dim <= MAX_TRITON_HEAD_DIM, f"the Triton kernel supports head_dim <= {MAX_TRITON_HEAD_DIM}, "
+          f"got {head_dim}: set HF_SPECDEC_FORCE_TRITON=0 to use the torch reference")
+    group = num_heads // num_kv_heads
+    tiles = _pick_tiles(head_dim, group, q_len, block_n)
+    grid = (triton.cdiv(q_len, tiles.block_t), num_kv_heads, batch)
+    # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits: upcast there.
+    upcast_dot = q.dtype == torch.bfloat16 and interpreting(_paged_attention_kernel)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, out,
+        *q.stride(), *out.stride(),
+        block_tables.stride(0), q_len, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+        scale * math.log2(math.e), sliding_window or 0,
+        GROUP=group, BLOCK_T=tiles.block_t, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_D=tiles.block_d, CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
+        # fp32 inputs must not be rounded to tf32: fp32 is the exactness dtype of the tests.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast_dot else "tf32",
+        UPCAST_DOT=upcast_dot,
+        num_warps=tiles.num_warps,
+    )
+    return out
+
+
+def paged_attention_reference(
+    q: torch.Tensor,  # [batch, q_len, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [batch, max_blocks_per_row] int32
+    kv_lens: torch.Tensor,  # [batch] int32
+    q_pos0: torch.Tensor,  # [batch] int32
+    q_lens: torch.Tensor,  # [batch] int32
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    causal: bool = True,
+    out: torch.Tensor | None = None,  # [batch, q_len, num_heads, head_dim]
+) -> torch.Tensor:
+    """Torch version of paged_attention: the CPU path and the test oracle.
+
+    Gathers each row's visible pages into dense fp32 [batch, num_kv_heads, L, head_dim] keys/values
+    and runs one masked fp32 SDPA for the whole batch. Reads L from the device (one sync).
+    """
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    kv_lo, kv_hi = _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal)
+    keys, values, key_pos, in_range = _gather_pages(k_cache, v_cache, block_tables, kv_lo, kv_hi)
+    slots = torch.arange(q_len, device=q.device)
+    pos = (q_pos0[:, None] + slots)[:, :, None]  # [batch, q_len, 1]
+    visible = (slots >= q_len - q_lens[:, None])[:, :, None] & in_range[:, None, :]
+    if causal:
+        visible &= key_pos[:, None, :] <= pos
+    if sliding_window is not None:
+        visible &= key_pos[:, None, :] > pos - sliding_window  # [batch, q_len, L]
+
+    # GQA: the group's q heads are stacked along the query axis, so K/V are never repeated.
+    group = num_heads // num_kv_heads
+    qg = q.float().unflatten(2, (num_kv_heads, group)).permute(0, 2, 3, 1, 4)  # [batch, kv, group, q_len, D]
+    qg = qg.reshape(batch, num_kv_heads, group * q_len, head_dim)
+    mask = visible[:, None].expand(-1, group, -1, -1).reshape(batch, 1, group * q_len, -1)
+    result = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    # Queries that see no key output 0, whatever the SDPA backend makes of an all-masked row.
+    result = torch.where(mask.any(-1, keepdim=True), result, 0.0)
+    result = result.view(batch, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    result = result.reshape(batch, q_len, num_heads, head_dim)
+    if out is None:
+        return result.to(q.dtype)
+    return out.copy_(result)
+
+
+def _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal):
+    """Per row, the keys [kv_lo, kv_hi) that some valid query sees: [batch] each."""
+    kv_hi = torch.minimum(kv_lens, q_pos0 + q_len) if causal else kv_lens
+    kv_lo = torch.zeros_like(kv_hi)
+    if sliding_window is not None:
+        kv_lo = (q_pos0 + q_len - q_lens - sliding_window + 1).clamp_min(0)
+    return kv_lo, torch.where(q_lens > 0, kv_hi, kv_lo)
+
+
+def _gather_pages(k_cache, v_cache, block_tables, kv_lo, kv_hi):
+    """Dense fp32 keys/values [batch, num_kv_heads, L, head_dim] of the blocks covering each row's
+    [kv_lo, kv_hi), their positions [batch, L], and whether each lies in [kv_lo, kv_hi) [batch, L].
+
+    Blocks outside the range are never dereferenced, and keys outside it are zeroed: slots past
+    kv_len may hold garbage (a cache from torch.empty), and a NaN there would survive a masked
+    softmax (0 * NaN)."""
+    block_size = k_cache.shape[1]
+    first_block = kv_lo.long() // block_size
+    end_block = (kv_hi.long() + block_size - 1) // block_size
+    # At least one (masked) block, so that an all-padding batch still reduces over a non-empty axis.
+    num_blocks = max(1, int((end_block - first_block).max()))
+    logical = first_block[:, None] + torch.arange(num_blocks, device=kv_lo.device)  # [batch, num_blocks]
+    in_use = logical < end_block[:, None]
+    table_col = logical.clamp(max=block_tables.shape[1] - 1)
+    physical = torch.where(in_use, block_tables.gather(1, table_col).long(), 0)
+    batch = kv_lo.shape[0]
+    keys, values = (cache[physical].flatten(1, 2).transpose(1, 2).float() for cache in (k_cache, v_cache))
+    key_pos = (logical[:, :, None] * block_size + torch.arange(block_size, device=kv_lo.device)).view(batch, -1)
+    in_range = (key_pos >= kv_lo[:, None]) & (key_pos < kv_hi[:, None])
+    keys, values = (torch.where(in_range[:, None, :, None], t, 0.0) for t in (keys, values))
+    return keys, values, key_pos, in_range
+
+
+def _check_paged_attention_args(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
+                                scale, sliding_window, out) -> None:
+    check_paged_cache(k_cache, v_cache)
+    check(q.dim() == 4, f"q must be [batch, q_len, num_heads, head_dim], got shape {tuple(q.shape)}")
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    check(head_dim == k_cache.shape[3], f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}: "
+          "pass the cache of this layer's KV group")
+    check(num_heads % num_kv_heads == 0, f"num_heads {num_heads} must be a multiple of the cache's "
+          f"num_kv_heads {num_kv_heads} (GQA)")
+    check(q.dtype == k_cache.dtype, f"q dtype {q.dtype} != cache dtype {k_cache.dtype}: cast q to the cache dtype")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == batch,
+          f"block_tables must be [batch={batch}, max_blocks_per_row], got shape {tuple(block_tables.shape)}")
+    check(block_tables.dtype == torch.int32 and block_tables.stride(1) == 1,
+          f"block_tables must be int32 with contiguous rows, got {block_tables.dtype} with strides "
+          f"{block_tables.stride()}: pass block_tables.to(torch.int32).contiguous()")
+    for name, t in (("kv_lens", kv_lens), ("q_pos0", q_pos0), ("q_lens", q_lens)):
+        check(t.shape == (batch,) and t.dtype == torch.int32 and t.stride(0) == 1,
+              f"{name} must be a contiguous [batch={batch}] int32 tensor, got {tuple(t.shape)} {t.dtype}: "
+              f"pass {name}.to(torch.int32).contiguous()")
+    check(sliding_window is None or sliding_window >= 1, f"sliding_window must be None or >= 1, got {sliding_window}")
+    check(isinstance(scale, (int, float)), f"scale must be a python float, got {type(scale).__name__}")
+    if out is not None:
+        check(out.shape == q.shape and out.dtype == q.dtype,
+              f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
+    check_same_device(q=q, k_cache=k_cache, block_tables=block_tables, kv_lens=kv_lens, q_pos0=q_pos0,
+                      q_lens=q_lens, **({} if out is None else {"out": out}))

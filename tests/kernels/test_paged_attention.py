@@ -1,0 +1,287 @@
+"""paged_attention: reference == dense attention built straight from the pages, Triton == reference.
+
+Every case shuffles the physical blocks, gives rows different kv_lens, and poisons the table entries
+that no query can see (unused tail, released window blocks) with -1, an out-of-range id, or the id of
+a block of NaNs: a kernel that dereferences one reads garbage, raises, or outputs NaN.
+"""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hf_specdec.kernels import paged_attention, paged_attention_reference, use_triton
+from hf_specdec.kernels.paged_attention import _paged_attention_triton
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+FAR_BLOCK = 10**6  # poison that makes torch indexing raise if a kernel dereferences it
+NAN_BLOCK = "nan block"  # poison naming a block of NaNs: any read of it shows, even when masked later
+
+
+@dataclass
+class PagedCase:
+    q: torch.Tensor  # [batch, q_len, num_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [batch, max_blocks_per_row] int32
+    kv_lens: torch.Tensor  # [batch] int32
+    q_pos0: torch.Tensor  # [batch] int32
+    q_lens: torch.Tensor  # [batch] int32
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.kv_lens, self.q_pos0, self.q_lens)
+
+
+def make_case(kv_lens, q_len, q_lens=None, q_pos0=None, *, num_heads=4, num_kv_heads=2, head_dim=16,
+              block_size=4, dtype=torch.float32, sliding_window=None, poison=FAR_BLOCK, seed=0,
+              device="cpu") -> PagedCase:
+    """Random pages for rows of `kv_lens` keys; q_pos0 defaults to kv_len - q_len (new tokens last)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(kv_lens)
+    q_lens = q_lens if q_lens is not None else [q_len] * batch
+    q_pos0 = q_pos0 if q_pos0 is not None else [n - q_len for n in kv_lens]
+    blocks_per_row = max(kv_lens) // block_size + 2  # always some unused tail
+    num_blocks = batch * blocks_per_row + 3  # two blocks belong to no row; the last one is all NaN
+    table = torch.randperm(num_blocks - 1, generator=gen)[: batch * blocks_per_row].view(batch, blocks_per_row)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(cache_shape, generator=gen).to(dtype) for _ in range(2))
+    for cache in (k_cache, v_cache):
+        cache[-1] = math.nan
+        for b, kv_len in enumerate(kv_lens):  # never-written slots of a row's last block: garbage (torch.empty)
+            cache[table[b, kv_len // block_size], kv_len % block_size:] = math.nan
+    poison = num_blocks - 1 if poison == NAN_BLOCK else poison
+    for b in range(batch):
+        table[b, math.ceil(kv_lens[b] / block_size):] = poison
+        if sliding_window is not None:  # released: every key below the first valid query's window
+            first_visible = max(0, q_pos0[b] + q_len - q_lens[b] - sliding_window + 1)
+            table[b, : first_visible // block_size] = poison
+    q = torch.randn(batch, q_len, num_heads, head_dim, generator=gen).to(dtype)
+    as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    return PagedCase(q.to(device), k_cache.to(device), v_cache.to(device), table.to(torch.int32).to(device),
+                     as_int(kv_lens), as_int(q_pos0), as_int(q_lens))
+
+
+def dense_attention(case: PagedCase, *, scale, sliding_window=None, causal=True) -> torch.Tensor:
+    """fp64 attention of each valid query over exactly its visible keys, read page by page."""
+    q, table = case.q.double().cpu(), case.block_tables.cpu()
+    k_cache, v_cache = case.k_cache.double().cpu(), case.v_cache.double().cpu()
+    batch, q_len, num_heads, _ = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_head = torch.arange(num_heads) // (num_heads // num_kv_heads)
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        kv_len, pos0, num_valid = int(case.kv_lens[b]), int(case.q_pos0[b]), int(case.q_lens[b])
+        for i in range(q_len - num_valid, q_len):
+            p = pos0 + i
+            keys = [j for j in range(kv_len)
+                    if (not causal or j <= p) and (sliding_window is None or j > p - sliding_window)]
+            if not keys:
+                continue
+            blocks = table[b, [j // block_size for j in keys]].long()
+            offsets = torch.tensor([j % block_size for j in keys])
+            k = k_cache[blocks, offsets][:, kv_head]  # [num_keys, num_heads, head_dim]
+            v = v_cache[blocks, offsets][:, kv_head]
+            probs = torch.softmax(torch.einsum("nhd,hd->hn", k, q[b, i]) * scale, dim=-1)
+            out[b, i] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+def assert_matches_dense(case, out, *, scale, sliding_window=None, causal=True):
+    expected = dense_attention(case, scale=scale, sliding_window=sliding_window, causal=causal)
+    assert expected.abs().sum() > 0, "degenerate case: no query sees a key"
+    assert out.dtype == case.q.dtype and out.shape == case.q.shape
+    tol = TOLERANCE[case.q.dtype]
+    torch.testing.assert_close(out.double().cpu(), expected, atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------- reference vs dense
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_reference_prefill_left_padded(dtype, sliding_window):
+    # Row 1 continues after a 5-token prefix (chunked prefill); row 2 is mostly padding.
+    case = make_case([7, 10, 2], q_len=7, q_lens=[7, 5, 2], dtype=dtype, sliding_window=sliding_window)
+    out = paged_attention_reference(*case.args(), scale=16**-0.5, sliding_window=sliding_window)
+    assert_matches_dense(case, out, scale=16**-0.5, sliding_window=sliding_window)
+    assert (out[1, :2] == 0).all() and (out[2, :5] == 0).all(), "left-padding slots must output 0"
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (4, 4, 16), (8, 2, 16), (32, 4, 16), (32, 16, 16), (6, 2, 16),
+    (8, 2, 32), (8, 2, 64), (8, 2, 80), (8, 2, 128), (8, 2, 256), (8, 2, 512),
+])
+def test_reference_decode_gqa_and_head_dims(num_heads, num_kv_heads, head_dim):
+    case = make_case([9, 17, 33], q_len=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    out = paged_attention_reference(*case.args(), scale=head_dim**-0.5)
+    assert_matches_dense(case, out, scale=head_dim**-0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_reference_verify_causal_per_row_offsets(dtype, sliding_window):
+    case = make_case([12, 21, 5], q_len=4, num_heads=8, num_kv_heads=2, dtype=dtype,
+                     sliding_window=sliding_window, seed=1)
+    out = paged_attention_reference(*case.args(), scale=1.0, sliding_window=sliding_window)
+    assert_matches_dense(case, out, scale=1.0, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_reference_q_only_query_after_last_key(sliding_window):
+    kv_lens = [9, 14, 4]
+    case = make_case(kv_lens, q_len=1, q_pos0=kv_lens, sliding_window=sliding_window, seed=2)
+    out = paged_attention_reference(*case.args(), scale=0.25, sliding_window=sliding_window)
+    assert_matches_dense(case, out, scale=0.25, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("poison", [FAR_BLOCK, NAN_BLOCK])
+@pytest.mark.parametrize("q_len", [1, 3, 10])
+def test_reference_sliding_window_never_reads_released_blocks(q_len, poison):
+    case = make_case([30, 45, 13], q_len=q_len, sliding_window=8, block_size=4, poison=poison, seed=3)
+    assert (case.block_tables[:2, :2] == case.block_tables[0, 0]).all(), "the case must release blocks"
+    out = paged_attention_reference(*case.args(), scale=0.25, sliding_window=8)
+    assert_matches_dense(case, out, scale=0.25, sliding_window=8)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_reference_bidirectional_block(sliding_window):
+    # DFlash-style: a block of queries sees every context key (and each other), window still applies.
+    case = make_case([11, 20, 4], q_len=4, sliding_window=sliding_window, seed=4)
+    out = paged_attention_reference(*case.args(), scale=0.25, sliding_window=sliding_window, causal=False)
+    assert_matches_dense(case, out, scale=0.25, sliding_window=sliding_window, causal=False)
+
+
+def test_reference_queries_without_keys_output_zero():
+    # Row 0: empty row with a valid query; row 1: all padding; row 2: normal decode.
+    case = make_case([0, 6, 9], q_len=2, q_lens=[2, 0, 2], q_pos0=[0, 4, 7], seed=5)
+    out = paged_attention_reference(*case.args(), scale=0.25)
+    assert torch.isfinite(out).all()
+    assert (out[:2] == 0).all() and (out[2] != 0).any()
+    assert_matches_dense(case, out, scale=0.25)
+
+
+def test_reference_strided_q_and_out():
+    case = make_case([9, 17], q_len=3, num_heads=8, seed=6)
+    q_heads_first = case.q.transpose(1, 2).contiguous()  # HF layout [batch, num_heads, q_len, head_dim]
+    case.q = q_heads_first.transpose(1, 2)
+    out = torch.full_like(q_heads_first, float("nan")).transpose(1, 2)
+    returned = paged_attention(*case.args(), scale=0.25, out=out)
+    assert returned is out
+    assert_matches_dense(case, out, scale=0.25)
+
+
+def test_cpu_dispatch_is_the_reference(monkeypatch):
+    monkeypatch.delenv("HF_SPECDEC_FORCE_TRITON", raising=False)
+    case = make_case([9, 17], q_len=3, seed=7)
+    assert not use_triton(case.q)
+    torch.testing.assert_close(paged_attention(*case.args(), scale=0.25, sliding_window=4),
+                               paged_attention_reference(*case.args(), scale=0.25, sliding_window=4),
+                               atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- Triton vs reference
+
+def assert_triton_matches_reference(case, *, scale, sliding_window=None, causal=True, block_n=None):
+    expected = paged_attention_reference(*case.args(), scale=scale, sliding_window=sliding_window, causal=causal)
+    if block_n is None:
+        assert use_triton(case.q)
+        out = paged_attention(*case.args(), scale=scale, sliding_window=sliding_window, causal=causal)
+    else:
+        out = _paged_attention_triton(*case.args(), scale=scale, sliding_window=sliding_window, causal=causal,
+                                      out=torch.empty_like(case.q), block_n=block_n)
+    tol = TOLERANCE[case.q.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    assert expected.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_prefill_left_padded(triton_device, dtype):
+    case = make_case([7, 10, 2], q_len=7, q_lens=[7, 5, 2], dtype=dtype, poison=NAN_BLOCK, device=triton_device)
+    assert_triton_matches_reference(case, scale=0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_verify_gqa_head_dim_80(triton_device, dtype):
+    case = make_case([12, 21, 5], q_len=4, num_heads=8, num_kv_heads=2, head_dim=80, dtype=dtype,
+                     poison=NAN_BLOCK, seed=1, device=triton_device)
+    assert_triton_matches_reference(case, scale=1.0)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype", [
+    (8, 2, 16, torch.float32), (32, 4, 80, torch.bfloat16), (32, 16, 32, torch.float16), (6, 2, 16, torch.float32),
+])
+def test_triton_decode(triton_device, num_heads, num_kv_heads, head_dim, dtype):
+    case = make_case([9, 17, 33], q_len=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     dtype=dtype, poison=NAN_BLOCK, seed=2, device=triton_device)
+    assert_triton_matches_reference(case, scale=head_dim**-0.5)
+
+
+def test_triton_q_only_query_after_last_key(triton_device):
+    kv_lens = [9, 14, 4]
+    case = make_case(kv_lens, q_len=1, q_pos0=kv_lens, poison=-1, seed=3, device=triton_device)
+    assert_triton_matches_reference(case, scale=0.25)
+
+
+@pytest.mark.parametrize("dtype,block_n,sliding_window,poison", [
+    (torch.float32, None, 8, -1), (torch.bfloat16, None, 8, NAN_BLOCK), (torch.float32, 16, 20, NAN_BLOCK),
+])
+def test_triton_sliding_window_released_blocks(triton_device, dtype, block_n, sliding_window, poison):
+    # Rows longer than one 64-key step, so the loop must start inside the window.
+    case = make_case([90, 45, 13], q_len=3, sliding_window=sliding_window, block_size=4, dtype=dtype,
+                     poison=poison, seed=4, device=triton_device)
+    assert (case.block_tables[0, :15] == case.block_tables[0, 0]).all(), "row 0 must release blocks"
+    assert_triton_matches_reference(case, scale=0.25, sliding_window=sliding_window, block_n=block_n)
+
+
+def test_triton_bidirectional_block(triton_device):
+    case = make_case([11, 20, 4], q_len=4, sliding_window=5, poison=NAN_BLOCK, seed=5, device=triton_device)
+    assert_triton_matches_reference(case, scale=0.25, sliding_window=5, causal=False)
+
+
+def test_triton_queries_without_keys_output_zero(triton_device):
+    case = make_case([0, 6, 9], q_len=2, q_lens=[2, 0, 2], q_pos0=[0, 4, 7], poison=-1, seed=6,
+                     device=triton_device)
+    out = paged_attention(*case.args(), scale=0.25, out=torch.full_like(case.q, float("nan")))
+    assert torch.isfinite(out).all() and (out[:2] == 0).all()
+    assert_triton_matches_reference(case, scale=0.25)
+
+
+def test_triton_strided_q_and_out(triton_device):
+    case = make_case([9, 17], q_len=3, num_heads=8, seed=7, poison=NAN_BLOCK, device=triton_device)
+    case.q = case.q.transpose(1, 2).contiguous().transpose(1, 2)
+    out = torch.empty_like(case.q.transpose(1, 2)).transpose(1, 2)
+    paged_attention(*case.args(), scale=0.25, out=out)
+    torch.testing.assert_close(out, paged_attention_reference(*case.args(), scale=0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_triton_cases_in_interpreter(run_triton_cases_in_interpreter):
+    run_triton_cases_in_interpreter(min_passed=20)
+
+
+# ---------------------------------------------------------------- launcher errors
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda c: setattr(c, "block_tables", c.block_tables.long()), "block_tables must be int32"),
+    (lambda c: setattr(c, "kv_lens", c.kv_lens.long()), "kv_lens must be"),
+    (lambda c: setattr(c, "q", c.q[..., :8]), "head_dim"),
+    (lambda c: setattr(c, "q", c.q[:, :, :3]), "multiple of the cache's num_kv_heads"),
+    (lambda c: setattr(c, "k_cache", c.k_cache.transpose(0, 1).contiguous().transpose(0, 1)), "contiguous"),
+    (lambda c: setattr(c, "q", c.q.double()), "cast q to the cache dtype"),
+    (lambda c: setattr(c, "q_lens", c.q_lens[:1]), r"q_lens must be a contiguous \[batch=2\]"),
+    (lambda c: setattr(c, "q_pos0", torch.stack([c.q_pos0, c.q_pos0], 1)[:, 0]), "q_pos0 must be a contiguous"),
+])
+def test_launcher_errors(mutate, message):
+    case = make_case([9, 17], q_len=2)
+    mutate(case)
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*case.args(), scale=0.25)
+
+
+def test_use_triton_env_override(monkeypatch):
+    cpu_tensor = torch.zeros(1)
+    monkeypatch.setenv("HF_SPECDEC_FORCE_TRITON", "1")
+    assert use_triton(cpu_tensor)
+    monkeypatch.setenv("HF_SPECDEC_FORCE_TRITON", "0")
+    assert not use_triton(cpu_tensor)
+    monkeypatch.delenv("HF_SPECDEC_FORCE_TRITON")
+    assert not use_triton(cpu_tensor)
