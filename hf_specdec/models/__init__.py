@@ -1,0 +1,1 @@
+"""Model-specific code: drafters and target adapters, one sub-package per model family."""

@@ -1,0 +1,62 @@
+"""Gemma 4: the MTP assistant drafter and how it attaches to a Gemma 4 target.
+
+Importing this package registers `HFSpecGemma4AssistantConfig` / `Gemma4MTPAssistant` for model_type
+`gemma4_assistant` with transformers' `AutoConfig` / `AutoModelForCausalLM` (over transformers' own
+classes, which cannot be built in 5.2x), so `from_pretrained` on an assistant directory returns ours.
+"""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .assistant import (
+    AssistantStepOutput,
+    DenseTargetKVSource,
+    Gemma4MTPAssistant,
+    TargetKVSource,
+    dense_attention,
+    draft_sliding_window,
+    target_embedding,
+)
+from .assistant_config import (
+    HFSpecGemma4AssistantConfig,
+    check_compatible,
+    producer_layer_for,
+    target_text_config,
+)
+from .centroid_head import (
+    CandidateLogits,
+    DenseLogits,
+    DraftLogits,
+    argmax_no_sync,
+    probs,
+    sample_no_sync,
+)
+
+
+def register_auto_classes() -> None:
+    """Map model_type `gemma4_assistant` to our config and model (idempotent)."""
+    AutoConfig.register("gemma4_assistant", HFSpecGemma4AssistantConfig, exist_ok=True)
+    AutoModelForCausalLM.register(HFSpecGemma4AssistantConfig, Gemma4MTPAssistant, exist_ok=True)
+
+
+register_auto_classes()
+
+__all__ = [
+    "AssistantStepOutput",
+    "CandidateLogits",
+    "DenseLogits",
+    "DenseTargetKVSource",
+    "DraftLogits",
+    "Gemma4MTPAssistant",
+    "HFSpecGemma4AssistantConfig",
+    "TargetKVSource",
+    "argmax_no_sync",
+    "check_compatible",
+    "dense_attention",
+    "draft_sliding_window",
+    "probs",
+    "producer_layer_for",
+    "register_auto_classes",
+    "sample_no_sync",
+    "target_embedding",
+    "target_text_config",
+]

@@ -1,0 +1,308 @@
+"""Gemma 4 MTP assistant (drafter): Q-only layers over the target's K/V, one token per draft step.
+
+One draft step (transformers' `Gemma4AssistantForCausalLM` + `SinglePositionMultiTokenCandidateGenerator`):
+
+    x      = pre_projection(cat[target_embed(token), h_prev])   # target_embed is the target's *scaled* embedding
+    x      = layer_i(x) for each assistant layer                 # attention reads the target's K/V, writes none
+    normed = model.norm(x)
+    h_next = post_projection(normed)                             # fed back as h_prev of the next step
+    logits = centroid head or tied LM head on `normed`
+
+`h_prev` of the first step is the target's last hidden state *after* its final norm (transformers'
+`hidden_states[-1]`) at the last accepted position. Every step of a round queries at the same position
+`p`: the position of the token being fed, which the target has not processed yet.
+
+The model knows nothing about caches: each layer hands its query to a `TargetKVSource`, which attends over
+the K/V of the producer target layer of the same layer type (`producer_layer_for`) restricted to the
+accepted context. `DenseTargetKVSource` is the dense reference; a paged cache provides another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.models.gemma4.modeling_gemma4 import (
+    Gemma4RMSNorm,
+    Gemma4TextMLP,
+    Gemma4TextRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from .assistant_config import (
+    LAYER_TYPES,
+    HFSpecGemma4AssistantConfig,
+    module_config,
+    producer_layer_for,
+    target_text_config,
+)
+from .centroid_head import CentroidHead, DenseLogits, DraftLogits, softcap
+
+
+class TargetKVSource(Protocol):
+    def attend(
+        self,
+        layer_type: str,
+        query: torch.Tensor,  # [batch, 1, num_heads, head_dim], RoPE applied at each row's draft position p
+        *,
+        scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [batch, 1, num_heads, head_dim]
+        """Attend over the K/V of the producer target layer of `layer_type`, accepted context only.
+
+        Full layers (`sliding_window=None`): every accepted position [0, p-1] of the row.
+        Sliding layers: the last `sliding_window` accepted positions [p - sliding_window, p - 1].
+        Stale K/V of rejected drafts must never be visible. Scores are `scaling * q.k`; GQA maps query
+        head h to kv head h // (num_heads // kv_heads).
+        """
+        ...
+
+
+def draft_sliding_window(text_config) -> int:
+    """How many accepted positions a sliding assistant layer sees.
+
+    transformers' assistant masks with `|q_idx - kv_idx| <= sliding_window` on the flipped kv axis
+    (`masking_utils.sliding_window_bidirectional_overlay`), i.e. the last `sliding_window + 1` positions,
+    one more than the target's own sliding layers see. We match it.
+    """
+    return text_config.sliding_window + 1
+
+
+class DenseTargetKVSource:
+    """`TargetKVSource` over dense K/V tensors: the CPU reference and the test oracle.
+
+    `kv[layer_type] = (keys, values)`, each [batch, kv_heads, seq, head_dim], all on the same seq axis;
+    `kv_mask` [batch, seq] marks the entries that hold accepted positions (False for left padding and for
+    stale drafts). "The last w positions" means the last w entries where `kv_mask` is True.
+    """
+
+    def __init__(self, kv: Mapping[str, tuple[torch.Tensor, torch.Tensor]], kv_mask: torch.Tensor | None = None):
+        self.kv = dict(kv)
+        keys = next(iter(self.kv.values()))[0]
+        self.kv_mask = kv_mask.bool() if kv_mask is not None else keys.new_ones(keys.shape[0], keys.shape[2]).bool()
+
+    @classmethod
+    def from_cache(cls, cache, target_config, kv_mask: torch.Tensor | None = None) -> DenseTargetKVSource:
+        """Read the producer layers' K/V out of a transformers `DynamicCache` of the target (no sliding cropping)."""
+        producers = {t: producer_layer_for(target_config, t) for t in LAYER_TYPES}
+        kv = {t: (cache.layers[i].keys, cache.layers[i].values) for t, i in producers.items()}
+        return cls(kv, kv_mask)
+
+    def attend(self, layer_type, query, *, scaling, sliding_window):
+        keys, values = self.kv[layer_type]
+        mask = self.kv_mask if sliding_window is None else last_valid(self.kv_mask, sliding_window)
+        return dense_attention(query, keys, values, mask, scaling)
+
+
+def last_valid(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """Keep the last `window` True entries of each row of `mask` [batch, seq]."""
+    from_end = mask.flip(-1).cumsum(-1).flip(-1)  # number of True entries at or after each index
+    return mask & (from_end <= window)
+
+
+def dense_attention(
+    query: torch.Tensor,  # [batch, 1, num_heads, head_dim]
+    keys: torch.Tensor,  # [batch, kv_heads, seq, head_dim]
+    values: torch.Tensor,  # [batch, kv_heads, seq, head_dim]
+    mask: torch.Tensor,  # [batch, seq] bool, True = attend
+    scaling: float,
+) -> torch.Tensor:  # [batch, 1, num_heads, head_dim]
+    batch, _, num_heads, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    q = query.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.einsum("bgrd,bgsd->bgrs", q, keys).float() * scaling
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    weights = scores.softmax(-1).to(values.dtype)
+    return torch.einsum("bgrs,bgsd->bgrd", weights, values).reshape(batch, 1, num_heads, values.shape[-1])
+
+
+class AssistantAttention(nn.Module):
+    """Q-only attention: `q = rope(q_norm(q_proj(x)))`, K/V come from the target through a `TargetKVSource`."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        layer = config.per_layer_config[layer_idx]
+        self.layer_type = config.layer_types[layer_idx]
+        self.num_heads, self.head_dim = layer.num_attention_heads, layer.head_dim
+        self.sliding_window = draft_sliding_window(config) if self.layer_type == "sliding_attention" else None
+        self.scaling = 1.0  # Gemma 4: q_norm/k_norm replace 1/sqrt(head_dim)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.q_norm = Gemma4RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [batch, 1, hidden]
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [batch, 1, head_dim]
+        kv_source: TargetKVSource,
+    ) -> torch.Tensor:  # [batch, 1, hidden]
+        batch = hidden_states.shape[0]
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, 1, self.num_heads, self.head_dim))
+        query = apply_rotary_pos_emb(query, *position_embeddings, unsqueeze_dim=2)
+        out = kv_source.attend(self.layer_type, query, scaling=self.scaling, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(batch, 1, self.num_heads * self.head_dim))
+
+
+class AssistantDecoderLayer(nn.Module):
+    """Gemma 4 sandwich-norm block (as `Gemma4TextDecoderLayer`, without PLE/MoE), scaled by `layer_scalar`."""
+
+    layer_scalar: torch.Tensor
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.self_attn = AssistantAttention(config, layer_idx)
+        self.mlp = Gemma4TextMLP(config, layer_idx)
+        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            setattr(self, f"{name}_layernorm", Gemma4RMSNorm(config.hidden_size, eps=config.rms_norm_eps))
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, hidden_states, position_embeddings, kv_source: TargetKVSource) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, kv_source)
+        hidden_states = hidden_states + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        hidden_states = hidden_states + self.post_feedforward_layernorm(mlp)
+        return hidden_states * self.layer_scalar
+
+
+class AssistantBackbone(nn.Module):
+    """The `model.` part of the checkpoint. `embed_tokens` is only the tied LM head: inputs use the target's."""
+
+    def __init__(self, text_config):
+        super().__init__()
+        config = module_config(text_config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(AssistantDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Gemma4RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Gemma4TextRotaryEmbedding(config)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,  # [batch, 1, hidden]
+        position_ids: torch.Tensor,  # [batch, 1]
+        kv_source: TargetKVSource,
+    ) -> torch.Tensor:  # [batch, 1, hidden], after the final norm
+        rope = {t: self.rotary_emb(inputs_embeds, position_ids, t) for t in {layer.layer_type for layer in self.layers}}
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, rope[layer.layer_type], kv_source)
+        return self.norm(hidden_states)
+
+
+@dataclass(frozen=True)
+class AssistantStepOutput:
+    hidden_next: torch.Tensor  # [batch, backbone_hidden]: h_prev of the next draft step
+    logits: DraftLogits  # CandidateLogits (centroid head) or DenseLogits (tied LM head)
+
+
+class Gemma4MTPAssistant(PreTrainedModel):
+    """Gemma 4 MTP assistant in the released checkpoint layout (`google/gemma-4-*-it-assistant`).
+
+    `from_pretrained` raises `ValueError` on missing or unexpected checkpoint keys (pass
+    `output_loading_info=True` to get them reported instead) and on a `token_ordering` that is not a
+    permutation of the vocabulary.
+    """
+
+    config_class = HFSpecGemma4AssistantConfig
+    config: HFSpecGemma4AssistantConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["AssistantDecoderLayer"]
+    # A stored copy of the tied head is redundant (tie_word_embeddings is required), not an error.
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\.weight$"]
+
+    def __init__(self, config: HFSpecGemma4AssistantConfig):
+        super().__init__(config)
+        text = config.text_config
+        self.model = AssistantBackbone(text)
+        self.pre_projection = nn.Linear(2 * config.backbone_hidden_size, text.hidden_size, bias=False)
+        self.post_projection = nn.Linear(text.hidden_size, config.backbone_hidden_size, bias=False)
+        self.masked_embedding = (
+            CentroidHead(text.hidden_size, text.vocab_size, config.num_centroids, config.centroid_intermediate_top_k)
+            if config.use_ordered_embeddings
+            else None
+        )
+        self.post_init()
+
+    def draft_step(
+        self,
+        input_ids: torch.Tensor,  # [batch] the token fed at the draft position
+        hidden: torch.Tensor,  # [batch, backbone_hidden] previous hidden state (see module doc)
+        position_ids: torch.Tensor,  # [batch] the fixed draft position p of each row
+        target_embed: nn.Module,  # the target's scaled input embedding, `target.get_input_embeddings()`
+        kv_source: TargetKVSource,
+    ) -> AssistantStepOutput:
+        """One draft step for every row; no host syncs, no K/V written. Differentiable (callers that only
+        decode wrap it in `torch.inference_mode()`)."""
+        embeds = target_embed(input_ids).to(self.pre_projection.weight.dtype)  # already x sqrt(backbone_hidden)
+        x = self.pre_projection(torch.cat([embeds, hidden.to(embeds.dtype)], dim=-1)).unsqueeze(1)
+        normed = self.model(x, position_ids.unsqueeze(1), kv_source).squeeze(1)  # [batch, hidden]
+        return AssistantStepOutput(hidden_next=self.post_projection(normed), logits=self.draft_logits(normed))
+
+    def draft_logits(self, normed: torch.Tensor) -> DraftLogits:  # normed: [batch, hidden]
+        """Draft logits from the final-normed hidden state, soft-capped if the text config asks for it."""
+        weight = self.model.embed_tokens.weight
+        cap = self.config.text_config.final_logit_softcapping
+        if self.masked_embedding is None:
+            return DenseLogits(softcap(normed @ weight.T, cap))
+        cands = self.masked_embedding(normed, weight)
+        return replace(cands, logits=softcap(cands.logits, cap))
+
+    def forward(self, input_ids, hidden, position_ids, target_embed, kv_source) -> AssistantStepOutput:
+        """Calling the module is one `draft_step` (so hooks, `torch.compile` and graph capture see it)."""
+        return self.draft_step(input_ids, hidden, position_ids, target_embed, kv_source)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # `init.*` skip tensors already loaded from a checkpoint.
+        if isinstance(module, AssistantDecoderLayer):
+            init.ones_(module.layer_scalar)
+        elif isinstance(module, CentroidHead):
+            init.copy_(module.token_ordering, torch.arange(module.vocab_size))
+        elif isinstance(module, Gemma4TextRotaryEmbedding):
+            _init_rope_buffers(module)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        report = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        if not report:
+            _raise_on_bad_keys(info)
+        model._check_token_ordering()
+        return (model, info) if report else model
+
+    def _check_token_ordering(self) -> None:
+        if self.masked_embedding is None:
+            return
+        ordering = self.masked_embedding.token_ordering
+        if not torch.equal(ordering.sort().values, torch.arange(ordering.numel(), device=ordering.device)):
+            raise ValueError("masked_embedding.token_ordering is not a permutation of the vocabulary (broken file).")
+
+
+def _init_rope_buffers(module: Gemma4TextRotaryEmbedding) -> None:
+    """Recompute the per-layer-type inverse frequencies (non-persistent, so meta-initialised on load)."""
+    for layer_type, rope_init_fn in module.rope_init_fns.items():
+        inv_freq, _ = rope_init_fn(module.config.per_layer_config[layer_type], layer_type=layer_type)
+        init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
+        init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
+
+
+def _raise_on_bad_keys(info: dict) -> None:
+    missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
+    if missing or unexpected:
+        raise ValueError(
+            f"gemma4_assistant checkpoint does not match the expected layout: missing keys {missing}, "
+            f"unexpected keys {unexpected}. Pass output_loading_info=True to load anyway and inspect them."
+        )
+
+
+def target_embedding(target: nn.Module) -> nn.Module:
+    """The module to pass as `target_embed`: the target's scaled input embedding (both Gemma 4 target classes)."""
+    target_text_config(target)  # raises for non-Gemma-4 targets
+    return target.get_input_embeddings()
