@@ -9,7 +9,8 @@ from hf_specdec.generation import enable
 
 
 class AutoModelForCausalLM:
-    """Load a causal LM with transformers and enable hf_specdec on it."""
+    """Load a causal LM with transformers and enable hf_specdec on it; drafter checkpoints (a Gemma 4
+    MTP assistant, a DFlash drafter) load as hf_specdec's drafter models and are returned as they are."""
 
     def __init__(self):
         raise TypeError("use hf_specdec.AutoModelForCausalLM.from_pretrained(path_or_id, **hf_kwargs)")
@@ -18,4 +19,6 @@ class AutoModelForCausalLM:
     def from_pretrained(cls, pretrained_model_name_or_path, *args, cache_config: CacheConfig | None = None,
                         **kwargs):
         model = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if not isinstance(model, transformers.GenerationMixin):
+            return model
         return enable(model, cache_config)

@@ -48,6 +48,20 @@ def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, sc
                            scale=scaling, sliding_window=window)
 
 
+def paged_query_attention(paged_cache, layer_idx: int, query: torch.Tensor, positions: torch.Tensor, *,
+                          scaling: float, sliding_window: int | None) -> torch.Tensor:
+    """Q-only attention of a drafter over a target layer's committed pages (between forwards).
+
+    query [batch, 1, heads, head_dim] sits at ``positions[b]`` (int32), one past the row's last cached token,
+    and sees the last ``sliding_window`` cached keys ``positions[b] - sliding_window <= j < positions[b]`` (all
+    of them if None). Returns [batch, 1, heads, head_dim]."""
+    k_cache, v_cache, block_tables = paged_cache.context_pages(layer_idx)
+    # The kernel's window counts the query's own position; masking as if the query sat on the last cached
+    # key makes the window exactly the last `sliding_window` keys.
+    return paged_attention(query, k_cache, v_cache, block_tables, positions, positions - 1, torch.ones_like(positions),
+                           scale=scaling, sliding_window=sliding_window)
+
+
 def _fallback(module: torch.nn.Module):
     # hf_specdec registers sdpa's boolean masks under its name, so every model falls back to sdpa
     # (eager and flash originals compute the same function, up to rounding).

@@ -51,7 +51,9 @@ class PagedKVCache(Cache):
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        windows = [g.sliding_window for g in layout.groups]
+        # Sliding groups keep two positions more than the target needs: a drafter's Q-only query sits one
+        # position after the last cached token and (Gemma 4's assistant) sees `window + 1` keys back.
+        windows = [None if g.sliding_window is None else g.sliding_window + 2 for g in layout.groups]
         self.manager = BlockManager(num_blocks, block_size, windows)
         self.seq_ids = [self.manager.add_sequence() for _ in range(batch_size)]
         self.k_storage, self.v_storage = [], []
@@ -60,6 +62,7 @@ class PagedKVCache(Cache):
             self.k_storage.append(torch.zeros(shape, dtype=dtype, device=self.device))
             self.v_storage.append(torch.zeros(shape, dtype=dtype, device=self.device))
         self.meta: ForwardMeta | None = None
+        self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards
 
     # ---- sizing -----------------------------------------------------------------------------
     @classmethod
@@ -79,7 +82,7 @@ class PagedKVCache(Cache):
             if cache_config.num_blocks is not None:
                 num_blocks.append(cache_config.num_blocks)
             elif grp.is_sliding:
-                span = -(-(grp.sliding_window - 1 + lookahead) // bs) + 2
+                span = -(-(grp.sliding_window + 1 + lookahead) // bs) + 2
                 num_blocks.append(sum(min(f, max(-(-p // bs) + 1, span)) for f, p in zip(full_need, prompt_lens)))
             else:
                 num_blocks.append(sum(full_need))
@@ -101,6 +104,7 @@ class PagedKVCache(Cache):
         if any(n > q_len or n < 0 for n in num_new):
             raise ValueError(f"each row needs 0 <= num_new <= q_len={q_len}, got {num_new}.")
         before = self.seq_lens
+        self._context_tables.clear()
         self.manager.append({s: n for s, n in zip(self.seq_ids, num_new) if n})
         slots, tables = [], []
         for g in range(self.manager.num_groups):
@@ -108,7 +112,7 @@ class PagedKVCache(Cache):
             for s, n, start in zip(self.seq_ids, num_new, before):
                 mapping += [-1] * (q_len - n) + self.manager.slots(s, g, start, start + n)
             slots.append(torch.tensor(mapping, dtype=torch.int64))
-            tables.append(self._table_tensor(g))
+            tables.append(self.block_table_tensor(g, device=None))
         kv_lens = torch.tensor([b + n for b, n in zip(before, num_new)], dtype=torch.int32)
         q_pos0 = kv_lens - q_len
         positions = (q_pos0[:, None].long() + torch.arange(q_len)[None, :]).clamp_(min=0)
@@ -120,10 +124,13 @@ class PagedKVCache(Cache):
         )
         return self.meta
 
-    def _table_tensor(self, group: int) -> torch.Tensor:
+    def block_table_tensor(self, group: int, device="cache") -> torch.Tensor:
+        """[batch, max_blocks] int32 block tables of a group (-1 where released or unused); on the cache's
+        device unless ``device=None`` (host)."""
         rows = [self.manager.block_table(s, group) for s in self.seq_ids]
         width = max(1, max(len(r) for r in rows))
-        return torch.tensor([r + [RELEASED] * (width - len(r)) for r in rows], dtype=torch.int32)
+        table = torch.tensor([r + [RELEASED] * (width - len(r)) for r in rows], dtype=torch.int32)
+        return table if device is None else table.to(self.device, non_blocking=True)
 
     def commit(self, new_lens: list[int]) -> None:
         """Keep ``new_lens[b]`` tokens of each row (rollback of rejected drafts) and slide the windows."""
@@ -131,6 +138,15 @@ class PagedKVCache(Cache):
             self.manager.truncate(s, n)
             self.manager.slide(s)
         self.meta = None
+        self._context_tables.clear()
+
+    def context_pages(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache, block_tables) of a layer's pages between forwards (for a drafter reading the
+        committed context); the tables are built once per commit."""
+        group, index = self.layout.layer_slot[layer_idx]
+        if group not in self._context_tables:
+            self._context_tables[group] = self.block_table_tensor(group)
+        return self.k_storage[group][index], self.v_storage[group][index], self._context_tables[group]
 
     def free(self) -> None:
         """Return every block to the pools (the cache can not be used afterwards)."""

@@ -5,7 +5,8 @@ It takes the arguments a user's ``model.generate`` call takes, plus ``spec_mode`
 routes the call:
 
 - greedy / sampling decoding of ``input_ids``: through transformers' own ``generate`` with the paged
-  loop as ``custom_generate`` (transformers prepares the config, processors and stopping criteria);
+  loop (plain or speculative) as ``custom_generate`` (transformers prepares the config, processors and
+  stopping criteria);
 - what the paged loop does not cover (beam search, a user-supplied cache, ``inputs_embeds`` only, a
   user ``custom_generate``): transformers' own decoding, on the model's original attention.
 """
@@ -19,6 +20,8 @@ from transformers import GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
 from hf_specdec.generation.decode import paged_decode
+from hf_specdec.generation.registry import build_drafter
+from hf_specdec.generation.speculative import speculative_decode
 
 
 def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, *,
@@ -28,16 +31,21 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
     state = self._hf_specdec
     if num_speculative_tokens is None:
         num_speculative_tokens = num_assistant_tokens
-    if assistant_model is not None or spec_mode is not None:
-        raise NotImplementedError(
-            f"speculative decoding (spec_mode={spec_mode!r}) is not available in this build of hf_specdec; "
-            "call generate without assistant_model/spec_mode for paged plain decoding."
-        )
+    speculative = assistant_model is not None or spec_mode is not None
+    if speculative:
+        drafter = build_drafter(self, assistant_model, spec_mode, num_speculative_tokens)
+        decode = functools.partial(speculative_decode, streamer=streamer, drafter=drafter)
+    else:
+        decode = functools.partial(paged_decode, streamer=streamer)
     if _needs_transformers_loop(self, inputs, generation_config, kwargs):
+        if speculative:
+            raise ValueError(
+                "speculative decoding needs input_ids (not inputs_embeds alone), num_beams=1 and no "
+                "past_key_values or custom_generate; drop those arguments or the assistant_model."
+            )
         return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
                                         streamer=streamer, **kwargs)
     generation_config, stopping_criteria = _stop_strings_to_criteria(self, generation_config, stopping_criteria, kwargs)
-    decode = functools.partial(paged_decode, streamer=streamer)
     with state.lock:
         return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
                                         streamer=streamer, custom_generate=decode, **kwargs)

@@ -21,3 +21,40 @@ def mask_finished(tokens: torch.Tensor, unfinished: torch.Tensor, pad_token_id: 
             "(for example the tokenizer's pad or eos id)."
         )
     return tokens * unfinished + pad_token_id * (1 - unfinished)
+
+
+# Processors whose output depends on the scores alone (never on input_ids): they can be applied to every
+# verified position of every row in one batched call.
+_HISTORY_FREE = (
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
+    "EpsilonLogitsWarper", "EtaLogitsWarper", "SuppressTokensLogitsProcessor", "InfNanRemoveLogitsProcessor",
+    "LogitNormalization",
+)
+
+
+class PositionScorer:
+    """Applies a LogitsProcessorList to several positions of rows of different lengths.
+
+    ``score(prefixes, logits)``: ``logits [batch, positions, vocab]`` (float32) where position ``j`` of row ``b``
+    predicts the token after ``prefixes[b] + extra[b][:j]``; the processors see exactly the ids that plain
+    decoding would have shown them. History-free processors run in one batched call.
+    """
+
+    def __init__(self, logits_processor):
+        self.processors = logits_processor
+        self.history_free = all(type(p).__name__ in _HISTORY_FREE for p in logits_processor)
+
+    def score(self, prefixes: list[torch.Tensor], extra: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """prefixes: per row [len_b] token ids; extra [batch, >= positions-1] tokens after the prefix."""
+        batch, positions, vocab = logits.shape
+        if not self.processors:
+            return logits
+        if self.history_free:
+            dummy = extra.new_zeros(batch * positions, 1)
+            return self.processors(dummy, logits.reshape(-1, vocab)).reshape(batch, positions, vocab)
+        out = torch.empty_like(logits)
+        for b in range(batch):
+            for j in range(positions):
+                ids = torch.cat([prefixes[b], extra[b, :j]])[None, :]
+                out[b, j] = self.processors(ids, logits[b, j][None, :].clone())[0]
+        return out

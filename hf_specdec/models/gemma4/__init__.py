@@ -7,6 +7,10 @@ classes, which cannot be built in 5.2x), so `from_pretrained` on an assistant di
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hf_specdec.generation.registry import DrafterBuilder, register_drafter
+
+from . import mtp_drafter
+
 from .assistant import (
     AssistantStepOutput,
     DenseTargetKVSource,
@@ -22,6 +26,7 @@ from .assistant_config import (
     producer_layer_for,
     target_text_config,
 )
+from .mtp_drafter import Gemma4MTPDrafter, PagedTargetKVSource
 from .centroid_head import (
     CandidateLogits,
     DenseLogits,
@@ -39,6 +44,8 @@ def register_auto_classes() -> None:
 
 
 register_auto_classes()
+register_drafter(DrafterBuilder("mtp", mtp_drafter.matches, mtp_drafter.build,
+                                "a Gemma 4 MTP assistant (gemma4_assistant) for a Gemma 4 target"))
 
 __all__ = [
     "AssistantStepOutput",
@@ -47,6 +54,8 @@ __all__ = [
     "DenseTargetKVSource",
     "DraftLogits",
     "Gemma4MTPAssistant",
+    "Gemma4MTPDrafter",
+    "PagedTargetKVSource",
     "HFSpecGemma4AssistantConfig",
     "TargetKVSource",
     "argmax_no_sync",

@@ -1,0 +1,57 @@
+"""Which drafter serves a ``generate(assistant_model=..., spec_mode=...)`` call.
+
+Model packages register a builder per speculative mode; the loop only sees the Drafter protocol.
+A builder's ``matches(target, assistant)`` says whether it recognises the pair (assistant may be None
+for models that draft with their own layers, such as Step 3.5 MTP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from hf_specdec.config import SPEC_MODES
+
+
+@dataclass(frozen=True)
+class DrafterBuilder:
+    spec_mode: str
+    matches: Callable  # (target, assistant) -> bool
+    build: Callable  # (target, assistant, num_speculative_tokens | None) -> Drafter
+    describe: str  # what this builder expects, for error messages
+
+
+_BUILDERS: list[DrafterBuilder] = []
+
+
+def register_drafter(builder: DrafterBuilder) -> None:
+    if builder not in _BUILDERS:
+        _BUILDERS.append(builder)
+
+
+def _is_drafter(obj) -> bool:
+    return all(hasattr(obj, name) for name in ("propose", "begin", "commit", "capture", "num_speculative_tokens"))
+
+
+def build_drafter(target, assistant, spec_mode: str | None, num_speculative_tokens: int | None):
+    """The drafter for this call, with ``spec_mode`` inferred from the assistant when omitted."""
+    if spec_mode is not None and spec_mode not in SPEC_MODES:
+        raise ValueError(f"unknown spec_mode {spec_mode!r}; use one of {SPEC_MODES}.")
+    if num_speculative_tokens is not None and (not isinstance(num_speculative_tokens, int)
+                                               or num_speculative_tokens < 1):
+        raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}.")
+    if _is_drafter(assistant):
+        return assistant
+    candidates = [b for b in _BUILDERS if spec_mode in (None, b.spec_mode)]
+    for builder in candidates:
+        if builder.matches(target, assistant):
+            return builder.build(target, assistant, num_speculative_tokens)
+    other = [b for b in _BUILDERS if b not in candidates and b.matches(target, assistant)]
+    if other:
+        raise ValueError(
+            f"spec_mode={spec_mode!r} does not fit this assistant: it is a {other[0].spec_mode!r} drafter "
+            f"({other[0].describe}). Pass spec_mode={other[0].spec_mode!r} or leave spec_mode out."
+        )
+    known = "; ".join(f"{b.spec_mode}: {b.describe}" for b in _BUILDERS) or "none registered"
+    what = type(assistant).__name__ if assistant is not None else "no assistant_model"
+    raise ValueError(f"no speculative mode fits target {type(target).__name__} with {what}. Supported: {known}.")

@@ -1,0 +1,145 @@
+"""The batched draft → verify → accept → commit loop, shared by every speculative mode.
+
+Like ``paged_decode`` it is handed to ``GenerationMixin.generate(custom_generate=...)``, so transformers
+prepares the generation config, logits processors and stopping criteria. One step:
+
+1. the drafter proposes k tokens per row (and q when sampling);
+2. the target verifies ``[last token, k drafts]`` of every row in one forward through the paged cache;
+3. acceptance on device gives each row its accepted count and one recovered/bonus token;
+4. one host sync brings the counts over; rows emit their tokens one by one so EOS, max length, stop
+   strings and custom criteria cut inside the accepted chunk; the cache keeps ``len + accepted + 1``
+   tokens per row (rollback of the rest is only a shorter length) and the drafter commits.
+
+Greedy output equals plain greedy decoding token for token; sampled output follows the target
+distribution (rejection sampling), whatever the drafter proposes.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from hf_specdec.generation.acceptance import greedy_accept_no_sync, rejection_sample_no_sync
+from hf_specdec.generation.drafter import DraftSelector
+from hf_specdec.generation.model_runner import ModelRunner, real_token_counts
+from hf_specdec.generation.sampling import PositionScorer, select_tokens
+from hf_specdec.generation.stats import SpecStats
+
+
+class RowStopper:
+    """Decides, token by token, when a row stops: the stopping criteria of ``generate`` applied to that row."""
+
+    def __init__(self, stopping_criteria, generation_config):
+        self.criteria = stopping_criteria
+        self.max_length = generation_config.max_length
+        eos = [c for c in stopping_criteria if isinstance(c, EosTokenCriteria)]
+        self.eos = set(eos[0].eos_token_id.tolist()) if eos else set()
+        # max length and EOS are checked here directly; anything else goes through the criteria
+        self.only_builtin = all(isinstance(c, (EosTokenCriteria, MaxLengthCriteria)) for c in stopping_criteria)
+
+    def stops(self, row_ids: list[int]) -> bool:
+        if len(row_ids) >= self.max_length or row_ids[-1] in self.eos:
+            return True
+        if self.only_builtin:
+            return False
+        ids = torch.tensor(row_ids)[None, :]
+        return bool(self.criteria(ids, None)[0])
+
+
+def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                       streamer=None, *, drafter=None, **model_kwargs):
+    """Speculative decoding of ``input_ids`` [batch, prompt_len] (left-padded) with ``drafter``."""
+    state = model._hf_specdec
+    k = drafter.num_speculative_tokens
+    stats = SpecStats(spec_mode=drafter.spec_mode, num_speculative_tokens=k)
+    prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
+    batch, width = input_ids.shape
+    device = input_ids.device
+    scorer = PositionScorer(logits_processor)
+    stopper = RowStopper(stopping_criteria, generation_config)
+    rows = [input_ids[b].tolist() for b in range(batch)]
+    running = [True] * batch
+    runner = ModelRunner(model, state.layout, state.cache_config)
+    cache = runner.start(prompt_lens, generation_config.max_length - width, lookahead=k + 1)
+    try:
+        with drafter.capture(model) as captured:
+            # 1. prefill: the prompt, its last logits, and the first token (a plain step)
+            outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, **model_kwargs)
+            runner.commit(prompt_lens)
+            drafter.begin(cache, captured, prompt_lens)
+            logits = outputs.logits[:, -1].to(dtype=torch.float32)
+            next_tokens = select_tokens(logits_processor(input_ids, logits), generation_config.do_sample)
+            emitted = _emit(rows, running, next_tokens.tolist(), [[]] * batch, stopper, streamer)
+            stats.record_step(emitted)
+            while any(running):
+                _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config, rows,
+                                  running, next_tokens, stats, streamer, device)
+                next_tokens = torch.tensor([r[-1] for r in rows], device=device)
+    finally:
+        runner.finish()
+    if streamer is not None:
+        streamer.end()
+    state.last_stats = stats.finish()
+    sequences = _pad_rows(rows, generation_config._pad_token_tensor, device)
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+def _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config, rows, running,
+                      last_tokens, stats, streamer, device):
+    cache = runner.cache
+    k = drafter.num_speculative_tokens
+    prefixes = [torch.tensor(r, device=device) for r in rows]
+    selector = DraftSelector(generation_config.do_sample, scorer, model.config.get_text_config().vocab_size,
+                             prefixes)
+    # 1. draft
+    proposal = drafter.propose(last_tokens, cache, selector)
+    # 2. verify [last token, drafts] in one target forward
+    verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
+    logits = runner.forward(verify_ids, [k + 1] * len(rows), keep_logits=0).logits.float()
+    scores = scorer.score(prefixes, proposal.tokens, logits)
+    # 3. accept on device
+    if generation_config.do_sample:
+        num_accepted, next_token = rejection_sample_no_sync(proposal.tokens, proposal.probs,
+                                                            torch.softmax(scores, dim=-1))
+    else:
+        num_accepted, next_token = greedy_accept_no_sync(proposal.tokens, scores.argmax(dim=-1))
+    # 4. the one host sync of the step; emit, commit, let the drafter catch up
+    accepted, nxt, drafts = num_accepted.tolist(), next_token.tolist(), proposal.tokens.tolist()
+    was_running = list(running)
+    chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(rows))]
+    emitted = _emit(rows, running, [c[-1] for c in chunks], [c[:-1] for c in chunks], stopper, streamer)
+    stats.record_step([e for e, r in zip(emitted, was_running) if r],
+                      [a for a, r in zip(accepted, was_running) if r], k)
+    # a running row keeps its input token and its accepted drafts; a stopped row stops growing
+    kept = [1 + a if r else 0 for a, r in zip(accepted, was_running)]
+    runner.commit([n - (k + 1) + keep for n, keep in zip(cache.seq_lens, kept)])
+    drafter.commit(cache, captured, num_accepted, kept)
+
+
+def _emit(rows, running, last, accepted_drafts, stopper, streamer) -> list[int]:
+    """Append each running row's accepted drafts then its next token, stopping inside the chunk."""
+    emitted = []
+    for b, row in enumerate(rows):
+        count = 0
+        if running[b]:
+            for token in accepted_drafts[b] + [last[b]]:
+                row.append(token)
+                count += 1
+                if stopper.stops(row):
+                    running[b] = False
+                    break
+        emitted.append(count)
+        if streamer is not None and count:
+            streamer.put(torch.tensor(row[-count:])[None, :])
+    return emitted
+
+
+def _pad_rows(rows: list[list[int]], pad_token: torch.Tensor | None, device) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    if any(len(r) < width for r in rows) and pad_token is None:
+        raise ValueError("rows ended at different lengths and no pad_token_id is set; pass pad_token_id= to generate.")
+    pad = int(pad_token) if pad_token is not None else 0
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)

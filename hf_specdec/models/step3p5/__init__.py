@@ -1,0 +1,26 @@
+"""Step 3.5 (``stepfun-ai/Step-3.5-Flash``, model_type ``step3p5``) with its own MTP layers.
+
+Importing this package registers ``Step3p5Config`` / ``Step3p5ForCausalLM`` with transformers'
+``AutoConfig`` / ``AutoModelForCausalLM`` (``exist_ok=True``: it replaces transformers' own
+``step3p5`` config mapping, which has no causal LM and a different MTP layout).
+"""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_specdec.models.step3p5.configuration import Step3p5Config
+from hf_specdec.models.step3p5.modeling import (
+    Step3p5CausalLMOutputWithPast,
+    Step3p5ForCausalLM,
+    Step3p5Model,
+    Step3p5MTPLayer,
+    Step3p5MTPOutput,
+    add_mtp_cache_layers,
+)
+
+AutoConfig.register(Step3p5Config.model_type, Step3p5Config, exist_ok=True)
+AutoModelForCausalLM.register(Step3p5Config, Step3p5ForCausalLM, exist_ok=True)
+
+__all__ = [
+    "Step3p5Config", "Step3p5ForCausalLM", "Step3p5Model", "Step3p5MTPLayer", "Step3p5MTPOutput",
+    "Step3p5CausalLMOutputWithPast", "add_mtp_cache_layers",
+]

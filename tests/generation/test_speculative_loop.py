@@ -1,0 +1,103 @@
+"""The shared speculative loop with toy drafters: greedy losslessness (invariant 1), rollback through the
+loop, stopping inside an accepted chunk, and the sampled distribution (invariant 4)."""
+
+import pytest
+import torch
+
+import hf_specdec
+from tests.generation.toy_drafters import CopyDrafter
+from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama
+
+MODELS = {"gemma4_e2b": gemma4_e2b_style, "gemma4_31b": gemma4_31b_style, "llama": llama}
+
+
+@pytest.mark.parametrize("name,k", [("gemma4_e2b", 3), ("gemma4_31b", 8), ("llama", 1), ("gemma4_e2b", 1)])
+def test_greedy_speculative_equals_plain_greedy(name, k):
+    ref, ours = MODELS[name](), hf_specdec.enable(MODELS[name]())
+    ids, mask = left_padded_batch([12, 3, 9, 6])
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    expected = ref.generate(ids, **kwargs)
+    drafter = CopyDrafter(MODELS[name](), k, noise=0.35)
+    got = ours.generate(ids, assistant_model=drafter, **kwargs)
+    assert torch.equal(got, expected)
+    stats = hf_specdec.last_generation_stats(ours)
+    assert stats.num_generated_tokens == 20 * 4
+    assert 1.0 < stats.mean_accepted_length < k + 1  # some drafts accepted, some rejected
+    hist = stats.acceptance_histogram
+    assert sum(i * c for i, c in enumerate(hist)) == stats.num_accepted_tokens
+    # each row-step commits its accepted drafts + 1; the last step of a row may be cut at max_new_tokens
+    assert stats.num_generated_tokens <= stats.num_accepted_tokens + sum(hist) + 4
+
+
+def test_perfect_drafts_give_tau_of_k_plus_one():
+    ref = llama()
+    ours = hf_specdec.enable(llama())
+    ids, mask = left_padded_batch([5, 8])
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=17, do_sample=False, eos_token_id=None,
+                        assistant_model=CopyDrafter(llama(), 3))
+    assert torch.equal(got, ref.generate(ids, attention_mask=mask, max_new_tokens=17, do_sample=False,
+                                         eos_token_id=None))
+    stats = hf_specdec.last_generation_stats(ours)
+    assert stats.num_target_forwards == 1 + 4  # prefill gives 1 token, then 4 steps of 4 tokens
+    assert stats.acceptance_histogram == [0, 0, 0, 8]
+
+
+def test_eos_inside_an_accepted_chunk_cuts_the_row_like_plain_decoding():
+    ref, ours = gemma4_e2b_style(), hf_specdec.enable(gemma4_e2b_style())
+    ids, mask = left_padded_batch([6, 9, 4])
+    free = ref.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=None)
+    eos = [int(free[0, 11]), int(free[2, 15])]
+    kwargs = dict(attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    expected = ref.generate(ids, **kwargs)
+    got = ours.generate(ids, assistant_model=CopyDrafter(gemma4_e2b_style(), 4), **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_sampled_tokens_follow_the_target_distribution():
+    """Invariant 4: the 2nd and 3rd generated tokens (decided by rejection sampling over drafts from a
+    different distribution) have the target's exact marginals (chi-square over many independent rows)."""
+    target = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    other = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    ours = hf_specdec.enable(target)
+    rows = 3000
+    prompt = torch.tensor([[3, 5, 2, 7]])
+    torch.manual_seed(0)
+    out = ours.generate(prompt.expand(rows, 4), attention_mask=torch.ones(rows, 4, dtype=torch.long),
+                        max_new_tokens=3, do_sample=True, eos_token_id=None, pad_token_id=0,
+                        assistant_model=CopyDrafter(other, 2))
+    with torch.no_grad():
+        p1 = torch.softmax(target(prompt).logits[0, -1], -1)
+        p12 = torch.stack([p1[a] * torch.softmax(target(torch.cat([prompt[0], torch.tensor([a])])[None]).logits[0, -1], -1)
+                           for a in range(8)])
+    for position, marginal in ((5, p12.sum(0)),):
+        counts = torch.bincount(out[:, position], minlength=8).float()
+        expected = marginal * rows
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 24.3  # 7 dof, p-value 0.001
+    assert hf_specdec.last_generation_stats(ours).num_accepted_tokens > 0
+
+
+def test_seeded_speculative_sampling_is_deterministic():
+    ours = hf_specdec.enable(gemma4_e2b_style())
+    ids, mask = left_padded_batch([6, 9, 4, 7])
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=0.7, top_k=20,
+                  eos_token_id=None)
+    torch.manual_seed(11)
+    first = ours.generate(ids, assistant_model=CopyDrafter(gemma4_e2b_style(), 3), **kwargs)
+    torch.manual_seed(11)
+    second = ours.generate(ids, assistant_model=CopyDrafter(gemma4_e2b_style(), 3), **kwargs)
+    assert torch.equal(first, second)
+
+
+def test_wrong_speculative_arguments_raise():
+    ours = hf_specdec.enable(llama())
+    ids, mask = left_padded_batch([4])
+    with pytest.raises(ValueError, match="spec_mode"):
+        ours.generate(ids, attention_mask=mask, spec_mode="medusa", max_new_tokens=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        ours.generate(ids, attention_mask=mask, spec_mode="mtp", num_speculative_tokens=0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="no speculative mode fits"):
+        ours.generate(ids, attention_mask=mask, assistant_model=torch.nn.Linear(2, 2), max_new_tokens=2)

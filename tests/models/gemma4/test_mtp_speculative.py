@@ -1,0 +1,133 @@
+"""Gemma 4 MTP speculative decoding end to end: losslessness (invariant 1), the drafter's context after a
+partial rejection (invariant 3 for the drafter), the sampled distribution (invariant 4), determinism (5)."""
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec.generation.model_runner import ModelRunner
+from hf_specdec.models.gemma4 import DenseTargetKVSource, Gemma4MTPAssistant, Gemma4MTPDrafter, PagedTargetKVSource
+from tests.models.gemma4.helpers import assistant_config_dict, random_state_dict, released_layout, write_checkpoint
+from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch
+
+TARGETS = {"e2b": gemma4_e2b_style, "31b": gemma4_31b_style}
+VOCAB = 96  # divisible by the centroid count
+
+
+def _assistant(tmp_path, target, ordered, seed=0):
+    config = assistant_config_dict(target.config, ordered)
+    path = write_checkpoint(tmp_path / f"assistant-{ordered}-{seed}", config,
+                            random_state_dict(released_layout(config), seed))
+    return hf_specdec.AutoModelForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("style,ordered,k", [("e2b", True, 3), ("31b", False, 8), ("31b", True, 1),
+                                              ("e2b", False, 4)])
+def test_greedy_mtp_equals_plain_greedy(tmp_path, style, ordered, k):
+    ref = TARGETS[style](vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB)
+    target = hf_specdec.enable(TARGETS[style](vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB))
+    assistant = _assistant(tmp_path, target, ordered)
+    assert isinstance(assistant, Gemma4MTPAssistant)
+    ids, mask = left_padded_batch([13, 4, 9, 6], vocab=VOCAB)  # prompt + output past the window (8)
+    kwargs = dict(attention_mask=mask, max_new_tokens=22, do_sample=False, eos_token_id=None)
+    expected = ref.generate(ids, **kwargs)
+    got = target.generate(ids, assistant_model=assistant, num_speculative_tokens=k, **kwargs)
+    assert torch.equal(got, expected)
+    stats = hf_specdec.last_generation_stats(target)
+    assert stats.spec_mode == "mtp" and stats.num_speculative_tokens == k
+    assert stats.num_generated_tokens == 22 * 4
+
+
+def test_spec_mode_is_inferred_and_checked(tmp_path):
+    target = hf_specdec.enable(gemma4_e2b_style(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB))
+    assistant = _assistant(tmp_path, target, True)
+    ids, mask = left_padded_batch([5, 3], vocab=VOCAB)
+    target.generate(ids, attention_mask=mask, assistant_model=assistant, spec_mode="mtp", max_new_tokens=3)
+    assert hf_specdec.last_generation_stats(target).spec_mode == "mtp"
+    with pytest.raises(ValueError, match="'mtp' drafter"):
+        target.generate(ids, attention_mask=mask, assistant_model=assistant, spec_mode="dflash", max_new_tokens=3)
+    wider = hf_specdec.enable(gemma4_e2b_style(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=48))
+    with pytest.raises(ValueError, match="built for a target with hidden_size 32"):
+        wider.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("style", ["e2b", "31b"])
+def test_drafter_context_after_a_partial_rejection_equals_a_fresh_run(tmp_path, style):
+    """Verify 4 tokens of which the first 2 are kept: the drafter must read exactly the K/V of a fresh
+    target run over the kept tokens (no stale K/V of the rejected ones), for sliding and full layers."""
+    target = hf_specdec.enable(TARGETS[style](vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB),
+                               hf_specdec.CacheConfig(block_size=1))  # one-token blocks: exact releases
+    assistant = _assistant(tmp_path, target, True)
+    drafter = Gemma4MTPDrafter(target, assistant, 3)
+    ids, mask = left_padded_batch([21, 7], vocab=VOCAB)
+    runner = ModelRunner(target, target._hf_specdec.layout, target._hf_specdec.cache_config)
+    runner.start([21, 7], 10, lookahead=4)
+    runner.forward(ids, [21, 7], keep_logits=1)
+    runner.commit([21, 7])
+    verify = torch.randint(3, VOCAB, (2, 4))
+    runner.forward(verify, [4, 4])
+    runner.commit([21 + 2, 7 + 2])  # keep the first 2 verified tokens of each row
+    sliding_group = target._hf_specdec.layout.layer_slot[drafter.producers["sliding_attention"]][0]
+    assert runner.cache.block_table_tensor(sliding_group)[0, 0] == -1  # old pages were released
+    positions = torch.tensor(runner.cache.seq_lens)
+    paged = PagedTargetKVSource(runner.cache, drafter.producers, positions)
+    for row, (n, width) in enumerate(((21, 21), (7, 21))):
+        kept = torch.cat([ids[row, width - n:], verify[row, :2]])[None]
+        fresh = gemma4_target_cache(target, kept)
+        dense = DenseTargetKVSource.from_cache(fresh, target.config)
+        for layer_type, window in (("sliding_attention", 9), ("full_attention", None)):
+            head_dim = target._hf_specdec.layout.group_of(drafter.producers[layer_type]).head_dim
+            query = torch.randn(1, 1, 4, head_dim)
+            mine = paged.attend(layer_type, torch.cat([query, query]), scaling=1.0, sliding_window=window)[row]
+            theirs = dense.attend(layer_type, query, scaling=1.0, sliding_window=window)[0]
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    runner.finish()
+
+
+def gemma4_target_cache(target, ids):
+    from transformers import DynamicCache
+
+    hf_specdec.disable(target)
+    try:
+        cache = DynamicCache()  # no config: every layer keeps its full length (no sliding cropping)
+        target(ids, past_key_values=cache, use_cache=True)
+    finally:
+        hf_specdec.enable(target)
+    return cache
+
+
+def test_sampled_mtp_tokens_follow_the_target_distribution(tmp_path):
+    """Invariant 4 in MTP mode: the 2nd generated token (decided by rejection sampling against a random
+    assistant with a centroid head) has the target's exact marginal."""
+    target = hf_specdec.enable(gemma4_e2b_style(vocab_size=16, vocab_size_per_layer_input=16))
+    config = assistant_config_dict(target.config, True, num_centroids=4, top_k=2)
+    assistant = Gemma4MTPAssistant.from_pretrained(write_checkpoint(
+        tmp_path / "a", config, random_state_dict(released_layout(config), 3)))
+    rows, prompt = 3000, torch.tensor([[3, 5, 9, 7]])
+    torch.manual_seed(0)
+    out = target.generate(prompt.expand(rows, 4), attention_mask=torch.ones(rows, 4, dtype=torch.long),
+                          assistant_model=assistant, num_speculative_tokens=2, max_new_tokens=2, do_sample=True,
+                          eos_token_id=None, pad_token_id=0)
+    hf_specdec.disable(target)
+    with torch.no_grad():
+        p1 = torch.softmax(target(prompt).logits[0, -1], -1)
+        seconds = torch.stack([torch.softmax(target(torch.cat([prompt[0], torch.tensor([a])])[None]).logits[0, -1], -1)
+                               for a in range(16)])
+    marginal = (p1[:, None] * seconds).sum(0)
+    counts = torch.bincount(out[:, 5], minlength=16).float()
+    expected = marginal * rows
+    keep = expected > 5
+    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert chi2 < 37.7  # <= 15 dof, p-value 0.001
+
+
+def test_seeded_mtp_sampling_is_deterministic(tmp_path):
+    target = hf_specdec.enable(gemma4_31b_style(vocab_size=VOCAB))
+    assistant = _assistant(tmp_path, target, True)
+    ids, mask = left_padded_batch([6, 9, 4, 7], vocab=VOCAB)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.7, eos_token_id=None,
+                  assistant_model=assistant, num_speculative_tokens=3)
+    torch.manual_seed(5)
+    first = target.generate(ids, **kwargs)
+    torch.manual_seed(5)
+    assert torch.equal(first, target.generate(ids, **kwargs))
