@@ -67,3 +67,19 @@ def left_padded_batch(lengths: list[int], vocab: int = 97, pad: int = 0, seed: i
         ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
         mask[row, width - n:] = 1
     return ids, mask
+
+
+def char_tokenizer(vocab_size: int = 96):
+    """A character-level fast tokenizer over printable ASCII (ids 3..), with pad=0, eos=1, bos=2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)][: vocab_size - 3]
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2} | {ch: i + 3 for i, ch in enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    from tokenizers import decoders
+
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+                                   padding_side="left")
