@@ -11,6 +11,7 @@ from hf_specdec.auto import AutoModelForCausalLM
 from hf_specdec.config import CacheConfig, SpecDecodingConfig
 from hf_specdec.generation import SpecStats, disable, enable, last_generation_stats
 from hf_specdec.models import gemma4 as _gemma4  # noqa: F401  (registers the MTP assistant and its drafter)
+from hf_specdec.models import step3p5 as _step3p5  # noqa: F401  (registers Step3p5ForCausalLM and its MTP drafter)
 
 __version__ = "0.1.0"
 __all__ = [

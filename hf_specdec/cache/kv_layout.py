@@ -93,6 +93,10 @@ def _layer_types(config) -> list[str]:
 
 
 def _generic_layout(config) -> KVLayout:
+    if hasattr(config, "layer_num_kv_heads"):  # configs with per-layer accessors (Step 3.5)
+        specs = [(config.layer_num_kv_heads(i), config.layer_head_dim(i), config.layer_sliding_window(i))
+                 for i in range(config.num_hidden_layers)]
+        return KVLayout.from_layers(specs, {i: i for i in range(len(specs))})
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     window = getattr(config, "sliding_window", None)

@@ -63,6 +63,10 @@ class PagedKVCache(Cache):
             self.v_storage.append(torch.zeros(shape, dtype=dtype, device=self.device))
         self.meta: ForwardMeta | None = None
         self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards
+        # What the request was sized for (set by for_request; a drafter sizes its own caches alike).
+        self.cache_config: CacheConfig | None = None
+        self.max_new_tokens = 0
+        self.lookahead = 0
 
     # ---- sizing -----------------------------------------------------------------------------
     @classmethod
@@ -86,7 +90,9 @@ class PagedKVCache(Cache):
                 num_blocks.append(sum(min(f, max(-(-p // bs) + 1, span)) for f, p in zip(full_need, prompt_lens)))
             else:
                 num_blocks.append(sum(full_need))
-        return cls(layout, num_blocks, len(prompt_lens), block_size=bs, dtype=dtype, device=device)
+        cache = cls(layout, num_blocks, len(prompt_lens), block_size=bs, dtype=dtype, device=device)
+        cache.cache_config, cache.max_new_tokens, cache.lookahead = cache_config, max_new_tokens, lookahead
+        return cache
 
     # ---- step bookkeeping ---------------------------------------------------------------------
     @property

@@ -7,6 +7,9 @@ Importing this package registers ``Step3p5Config`` / ``Step3p5ForCausalLM`` with
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hf_specdec.generation.registry import DrafterBuilder, register_drafter
+from hf_specdec.models.step3p5 import mtp_drafter
+
 from hf_specdec.models.step3p5.configuration import Step3p5Config
 from hf_specdec.models.step3p5.modeling import (
     Step3p5CausalLMOutputWithPast,
@@ -19,6 +22,8 @@ from hf_specdec.models.step3p5.modeling import (
 
 AutoConfig.register(Step3p5Config.model_type, Step3p5Config, exist_ok=True)
 AutoModelForCausalLM.register(Step3p5Config, Step3p5ForCausalLM, exist_ok=True)
+register_drafter(DrafterBuilder("mtp", mtp_drafter.matches, mtp_drafter.build,
+                                "a Step 3.5 model drafting with its own MTP layers (no assistant_model)"))
 
 __all__ = [
     "Step3p5Config", "Step3p5ForCausalLM", "Step3p5Model", "Step3p5MTPLayer", "Step3p5MTPOutput",
