@@ -242,15 +242,9 @@ def paged_attention_reference(
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    kv_lo, kv_hi = _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal)
-    keys, values, key_pos, in_range = _gather_pages(k_cache, v_cache, block_tables, kv_lo, kv_hi)
-    slots = torch.arange(q_len, device=q.device)
-    pos = (q_pos0[:, None] + slots)[:, :, None]  # [batch, q_len, 1]
-    visible = (slots >= q_len - q_lens[:, None])[:, :, None] & in_range[:, None, :]
-    if causal:
-        visible &= key_pos[:, None, :] <= pos
-    if sliding_window is not None:
-        visible &= key_pos[:, None, :] > pos - sliding_window  # [batch, q_len, L]
+    slots, visible = _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, k_cache.shape[1], sliding_window, causal)
+    keys, values = (cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+                    .view(batch, -1, num_kv_heads, head_dim).transpose(1, 2).float() for cache in (k_cache, v_cache))
 
     # GQA: the group's q heads are stacked along the query axis, so K/V are never repeated.
     group = num_heads // num_kv_heads
@@ -276,28 +270,50 @@ def _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal):
     return kv_lo, torch.where(q_lens > 0, kv_hi, kv_lo)
 
 
-def _gather_pages(k_cache, v_cache, block_tables, kv_lo, kv_hi):
-    """Dense fp32 keys/values [batch, num_kv_heads, L, head_dim] of the blocks covering each row's
-    [kv_lo, kv_hi), their positions [batch, L], and whether each lies in [kv_lo, kv_hi) [batch, L].
+# The last few plans, keyed by the identity of the metadata tensors: every layer of a KV group reads the
+# same rows in one forward, so the slot gather and the mask are built once per forward, not per layer.
+# (The CPU path never updates metadata tensors in place; holding them keeps their ids from being reused.)
+_PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS = 8
 
-    Blocks outside the range are never dereferenced, and keys outside it are zeroed: slots past
-    kv_len may hold garbage (a cache from torch.empty), and a NaN there would survive a masked
-    softmax (0 * NaN)."""
-    block_size = k_cache.shape[1]
-    first_block = kv_lo.long() // block_size
-    end_block = (kv_hi.long() + block_size - 1) // block_size
-    # At least one (masked) block, so that an all-padding batch still reduces over a non-empty axis.
-    num_blocks = max(1, int((end_block - first_block).max()))
-    logical = first_block[:, None] + torch.arange(num_blocks, device=kv_lo.device)  # [batch, num_blocks]
-    in_use = logical < end_block[:, None]
-    table_col = logical.clamp(max=block_tables.shape[1] - 1)
-    physical = torch.where(in_use, block_tables.gather(1, table_col).long(), 0)
-    batch = kv_lo.shape[0]
-    keys, values = (cache[physical].flatten(1, 2).transpose(1, 2).float() for cache in (k_cache, v_cache))
-    key_pos = (logical[:, :, None] * block_size + torch.arange(block_size, device=kv_lo.device)).view(batch, -1)
-    in_range = (key_pos >= kv_lo[:, None]) & (key_pos < kv_hi[:, None])
-    keys, values = (torch.where(in_range[:, None, :, None], t, 0.0) for t in (keys, values))
-    return keys, values, key_pos, in_range
+
+def _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal):
+    """(slots [batch * L] into the flattened cache, visible [batch, q_len, L]) for this forward's rows."""
+    key = (id(block_tables), id(kv_lens), id(q_pos0), id(q_lens), q_len, block_size, sliding_window, causal)
+    hit = _PLANS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], (block_tables, kv_lens, q_pos0, q_lens))):
+        return hit[1]
+    kv_lo, kv_hi = _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal)
+    slots, key_pos, in_range = _key_slots(block_tables, block_size, kv_lo, kv_hi)
+    steps = torch.arange(q_len, device=kv_lens.device)
+    pos = (q_pos0[:, None] + steps)[:, :, None]  # [batch, q_len, 1]
+    visible = (steps >= q_len - q_lens[:, None])[:, :, None] & in_range[:, None, :]
+    if causal:
+        visible &= key_pos[:, None, :] <= pos
+    if sliding_window is not None:
+        visible &= key_pos[:, None, :] > pos - sliding_window  # [batch, q_len, L]
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = ((block_tables, kv_lens, q_pos0, q_lens), (slots, visible))
+    return slots, visible
+
+
+def _key_slots(block_tables, block_size, kv_lo, kv_hi):
+    """Cache slots [batch * L] of each row's keys [kv_lo, kv_hi), their positions [batch, L], and whether
+    each lies in the range [batch, L].
+
+    Slots past a row's range point at the row's first visible key instead, so no released block or
+    never-written slot (a cache from torch.empty may hold NaN, which would survive a masked softmax as
+    0 * NaN) is ever read; rows without any visible key read block 0 and are zeroed by the caller."""
+    width = max(1, int((kv_hi - kv_lo).max()))
+    key_pos = kv_lo.long()[:, None] + torch.arange(width, device=kv_lo.device)  # [batch, L]
+    in_range = key_pos < kv_hi[:, None]
+    safe_pos = torch.where(in_range, key_pos, kv_lo.long()[:, None])
+    if block_tables.shape[1] == 0:  # nothing is cached at all
+        block_tables = block_tables.new_zeros(block_tables.shape[0], 1)
+    blocks = block_tables.gather(1, (safe_pos // block_size).clamp(0, block_tables.shape[1] - 1))
+    blocks = torch.where((kv_hi > kv_lo)[:, None], blocks.long(), 0)  # a row with no key: a harmless read
+    return (blocks * block_size + safe_pos % block_size).view(-1), key_pos, in_range
 
 
 def _check_paged_attention_args(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
