@@ -1,0 +1,18 @@
+"""Training tooling for the bundled tiny model family (DESIGN.md §5); never imported by `hf_specdec`.
+
+Every member is trained from the same pieces, so a new member adds one recipe module (its config and
+`build_model`) and one CLI (`train_<member>.py`, taking at least `--steps --out --report`):
+
+- `corpus`     stdlib `*.py` files (this interpreter's, a folder, or a packed .tar.gz), split
+               train / validation / held-out by a hash of each path;
+- `tokenizer`  the family's byte-level BPE (trained once, with the target; later members load it
+               from `hf_specdec/assets/tiny-gemma4`) and `encode_documents` (`[bos] text [eos]`);
+- `data`       token streams, seeded random training windows, overlapping evaluation windows;
+- `train_loop` seeded AdamW + warmup/cosine loop with bf16 autocast for any `loss_fn(model, batch)`;
+- `evaluate`   per-document cross-entropy and bits per byte;
+- `export`     a standard Hugging Face checkpoint in bf16, and the bundled held-out snippets;
+- `sweep`      several runs of one member side by side on one GPU, keeping the best on validation.
+
+Members: `gemma4_target` + `train_target` (the Gemma 4 target; also trains the tokenizer).
+Numbers and rebuild commands: `hf_specdec/assets/README.md`.
+"""
