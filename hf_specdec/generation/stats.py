@@ -25,8 +25,8 @@ class SpecStats:
     tokens_per_s: float = 0.0
     spec_mode: str | None = None
     num_speculative_tokens: int = 0
-    _row_forwards: int = 0
-    _t0: float = field(default_factory=time.perf_counter)
+    _row_forwards: int = field(default=0, repr=False)
+    _t0: float = field(default_factory=time.perf_counter, repr=False)
 
     def record_step(self, committed_per_row: list[int], accepted_per_row: list[int] | None = None,
                     drafts_per_row: int = 0) -> None:

@@ -131,3 +131,20 @@ def test_seeded_mtp_sampling_is_deterministic(tmp_path):
     first = target.generate(ids, **kwargs)
     torch.manual_seed(5)
     assert torch.equal(first, target.generate(ids, **kwargs))
+
+
+def test_conditional_generation_targets_work_plain_and_with_mtp(tmp_path):
+    """Gemma4ForConditionalGeneration (text prompts): same tokens as transformers, plain and MTP."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = gemma4_e2b_style(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB).config
+    config = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    ids, mask = left_padded_batch([9, 5, 12], vocab=VOCAB)
+    kwargs = dict(attention_mask=mask, max_new_tokens=14, do_sample=False)
+    expected = model.generate(ids, **kwargs)
+    hf_specdec.enable(model)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    assistant = _assistant(tmp_path, model, True)
+    assert torch.equal(model.generate(ids, assistant_model=assistant, num_speculative_tokens=3, **kwargs), expected)
