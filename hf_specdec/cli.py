@@ -49,6 +49,23 @@ def load_demo_model():
     return model, AutoTokenizer.from_pretrained(path)
 
 
+def load_demo_drafters() -> dict[str, dict]:
+    """generate() arguments of each bundled drafter of the tiny Gemma 4: {row name: kwargs}."""
+    import hf_specdec
+    from hf_specdec.assets import available_assets, asset_path
+
+    drafters = {}
+    if "tiny-gemma4-assistant" in available_assets():
+        assistant = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-assistant"),
+                                                                    dtype=torch.float32)
+        drafters["hf_specdec MTP (k=4)"] = dict(assistant_model=assistant, num_speculative_tokens=4)
+    if "tiny-gemma4-dflash" in available_assets():
+        drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"),
+                                                                  dtype=torch.float32)
+        drafters["hf_specdec DFlash"] = dict(assistant_model=drafter)
+    return drafters
+
+
 def _random_gemma4():
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
@@ -63,34 +80,71 @@ def _random_gemma4():
     return Gemma4ForCausalLM(config).eval()
 
 
-def run_demo(args) -> int:
-    import hf_specdec
-
-    model, tokenizer = load_demo_model()
+def _demo_inputs(model, tokenizer):
     if tokenizer is None:
         print("[hf_specdec demo] the bundled tiny model is not installed: decoding a small RANDOM Gemma 4 "
               "(completions are noise; the timings and the equality check are real).")
         input_ids = torch.randint(3, model.config.vocab_size, (len(DEMO_PROMPTS), 16))
-        attention_mask = torch.ones_like(input_ids)
-    else:
-        tokenizer.padding_side = "left"
-        batch = tokenizer(DEMO_PROMPTS, return_tensors="pt", padding=True)
-        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        return input_ids, torch.ones_like(input_ids), []
+    from hf_specdec.assets import held_out_snippets
+
+    prompts = [s["text"][:160] for s in held_out_snippets()[:4]]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    return batch["input_ids"], batch["attention_mask"], prompts
+
+
+def run_demo(args) -> int:
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    model, tokenizer = load_demo_model()
+    input_ids, attention_mask, prompts = _demo_inputs(model, tokenizer)
+    drafters = load_demo_drafters() if tokenizer is not None else {}
+    ok = _demo_table("tiny Gemma 4", model, tokenizer, input_ids, attention_mask, prompts, drafters, args)
+    step = _load_step3p5_demo_model() if tokenizer is not None else None
+    if step is not None:
+        ok &= _demo_table("tiny Step 3.5", step, tokenizer, input_ids, attention_mask, prompts[:1],
+                          {"hf_specdec MTP-3 (own layers)": dict(spec_mode="mtp", num_speculative_tokens=3)}, args)
+    return 0 if ok else 1
+
+
+def _load_step3p5_demo_model():
+    from transformers import AutoModelForCausalLM
+
+    from hf_specdec.assets import asset_path, available_assets
+
+    if "tiny-step3p5" not in available_assets():
+        return None
+    return AutoModelForCausalLM.from_pretrained(asset_path("tiny-step3p5"), dtype=torch.float32).eval()
+
+
+def _demo_table(title, model, tokenizer, input_ids, attention_mask, prompts, drafters, args) -> bool:
+    """Decode the prompts with transformers, hf_specdec plain and each drafter; print completions and a table.
+    Returns whether every decoder gave transformers' greedy tokens."""
+    import hf_specdec
+
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=args.max_new_tokens, do_sample=False)
+    model.generate(input_ids, **{**kwargs, "max_new_tokens": 2})  # warm-up
     start = time.perf_counter()
     reference = model.generate(input_ids, **kwargs)
-    hf_time = time.perf_counter() - start
+    hf_tps = reference.shape[0] * args.max_new_tokens / (time.perf_counter() - start)
     hf_specdec.enable(model)
-    out = model.generate(input_ids, **kwargs)
-    stats = hf_specdec.last_generation_stats(model)
-    for row, prompt in enumerate(DEMO_PROMPTS if tokenizer is not None else []):
-        completion = tokenizer.decode(out[row, input_ids.shape[1]:], skip_special_tokens=True)
-        print(f"--- prompt {row}\n{prompt}\033[1m{completion}\033[0m")
-    new_tokens = out.shape[0] * (out.shape[1] - input_ids.shape[1])
-    print(f"\n{'decoder':<28}{'tokens/s':>10}  same tokens as transformers")
-    print(f"{'transformers generate':<28}{new_tokens / hf_time:>10.1f}")
-    print(f"{'hf_specdec plain':<28}{stats.tokens_per_s:>10.1f}  {torch.equal(out, reference)}")
-    return 0 if torch.equal(out, reference) else 1
+    rows, last = [("transformers generate", hf_tps, None, True)], reference
+    for name, extra in ({"hf_specdec plain": {}} | drafters).items():
+        model.generate(input_ids, **{**kwargs, "max_new_tokens": 2}, **extra)  # warm-up
+        last = model.generate(input_ids, **kwargs, **extra)
+        stats = hf_specdec.last_generation_stats(model)
+        tau = stats.mean_accepted_length if stats.spec_mode else None
+        rows.append((name, stats.tokens_per_s, tau, torch.equal(last, reference)))
+    print(f"===== {title}\n")
+    for row, prompt in enumerate(prompts):
+        completion = tokenizer.decode(last[row, input_ids.shape[1]:], skip_special_tokens=True)
+        print(f"--- prompt {row}\n{prompt}\033[1m{completion}\033[0m\n")
+    print(f"{'decoder':<32}{'tokens/s':>10}{'speed-up':>10}{'tau':>7}  same tokens as transformers")
+    for name, tps, tau, same in rows:
+        tau_text = f"{tau:7.2f}" if tau is not None else f"{'':>7}"
+        print(f"{name:<32}{tps:>10.1f}{tps / hf_tps:>9.2f}x{tau_text}  {same}")
+    print()
+    return all(same for *_, same in rows)
 
 
 def run_generate(args) -> int:
