@@ -2,6 +2,7 @@
 
 from hf_specdec.attention.paged import (
     ATTENTION_NAME,
+    QueryRows,
     hf_specdec_attention,
     paged_attention_forward,
     paged_query_attention,
@@ -9,5 +10,5 @@ from hf_specdec.attention.paged import (
 )
 
 __all__ = [
-    "ATTENTION_NAME", "hf_specdec_attention", "paged_attention_forward", "paged_query_attention", "register",
+    "ATTENTION_NAME", "QueryRows", "hf_specdec_attention", "paged_attention_forward", "paged_query_attention", "register",
 ]

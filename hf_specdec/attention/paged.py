@@ -10,6 +10,8 @@ original attention runs, so an enabled model still behaves as before.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -48,17 +50,32 @@ def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, sc
                            scale=scaling, sliding_window=window)
 
 
-def paged_query_attention(paged_cache, layer_idx: int, query: torch.Tensor, positions: torch.Tensor, *,
+@dataclass(frozen=True)
+class QueryRows:
+    """Where each row's single drafter query sits, for :func:`paged_query_attention` (build once per draft
+    step, reuse for every layer: the kernels' per-forward plan is keyed on these tensors)."""
+
+    kv_lens: torch.Tensor  # [batch] int32: cached keys per row; the query sits at this position
+    q_pos0: torch.Tensor  # [batch] int32: kv_lens - 1 (see paged_query_attention)
+    q_lens: torch.Tensor  # [batch] int32: ones
+
+    @classmethod
+    def at(cls, positions: torch.Tensor) -> "QueryRows":
+        positions = positions.to(torch.int32)
+        return cls(positions, positions - 1, torch.ones_like(positions))
+
+
+def paged_query_attention(paged_cache, layer_idx: int, query: torch.Tensor, rows: QueryRows, *,
                           scaling: float, sliding_window: int | None) -> torch.Tensor:
     """Q-only attention of a drafter over a target layer's committed pages (between forwards).
 
-    query [batch, 1, heads, head_dim] sits at ``positions[b]`` (int32), one past the row's last cached token,
-    and sees the last ``sliding_window`` cached keys ``positions[b] - sliding_window <= j < positions[b]`` (all
-    of them if None). Returns [batch, 1, heads, head_dim]."""
+    query [batch, 1, heads, head_dim] sits at ``rows.kv_lens[b]``, one past the row's last cached token, and
+    sees the last ``sliding_window`` cached keys ``kv_lens[b] - sliding_window <= j < kv_lens[b]`` (all of
+    them if None). Returns [batch, 1, heads, head_dim]."""
     k_cache, v_cache, block_tables = paged_cache.context_pages(layer_idx)
     # The kernel's window counts the query's own position; masking as if the query sat on the last cached
     # key makes the window exactly the last `sliding_window` keys.
-    return paged_attention(query, k_cache, v_cache, block_tables, positions, positions - 1, torch.ones_like(positions),
+    return paged_attention(query, k_cache, v_cache, block_tables, rows.kv_lens, rows.q_pos0, rows.q_lens,
                            scale=scaling, sliding_window=sliding_window)
 
 

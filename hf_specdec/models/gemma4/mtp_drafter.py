@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_specdec.attention import paged_query_attention
+from hf_specdec.attention import QueryRows, paged_query_attention
 from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, target_embedding
 from hf_specdec.models.gemma4.assistant_config import check_compatible, producer_layer_for, target_text_config
@@ -36,10 +36,10 @@ class PagedTargetKVSource:
     def __init__(self, cache, producers: dict[str, int], draft_positions: torch.Tensor):
         self.cache = cache
         self.producers = producers
-        self.positions = draft_positions.to(torch.int32)  # [batch]; also the number of visible keys
+        self.rows = QueryRows.at(draft_positions)  # [batch]: the draft position = the number of cached keys
 
     def attend(self, layer_type, query, *, scaling, sliding_window):
-        return paged_query_attention(self.cache, self.producers[layer_type], query, self.positions,
+        return paged_query_attention(self.cache, self.producers[layer_type], query, self.rows,
                                      scaling=scaling, sliding_window=sliding_window)
 
 
