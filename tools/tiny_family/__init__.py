@@ -14,5 +14,7 @@ Every member is trained from the same pieces, so a new member adds one recipe mo
 - `sweep`      several runs of one member side by side on one GPU, keeping the best on validation.
 
 Members: `gemma4_target` + `train_target` (the Gemma 4 target; also trains the tokenizer).
+`gemma4_assistant` + `train_assistant` (its MTP assistant, distilled from the frozen target).
+`step3p5_model` + `train_step3p5` (Step 3.5 with 3 MTP layers, trained jointly with its MTP losses).
 Numbers and rebuild commands: `hf_specdec/assets/README.md`.
 """
