@@ -113,8 +113,9 @@ def _speculative_step(model, runner, drafter, captured, scorer, stopper, generat
     emitted = _emit(rows, running, [c[-1] for c in chunks], [c[:-1] for c in chunks], stopper, streamer)
     stats.record_step([e for e, r in zip(emitted, was_running) if r],
                       [a for a, r in zip(accepted, was_running) if r], k)
-    # a running row keeps its input token and its accepted drafts; a stopped row stops growing
-    kept = [1 + a if r else 0 for a, r in zip(accepted, was_running)]
+    # a running row keeps its input token and the drafts it emitted (all accepted ones unless it stopped
+    # inside the chunk), so the cache always holds one token less than the row; a stopped row stops growing
+    kept = [e if r else 0 for e, r in zip(emitted, was_running)]
     runner.commit([n - (k + 1) + keep for n, keep in zip(cache.seq_lens, kept)])
     drafter.commit(cache, captured, num_accepted, kept)
 
