@@ -1,0 +1,56 @@
+"""DFlash block-diffusion drafters (z-lab format), for any HF decoder target.
+
+z-lab checkpoints say model_type `qwen3` with `architectures=["DFlashDraftModel"]`, so transformers'
+`AutoConfig` reads them as Qwen3 models; `is_dflash_checkpoint` tells them apart and
+`load_dflash_drafter` loads ours. Importing this package maps `DFlashConfig` to `DFlashDrafter` for
+`transformers.AutoModelForCausalLM.from_config` / `from_pretrained(path, config=DFlashConfig...)`.
+"""
+
+from transformers import AutoModelForCausalLM
+
+from .configuration import DFlashConfig, DFlashSettings, build_target_layer_ids, is_dflash_checkpoint
+from .context import DenseDFlashContext, DFlashContextSource, block_attention_mask, dense_block_attention
+from .modeling import CHECKPOINT_KEY_MAPPING, DFlashDrafter, DraftLayerSpec, load_dflash_drafter
+from .target import (
+    capture_hidden_states,
+    check_compatible,
+    head_logits,
+    target_block_embeddings,
+    target_final_softcap,
+    target_head_logits,
+    target_layer_hidden_modules,
+    text_decoder,
+)
+
+
+def register_auto_classes() -> None:
+    """Map `DFlashConfig` to `DFlashDrafter` in `AutoModelForCausalLM` (idempotent). No AutoConfig entry:
+    the checkpoints' model_type is Qwen3's."""
+    AutoModelForCausalLM.register(DFlashConfig, DFlashDrafter, exist_ok=True)
+
+
+register_auto_classes()
+
+__all__ = [
+    "CHECKPOINT_KEY_MAPPING",
+    "DFlashConfig",
+    "DFlashContextSource",
+    "DFlashDrafter",
+    "DFlashSettings",
+    "DenseDFlashContext",
+    "DraftLayerSpec",
+    "block_attention_mask",
+    "build_target_layer_ids",
+    "capture_hidden_states",
+    "check_compatible",
+    "dense_block_attention",
+    "head_logits",
+    "is_dflash_checkpoint",
+    "load_dflash_drafter",
+    "register_auto_classes",
+    "target_block_embeddings",
+    "target_final_softcap",
+    "target_head_logits",
+    "target_layer_hidden_modules",
+    "text_decoder",
+]
