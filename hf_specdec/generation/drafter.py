@@ -58,8 +58,10 @@ class DraftSelector:
 
     def select(self, head, drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """drafted [batch, j]: drafts so far this step -> (token [batch], q [batch, vocab] or None)."""
-        if not self.do_sample:
+        if not self.do_sample and not self.scorer.processors:
             return (head.argmax(dim=-1) if isinstance(head, torch.Tensor) else head.argmax()), None
+        # drafts see the same processors as the target's verify (greedy too: a repetition penalty moves the
+        # target's argmax, and a draft that ignores it would be rejected)
         logits = head if isinstance(head, torch.Tensor) else head.dense_logits()
         logits = logits.float()[:, None, :]
         if not self.scorer.history_free:
@@ -68,6 +70,8 @@ class DraftSelector:
                                        drafted[:, :0], logits)
         else:
             logits = self.scorer.score(self.prefixes, drafted, logits)
+        if not self.do_sample:
+            return logits[:, 0].argmax(dim=-1), None
         probs = torch.softmax(logits[:, 0], dim=-1)
         token = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         return token, probs

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from transformers import LogitsProcessorList
 
 
 def select_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
@@ -32,6 +35,11 @@ _HISTORY_FREE = (
 )
 
 
+# Per-row state that generate() gives some processors for the whole batch, by attribute name; the scorer
+# calls those processors one row at a time and narrows the state to that row.
+_PER_ROW_STATE = {"RepetitionPenaltyLogitsProcessor": ("prompt_ignore_length",)}
+
+
 class PositionScorer:
     """Applies a LogitsProcessorList to several positions of rows of different lengths.
 
@@ -43,6 +51,7 @@ class PositionScorer:
     def __init__(self, logits_processor):
         self.processors = logits_processor
         self.history_free = all(type(p).__name__ in _HISTORY_FREE for p in logits_processor)
+        self._row_views: dict[int, LogitsProcessorList] = {}
 
     def score(self, prefixes: list[torch.Tensor], extra: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """prefixes: per row [len_b] token ids; extra [batch, >= positions-1] tokens after the prefix."""
@@ -54,7 +63,25 @@ class PositionScorer:
             return self.processors(dummy, logits.reshape(-1, vocab)).reshape(batch, positions, vocab)
         out = torch.empty_like(logits)
         for b in range(batch):
+            processors = self._row_view(b, batch)
             for j in range(positions):
                 ids = torch.cat([prefixes[b], extra[b, :j]])[None, :]
-                out[b, j] = self.processors(ids, logits[b, j][None, :].clone())[0]
+                out[b, j] = processors(ids, logits[b, j][None, :].clone())[0]
         return out
+
+    def _row_view(self, row: int, batch: int) -> LogitsProcessorList:
+        """The processors as seen by one row alone: per-row state built by ``generate`` for the whole batch
+        (e.g. the repetition penalty's per-row prompt padding) is narrowed to that row."""
+        if row not in self._row_views:
+            view = LogitsProcessorList()
+            for processor in self.processors:
+                names = [n for n in _PER_ROW_STATE.get(type(processor).__name__, ())
+                         if isinstance(getattr(processor, n, None), torch.Tensor)
+                         and getattr(processor, n).dim() >= 1 and getattr(processor, n).shape[0] == batch]
+                if names:
+                    processor = copy.copy(processor)
+                    for n in names:
+                        setattr(processor, n, getattr(processor, n)[row: row + 1])
+                view.append(processor)
+            self._row_views[row] = view
+        return self._row_views[row]

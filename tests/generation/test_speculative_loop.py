@@ -101,3 +101,18 @@ def test_wrong_speculative_arguments_raise():
         ours.generate(ids, attention_mask=mask, spec_mode="mtp", num_speculative_tokens=0, max_new_tokens=2)
     with pytest.raises(ValueError, match="no speculative mode fits"):
         ours.generate(ids, attention_mask=mask, assistant_model=torch.nn.Linear(2, 2), max_new_tokens=2)
+
+
+def test_history_processors_in_a_batch_match_plain_and_reach_the_drafts():
+    """Batched speculative greedy with a repetition penalty (per-row prompt padding state, built by generate
+    for the whole batch) and n-gram blocking equals HF; drafts from an exact copy of the target are scored
+    by the same processors, so every draft is accepted."""
+    ref, ours = llama(), hf_specdec.enable(llama())
+    ids, mask = left_padded_batch([7, 3, 10, 5])
+    kwargs = dict(attention_mask=mask, max_new_tokens=13, do_sample=False, eos_token_id=None,
+                  repetition_penalty=1.8, no_repeat_ngram_size=2)
+    expected = ref.generate(ids, **kwargs)
+    got = ours.generate(ids, assistant_model=CopyDrafter(llama(), 3), **kwargs)
+    assert torch.equal(got, expected)
+    stats = hf_specdec.last_generation_stats(ours)
+    assert stats.acceptance_histogram[:3] == [0, 0, 0]
