@@ -101,7 +101,10 @@ def _speculative_step(model, runner, drafter, captured, scorer, stopper, generat
     logits = runner.forward(verify_ids, [k + 1] * len(rows), keep_logits=0).logits.float()
     scores = scorer.score(prefixes, proposal.tokens, logits)
     # 3. accept on device
-    if generation_config.do_sample:
+    if getattr(drafter, "synthetic_acceptance", None) is not None:
+        # benchmark-only (benchmarks/e2e_synthetic.py): a fixed acceptance rate, output NOT lossless
+        num_accepted, next_token = drafter.synthetic_acceptance(proposal.tokens, scores.argmax(dim=-1))
+    elif generation_config.do_sample:
         num_accepted, next_token = rejection_sample_no_sync(proposal.tokens, proposal.probs,
                                                             torch.softmax(scores, dim=-1))
     else:
