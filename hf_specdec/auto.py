@@ -6,6 +6,7 @@ import transformers
 
 from hf_specdec.config import CacheConfig
 from hf_specdec.generation import enable
+from hf_specdec.models.dflash import is_dflash_checkpoint, load_dflash_drafter
 
 
 class AutoModelForCausalLM:
@@ -18,6 +19,9 @@ class AutoModelForCausalLM:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, cache_config: CacheConfig | None = None,
                         **kwargs):
+        # DFlash checkpoints say model_type "qwen3": transformers alone would build a Qwen3 model from them
+        if is_dflash_checkpoint(pretrained_model_name_or_path, **kwargs):
+            return load_dflash_drafter(pretrained_model_name_or_path, *args, **kwargs)
         model = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         if not isinstance(model, transformers.GenerationMixin):
             return model

@@ -3,13 +3,19 @@
 z-lab checkpoints say model_type `qwen3` with `architectures=["DFlashDraftModel"]`, so transformers'
 `AutoConfig` reads them as Qwen3 models; `is_dflash_checkpoint` tells them apart and
 `load_dflash_drafter` loads ours. Importing this package maps `DFlashConfig` to `DFlashDrafter` for
-`transformers.AutoModelForCausalLM.from_config` / `from_pretrained(path, config=DFlashConfig...)`.
+`transformers.AutoModelForCausalLM.from_config` / `from_pretrained(path, config=DFlashConfig...)`, and
+registers the "dflash" speculative mode: `target.generate(assistant_model=drafter)` drafts with
+`PagedDFlashDrafter`.
 """
 
 from transformers import AutoModelForCausalLM
 
+from hf_specdec.generation.registry import DrafterBuilder, register_drafter
+
+from . import drafter
 from .configuration import DFlashConfig, DFlashSettings, build_target_layer_ids, is_dflash_checkpoint
 from .context import DenseDFlashContext, DFlashContextSource, block_attention_mask, dense_block_attention
+from .drafter import PagedDFlashContext, PagedDFlashDrafter
 from .modeling import CHECKPOINT_KEY_MAPPING, DFlashDrafter, DraftLayerSpec, load_dflash_drafter
 from .target import (
     capture_hidden_states,
@@ -30,6 +36,8 @@ def register_auto_classes() -> None:
 
 
 register_auto_classes()
+register_drafter(DrafterBuilder("dflash", drafter.matches, drafter.build,
+                                "a DFlash drafter (DFlashDraftModel, z-lab format) trained for this target"))
 
 __all__ = [
     "CHECKPOINT_KEY_MAPPING",
@@ -39,6 +47,8 @@ __all__ = [
     "DFlashSettings",
     "DenseDFlashContext",
     "DraftLayerSpec",
+    "PagedDFlashContext",
+    "PagedDFlashDrafter",
     "block_attention_mask",
     "build_target_layer_ids",
     "capture_hidden_states",

@@ -1,0 +1,183 @@
+"""DFlash drafting over a paged context cache: the Drafter the speculative loop drives for spec_mode="dflash".
+
+Per round, with p the number of tokens the target has cached for a row (its last committed token t[p] is
+not in the target's cache yet):
+
+    context  draft layer l's K/V of positions 0 .. p-1 -- rope(k_norm(k_proj_l(f))), v_proj_l(f) of the fused
+             feature f = hidden_norm(fc(cat[target hidden after each target_layer_id])) of every accepted
+             token -- in KV group l of the drafter's own PagedKVCache (one group per draft layer);
+    block    [t[p], mask x k] at positions p .. p+k, one drafter forward: each layer stores the block's K/V
+             past the row's length, attends over [context, block] pages (bidirectional within the block for
+             full layers, causal for sliding ones), and the block is dropped again afterwards (the row's
+             length never moves), so between forwards the cache holds accepted tokens only;
+    drafts   the target's head (with its final soft-cap) at block positions 1..k, one token per position
+             through the loop's DraftSelector (so sampling gives q).
+
+The context grows in `begin` (the prompt) and `commit` (the `kept` tokens of each row's verify forward,
+whose hidden states were captured by hooks during that same forward): rejected drafts never reach it, so
+the drafter's lengths always equal the target's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
+from hf_specdec.cache.paged_cache import ForwardMeta
+from hf_specdec.generation.drafter import DraftProposal
+from hf_specdec.kernels import paged_attention, store_kv
+
+from .modeling import DFlashDrafter
+from .target import capture_hidden_states, check_compatible
+
+
+class PagedDFlashContext:
+    """`DFlashContextSource` over the drafter's paged cache during one block forward (`meta`: the block's slots).
+
+    Each layer writes its block K/V into the block's slots (past the row's committed length) and attends over
+    the row's pages up to the block's end; the kernel's rule is the DFlash rule (`context.py`): context key c is
+    visible from block query j iff (p + j) - c < window, block key i iff not causal or i <= j."""
+
+    def __init__(self, cache: PagedKVCache, meta: ForwardMeta):
+        self.cache = cache
+        self.meta = meta
+
+    def attend(self, layer_idx, query, block_k, block_v, *, scaling, causal_block, sliding_window):
+        k_cache, v_cache, block_tables, _ = self.cache.layer_pages(layer_idx)
+        group = self.cache.layout.layer_slot[layer_idx][0]
+        batch, block_len, kv_heads, head_dim = block_k.shape
+        store_kv(block_k.reshape(batch * block_len, kv_heads, head_dim),
+                 block_v.reshape(batch * block_len, kv_heads, head_dim), k_cache, v_cache,
+                 self.meta.slot_mapping[group])
+        return paged_attention(query, k_cache, v_cache, block_tables, self.meta.kv_lens, self.meta.q_pos0,
+                               self.meta.q_lens, scale=scaling, sliding_window=sliding_window, causal=causal_block)
+
+
+def context_layout(drafter: DFlashDrafter) -> KVLayout:
+    """One KV group per draft layer (its own kv heads, head_dim and sliding window)."""
+    specs = drafter.layer_specs
+    groups = [KVGroup(s.num_kv_heads, s.head_dim, s.sliding_window, layers=(s.layer_idx,)) for s in specs]
+    return KVLayout(groups=groups, layer_slot={s.layer_idx: (s.layer_idx, 0) for s in specs},
+                    producer={s.layer_idx: s.layer_idx for s in specs})
+
+
+class PagedDFlashDrafter:
+    spec_mode = "dflash"
+
+    def __init__(self, target, drafter: DFlashDrafter, num_speculative_tokens: int | None = None):
+        check_compatible(drafter, target)
+        self.num_speculative_tokens = _check_num_speculative_tokens(drafter, num_speculative_tokens)
+        self.target = target
+        self.drafter = drafter.to(device=target.device)
+        self.layout = context_layout(drafter)
+        self.cache: PagedKVCache | None = None
+
+    @contextlib.contextmanager
+    def capture(self, target):
+        """Record the hidden states after the drafter's target layers during every target forward."""
+        with capture_hidden_states(target, self.drafter.target_layer_ids) as captured, _every_position(
+                target, self.drafter.target_layer_ids):
+            try:
+                yield captured
+            finally:
+                if self.cache is not None:
+                    self.cache.free()
+                self.cache = None
+
+    def begin(self, cache, captured, prompt_lens):
+        self.cache = PagedKVCache.for_request(
+            self.layout, cache.cache_config, prompt_lens, cache.max_new_tokens, self.num_speculative_tokens + 1,
+            dtype=self.drafter.fc.weight.dtype, device=cache.device)
+        self._append_context(list(captured), prompt_lens)  # prefill slots are right-aligned already
+
+    @torch.inference_mode()
+    def propose(self, last_tokens, cache, selector) -> DraftProposal:
+        k = self.num_speculative_tokens
+        lens = self.cache.seq_lens
+        meta = self.cache.begin_forward([k + 1] * len(lens), k + 1)  # block positions p .. p + k
+        try:
+            embeds = self.drafter.embed_block(self.target, self.drafter.block_input_ids(last_tokens, k))
+            hidden = self.drafter(embeds, meta.position_ids, PagedDFlashContext(self.cache, meta))
+        finally:
+            self.cache.commit(lens)  # drop the block: the context keeps accepted tokens only
+        logits = self.drafter.draft_logits(self.target, hidden)  # [batch, k, vocab]
+        drafted, probs = last_tokens[:, None][:, :0], []
+        for j in range(k):
+            token, q = selector.select(logits[:, j], drafted)
+            drafted = torch.cat([drafted, token[:, None]], dim=1)
+            probs.append(q)
+        return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
+
+    def commit(self, cache, captured, num_accepted, kept):
+        # the verify forward's first kept[b] slots are row b's accepted tokens; right-align them as a forward's
+        q_len = captured[0].shape[1]
+        shift = torch.tensor([q_len - n for n in kept], device=captured[0].device)
+        index = (torch.arange(q_len, device=shift.device)[None, :] - shift[:, None]).clamp(min=0)
+        aligned = [h.gather(1, index[:, :, None].expand(-1, -1, h.shape[-1])) for h in captured]
+        self._append_context(aligned, kept)
+        if self.cache.seq_lens != cache.seq_lens:
+            raise RuntimeError(f"DFlash context lengths {self.cache.seq_lens} drifted from the target's "
+                               f"{cache.seq_lens}; commit must follow the target cache's commit.")
+
+    @torch.inference_mode()
+    def _append_context(self, hidden: list[torch.Tensor], num_new: list[int]) -> None:
+        """Append the context K/V of the last num_new[b] slots of `hidden` (one [batch, q_len, target_hidden]
+        per target layer id) to every draft layer's group."""
+        meta = self.cache.begin_forward(num_new, hidden[0].shape[1])
+        features = self.drafter.context_features(hidden)
+        for layer_idx, (keys, values) in enumerate(self.drafter.context_kv_all_layers(features, meta.position_ids)):
+            k_cache, v_cache, _, _ = self.cache.layer_pages(layer_idx)
+            store_kv(keys.flatten(0, 1), values.flatten(0, 1), k_cache, v_cache,
+                     meta.slot_mapping[self.layout.layer_slot[layer_idx][0]])
+        self.cache.commit(self.cache.seq_lens)  # begin_forward grew the lengths; keep every new token
+
+
+def _check_num_speculative_tokens(drafter: DFlashDrafter, requested: int | None) -> int:
+    """k: block_size - 1 unless asked; at most block_size - 1 (the block is [last token, mask x k])."""
+    limit = drafter.block_size - 1
+    k = limit if requested is None else requested
+    if not 1 <= k <= limit:
+        raise ValueError(f"num_speculative_tokens={k} but this DFlash drafter drafts blocks of block_size="
+                         f"{drafter.block_size}: pass num_speculative_tokens <= {limit} (or leave it out for {limit}).")
+    for spec in drafter.layer_specs:
+        # the kernel bounds a bidirectional window from below only, exact while the block fits in the window
+        if not spec.causal_block and spec.sliding_window is not None and k + 1 > spec.sliding_window:
+            raise ValueError(f"num_speculative_tokens={k} makes blocks of {k + 1} tokens, wider than the sliding "
+                             f"window ({spec.sliding_window}) of bidirectional draft layer {spec.layer_idx}; pass "
+                             f"num_speculative_tokens <= {spec.sliding_window - 1}.")
+    return k
+
+
+@contextlib.contextmanager
+def _every_position(target, layer_ids):
+    """Gemma 4 with KV-shared layers computes only the kept positions in those layers for an integer
+    `logits_to_keep` (the runner's prefill asks for 1): while open, turn it into the equivalent index tensor
+    on this target instance, so hooks on those layers still see every position."""
+    text = target.config.get_text_config()
+    first_shared = text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", 0) or 0)
+    if max(layer_ids) < first_shared:
+        yield
+        return
+
+    def keep_as_index(module, args, kwargs):
+        keep, ids = kwargs.get("logits_to_keep"), kwargs.get("input_ids")
+        if isinstance(keep, int) and keep > 0 and ids is not None:
+            width = ids.shape[1]
+            kwargs["logits_to_keep"] = torch.arange(max(width - keep, 0), width, device=ids.device)
+        return args, kwargs
+
+    handle = target.register_forward_pre_hook(keep_as_index, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def matches(target, assistant) -> bool:
+    return isinstance(assistant, DFlashDrafter)
+
+
+def build(target, assistant, num_speculative_tokens):
+    return PagedDFlashDrafter(target, assistant, num_speculative_tokens)
