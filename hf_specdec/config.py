@@ -17,11 +17,20 @@ class CacheConfig:
     max_cache_tokens: an upper bound on the tokens a full-attention KV group may hold
         across all rows of a batch; a request needing more raises before touching any state.
         ``None`` means no bound.
+    gpu_memory_fraction: on a CUDA device, when neither ``num_blocks`` nor ``max_cache_tokens`` is
+        given, the KV cache of a request (every KV group, a drafter's own caches included) may take at
+        most this fraction of the device memory free when it is allocated (memory PyTorch holds cached
+        but unused counts as free); a larger request raises ``CacheCapacityError`` before touching any
+        state. The rest is left for activations and logits. Not used on CPU.
+
+    A request that does not fit (``num_blocks``, ``max_cache_tokens`` or ``gpu_memory_fraction``) raises
+    ``CacheCapacityError`` (a ``ValueError``) before its prefill; nothing is streamed or changed.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     max_cache_tokens: int | None = None
+    gpu_memory_fraction: float = 0.9
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -32,6 +41,8 @@ class CacheConfig:
             raise ValueError(
                 f"CacheConfig.max_cache_tokens must be >= block_size ({self.block_size}), got {self.max_cache_tokens}."
             )
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"CacheConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}.")
 
 
 @dataclass

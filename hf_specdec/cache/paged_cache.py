@@ -72,7 +72,8 @@ class PagedKVCache(Cache):
     @classmethod
     def for_request(cls, layout: KVLayout, cache_config: CacheConfig, prompt_lens: list[int], max_new_tokens: int,
                     lookahead: int, *, dtype: torch.dtype, device) -> "PagedKVCache":
-        """A cache sized so the request never runs out of blocks (or as CacheConfig.num_blocks says)."""
+        """A cache sized so the request never runs out of blocks; raises :class:`CacheCapacityError` before
+        allocating anything when the request does not fit what ``cache_config`` allows."""
         bs = cache_config.block_size
         full_need = [-(-(p + max_new_tokens + lookahead) // bs) + 1 for p in prompt_lens]
         if cache_config.max_cache_tokens is not None and sum(full_need) * bs > cache_config.max_cache_tokens:
@@ -81,18 +82,31 @@ class PagedKVCache(Cache):
                 f"CacheConfig.max_cache_tokens={cache_config.max_cache_tokens}. Raise max_cache_tokens, or lower the "
                 "batch size, the prompt lengths or max_new_tokens."
             )
-        num_blocks = []
+        need = []
         for grp in layout.groups:
-            if cache_config.num_blocks is not None:
-                num_blocks.append(cache_config.num_blocks)
-            elif grp.is_sliding:
+            if grp.is_sliding:
                 span = -(-(grp.sliding_window + 1 + lookahead) // bs) + 2
-                num_blocks.append(sum(min(f, max(-(-p // bs) + 1, span)) for f, p in zip(full_need, prompt_lens)))
+                need.append(sum(min(f, max(-(-p // bs) + 1, span)) for f, p in zip(full_need, prompt_lens)))
             else:
-                num_blocks.append(sum(full_need))
-        cache = cls(layout, num_blocks, len(prompt_lens), block_size=bs, dtype=dtype, device=device)
+                need.append(sum(full_need))
+        if cache_config.num_blocks is not None:
+            if max(need, default=0) > cache_config.num_blocks:
+                raise CacheCapacityError(
+                    f"this batch needs up to {max(need)} blocks per KV group but CacheConfig.num_blocks="
+                    f"{cache_config.num_blocks}. Raise num_blocks (or leave it None to size the cache per request), "
+                    "or lower the batch size, the prompt lengths or max_new_tokens."
+                )
+            need = [cache_config.num_blocks] * len(layout.groups)
+        elif cache_config.max_cache_tokens is None:
+            _check_memory(layout, need, bs, dtype, torch.device(device), cache_config.gpu_memory_fraction)
+        cache = cls(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device)
         cache.cache_config, cache.max_new_tokens, cache.lookahead = cache_config, max_new_tokens, lookahead
         return cache
+
+    @property
+    def num_used_blocks(self) -> list[int]:
+        """Blocks in use per KV group (all zero after :meth:`free`)."""
+        return [pool.num_used for pool in self.manager.pools]
 
     # ---- step bookkeeping ---------------------------------------------------------------------
     @property
@@ -237,3 +251,33 @@ class PagedKVCache(Cache):
     @property
     def is_dummy(self) -> list[bool]:
         return [False] * self.layout.num_layers
+
+
+def kv_bytes(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V storage of every KV group with ``num_blocks[g]`` blocks each."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * len(g.layers) * n * block_size * g.num_kv_heads * g.head_dim * itemsize
+               for g, n in zip(layout.groups, num_blocks))
+
+
+def free_device_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on a CUDA device: free memory plus what PyTorch's allocator holds
+    cached but unused (a previous request's cache lands there). None on other devices."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _check_memory(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype, device: torch.device,
+                  fraction: float) -> None:
+    free = free_device_memory(device)
+    if free is None:
+        return
+    need = kv_bytes(layout, num_blocks, block_size, dtype)
+    if need > fraction * free:
+        raise CacheCapacityError(
+            f"this batch needs {need / 2**20:.1f} MiB of KV cache but CacheConfig.gpu_memory_fraction={fraction} of "
+            f"the {free / 2**20:.1f} MiB free on {device} allows {fraction * free / 2**20:.1f} MiB. Lower the batch "
+            "size, the prompt lengths or max_new_tokens, free memory, or raise gpu_memory_fraction."
+        )

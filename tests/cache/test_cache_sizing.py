@@ -1,0 +1,61 @@
+"""How a request's cache is sized and refused: num_blocks, max_cache_tokens and gpu_memory_fraction all raise
+CacheCapacityError before anything is allocated; the used-block counts read back zero after free()."""
+
+import pytest
+import torch
+
+from hf_specdec.cache import CacheCapacityError, KVLayout, PagedKVCache, paged_cache
+from hf_specdec.config import CacheConfig
+
+# one full group (2 layers, 2 kv heads x 8) and one sliding group (window 6, 1 layer, 1 kv head x 16)
+LAYOUT = KVLayout.from_layers([(2, 8, None), (1, 16, 6), (2, 8, None)], producer={0: 0, 1: 1, 2: 2})
+
+
+def _request(config, prompt_lens=(20, 9), max_new_tokens=30, lookahead=4):
+    return PagedKVCache.for_request(LAYOUT, config, list(prompt_lens), max_new_tokens, lookahead,
+                                    dtype=torch.float32, device="cpu")
+
+
+def test_default_sizing_fits_the_request_and_frees_to_zero():
+    cache = _request(CacheConfig(block_size=4))
+    full, sliding = cache.manager.pools[0].num_blocks, cache.manager.pools[1].num_blocks
+    assert full == (-(-54 // 4) + 1) + (-(-43 // 4) + 1)
+    assert sliding < full  # the sliding group holds a window, not the sequence
+    cache.begin_forward([20, 9], 20)
+    cache.commit([20, 9])
+    assert cache.num_used_blocks[0] == 5 + 3
+    cache.free()
+    assert cache.num_used_blocks == [0, 0]
+
+
+def test_num_blocks_too_small_is_refused_up_front():
+    with pytest.raises(CacheCapacityError, match=r"needs up to 27 blocks per KV group but CacheConfig.num_blocks=20. "
+                                                 r"Raise num_blocks"):
+        _request(CacheConfig(block_size=4, num_blocks=20))
+    assert _request(CacheConfig(block_size=4, num_blocks=27)).manager.pools[0].num_blocks == 27
+
+
+def test_cuda_memory_budget_bounds_a_request(monkeypatch):
+    """gpu_memory_fraction applies where free_device_memory knows the device (CUDA); here it is faked."""
+    sized = _request(CacheConfig(block_size=4))
+    need = paged_cache.kv_bytes(LAYOUT, [p.num_blocks for p in sized.manager.pools], 4, torch.float32)
+    monkeypatch.setattr(paged_cache, "free_device_memory", lambda device: need)
+    _request(CacheConfig(block_size=4, gpu_memory_fraction=1.0))
+    with pytest.raises(CacheCapacityError, match=r"CacheConfig.gpu_memory_fraction=0.5 .* raise gpu_memory_fraction"):
+        _request(CacheConfig(block_size=4, gpu_memory_fraction=0.5))
+    # explicit sizes are the user's choice and bypass the memory budget
+    _request(CacheConfig(block_size=4, gpu_memory_fraction=0.5, max_cache_tokens=4096))
+
+
+def test_cpu_caches_have_no_memory_budget():
+    assert paged_cache.free_device_memory(torch.device("cpu")) is None
+
+
+def test_kv_bytes_counts_k_and_v_of_every_layer():
+    assert paged_cache.kv_bytes(LAYOUT, [3, 2], 4, torch.bfloat16) == 2 * 2 * (2 * 3 * 4 * 2 * 8 + 1 * 2 * 4 * 1 * 16)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5])
+def test_gpu_memory_fraction_is_validated(fraction):
+    with pytest.raises(ValueError, match=r"gpu_memory_fraction must be in \(0, 1\]"):
+        CacheConfig(gpu_memory_fraction=fraction)
