@@ -24,6 +24,7 @@ class EnabledState:
     original_attention: str
     last_stats: SpecStats | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # one generate at a time per model
+    owner: int | None = None  # thread id of the generate call holding the lock
 
 
 def enable(model, cache_config: CacheConfig | None = None):

@@ -8,14 +8,21 @@ routes the call:
   loop (plain or speculative) as ``custom_generate`` (transformers prepares the config, processors and
   stopping criteria);
 - what the paged loop does not cover (beam search, a user-supplied cache, ``inputs_embeds`` only, a
-  user ``custom_generate``): transformers' own decoding, on the model's original attention.
+  user ``custom_generate``, per-step attentions or hidden states): transformers' own decoding, on the
+  model's original attention; with a drafter these raise, naming what to drop.
+
+Bad input is rejected here, before transformers or the loop touch anything, with an error naming the fix.
+One call runs at a time per model (other threads wait).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import threading
 
+import torch
 from transformers import GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
@@ -32,31 +39,108 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
     if num_speculative_tokens is None:
         num_speculative_tokens = num_assistant_tokens
     speculative = assistant_model is not None or spec_mode is not None
+    if num_speculative_tokens is not None and not speculative:
+        raise ValueError(
+            f"num_speculative_tokens={num_speculative_tokens} without a drafter: pass assistant_model=... (a Gemma 4 "
+            "MTP assistant or a DFlash drafter) or spec_mode='mtp' (Step 3.5's own MTP layers), or drop it."
+        )
     if speculative:
         drafter = build_drafter(self, assistant_model, spec_mode, num_speculative_tokens)
         decode = functools.partial(speculative_decode, streamer=streamer, drafter=drafter)
     else:
         decode = functools.partial(paged_decode, streamer=streamer)
-    if _needs_transformers_loop(self, inputs, generation_config, kwargs):
+    unsupported = _paged_loop_unsupported(self, inputs, generation_config, kwargs)
+    if unsupported:
         if speculative:
-            raise ValueError(
-                "speculative decoding needs input_ids (not inputs_embeds alone), num_beams=1 and no "
-                "past_key_values or custom_generate; drop those arguments or the assistant_model."
-            )
-        return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
-                                        streamer=streamer, **kwargs)
+            raise ValueError(f"speculative decoding does not support {unsupported}; drop it, or drop the "
+                             "assistant_model / spec_mode to decode with transformers' own loop.")
+        with _exclusive(state):
+            return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
+                                            streamer=streamer, **kwargs)
+    if speculative:
+        _check_speculative_outputs(self, generation_config, kwargs)
+    _check_input_shapes(inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask"))
     generation_config, stopping_criteria = _stop_strings_to_criteria(self, generation_config, stopping_criteria, kwargs)
+    with _exclusive(state):
+        try:
+            return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
+                                            streamer=streamer, custom_generate=decode, **kwargs)
+        except BaseException:
+            if streamer is not None:
+                streamer.end()  # a consumer iterating the streamer in another thread must not wait forever
+            raise
+
+
+@contextlib.contextmanager
+def _exclusive(state):
+    """One generate at a time per model (drafters hook the target's modules; stats are per model): other
+    threads wait. A nested call from the same thread would wait forever, so it raises instead."""
+    me = threading.get_ident()
+    if state.owner == me:
+        raise RuntimeError(
+            "model.generate was called from inside a generate call on the same model (from a streamer, logits "
+            "processor or stopping criterion?); call it after the outer call returns, or on another model instance."
+        )
     with state.lock:
-        return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
-                                        streamer=streamer, custom_generate=decode, **kwargs)
+        state.owner = me
+        try:
+            yield
+        finally:
+            state.owner = None
 
 
-def _needs_transformers_loop(model, inputs, generation_config, kwargs) -> bool:
+def _setting(model, generation_config, kwargs, name, default=None):
+    """The value of a generation setting for this call: the kwarg, else the generation config's."""
     config = generation_config if generation_config is not None else model.generation_config
-    num_beams = kwargs.get("num_beams", config.num_beams) or 1
-    has_ids = inputs is not None or kwargs.get("input_ids") is not None
-    return (num_beams > 1 or not has_ids or kwargs.get("past_key_values") is not None
-            or kwargs.get("custom_generate") is not None)
+    return kwargs[name] if name in kwargs else getattr(config, name, default)
+
+
+def _paged_loop_unsupported(model, inputs, generation_config, kwargs) -> str | None:
+    """What in this call needs transformers' own loop (beam search, a user cache, ...), or None."""
+    num_beams = _setting(model, generation_config, kwargs, "num_beams") or 1
+    if num_beams > 1:
+        return f"beam search (num_beams={num_beams})"
+    if inputs is None and kwargs.get("input_ids") is None:
+        return "inputs_embeds without input_ids"
+    if kwargs.get("past_key_values") is not None:
+        return "a user-supplied past_key_values"
+    if kwargs.get("custom_generate") is not None:
+        return "custom_generate"
+    if _setting(model, generation_config, kwargs, "return_dict_in_generate"):
+        wanted = [n for n in ("output_attentions", "output_hidden_states")
+                  if _setting(model, generation_config, kwargs, n)]
+        if wanted:
+            return " / ".join(f"{n}=True" for n in wanted)
+    return None
+
+
+def _check_speculative_outputs(model, generation_config, kwargs) -> None:
+    """The speculative loop returns sequences only; refuse per-step outputs rather than return None for them."""
+    if not _setting(model, generation_config, kwargs, "return_dict_in_generate"):
+        return
+    wanted = [n for n in ("output_scores", "output_logits") if _setting(model, generation_config, kwargs, n)]
+    if wanted:
+        raise ValueError(
+            f"speculative decoding returns sequences only, not {' / '.join(wanted)}; drop "
+            f"{', '.join(f'{n}=True' for n in wanted)}, or drop the assistant_model / spec_mode to get them."
+        )
+
+
+def _check_input_shapes(input_ids, attention_mask) -> None:
+    """Shapes transformers would broadcast or fail on obscurely, rejected with the fix."""
+    if not isinstance(input_ids, torch.Tensor):
+        return  # transformers reports the type
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2D [batch, sequence], got shape {tuple(input_ids.shape)}; "
+                         "add the batch dimension (input_ids[None]) or use the tokenizer's return_tensors='pt'.")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids has no tokens; give every prompt at least one token (for example the "
+                         "tokenizer's BOS token: tokenize with add_special_tokens=True).")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; "
+            "pass the 2D mask the tokenizer returned with the ids (one row per prompt)."
+        )
 
 
 def _stop_strings_to_criteria(model, generation_config, stopping_criteria, kwargs):

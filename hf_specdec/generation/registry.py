@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from hf_specdec.config import SPEC_MODES
 
 
@@ -38,10 +40,12 @@ def build_drafter(target, assistant, spec_mode: str | None, num_speculative_toke
     if spec_mode is not None and spec_mode not in SPEC_MODES:
         raise ValueError(f"unknown spec_mode {spec_mode!r}; use one of {SPEC_MODES}.")
     if num_speculative_tokens is not None and (not isinstance(num_speculative_tokens, int)
+                                               or isinstance(num_speculative_tokens, bool)
                                                or num_speculative_tokens < 1):
         raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}.")
     if _is_drafter(assistant):
         return assistant
+    _check_placement(target, assistant)
     candidates = [b for b in _BUILDERS if spec_mode in (None, b.spec_mode)]
     for builder in candidates:
         if builder.matches(target, assistant):
@@ -54,4 +58,25 @@ def build_drafter(target, assistant, spec_mode: str | None, num_speculative_toke
         )
     known = "; ".join(f"{b.spec_mode}: {b.describe}" for b in _BUILDERS) or "none registered"
     what = type(assistant).__name__ if assistant is not None else "no assistant_model"
-    raise ValueError(f"no speculative mode fits target {type(target).__name__} with {what}. Supported: {known}.")
+    raise ValueError(
+        f"no speculative mode fits target {type(target).__name__} with {what}. Supported: {known}. Pass the drafter "
+        "built for this target (and a matching spec_mode), or neither for plain decoding; for transformers' own "
+        "assisted decoding with a small causal LM as assistant, call hf_specdec.disable(model) first."
+    )
+
+
+def _check_placement(target, assistant) -> None:
+    """An assistant model must sit on the target's device in the target's dtype: the drafter reads the target's
+    pages and feeds its hidden states. Refused rather than copied (a silent copy of a large model can OOM)."""
+    if not isinstance(assistant, torch.nn.Module):
+        return
+    param = next(assistant.parameters(), None)
+    if param is None:
+        return
+    device, dtype = target.device, target.dtype
+    if param.device != device:
+        raise ValueError(f"assistant_model is on {param.device} but the target on {device}; move it first: "
+                         f"assistant_model.to({str(device)!r}) (or load it with device_map={str(device)!r}).")
+    if param.dtype != dtype:
+        raise ValueError(f"assistant_model is in {param.dtype} but the target in {dtype}; load both in one dtype "
+                         f"(from_pretrained(..., dtype={dtype})) or call assistant_model.to({dtype}).")
