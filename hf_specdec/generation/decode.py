@@ -28,7 +28,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
-    runner = ModelRunner(model, state.layout, state.cache_config)
+    runner = ModelRunner(model, state.layout, state.cache_config, cuda_graphs=state.cuda_graphs)
     runner.start(prompt_lens, generation_config.max_length - input_ids.shape[1])
     try:
         # 1. prefill: every prompt token of every row, logits of the last one

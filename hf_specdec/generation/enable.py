@@ -22,26 +22,32 @@ class EnabledState:
     layout: KVLayout
     cache_config: CacheConfig
     original_attention: str
+    cuda_graphs: bool = True  # capture decode/verify forwards on CUDA devices (cuda_graphs.py)
     last_stats: SpecStats | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # one generate at a time per model
     owner: int | None = None  # thread id of the generate call holding the lock
 
 
-def enable(model, cache_config: CacheConfig | None = None):
+def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool | None = None):
     """Route ``model``'s attention and ``generate`` through hf_specdec; returns the same object.
 
-    Scoped to the instance and reversible (:func:`disable`). Plain forwards keep the model's behaviour."""
+    Scoped to the instance and reversible (:func:`disable`). Plain forwards keep the model's behaviour.
+    ``cuda_graphs`` (default True) replays decode and verify forwards as CUDA graphs on CUDA devices; the
+    environment variable ``HF_SPECDEC_CUDA_GRAPHS=0`` turns them off everywhere."""
     state = getattr(model, "_hf_specdec", None)
     if state is not None:
         if cache_config is not None:
             state.cache_config = cache_config
+        if cuda_graphs is not None:
+            state.cuda_graphs = cuda_graphs
         return model
     _check_supported(model)
     layout = kv_layout_from_config(model.config)
     register()
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
-    model._hf_specdec = EnabledState(layout, cache_config or CacheConfig(), original)
+    model._hf_specdec = EnabledState(layout, cache_config or CacheConfig(), original,
+                                     cuda_graphs=True if cuda_graphs is None else cuda_graphs)
     model.generate = types.MethodType(generate, model)
     return model
 

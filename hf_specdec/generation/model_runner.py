@@ -10,6 +10,7 @@ import torch
 
 from hf_specdec.cache import KVLayout, PagedKVCache
 from hf_specdec.config import CacheConfig
+from hf_specdec.generation.cuda_graphs import GraphRunner, HookedState, cuda_graphs_wanted
 
 # Keys of HF's prepared model_kwargs that the runner replaces with its own.
 _RUNNER_KEYS = {
@@ -46,11 +47,14 @@ def real_token_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
 class ModelRunner:
     """One paged forward at a time for ``model`` (an HF causal LM enabled by hf_specdec)."""
 
-    def __init__(self, model, layout: KVLayout, cache_config: CacheConfig):
+    def __init__(self, model, layout: KVLayout, cache_config: CacheConfig, cuda_graphs: bool = False):
         self.model = model
         self.layout = layout
         self.cache_config = cache_config
+        self.cuda_graphs = cuda_graphs
         self.cache: PagedKVCache | None = None
+        self.graphs: GraphRunner | None = None
+        self.hooked = HookedState(None)
         self._mask_stub: torch.Tensor | None = None
 
     def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0) -> PagedKVCache:
@@ -59,9 +63,21 @@ class ModelRunner:
                                               lookahead, dtype=dtype, device=self.model.device)
         # A 4D mask is passed through transformers' mask builders untouched; the paged attention ignores it.
         self._mask_stub = torch.ones(len(prompt_lens), 1, 1, 1, dtype=torch.bool, device=self.model.device)
+        if cuda_graphs_wanted(self.cuda_graphs, self.cache.device):
+            # the widest block table any row can reach in this request (what for_request sized it for)
+            width = -(-(max(prompt_lens) + max_new_tokens + lookahead) // self.cache_config.block_size) + 1
+            self.graphs = GraphRunner(self.model, self.cache, width, self.hooked)
         return self.cache
 
+    def record_hooks_of(self, holder) -> None:
+        """``holder`` (an object or a list) is where a drafter's forward hooks put what they record; graph
+        replays keep it current."""
+        self.hooked.holder = holder
+
     def finish(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         if self.cache is not None:
             self.cache.free()
         self.cache = None
@@ -69,11 +85,25 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, num_new: list[int], keep_logits: int = 0, **model_kwargs):
         """Run ``input_ids`` [batch, q_len] (right-aligned real tokens, ``num_new[b]`` per row) through the
         model, with logits of the last ``keep_logits`` slots (0: all); the tokens stay in the cache until
-        :meth:`commit` says otherwise. ``model_kwargs`` not owned by the runner (e.g. pixel inputs) pass through."""
+        :meth:`commit` says otherwise. ``model_kwargs`` not owned by the runner (e.g. pixel inputs) pass through.
+
+        Decode and verify forwards replay a CUDA graph from their second step on (see cuda_graphs); the
+        logits they return live in the graph's memory until the next forward."""
         meta = self.cache.begin_forward(num_new, input_ids.shape[1])
         extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
+        if self.graphs is None or not self.graphs.can_run(input_ids, extra):
+            return self._eager(input_ids, meta.position_ids, keep_logits, extra)
+        key = (tuple(input_ids.shape), keep_logits)
+        if self.graphs.has(key):
+            return self.graphs.replay(key, input_ids, meta)
+        out = self._eager(input_ids, meta.position_ids, keep_logits, extra)
+        self.graphs.capture(key, input_ids, meta,
+                            lambda ids: self._eager(ids, self.cache.meta.position_ids, keep_logits, {}))
+        return out
+
+    def _eager(self, input_ids, position_ids, keep_logits, extra):
         return self.model(
-            input_ids=input_ids, position_ids=meta.position_ids, attention_mask=self._mask_stub,
+            input_ids=input_ids, position_ids=position_ids, attention_mask=self._mask_stub,
             past_key_values=self.cache, paged_cache=self.cache, use_cache=True,
             logits_to_keep=keep_logits, return_dict=True, **extra,
         )

@@ -60,10 +60,11 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     stopper = RowStopper(stopping_criteria, generation_config)
     rows = [input_ids[b].tolist() for b in range(batch)]
     running = [True] * batch
-    runner = ModelRunner(model, state.layout, state.cache_config)
+    runner = ModelRunner(model, state.layout, state.cache_config, cuda_graphs=state.cuda_graphs)
     cache = runner.start(prompt_lens, generation_config.max_length - width, lookahead=k + 1)
     try:
         with drafter.capture(model) as captured:
+            runner.record_hooks_of(captured)
             # 1. prefill: the prompt, its last logits, and the first token (a plain step)
             outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, **model_kwargs)
             runner.commit(prompt_lens)

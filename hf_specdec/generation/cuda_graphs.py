@@ -1,0 +1,158 @@
+"""CUDA graphs for the target's decode and verify forwards.
+
+A decode (1 token per row) or verify (k+1 tokens per row) forward has the same shapes at every step of a
+request, so after running it once eagerly the runner captures it into a CUDA graph over static buffers:
+the token ids and the whole :class:`ForwardMeta` (positions, slot mappings, block tables padded to the
+widest table the request can reach, key lengths). Each later step copies the new ids and metadata into
+those buffers and replays the graph: one launch instead of the model's hundreds of kernel launches and
+Python calls. The Triton kernels read every length from device memory and size their grids from shapes
+alone, and ``PagedKVCache.update`` writes K/V by slot mapping, so a replay does exactly what an eager
+forward with the same inputs does (invariant 5: same tokens as eager).
+
+Forward hooks (a drafter recording hidden states) run only while capturing; what they recorded then are
+tensors inside the graph's memory, rewritten by each replay, so after a replay the runner puts them back
+where the drafter looks (``HookedState``).
+
+Graphs are kept per request (per :class:`ModelRunner`) and released with it. A forward that cannot be
+captured (a model doing host work inside its forward) falls back to eager for the rest of the request,
+with one warning saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import torch
+
+from hf_specdec.cache.paged_cache import ForwardMeta
+
+CUDA_GRAPHS_ENV = "HF_SPECDEC_CUDA_GRAPHS"
+MAX_GRAPH_QUERY_LEN = 32  # decode and verify forwards; prefills run eagerly
+
+
+def cuda_graphs_wanted(requested: bool, device: torch.device) -> bool:
+    """Whether a request on ``device`` uses graphs: asked for, on CUDA, and not switched off by the env."""
+    if os.environ.get(CUDA_GRAPHS_ENV) == "0":
+        return False
+    return requested and device.type == "cuda"
+
+
+class HookedState:
+    """What forward hooks of a drafter recorded (an object's attributes or a list's items), saved right
+    after a capture and put back after every replay of that graph."""
+
+    def __init__(self, holder):
+        self.holder = holder
+
+    def snapshot(self):
+        if self.holder is None:
+            return None
+        if isinstance(self.holder, list):
+            return list(self.holder)
+        return dict(vars(self.holder))
+
+    def restore(self, saved) -> None:
+        if saved is None:
+            return
+        if isinstance(self.holder, list):
+            self.holder[:] = saved
+        else:
+            vars(self.holder).update(saved)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor
+    meta: ForwardMeta
+    logits: torch.Tensor
+    hooked: object
+
+
+class GraphRunner:
+    """Captures and replays a model's fixed-shape forwards over one request's PagedKVCache."""
+
+    def __init__(self, model, cache, table_width: int, hooked: HookedState):
+        self.model = model
+        self.cache = cache
+        self.table_width = table_width
+        self.hooked = hooked
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.disabled_reason: str | None = None
+
+    def can_run(self, input_ids: torch.Tensor, extra: dict) -> bool:
+        return self.disabled_reason is None and not extra and input_ids.shape[1] <= MAX_GRAPH_QUERY_LEN
+
+    def has(self, key: tuple) -> bool:
+        return key in self.graphs
+
+    def replay(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMeta):
+        g = self.graphs[key]
+        g.input_ids.copy_(input_ids)
+        _copy_meta(g.meta, meta)
+        g.graph.replay()
+        self.hooked.restore(g.hooked)
+        return SimpleNamespace(logits=g.logits)
+
+    def capture(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMeta, forward) -> None:
+        """Capture ``forward(input_ids, meta)`` for ``key`` (after it ran eagerly with the same inputs, so a
+        warm-up replay rewrites the same K/V into the same slots). On failure, graphs are off for this runner."""
+        static_ids = input_ids.clone()
+        static_meta = _static_meta(meta, self.table_width)
+        live_meta = self.cache.meta
+        recorded = self.hooked.snapshot()  # the eager forward's records: what the caller reads next
+        self.cache.meta = static_meta
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                forward(static_ids)  # warm-up outside the graph (lazy inits must not be captured)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = forward(static_ids)
+            self.graphs[key] = _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot())
+        except Exception as error:  # noqa: BLE001 - any capture failure means: run this request eagerly
+            self.disabled_reason = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"hf_specdec could not capture a CUDA graph of {type(self.model).__name__}'s forward "
+                f"({self.disabled_reason}); decoding eagerly. Pass cuda_graphs=False to hf_specdec.enable to "
+                "skip the attempt.", RuntimeWarning, stacklevel=3,
+            )
+        finally:
+            self.cache.meta = live_meta
+            self.hooked.restore(recorded)
+
+    def release(self) -> None:
+        self.graphs.clear()
+
+
+def _static_meta(meta: ForwardMeta, table_width: int) -> ForwardMeta:
+    tables = []
+    for table in meta.block_tables:
+        static = torch.full((table.shape[0], max(table_width, table.shape[1])), -1, dtype=table.dtype,
+                            device=table.device)
+        static[:, : table.shape[1]].copy_(table)
+        tables.append(static)
+    return replace(meta, kv_lens=meta.kv_lens.clone(), q_pos0=meta.q_pos0.clone(), q_lens=meta.q_lens.clone(),
+                   position_ids=meta.position_ids.clone(), slot_mapping=[s.clone() for s in meta.slot_mapping],
+                   block_tables=tables)
+
+
+def _copy_meta(static: ForwardMeta, meta: ForwardMeta) -> None:
+    static.kv_lens.copy_(meta.kv_lens)
+    static.q_pos0.copy_(meta.q_pos0)
+    static.q_lens.copy_(meta.q_lens)
+    static.position_ids.copy_(meta.position_ids)
+    for dst, src in zip(static.slot_mapping, meta.slot_mapping):
+        dst.copy_(src)
+    for dst, src in zip(static.block_tables, meta.block_tables):
+        width = src.shape[1]
+        if width > dst.shape[1]:
+            raise RuntimeError(f"block table of width {width} exceeds the captured width {dst.shape[1]}")
+        dst[:, :width].copy_(src)
+        dst[:, width:].fill_(-1)
