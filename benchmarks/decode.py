@@ -1,0 +1,153 @@
+"""decode: plain greedy decoding, transformers (dynamic cache; static cache + torch.compile) vs hf_specdec, beside the bandwidth floor.
+
+    python -m benchmarks.decode [--shapes gemma4-31b gemma4-e4b] [--layers N] [--batch 1 8] [--quick | --smoke]
+
+Gemma 4 31B and E4B shapes with random bf16 weights (benchmarks/shapes.py; ``--layers`` cuts the depth and
+is recorded in model_shape). Backends: ``hf_dynamic`` (``generate``, DynamicCache), ``hf_static_compile``
+(``generate`` with a StaticCache, which transformers compiles with torch.compile on a GPU; on the CPU it runs
+uncompiled and the row says ``compiled: false``; a failure is recorded as the row's ``skipped`` reason) and
+``hf_specdec`` (``hf_specdec.enable``). tokens/s is steady-state decoding, prefill excluded:
+batch*(N-1) / (t(N) - t(1)). ``floor_tokens_per_s`` = measured copy bandwidth / bytes streamed per step
+(weights once, K/V of the context per row). Tokens are compared with ``hf_dynamic``; a mismatch is reported
+with the reference's top-2 logit gap there (``near_tie`` when within 2 bf16 ulps, DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import hf_specdec
+from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, first_mismatch, free_device_memory
+from benchmarks.shapes import floor_tokens_per_s, gemma4_target, random_prompt, shape_name
+
+NAME = "decode"
+BACKENDS = ("hf_dynamic", "hf_static_compile", "hf_specdec")
+COLUMNS = ["model_shape", "backend", "batch", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor",
+           "speedup_vs_hf_dynamic", "same_tokens", "skipped"]
+PRESETS = {
+    "smoke": dict(shapes=["smoke-31b", "smoke-e4b"], batch=[1, 2], prompt=12, new_tokens=5),
+    "quick": dict(layers=12, prompt=256, new_tokens=32, compile_batches=[1]),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--shapes", nargs="+", default=["gemma4-31b", "gemma4-e4b"])
+    parser.add_argument("--layers", type=int, default=None, help="cut every shape to this many layers")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per row")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--compile-batches", type=int, nargs="+", default=None,
+                        help="batch sizes that run hf_static_compile (default: all; each costs a compile)")
+
+
+def run(args, progress) -> list[dict]:
+    bandwidth = copy_bandwidth_gb_s(args.device)
+    progress.total(len(args.shapes) * len(args.batch) * len(args.backends))
+    rows = []
+    for shape in args.shapes:
+        model = gemma4_target(shape, args.layers, args.device, args.dtype)
+        for batch in args.batch:
+            rows += bench_batch(model, shape_name(shape, args.layers), batch, bandwidth, args, progress)
+        del model
+        free_device_memory()
+    return rows
+
+
+def bench_batch(model, model_shape: str, batch: int, bandwidth: float, args, progress) -> list[dict]:
+    ids = random_prompt(batch, args.prompt, model.config.vocab_size, args.device)
+    floor = floor_tokens_per_s(model, batch, args.prompt + args.new_tokens // 2, bandwidth)
+    common = dict(model_shape=model_shape, batch=batch, k=None, prompt=args.prompt, new_tokens=args.new_tokens,
+                  copy_gb_s=round(bandwidth, 1), floor_tokens_per_s=floor["floor_tokens_per_s"],
+                  weight_gb=floor["weight_bytes"] / 1e9, kv_gb=floor["kv_bytes"] / 1e9)
+    rows, reference = [], None
+    for backend in args.backends:
+        row = dict(common, backend=backend, tokens_per_s=None, same_tokens=None, skipped=None)
+        if backend == "hf_static_compile" and args.compile_batches is not None and batch not in args.compile_batches:
+            row["skipped"] = f"batch {batch} not in --compile-batches {args.compile_batches}"
+        else:
+            try:
+                measured = MEASURE[backend](model, ids, args)
+            except Exception as err:  # a baseline that does not run on this version/device is a result too
+                row["skipped"] = f"{type(err).__name__}: {err}"[:300]
+                measured = None
+            if measured is not None:
+                reference = _fill(row, measured, reference)
+        rows.append(row)
+        progress.step(f"{model_shape} b{batch} {backend}")
+    base = next((r["tokens_per_s"] for r in rows if r["backend"] == "hf_dynamic" and r["tokens_per_s"]), None)
+    for r in rows:
+        if r["tokens_per_s"]:
+            r["pct_of_floor"] = 100 * r["tokens_per_s"] / r["floor_tokens_per_s"]
+            r["speedup_vs_hf_dynamic"] = r["tokens_per_s"] / base if base else None
+    return rows
+
+
+def _fill(row: dict, measured: dict, reference):
+    out = measured.pop("output")
+    row.update(tokens_per_s=measured["tokens_per_s"], **measured.get("extra", {}))
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    if reference is None:
+        row["same_tokens"] = True
+        return (sequences, getattr(out, "logits", None))
+    mismatch = first_mismatch(reference[0], sequences, reference[1])
+    row["same_tokens"] = mismatch is None
+    if mismatch:
+        row["first_mismatch"] = mismatch
+        row["near_tie"] = _near_tie(reference[1], mismatch, reference[0].shape[1])
+    return reference
+
+
+def _near_tie(logits, mismatch, width) -> bool:
+    """Whether the reference's top-2 logits at the first mismatch are within 2 bf16 ulps of each other."""
+    if logits is None or mismatch["top2_gap"] is None:
+        return False
+    step = mismatch["column"] - (width - len(logits))
+    top = float(logits[step].float().abs().max())
+    ulp = 2.0 ** (math.floor(math.log2(max(top, 1e-30))) - 7)
+    return mismatch["top2_gap"] <= 2 * ulp
+
+
+def _generate_kwargs(ids, n: int, **extra) -> dict:
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **extra)
+
+
+def measure_hf_dynamic(model, ids, args) -> dict:
+    def generate(n):
+        return model.generate(**_generate_kwargs(ids, n, return_dict_in_generate=True, output_logits=True))
+
+    return decode_rate(generate, ids.shape[0], args.new_tokens)
+
+
+def measure_hf_static_compile(model, ids, args) -> dict:
+    from transformers import StaticCache
+
+    # One cache of one size for every call: the compiled graph is reused across lengths (no recompile).
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + args.new_tokens + 1)
+
+    def generate(n):
+        cache.reset()
+        return model.generate(**_generate_kwargs(ids, n, past_key_values=cache))
+
+    result = decode_rate(generate, ids.shape[0], args.new_tokens)
+    result["extra"] = {"compiled": model.device.type == "cuda"}
+    return result
+
+
+def measure_hf_specdec(model, ids, args) -> dict:
+    hf_specdec.enable(model)
+    try:
+        return decode_rate(lambda n: model.generate(**_generate_kwargs(ids, n)), ids.shape[0], args.new_tokens)
+    finally:
+        hf_specdec.disable(model)
+
+
+MEASURE = {"hf_dynamic": measure_hf_dynamic, "hf_static_compile": measure_hf_static_compile,
+           "hf_specdec": measure_hf_specdec}
+
+main = bench_main(__import__(__name__, fromlist=["NAME"]))
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""e2e_synthetic: end-to-end Gemma 4 MTP decoding at a fixed acceptance rate, beside plain decoding.
+
+    python -m benchmarks.e2e_synthetic [--shape gemma4-31b] [--layers N] [--alpha 0.6 0.8] [--k 7] [--batch 1 32] [--quick | --smoke]
+
+Random weights accept almost no drafts, so the speculative rows run the real MTP assistant (its real
+draft cost) but accept each draft with probability alpha (``SyntheticAcceptance``,
+benchmarks/drafters.py, through the loop's benchmark-only ``synthetic_acceptance`` hook): the committed
+tokens are not the target's greedy tokens, and these rows say ``lossless: false``. This measures system
+throughput at a given tau (expected tau = sum_{i<=k} alpha^i), as vLLM's synthetic acceptance mode does.
+Beside them: ``hf_dynamic`` (transformers ``generate``) and ``hf_specdec`` plain on the same shape.
+tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)). ``vs_floor_tau`` =
+tokens/s / (tau * floor tokens/s), the fraction of the ideal "tau tokens per bandwidth-bound step".
+"""
+
+from __future__ import annotations
+
+import torch
+
+import hf_specdec
+from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, free_device_memory
+from benchmarks.drafters import SyntheticAcceptance, expected_tau
+from benchmarks.shapes import floor_tokens_per_s, gemma4_assistant, gemma4_target, random_prompt, shape_name
+from hf_specdec.generation.registry import build_drafter
+
+NAME = "e2e_synthetic"
+COLUMNS = ["model_shape", "backend", "batch", "k", "alpha", "tau", "expected_tau", "tokens_per_s",
+           "speedup_vs_plain", "vs_floor_tau", "lossless"]
+PRESETS = {
+    "smoke": dict(shape="smoke-31b", batch=[1, 4], prompt=12, new_tokens=8, k=3),
+    "quick": dict(layers=12, prompt=256, new_tokens=32),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--shape", default="gemma4-31b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--alpha", type=float, nargs="+", default=[0.6, 0.8])
+    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers generate rows")
+
+
+def run(args, progress) -> list[dict]:
+    bandwidth = copy_bandwidth_gb_s(args.device)
+    target = gemma4_target(args.shape, args.layers, args.device, args.dtype)
+    assistant = gemma4_assistant(args.shape, target, args.device, args.dtype)
+    model_shape = shape_name(args.shape, args.layers)
+    progress.total(len(args.batch) * (len(args.alpha) + 2))
+    rows = []
+    for batch in args.batch:
+        ids = random_prompt(batch, args.prompt, target.config.vocab_size, args.device)
+        floor = floor_tokens_per_s(target, batch, args.prompt + args.new_tokens // 2, bandwidth)["floor_tokens_per_s"]
+        common = dict(model_shape=model_shape, batch=batch, prompt=args.prompt, new_tokens=args.new_tokens,
+                      floor_tokens_per_s=floor)
+        batch_rows = []
+        if not args.skip_hf:
+            batch_rows.append(dict(common, backend="hf_dynamic", k=None, alpha=None, lossless=True,
+                                   **_speed(target, ids, args, {})))
+            progress.step(f"b{batch} hf_dynamic")
+        hf_specdec.enable(target)
+        batch_rows.append(dict(common, backend="hf_specdec", k=None, alpha=None, lossless=True,
+                               **_speed(target, ids, args, {})))
+        progress.step(f"b{batch} hf_specdec")
+        for alpha in args.alpha:
+            drafter = SyntheticAcceptance(build_drafter(target, assistant, "mtp", args.k), alpha)
+            batch_rows.append(dict(common, backend="hf_specdec_mtp_synthetic", k=args.k, alpha=alpha, lossless=False,
+                                   expected_tau=expected_tau(alpha, args.k),
+                                   **_speed(target, ids, args, dict(assistant_model=drafter))))
+            progress.step(f"b{batch} alpha {alpha}")
+        hf_specdec.disable(target)
+        plain = next(r["tokens_per_s"] for r in batch_rows if r["backend"] == "hf_specdec")
+        for r in batch_rows:
+            r["speedup_vs_plain"] = r["tokens_per_s"] / plain
+            r["vs_floor_tau"] = r["tokens_per_s"] / (r["tau"] * floor)
+        rows += batch_rows
+    del target, assistant
+    free_device_memory()
+    return rows
+
+
+def _speed(target, ids, args, extra: dict) -> dict:
+    enabled = getattr(target, "_hf_specdec", None) is not None
+
+    def generate(n):
+        return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               do_sample=False, **extra)
+
+    stats = (lambda _out: hf_specdec.last_generation_stats(target).num_target_forwards) if enabled else None
+    measured = decode_rate(generate, ids.shape[0], args.new_tokens, stats=stats)
+    tau = hf_specdec.last_generation_stats(target).mean_accepted_length if enabled else 1.0
+    return {"tokens_per_s": measured["tokens_per_s"], "tau": tau}
+
+
+main = bench_main(__import__(__name__, fromlist=["NAME"]))
+
+if __name__ == "__main__":
+    raise SystemExit(main())

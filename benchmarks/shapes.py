@@ -1,0 +1,236 @@
+"""Model shapes the benchmarks run: real public shapes with random weights, cut in depth on request.
+
+Targets (REFERENCE.md §1, §4):
+- ``gemma4-31b``: 60 layers, hidden 5376, intermediate 21504, 32 q heads; sliding 16 kv x 256 (window 1024),
+  full 4 kv x 512 with attention_k_eq_v; vocab 262144; no KV sharing, no per-layer inputs.
+- ``gemma4-e4b``: 42 layers, hidden 2560, intermediate 10240, 8 q / 2 kv heads, 256 / 512 head dims,
+  window 512, the last 18 layers KV-shared, per-layer inputs (PLE) of 256.
+- ``step3p5``: hidden 4096, vocab 128896; full layers 64 q heads, sliding 96, 8 kv, d128, window 512;
+  layers 0-2 dense (11264), later layers MoE (288 experts top-8, 1280, one shared expert); 3 sliding MTP layers.
+- ``smoke-*``: the same structure at toy sizes, for CPU runs in seconds.
+
+``layers=N`` keeps each family's layer pattern ([5 sliding, 1 full], last layer full) at depth N; a cut
+Gemma 4 E4B keeps its shared fraction (18/42) of KV-shared layers. The depth is part of ``model_shape``
+(``gemma4-31b/L12``).
+
+Gemma 4 MTP assistants (REFERENCE.md §2): every layer reads its producer's K/V, so kv heads and head
+dims follow the target; four layers [S, S, S, F], ordered embeddings (2048 centroids, top 32). Public
+facts fix the E2B assistant (hidden 256, 4 heads); its intermediate size (2048) is as read by third-party
+converters. No public config of the E4B or 31B assistant was at hand: E4B's is taken as E2B's; the 31B
+one (hidden 1024, 32 heads, intermediate 8192) is inferred from its published size (~0.5B parameters,
+927 MB bf16) and is marked ``assistant_shape_source="inferred"`` in records.
+
+Random weights are created on the device in the benchmark dtype by the models' own initialisers (normal,
+std 0.02): a 60 GB model is ready in seconds, no checkpoint is read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+S, F = "sliding_attention", "full_attention"
+
+GEMMA4_TARGETS = {
+    "gemma4-31b": dict(
+        vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+        num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
+        attention_k_eq_v=True, sliding_window=1024, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+    ),
+    "gemma4-e4b": dict(
+        vocab_size=262144, hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, global_head_dim=512, sliding_window=512, num_kv_shared_layers=18,
+        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+    ),
+    "smoke-31b": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=16, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+    ),
+    "smoke-e4b": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, global_head_dim=32, sliding_window=16, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+    ),
+}
+
+# (assistant text-config fields, where they come from)
+GEMMA4_ASSISTANTS = {
+    "gemma4-31b": (dict(hidden_size=1024, intermediate_size=8192, num_attention_heads=32), "inferred"),
+    "gemma4-e4b": (dict(hidden_size=256, intermediate_size=2048, num_attention_heads=4), "e2b-assistant"),
+    "smoke-31b": (dict(hidden_size=32, intermediate_size=64, num_attention_heads=4), "toy"),
+    "smoke-e4b": (dict(hidden_size=32, intermediate_size=64, num_attention_heads=4), "toy"),
+}
+ASSISTANT_LAYER_TYPES = [S, S, S, F]
+
+STEP3P5 = {
+    "step3p5": dict(hidden_size=4096, vocab_size=128896, heads=64, other_heads=96, kv=8, head_dim=128, window=512,
+                    intermediate=11264, experts=288, top_k=8, expert_size=1280, num_layers=45),
+    "smoke-step3p5": dict(hidden_size=64, vocab_size=512, heads=4, other_heads=6, kv=2, head_dim=16, window=16,
+                          intermediate=128, experts=4, top_k=2, expert_size=32, num_layers=5),
+}
+
+
+def shape_name(shape: str, layers: int | None) -> str:
+    return f"{shape}/L{layers}" if layers else shape
+
+
+def gemma4_layer_types(num_layers: int) -> list[str]:
+    types = [F if (i + 1) % 6 == 0 else S for i in range(num_layers)]
+    types[-1] = F
+    return types
+
+
+def gemma4_config(shape: str, layers: int | None = None):
+    """Gemma4TextConfig of a target shape, cut to ``layers`` when given."""
+    from transformers import Gemma4TextConfig
+
+    fields = dict(GEMMA4_TARGETS[shape])
+    full_depth = fields["num_hidden_layers"]
+    num_layers = layers or full_depth
+    shared = round(fields["num_kv_shared_layers"] * num_layers / full_depth)
+    if num_layers - shared < 6:  # the producers (last owning sliding and full layer) must stay
+        shared = 0
+    fields.update(num_hidden_layers=num_layers, num_kv_shared_layers=shared, layer_types=gemma4_layer_types(num_layers),
+                  final_logit_softcapping=30.0, pad_token_id=0, eos_token_id=None, bos_token_id=2)
+    return Gemma4TextConfig(**fields)
+
+
+def gemma4_assistant_config(shape: str, target_config):
+    """HFSpecGemma4AssistantConfig of the MTP assistant for a target shape (see the module docstring)."""
+    from hf_specdec.models.gemma4 import HFSpecGemma4AssistantConfig, producer_layer_for
+
+    own, _ = GEMMA4_ASSISTANTS[shape]
+    sliding = target_config.per_layer_config[producer_layer_for(target_config, S)]
+    full = target_config.per_layer_config[producer_layer_for(target_config, F)]
+    vocab = target_config.vocab_size
+    text = dict(
+        model_type="gemma4_text", vocab_size=vocab, num_hidden_layers=len(ASSISTANT_LAYER_TYPES),
+        layer_types=list(ASSISTANT_LAYER_TYPES), num_key_value_heads=sliding.num_key_value_heads,
+        head_dim=sliding.head_dim, global_head_dim=full.head_dim, attention_k_eq_v=target_config.attention_k_eq_v,
+        num_kv_shared_layers=len(ASSISTANT_LAYER_TYPES), sliding_window=target_config.sliding_window,
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, final_logit_softcapping=None,
+        rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", **own,
+    )
+    if target_config.attention_k_eq_v:
+        text["num_global_key_value_heads"] = full.num_key_value_heads
+    centroids = 2048 if vocab % 2048 == 0 and vocab >= 2048 * 32 else 16
+    return HFSpecGemma4AssistantConfig(text_config=text, backbone_hidden_size=target_config.hidden_size,
+                                       use_ordered_embeddings=True, num_centroids=centroids,
+                                       centroid_intermediate_top_k=32 if centroids == 2048 else 4,
+                                       tie_word_embeddings=True)
+
+
+def step3p5_config(shape: str, layers: int | None = None):
+    """Step3p5Config of a (cut) Step 3.5 shape with its 3 MTP layers."""
+    from hf_specdec.models.step3p5 import Step3p5Config
+
+    s = STEP3P5[shape]
+    num_layers = layers or s["num_layers"]
+    types = [F if i % 4 == 0 else S for i in range(num_layers)] + [S] * 3
+    dense = min(3, num_layers - 1) if num_layers > 1 else 1
+    return Step3p5Config(
+        model_type="step3p5", vocab_size=s["vocab_size"], hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate"], num_hidden_layers=num_layers, num_attention_heads=s["heads"],
+        num_attention_groups=s["kv"], head_dim=s["head_dim"],
+        attention_other_setting={"attention_type": S, "num_attention_heads": s["other_heads"],
+                                 "num_attention_groups": s["kv"], "head_dim": s["head_dim"]},
+        layer_types=types, sliding_window=s["window"], rope_theta=[5e6 if t == F else 1e4 for t in types],
+        partial_rotary_factors=[0.5 if t == F else 1.0 for t in types],
+        rope_scaling={"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 4096,
+                      "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        yarn_only_types=[F], use_head_wise_attn_gate=True,
+        moe_layers_enum=",".join(str(i) for i in range(dense, num_layers)), moe_num_experts=s["experts"],
+        moe_top_k=s["top_k"], moe_intermediate_size=s["expert_size"], moe_router_scaling_factor=3.0,
+        moe_router_activation="sigmoid", use_moe_router_bias=True, need_fp32_gate=True, norm_expert_weight=True,
+        share_expert_dim=s["expert_size"], num_nextn_predict_layers=3, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=65536, pad_token_id=0, eos_token_id=None, bos_token_id=2,
+    )
+
+
+def build_on_device(model_class, config, device: str, dtype: torch.dtype, seed: int = 0):
+    """``model_class(config)`` created directly on ``device`` in ``dtype`` (its own random init), eval mode."""
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = None  # random weights: never stop early, every row runs to the end
+        model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def gemma4_target(shape: str, layers: int | None, device: str, dtype: torch.dtype):
+    from transformers import Gemma4ForCausalLM
+
+    return build_on_device(Gemma4ForCausalLM, gemma4_config(shape, layers), device, dtype)
+
+
+def gemma4_assistant(shape: str, target, device: str, dtype: torch.dtype):
+    from hf_specdec.models.gemma4 import Gemma4MTPAssistant
+
+    config = gemma4_assistant_config(shape, target.config)
+    assistant = build_on_device(Gemma4MTPAssistant, config, device, dtype, seed=1)
+    with torch.no_grad():  # a shuffled ordering, as trained checkpoints have (the identity would be a special case)
+        ordering = assistant.masked_embedding.token_ordering
+        ordering.copy_(torch.randperm(ordering.numel(), generator=torch.Generator().manual_seed(1)).to(ordering.device))
+    return assistant
+
+
+def step3p5_target(shape: str, layers: int | None, device: str, dtype: torch.dtype):
+    from hf_specdec.models.step3p5 import Step3p5ForCausalLM
+
+    return build_on_device(Step3p5ForCausalLM, step3p5_config(shape, layers), device, dtype)
+
+
+def random_prompt(batch: int, length: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
+    """[batch, length] token ids, avoiding the special ids 0-2."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=gen).to(device)
+
+
+def streamed_bytes_per_step(model, batch: int, context: int) -> dict:
+    """Bytes a decode step must read: every weight once (lookup tables: one row per token), plus the K/V of
+    ``context`` tokens (the window on sliding layers) per row in each layer that owns K/V."""
+    config = model.config.get_text_config()
+    lookups = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    head = model.get_output_embeddings()
+    head_weight = head.weight if head is not None else None
+    weight_bytes = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        if any(p is w for w in lookups) and p is not head_weight:
+            weight_bytes += batch * p.shape[-1] * p.element_size()
+        else:
+            weight_bytes += p.numel() * p.element_size()
+    kv_bytes = 0
+    element = next(model.parameters()).element_size()
+    for heads, dim, window in _kv_layers(config):
+        kv_bytes += 2 * batch * min(context, window or context) * heads * dim * element
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bytes_per_step": weight_bytes + kv_bytes}
+
+
+def _kv_layers(config):
+    """(kv heads, head dim, window) of each layer that owns K/V."""
+    if hasattr(config, "per_layer_config"):  # Gemma 4
+        owners = config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+        for i in range(owners):
+            layer = config.per_layer_config[i]
+            window = config.sliding_window if config.layer_types[i] == S else None
+            yield layer.num_key_value_heads, layer.head_dim, window
+    elif hasattr(config, "layer_num_kv_heads"):  # Step 3.5 (main layers)
+        for i in range(config.num_hidden_layers):
+            yield config.layer_num_kv_heads(i), config.layer_head_dim(i), config.layer_sliding_window(i)
+    else:
+        heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        for _ in range(config.num_hidden_layers):
+            yield heads, dim, getattr(config, "sliding_window", None)
+
+
+def floor_tokens_per_s(model, batch: int, context: int, bandwidth_gb_s: float) -> dict:
+    """The memory-bandwidth floor of plain decoding: measured copy bandwidth / bytes streamed per step."""
+    streamed = streamed_bytes_per_step(model, batch, context)
+    return {**streamed, "floor_tokens_per_s": bandwidth_gb_s * 1e9 / streamed["bytes_per_step"] * batch}

@@ -1,0 +1,86 @@
+"""Every benchmark's --smoke mode runs in-process on the CPU, writes records with the common fields, and its
+token checks hold (timings are never asserted here: they live in benchmarks/)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from benchmarks.common import RECORD_FIELDS, run_bench
+from benchmarks.run_all import BENCHES
+
+
+_RUNS: dict[str, tuple] = {}  # each bench's smoke run happens once per session: (records, last stdout line)
+
+
+@pytest.fixture
+def smoke(tmp_path_factory, capsys):
+    def run(name):
+        if name not in _RUNS:
+            folder = tmp_path_factory.mktemp(name)
+            run_bench(importlib.import_module(f"benchmarks.{name}"), ["--smoke", "--results-dir", str(folder)],
+                      quiet=True)
+            written = [json.loads(line) for line in (folder / f"{name}.jsonl").read_text().splitlines()]
+            _RUNS[name] = (written, capsys.readouterr().out.strip().splitlines()[-1], folder)
+        return _RUNS[name][0]
+
+    return run
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_bench_smoke_writes_records_and_ends_with_json(name, smoke):
+    records = smoke(name)
+    assert json.loads(_RUNS[name][1])["bench"] == name
+    assert records and any(r["tokens_per_s"] for r in records)
+    for record in records:
+        assert set(RECORD_FIELDS) <= record.keys()
+        assert record["bench"] == name and record["gpu"] == "cpu" and record["command"].endswith("--smoke")
+
+
+def test_decode_rows_match_transformers_tokens(smoke):
+    records = smoke("decode")
+    assert {r["backend"] for r in records} == {"hf_dynamic", "hf_static_compile", "hf_specdec"}
+    for r in records:
+        assert r["floor_tokens_per_s"] > 0
+        assert r["skipped"] or r["same_tokens"], r
+
+
+def test_verify_and_draft_cost_ratios(smoke):
+    verify = smoke("verify_cost")
+    assert {r["k"] for r in verify if r["backend"] == "hf_specdec_verify"} == {1, 3}
+    assert all(r["ratio_to_decode"] > 0 for r in verify)
+    draft = smoke("draft_cost")
+    assert {"gemma4_mtp", "step3p5_mtp"} <= {r["backend"] for r in draft}
+    assert all(r["ratio"] > 0 for r in draft if not r["skipped"])
+
+
+def test_synthetic_rows_are_flagged_not_lossless_and_accept_drafts(smoke):
+    records = smoke("e2e_synthetic")
+    synthetic = [r for r in records if r["backend"] == "hf_specdec_mtp_synthetic"]
+    assert synthetic and all(r["lossless"] is False for r in synthetic)
+    assert all(r["tau"] > 1 for r in synthetic)  # random weights alone would accept ~nothing
+    assert all(r["lossless"] is True for r in records if r not in synthetic)
+
+
+def test_assisted_and_tiny_rows_give_transformers_tokens(smoke):
+    native = smoke("hf_native_assisted")
+    for r in native:
+        assert r.get("skipped") or r["same_tokens"], r
+    assert all(r["same_tokens"] for r in native if r["backend"] == "hf_specdec_mtp")
+    tiny = smoke("e2e_tiny")
+    assert all(r["same_tokens"] for r in tiny)
+    assert any(r["model_shape"] == "tiny-step3p5" and r["backend"] == "hf_specdec_mtp" for r in tiny)
+
+
+def test_report_writes_readme_with_gpu_commit_and_command(smoke, tmp_path):
+    from benchmarks.report import load_records, write_report
+
+    smoke("verify_cost")
+    records = load_records(_RUNS["verify_cost"][2])
+    written = write_report(records, tmp_path / "README.md", tmp_path / "plot.png")
+    text = (tmp_path / "README.md").read_text()
+    assert "| cpu |" in text and "`python -m benchmarks.verify_cost --smoke`" in text
+    if written["plot"]:
+        assert (tmp_path / "plot.png").stat().st_size > 0
