@@ -1,4 +1,4 @@
-"""Command line: ``python -m hf_specdec demo`` / ``hf-specdec generate ...``."""
+"""Command line: ``python -m hf_specdec demo`` / ``hf-specdec generate ...`` / ``hf-specdec bench NAME``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,25 @@ DEMO_PROMPTS = [
     "import os\n\n\ndef list_python_files(root):\n",
     "class Stack:\n    def __init__(self):\n",
 ]
+
+
+# The benchmarks live in benchmarks/ beside the package (not installed with it); the names are listed here so
+# that `bench --help` works without them.
+BENCHES = {
+    "decode": "plain decoding: transformers dynamic / static+compile vs hf_specdec, beside the bandwidth floor",
+    "verify_cost": "one verify step (k+1 tokens per row) / one decode step",
+    "draft_cost": "one draft step (Gemma 4 MTP, Step 3.5 MTP, DFlash) / one target step",
+    "e2e_synthetic": "MTP end to end at a fixed acceptance rate (not lossless) beside plain decoding",
+    "hf_native_assisted": "transformers' assisted decoding vs hf_specdec MTP on identical weights",
+    "e2e_tiny": "the bundled tiny family: plain vs every speculative mode, real tau",
+    "all": "every benchmark above at one size (run_all), then benchmarks/README.md and the plot",
+}
+BENCH_DESCRIPTION = (
+    "Run one benchmark of benchmarks/ with a progress bar. It prints a table and one JSON line, appends its\n"
+    "records to benchmarks/results/<name>.jsonl and writes benchmarks/results/<name>.png. Sizes: --smoke (CPU,\n"
+    "seconds), --quick (the GPU size of run_all), or the full default. Needs a source checkout: run it from the\n"
+    "repository root.\n\nbenchmarks:\n" + "\n".join(f"  {name:<20}{text}" for name, text in BENCHES.items())
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-stream", action="store_true", help="print the completion at the end instead of streaming")
+    bench = commands.add_parser(
+        "bench", help="run a benchmark of the source checkout's benchmarks/ folder (progress bar, JSON record, plot)",
+        description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("name", choices=sorted(BENCHES), help="the benchmark to run (listed above)")
+    bench.add_argument("options", nargs=argparse.REMAINDER,
+                       help="the benchmark's own options, e.g. --smoke, --quick, --batch 1 8 "
+                            "(`bench NAME --help` lists them)")
     args = parser.parse_args(argv)
-    return {"demo": run_demo, "generate": run_generate}[args.command](args)
+    return {"demo": run_demo, "generate": run_generate, "bench": run_bench}[args.command](args)
 
 
 def load_demo_model():
@@ -169,3 +195,41 @@ def run_generate(args) -> int:
     stats = hf_specdec.last_generation_stats(model)
     print(f"\n[{stats.num_generated_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s]", file=sys.stderr)
     return 0
+
+
+def _import_benchmarks():
+    """The source checkout's ``benchmarks`` package, or None when this install has none."""
+    import importlib
+    import pathlib
+
+    checkout = pathlib.Path(__file__).resolve().parents[1]
+    if (checkout / "benchmarks" / "common.py").exists() and str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    try:
+        common = importlib.import_module("benchmarks.common")
+    except ImportError:
+        return None
+    return common if hasattr(common, "run_bench") else None
+
+
+def run_bench(args) -> int:
+    """``hf-specdec bench NAME [options]``: the bench with a progress bar, its records and a plot."""
+    import importlib
+
+    common = _import_benchmarks()
+    if common is None:
+        print("hf-specdec bench needs the benchmarks/ folder of a source checkout of hf_specdec; this install has "
+              "none (the benchmarks live outside the package). Clone the repository, run `pip install -e '.[dev]'` "
+              "in it, and run `python -m hf_specdec bench NAME` from its root.", file=sys.stderr)
+        return 2
+    if args.name == "all":
+        return importlib.import_module("benchmarks.run_all").main(args.options)
+    module = importlib.import_module(f"benchmarks.{args.name}")
+    records = common.run_bench(module, args.options, progress=True)
+    if records:
+        results_dir = common.parse_args(module, args.options).results_dir or common.RESULTS_DIR
+        plot = importlib.import_module("benchmarks.report").plot(records, f"{results_dir}/{args.name}.png")
+        if plot is not None:
+            print(f"[hf-specdec bench] plot: {plot}", file=sys.stderr)
+    failed = any(r.get("same_tokens") is False and not r.get("near_tie") for r in records)
+    return 1 if failed else 0
