@@ -1,9 +1,9 @@
 """Bad input, across modes: each call raises the exact error type with a message that names the fix, or is
 supported and gives transformers' answer — never a silent wrong answer.
 
-Models: the bundled tiny Gemma 4 with its MTP assistant and the bundled tiny Step 3.5 (3 MTP layers) where
-a real checkpoint matters; tiny random configs for mismatched assistants; a DFlash drafter once one is
-registered for ``spec_mode="dflash"`` (skipped with the reason until then).
+Models (tests/bundled.py): the bundled tiny Gemma 4 with its MTP assistant, the bundled tiny Step 3.5 with
+its 3 MTP layers, a DFlash drafter for the tiny Gemma 4 (skipped with the reason while none is registered);
+tiny random configs for mismatched assistants.
 """
 
 import threading
@@ -13,34 +13,26 @@ import torch
 from transformers import TextIteratorStreamer
 
 import hf_specdec
-from hf_specdec.assets import asset_path, available_assets
+from hf_specdec.assets import asset_path
 from hf_specdec.cache import CacheCapacityError
-from hf_specdec.generation import registry
+from tests import bundled
 from tests.models.gemma4.helpers import assistant_config_dict, random_state_dict, released_layout, write_checkpoint
 from tests.models.step3p5 import tiny_step3p5
 from tests.tiny_models import gemma4_e2b_style, left_padded_batch, llama
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-SPEC_MODES = ["gemma_mtp", "step_mtp", "gemma_dflash"]
-MODES = ["plain"] + SPEC_MODES
+SPEC_MODES, MODES = bundled.SPEC_MODES, bundled.MODES
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def gemma():
-    """(enabled tiny-gemma4, its assistant, a stock copy of the target), fp32."""
-    path = asset_path("tiny-gemma4")
-    target = hf_specdec.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    assistant = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-assistant"),
-                                                                dtype=torch.float32)
-    import transformers
-
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return target, assistant, reference
+    """(enabled tiny-gemma4, its MTP assistant, a stock copy of the target)."""
+    return bundled.gemma()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def step():
-    return hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-step3p5"), dtype=torch.float32)
+    return bundled.step()[0]
 
 
 def _batch(lengths=(7, 4), vocab=4096):
@@ -55,7 +47,7 @@ def _random_assistant(tmp_path, target, name="assistant"):
 
 def _dflash_drafter(target, **kwargs):
     """A random DFlash drafter for ``target``, or skip while no builder serves spec_mode="dflash"."""
-    if not any(b.spec_mode == "dflash" for b in registry._BUILDERS):
+    if not bundled.dflash_registered():
         pytest.skip("no DFlash drafter is registered for spec_mode='dflash' yet (hf_specdec.models.dflash)")
     from tests.models.dflash.helpers import random_drafter
 
@@ -252,10 +244,8 @@ def test_a_prompt_longer_than_the_cache_can_hold(gemma, step, mode, knob):
 
 def test_a_streamer_consumer_is_released_when_generate_fails(gemma):
     """A TextIteratorStreamer read in another thread ends instead of waiting forever."""
-    from transformers import AutoTokenizer
-
     target, _, _ = gemma
-    tok = AutoTokenizer.from_pretrained(asset_path("tiny-gemma4"))
+    tok = bundled.tokenizer()
     streamer = TextIteratorStreamer(tok, skip_prompt=True, timeout=10)
     saved = target._hf_specdec.cache_config
     hf_specdec.enable(target, hf_specdec.CacheConfig(block_size=16, max_cache_tokens=16))
@@ -405,17 +395,7 @@ class _Recorder:
 
 def _mode(gemma, step, mode):
     """(model, generate kwargs) of a decoding mode."""
-    target, assistant, _ = gemma
-    if mode == "gemma_dflash":
-        return target, dict(assistant_model=_bundled_or_random_dflash(target), spec_mode="dflash")
-    return {"plain": (target, {}), "gemma_mtp": (target, dict(assistant_model=assistant, num_speculative_tokens=3)),
-            "step_mtp": (step, dict(spec_mode="mtp", num_speculative_tokens=2))}[mode]
-
-
-def _bundled_or_random_dflash(target):
-    if "tiny-gemma4-dflash" in available_assets():
-        return hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"), dtype=torch.float32)
-    return _dflash_drafter(target)
+    return bundled.mode(mode)[:2]
 
 
 def _disabled(model, fn):
