@@ -39,8 +39,9 @@ class CopyDrafter:
             logits = self._next_logits([torch.cat([p, d]) for p, d in zip(prefixes, drafted)])
             token, q = selector.select(logits, drafted)
             if self.noise and q is None:
-                flip = torch.rand(len(token), generator=self.gen) < self.noise
-                token = torch.where(flip, torch.randint(3, logits.shape[-1], token.shape, generator=self.gen), token)
+                flip = (torch.rand(len(token), generator=self.gen) < self.noise).to(token.device)
+                noise = torch.randint(3, logits.shape[-1], token.shape, generator=self.gen).to(token.device)
+                token = torch.where(flip, noise, token)
             tokens.append(token)
             probs.append(q)
             drafted = torch.cat([drafted, token[:, None]], dim=1)
@@ -49,7 +50,7 @@ class CopyDrafter:
     def _next_logits(self, sequences):
         """Last-position logits of each sequence, in one left-padded batch."""
         width = max(len(s) for s in sequences)
-        ids = torch.zeros(len(sequences), width, dtype=torch.long)
+        ids = torch.zeros(len(sequences), width, dtype=torch.long, device=sequences[0].device)
         mask = torch.zeros_like(ids)
         for row, seq in enumerate(sequences):
             ids[row, width - len(seq):] = seq

@@ -190,7 +190,16 @@ class Step3p5MoE(nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         weights, experts = self.route(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        # One pass per expert that any token selected (correctness-first; the unique() is a host sync).
+        if x.is_cuda:
+            # No host sync (CUDA-graph capturable): every expert runs on every token, and a token's weight for
+            # an expert it did not select is 0. Decode and verify forwards are memory-bound, so reading every
+            # expert once is what they cost anyway at batch sizes where most experts get picked.
+            dense = torch.zeros(x.shape[0], self.gate_proj.weight.shape[0], dtype=torch.float32, device=x.device)
+            dense.scatter_(1, experts, weights)
+            for e in range(dense.shape[1]):
+                out += self.expert(x, e).float() * dense[:, e, None]
+            return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+        # One pass per expert that any token selected (the unique() is a host sync; fine on CPU).
         for e in experts.unique().tolist():
             token, slot = torch.where(experts == e)
             out.index_add_(0, token, self.expert(x[token], e).float() * weights[token, slot, None])

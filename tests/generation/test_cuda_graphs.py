@@ -1,0 +1,82 @@
+"""CUDA graphs (invariant 5): replayed decode/verify forwards give the tokens of eager ones.
+
+The replay tests need a CUDA device (run them on the GPU machine: ``python -m pytest tests/generation/
+test_cuda_graphs.py``); on CPU only the pieces that do not launch graphs are tested."""
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec.generation.cuda_graphs import CUDA_GRAPHS_ENV, HookedState, cuda_graphs_wanted
+from tests.generation.toy_drafters import CopyDrafter
+from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def test_graphs_are_used_only_on_cuda_and_can_be_switched_off(monkeypatch):
+    assert not cuda_graphs_wanted(True, torch.device("cpu"))
+    assert cuda_graphs_wanted(True, torch.device("cuda", 0))
+    assert not cuda_graphs_wanted(False, torch.device("cuda", 0))
+    monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
+    assert not cuda_graphs_wanted(True, torch.device("cuda", 0))
+
+
+def test_hooked_state_puts_back_what_hooks_recorded():
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.hidden = torch.zeros(2)
+    state = HookedState(holder)
+    saved = state.snapshot()
+    holder.hidden = torch.ones(2)  # a later eager forward's record
+    state.restore(saved)
+    assert torch.equal(holder.hidden, torch.zeros(2))
+    records = [torch.zeros(1), None]
+    listed = HookedState(records)
+    saved = listed.snapshot()
+    records[0], records[1] = torch.ones(1), torch.ones(1)
+    listed.restore(saved)
+    assert records[1] is None and torch.equal(records[0], torch.zeros(1))
+    HookedState(None).restore(HookedState(None).snapshot())  # no drafter: nothing to do
+
+
+def test_enable_records_the_graph_setting():
+    model = hf_specdec.enable(llama(), cuda_graphs=False)
+    assert model._hf_specdec.cuda_graphs is False
+    hf_specdec.enable(model, cuda_graphs=True)
+    assert model._hf_specdec.cuda_graphs is True
+
+
+MODELS = {"gemma4_e2b": gemma4_e2b_style, "gemma4_31b": gemma4_31b_style, "llama": llama}
+
+
+def _decode(build, graphs: bool, **kwargs):
+    model = hf_specdec.enable(build().cuda(), cuda_graphs=graphs)
+    ids, mask = left_padded_batch([12, 3, 9, 6])
+    torch.manual_seed(0)
+    extra = {}
+    if "k" in kwargs:
+        extra = dict(assistant_model=CopyDrafter(build().cuda(), kwargs.pop("k"), noise=0.3))
+    return model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, eos_token_id=None,
+                          pad_token_id=0, **extra, **kwargs)
+
+
+@cuda
+@pytest.mark.parametrize("name", list(MODELS))
+def test_graph_replay_equals_eager_plain_greedy(name):
+    assert torch.equal(_decode(MODELS[name], False, do_sample=False), _decode(MODELS[name], True, do_sample=False))
+
+
+@cuda
+@pytest.mark.parametrize("name,k", [("gemma4_e2b", 3), ("gemma4_31b", 7), ("llama", 1)])
+def test_graph_replay_equals_eager_speculative(name, k):
+    eager = _decode(MODELS[name], False, do_sample=False, k=k)
+    assert torch.equal(eager, _decode(MODELS[name], True, do_sample=False, k=k))
+
+
+@cuda
+def test_graph_replay_equals_eager_sampled():
+    eager = _decode(llama, False, do_sample=True, temperature=0.9, k=3)
+    assert torch.equal(eager, _decode(llama, True, do_sample=True, temperature=0.9, k=3))
