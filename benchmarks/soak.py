@@ -1,0 +1,198 @@
+"""soak: many generate calls on one set of models, recording device memory after every call.
+
+    python -m benchmarks.soak [--calls 400] [--modes plain mtp step_mtp ...] [--quick | --smoke]
+
+The bundled tiny family decodes call after call with the same model objects: the modes in turn (plain and
+MTP on the tiny Gemma 4, DFlash when bundled, plain and MTP-3 on the tiny Step 3.5), batch sizes 1/3/8,
+prompts of different lengths, generations several sliding windows long, every fourth call sampled. One
+record per call: ``allocated_mib`` (torch.cuda.memory_allocated after the call), ``reserved_mib``,
+``peak_mib`` (the call's peak), ``leaked_blocks`` (blocks still in use in any KV cache the call built:
+must be 0), ``same_tokens`` (a greedy call equals the first call with the same inputs), and on the CPU
+(or with ``--count-tensors``) ``live_tensors`` (tensors reachable from Python). Records go to
+benchmarks/results/soak.jsonl. Exit status 1 when blocks leaked, a greedy call changed its answer, or
+memory grew: allocated after the last call above allocated after the first round of calls by more than
+``--tolerance-mib`` (live tensors on the CPU).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import warnings
+
+import torch
+
+import hf_specdec
+from benchmarks.common import run_bench, synchronize
+from hf_specdec.assets import asset_path, available_assets, held_out_snippets
+from hf_specdec.cache import PagedKVCache
+
+NAME = "soak"
+COLUMNS = ["call", "backend", "batch", "k", "new_tokens", "sampled", "tokens_per_s", "allocated_mib", "peak_mib",
+           "live_tensors", "leaked_blocks", "same_tokens"]
+PRESETS = {
+    "smoke": dict(calls=12, batches=[1, 2], new_tokens=[12]),
+    "quick": dict(calls=60),
+}
+MODES = ("plain", "mtp", "dflash", "step_plain", "step_mtp")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="decoding modes, in turn (dflash only when its drafter is bundled)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 3, 8], help="batch sizes, in turn")
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[192, 320],
+                        help="new tokens per call, in turn (the tiny Gemma 4's window is 64, Step 3.5's 128)")
+    parser.add_argument("--count-tensors", action="store_true", help="count live tensors after every call on CUDA too")
+    parser.add_argument("--tolerance-mib", type=float, default=1.0)
+
+
+def _models(args) -> dict:
+    """mode -> (model, generate kwargs, k)."""
+    load = hf_specdec.AutoModelForCausalLM.from_pretrained
+    found = {}
+    gemma = load(asset_path("tiny-gemma4"), dtype=args.dtype).to(args.device)
+    gemma.generation_config.eos_token_id = None  # every row decodes the full length
+    found["plain"] = (gemma, {}, None)
+    assistant = load(asset_path("tiny-gemma4-assistant"), dtype=args.dtype).to(args.device)
+    found["mtp"] = (gemma, dict(assistant_model=assistant, num_speculative_tokens=4), 4)
+    if "tiny-gemma4-dflash" in available_assets():
+        drafter = load(asset_path("tiny-gemma4-dflash"), dtype=args.dtype).to(args.device)
+        found["dflash"] = (gemma, dict(assistant_model=drafter), None)
+    step = load(asset_path("tiny-step3p5"), dtype=args.dtype).to(args.device)
+    step.generation_config.eos_token_id = None
+    found["step_plain"] = (step, {}, None)
+    found["step_mtp"] = (step, dict(spec_mode="mtp", num_speculative_tokens=3), 3)
+    return {m: found[m] for m in args.modes if m in found}
+
+
+def _schedule(args, modes: list[str]):
+    """(call, mode, batch, new_tokens, sampled) of every call: the modes in turn, then the next batch size and
+    length; every fourth turn samples. A greedy case repeats after lcm(len(batches), len(new_tokens)) turns."""
+    for call in range(args.calls):
+        mode = modes[call % len(modes)]
+        turn = call // len(modes)
+        yield call, mode, args.batches[turn % len(args.batches)], args.new_tokens[turn % len(args.new_tokens)], turn % 4 == 3
+
+
+def _inputs(tokenizer, batch: int, device):
+    snippets = held_out_snippets()
+    texts = [snippets[i % len(snippets)]["text"][: 40 + 37 * (i % 5)] for i in range(batch)]
+    tokenizer.padding_side = "left"
+    return tokenizer(texts, return_tensors="pt", padding=True).to(device)
+
+
+class _CacheRecorder:
+    """Holds the caches one call builds until they are checked, then lets them go."""
+
+    def __init__(self):
+        self.caches: list[PagedKVCache] = []
+        self._build = PagedKVCache.for_request.__func__
+
+    def __enter__(self):
+        def record(cls, *a, **kw):
+            self.caches.append(self._build(cls, *a, **kw))
+            return self.caches[-1]
+
+        PagedKVCache.for_request = classmethod(record)
+        return self
+
+    def __exit__(self, *exc):
+        PagedKVCache.for_request = classmethod(self._build)
+
+    def leaked_blocks(self) -> int:
+        leaked = sum(sum(c.num_used_blocks) for c in self.caches)
+        self.caches = []
+        return leaked
+
+
+def _memory(device: str, count_tensors: bool) -> dict:
+    synchronize()
+    gc.collect()
+    out = {"allocated_mib": None, "reserved_mib": None, "peak_mib": None, "live_tensors": None}
+    if device == "cuda":
+        mib = 2**20
+        out |= {"allocated_mib": torch.cuda.memory_allocated() / mib, "reserved_mib": torch.cuda.memory_reserved() / mib,
+                "peak_mib": torch.cuda.max_memory_allocated() / mib}
+    if count_tensors or device != "cuda":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out["live_tensors"] = sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+    return out
+
+
+def run(args, progress) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    models = _models(args)
+    tokenizer = AutoTokenizer.from_pretrained(asset_path("tiny-gemma4"))
+    first_answers: dict[tuple, list] = {}  # token lists, not tensors: they must not count as live tensors
+    rows = []
+    progress.total(args.calls)
+    for call, mode, batch, new_tokens, sampled in _schedule(args, list(models)):
+        model, extra, k = models[mode]
+        inputs = _inputs(tokenizer, batch, args.device)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        sampling = dict(do_sample=True, temperature=0.8, top_p=0.95) if sampled else dict(do_sample=False)
+        with _CacheRecorder() as recorder:
+            start = time.perf_counter()
+            out = model.generate(**inputs, max_new_tokens=new_tokens, pad_token_id=0, **sampling, **extra)
+            synchronize()
+            seconds = time.perf_counter() - start
+        leaked = recorder.leaked_blocks()
+        same = None
+        if not sampled:
+            key = (mode, batch, new_tokens)
+            same = first_answers.setdefault(key, out.tolist()) == out.tolist()
+        del out
+        rows.append(dict(call=call, model_shape="tiny-step3p5" if mode.startswith("step") else "tiny-gemma4",
+                         backend=mode, batch=batch, k=k, new_tokens=new_tokens, sampled=sampled,
+                         tokens_per_s=batch * new_tokens / seconds, leaked_blocks=leaked, same_tokens=same,
+                         **_memory(args.device, args.count_tensors)))
+        progress.step(f"{mode} b{batch}")
+    return rows
+
+
+def problems(records: list[dict], tolerance_mib: float) -> list[str]:
+    """What the soak found wrong: leaked blocks, changed answers, and memory that grew within a mode once each
+    of its kinds of call (batch, length) had run and allocated what later calls of that kind reuse."""
+    found = [f"call {r['call']}: {r['leaked_blocks']} blocks still in use" for r in records if r["leaked_blocks"]]
+    found += [f"call {r['call']}: a greedy answer changed" for r in records if r["same_tokens"] is False]
+    for backend in dict.fromkeys(r["backend"] for r in records):
+        mine = [r for r in records if r["backend"] == backend]
+        first_of_kind = {}
+        for i, r in enumerate(mine):
+            first_of_kind.setdefault((r["batch"], r["new_tokens"]), i)
+        calls = mine[max(first_of_kind.values()):]
+        if len(calls) < 2:
+            continue
+        first, last = calls[0], calls[-1]
+        if first["allocated_mib"] is not None and last["allocated_mib"] - first["allocated_mib"] > tolerance_mib:
+            found.append(f"{backend}: allocated grew {first['allocated_mib']:.1f} -> {last['allocated_mib']:.1f} MiB "
+                         f"(calls {first['call']} -> {last['call']})")
+        if first["live_tensors"] is not None and last["live_tensors"] > first["live_tensors"]:
+            found.append(f"{backend}: live tensors grew {first['live_tensors']} -> {last['live_tensors']} "
+                         f"(calls {first['call']} -> {last['call']})")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    records = run_bench(sys.modules[__name__], argv)
+    found = problems(records, _parsed(argv).tolerance_mib)
+    for line in found:
+        print(f"[soak] {line}", file=sys.stderr)
+    return 1 if found else 0
+
+
+def _parsed(argv):
+    from benchmarks.common import parse_args
+
+    return parse_args(sys.modules[__name__], argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
