@@ -1,0 +1,158 @@
+"""Streaming and stopping in every mode, on the bundled tiny family (real acceptance, so accepted chunks hold
+several tokens): streamers receive exactly the returned sequence's new tokens, in order, in multi-token
+chunks; stop strings and custom stopping criteria cut inside an accepted chunk, giving transformers' plain
+answer with no overshoot, in the returned ids and in the stream. (test_user_side.py covers the same with
+toy drafters and pipelines.)"""
+
+import threading
+
+import pytest
+import torch
+from transformers import StoppingCriteria, TextIteratorStreamer, TextStreamer
+
+from hf_specdec.assets import available_assets
+from tests import bundled
+
+MODES = ["plain", "gemma_mtp", "step_plain", "step_mtp", "gemma_dflash"]
+SPEC_MODES = ["gemma_mtp", "step_mtp", "gemma_dflash"]
+NEW_TOKENS = 40
+
+
+class Recorder:
+    """A streamer that keeps what it is given: the prompt first, then one list per put, then "end"."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.chunks.append("end")
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return [t for chunk in self.chunks[1:-1] for t in chunk]
+
+
+def _prompt(row: int = 0):
+    enc = bundled.tokenizer()([bundled.prompts(row + 1, 100)[row]], return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _trained_drafter(mode: str) -> bool:
+    return mode != "gemma_dflash" or "tiny-gemma4-dflash" in available_assets()
+
+
+class Tee:
+    """Hands every put/end to several streamers, so one generate call feeds them all."""
+
+    def __init__(self, *streamers):
+        self.streamers = streamers
+
+    def put(self, value):
+        for s in self.streamers:
+            s.put(value)
+
+    def end(self):
+        for s in self.streamers:
+            s.end()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_streamers_receive_exactly_the_returned_new_tokens(mode, capsys):
+    """A recorder, a TextStreamer printing to stdout and a TextIteratorStreamer read from another thread."""
+    model, extra, _ = bundled.mode(mode)
+    tok = bundled.tokenizer()
+    ids, mask = _prompt()
+    recorder, iterator = Recorder(), TextIteratorStreamer(tok, skip_prompt=True, timeout=30)
+    result = {}
+
+    def run():
+        result["out"] = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       streamer=Tee(recorder, TextStreamer(tok, skip_prompt=True), iterator), **extra)
+
+    capsys.readouterr()
+    worker = threading.Thread(target=run)
+    worker.start()
+    received = "".join(iterator)
+    worker.join()
+    new = result["out"][0, ids.shape[1]:].tolist()
+    assert recorder.chunks[0] == ids[0].tolist() and recorder.chunks[-1] == "end"
+    assert recorder.new_tokens == new
+    if mode in SPEC_MODES and _trained_drafter(mode):
+        assert max(len(c) for c in recorder.chunks[1:-1]) > 1  # accepted drafts arrive together
+    assert received == tok.decode(new)
+    assert capsys.readouterr().out == tok.decode(new) + "\n"
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_stop_strings_cut_inside_an_accepted_chunk(mode):
+    model, extra, reference = bundled.mode(mode)
+    tok = bundled.tokenizer()
+    ids, mask = _prompt()
+    free, stop_at = _free_run_and_a_stop_inside_a_chunk(model, extra, ids, mask, mode)
+    stop = tok.decode(free[stop_at: stop_at + 1])
+    assert stop.strip() and stop not in tok.decode(free[:stop_at])
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, stop_strings=[stop], tokenizer=tok)
+    expected = reference.generate(ids, **kwargs)
+    assert expected.shape[1] == ids.shape[1] + stop_at + 1  # transformers stops on that very token
+    recorder = Recorder()
+    got = model.generate(ids, streamer=recorder, **kwargs, **extra)
+    assert torch.equal(got, expected)
+    assert recorder.new_tokens == free[: stop_at + 1]  # nothing past the stop reached the stream
+
+
+class StopOnToken(StoppingCriteria):
+    """Stops a row when it emits ``token``: a per-row criterion transformers does not know about."""
+
+    def __init__(self, token: int):
+        self.token = token
+        self.calls = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("mode", ["plain"] + SPEC_MODES)
+def test_custom_stopping_criteria_cut_inside_an_accepted_chunk_row_by_row(mode):
+    """Two rows: the first stops on a token inside an accepted chunk; the other row goes on untouched."""
+    model, extra, reference = bundled.mode(mode)
+    ids, mask = _prompt()
+    free, stop_at = _free_run_and_a_stop_inside_a_chunk(model, extra, ids, mask, mode)
+    token = free[stop_at]
+    tok = bundled.tokenizer()
+    tok.padding_side = "left"
+    enc = tok([tok.decode(ids[0]), bundled.prompts(2, 100)[1]], return_tensors="pt", padding=True,
+              add_special_tokens=False)
+    kwargs = dict(attention_mask=enc["attention_mask"], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    expected = reference.generate(enc["input_ids"], stopping_criteria=[StopOnToken(token)], **kwargs)
+    criterion = StopOnToken(token)
+    got = model.generate(enc["input_ids"], stopping_criteria=[criterion], **kwargs, **extra)
+    assert torch.equal(got, expected)
+    width = enc["input_ids"].shape[1]
+    assert got[0, width:].tolist()[: stop_at + 1] == free[: stop_at + 1] and got[0, width + stop_at] == token
+    assert criterion.calls > 0
+
+
+def _free_run_and_a_stop_inside_a_chunk(model, extra, ids, mask, mode):
+    """(new tokens of an unstopped greedy run, index t of a new token that first appears strictly inside an
+    accepted chunk of that run, i.e. not its chunk's last token; any t > 0 in plain mode)."""
+    recorder = Recorder()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, streamer=recorder,
+                         **extra)
+    free = out[0, ids.shape[1]:].tolist()
+    tok = bundled.tokenizer()
+    offset, candidates = 0, []
+    for chunk in recorder.chunks[1:-1]:
+        inside = range(len(chunk) - 1) if mode in SPEC_MODES else range(len(chunk))
+        candidates += [offset + j for j in inside if offset + j > 0]
+        offset += len(chunk)
+    for t in candidates:
+        text = tok.decode(free[t: t + 1])
+        if free[t] not in free[:t] and len(text.strip()) >= 2 and text not in tok.decode(free[:t]):
+            return free, t
+    if not _trained_drafter(mode):
+        pytest.skip("the random DFlash drafter accepts no drafts; bundle tiny-gemma4-dflash for multi-token chunks")
+    raise AssertionError(f"no token inside an accepted chunk to stop on; chunks {recorder.chunks[1:-1]}")
