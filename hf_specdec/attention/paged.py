@@ -66,13 +66,18 @@ class QueryRows:
 
 
 def paged_query_attention(paged_cache, layer_idx: int, query: torch.Tensor, rows: QueryRows, *,
-                          scaling: float, sliding_window: int | None) -> torch.Tensor:
+                          scaling: float, sliding_window: int | None,
+                          block_tables: torch.Tensor | None = None) -> torch.Tensor:
     """Q-only attention of a drafter over a target layer's committed pages (between forwards).
 
     query [batch, 1, heads, head_dim] sits at ``rows.kv_lens[b]``, one past the row's last cached token, and
     sees the last ``sliding_window`` cached keys ``kv_lens[b] - sliding_window <= j < kv_lens[b]`` (all of
-    them if None). Returns [batch, 1, heads, head_dim]."""
-    k_cache, v_cache, block_tables = paged_cache.context_pages(layer_idx)
+    them if None). Returns [batch, 1, heads, head_dim]. ``block_tables`` replaces the cache's own tables of
+    the layer's group (e.g. static ones, padded, under a CUDA graph)."""
+    if block_tables is None:
+        k_cache, v_cache, block_tables = paged_cache.context_pages(layer_idx)
+    else:
+        k_cache, v_cache = paged_cache.layer_storage(layer_idx)
     # The kernel's window counts the query's own position; masking as if the query sat on the last cached
     # key makes the window exactly the last `sliding_window` keys.
     return paged_attention(query, k_cache, v_cache, block_tables, rows.kv_lens, rows.q_pos0, rows.q_lens,

@@ -67,6 +67,8 @@ class PagedKVCache(Cache):
         self.cache_config: CacheConfig | None = None
         self.max_new_tokens = 0
         self.lookahead = 0
+        # Set when the request runs with CUDA graphs: the widest block table a row can reach.
+        self.graph_table_width: int | None = None
 
     # ---- sizing -----------------------------------------------------------------------------
     @classmethod
@@ -167,6 +169,11 @@ class PagedKVCache(Cache):
         if group not in self._context_tables:
             self._context_tables[group] = self.block_table_tensor(group)
         return self.k_storage[group][index], self.v_storage[group][index], self._context_tables[group]
+
+    def layer_storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) [num_blocks, block_size, kv_heads, head_dim] of a layer (its producer's if shared)."""
+        group, index = self.layout.layer_slot[layer_idx]
+        return self.k_storage[group][index], self.v_storage[group][index]
 
     def free(self) -> None:
         """Return every block to the pools (the cache can not be used afterwards)."""

@@ -156,3 +156,33 @@ def _copy_meta(static: ForwardMeta, meta: ForwardMeta) -> None:
             raise RuntimeError(f"block table of width {width} exceeds the captured width {dst.shape[1]}")
         dst[:, :width].copy_(src)
         dst[:, width:].fill_(-1)
+
+
+class CallGraph:
+    """A function of fixed-shape device tensors, captured once and replayed: ``graph(*inputs)`` copies the
+    inputs into the static ones it was captured with and returns the (static) outputs. A drafter uses it
+    for its whole propose (k draft steps in one replay). ``fn`` must not sync with the host."""
+
+    def __init__(self, fn, inputs: list[torch.Tensor], pool=None):
+        self.inputs = [t.clone() for t in inputs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(*self.inputs)  # warm-up outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, *inputs: torch.Tensor):
+        for static, new in zip(self.inputs, inputs):
+            static.copy_(new)
+        self.graph.replay()
+        return self.outputs
+
+
+def pad_table(table: torch.Tensor, width: int) -> torch.Tensor:
+    """A [batch, w] block table padded with -1 (no block) to [batch, width]."""
+    if table.shape[1] >= width:
+        return table
+    return torch.nn.functional.pad(table, (0, width - table.shape[1]), value=-1)

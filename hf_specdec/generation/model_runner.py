@@ -67,6 +67,7 @@ class ModelRunner:
             # the widest block table any row can reach in this request (what for_request sized it for)
             width = -(-(max(prompt_lens) + max_new_tokens + lookahead) // self.cache_config.block_size) + 1
             self.graphs = GraphRunner(self.model, self.cache, width, self.hooked)
+            self.cache.graph_table_width = width  # drafters reading this cache capture their own graphs
         return self.cache
 
     def record_hooks_of(self, holder) -> None:

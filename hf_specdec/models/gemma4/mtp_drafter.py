@@ -13,11 +13,14 @@ After verify, the next round's hidden is the verify forward's hidden at the row'
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
+from hf_specdec.generation.cuda_graphs import CallGraph, pad_table
 from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, target_embedding
 from hf_specdec.models.gemma4.assistant_config import check_compatible, producer_layer_for, target_text_config
@@ -33,14 +36,17 @@ class _Captured:
 class PagedTargetKVSource:
     """``TargetKVSource`` over the target's paged cache: each assistant layer reads its producer's pages."""
 
-    def __init__(self, cache, producers: dict[str, int], draft_positions: torch.Tensor):
+    def __init__(self, cache, producers: dict[str, int], draft_positions: torch.Tensor,
+                 tables: dict[int, torch.Tensor] | None = None):
         self.cache = cache
         self.producers = producers
         self.rows = QueryRows.at(draft_positions)  # [batch]: the draft position = the number of cached keys
+        self.tables = tables or {}  # per producer layer: block tables to use instead of the cache's (graphs)
 
     def attend(self, layer_type, query, *, scaling, sliding_window):
-        return paged_query_attention(self.cache, self.producers[layer_type], query, self.rows,
-                                     scaling=scaling, sliding_window=sliding_window)
+        layer = self.producers[layer_type]
+        return paged_query_attention(self.cache, layer, query, self.rows, scaling=scaling,
+                                     sliding_window=sliding_window, block_tables=self.tables.get(layer))
 
 
 class Gemma4MTPDrafter:
@@ -70,10 +76,15 @@ class Gemma4MTPDrafter:
 
     def begin(self, cache, captured, prompt_lens):
         self.hidden = captured.hidden[:, -1]  # the last slot is each row's last prompt token
+        self._graph: CallGraph | None = None
+        self._graph_failed = False
 
     @torch.inference_mode()
     def propose(self, last_tokens, cache, selector) -> DraftProposal:
         positions = torch.tensor(cache.seq_lens, device=last_tokens.device)
+        if cache.graph_table_width is not None and not self._graph_failed and not selector.do_sample \
+                and not selector.scorer.processors:
+            return DraftProposal(self._graphed_greedy_drafts(last_tokens, positions, cache), None)
         kv_source = PagedTargetKVSource(cache, self.producers, positions)
         tokens, hidden, drafted, probs = last_tokens, self.hidden, last_tokens[:, None][:, :0], []
         for _ in range(self.num_speculative_tokens):
@@ -83,6 +94,35 @@ class Gemma4MTPDrafter:
             probs.append(q)
             hidden = step.hidden_next
         return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
+
+    def _graphed_greedy_drafts(self, last_tokens, positions, cache) -> torch.Tensor:
+        """Greedy drafts [batch, k] of all k steps in one CUDA-graph replay (captured at the first round,
+        after an eager run of the same function; a failed capture leaves the request eager)."""
+        layers = sorted(set(self.producers.values()))
+        tables = [pad_table(cache.context_pages(layer)[2], cache.graph_table_width) for layer in layers]
+        inputs = [last_tokens, self.hidden, positions, *tables]
+        run = functools.partial(self._greedy_drafts, cache, layers)
+        if self._graph is not None:
+            return self._graph(*inputs)
+        drafts = run(*inputs)
+        try:
+            self._graph = CallGraph(run, inputs)
+        except Exception as error:  # noqa: BLE001 - any capture failure means: draft eagerly
+            self._graph_failed = True
+            warnings.warn(f"hf_specdec could not capture the MTP draft steps as a CUDA graph ({error}); drafting "
+                          "eagerly.", RuntimeWarning, stacklevel=2)
+        return drafts
+
+    def _greedy_drafts(self, cache, layers, tokens, hidden, positions, *tables) -> torch.Tensor:
+        kv_source = PagedTargetKVSource(cache, self.producers, positions, dict(zip(layers, tables)))
+        drafted = []
+        for _ in range(self.num_speculative_tokens):
+            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source)
+            head = step.logits
+            tokens = head.argmax(dim=-1) if isinstance(head, torch.Tensor) else head.argmax()
+            drafted.append(tokens)
+            hidden = step.hidden_next
+        return torch.stack(drafted, dim=1)
 
     def commit(self, cache, captured, num_accepted, kept):
         index = num_accepted[:, None, None].expand(-1, 1, captured.hidden.shape[-1])
@@ -102,4 +142,3 @@ def matches(target, assistant) -> bool:
 
 def build(target, assistant, num_speculative_tokens):
     return Gemma4MTPDrafter(target, assistant, num_speculative_tokens)
-

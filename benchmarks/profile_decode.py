@@ -1,0 +1,69 @@
+"""Where a decode or verify step's time goes: wall time per step, then the top kernels and host calls
+(torch.profiler), for a Gemma-4-31B-shaped model driven through the ModelRunner with CUDA graphs on.
+
+    PYTHONPATH=. python -m benchmarks.profile_decode [--layers 12] [--batch 1] [--k 0]
+
+``--k 0``: decode steps (1 token per row); ``--k N``: verify steps of N+1 tokens per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--k", type=int, default=0)
+    args = parser.parse_args()
+    import hf_specdec
+    from benchmarks.decode_gpu_check import build_model
+    from hf_specdec.generation.model_runner import ModelRunner
+
+    model = hf_specdec.enable(build_model(args.layers))
+    state = model._hf_specdec
+    ids = torch.randint(3, 262144, (args.batch, args.prompt), device="cuda")
+    q = args.k + 1
+    with torch.inference_mode():
+        runner = ModelRunner(model, state.layout, state.cache_config, cuda_graphs=True)
+        runner.start([args.prompt] * args.batch, args.steps * q + 64, lookahead=q)
+        runner.forward(ids, [args.prompt] * args.batch, keep_logits=1)
+        runner.commit([args.prompt] * args.batch)
+        step_ids = ids[:, -q:]
+
+        def step():
+            out = runner.forward(step_ids, [q] * args.batch, keep_logits=0 if args.k else 1)
+            logits = out.logits.float()
+            tokens = logits.argmax(-1)
+            tokens.tolist()  # the loop's one host sync
+            runner.commit([n for n in runner.cache.seq_lens])
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        per_step = (time.perf_counter() - start) / args.steps
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(8):
+                step()
+            torch.cuda.synchronize()
+        runner.finish()
+    print(f"batch {args.batch}, q_len {q}: {per_step * 1e3:.2f} ms per step (wall)")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
