@@ -91,11 +91,14 @@ def _paged_attention_kernel(
     stride_ob, stride_ot, stride_oh, stride_od,
     stride_table_row, q_len, num_kv_heads, head_dim, block_size, max_blocks_per_row,
     qk_scale, sliding_window,
+    part_acc_ptr, part_ml_ptr,  # split-KV partials: [batch, q_len, num_heads, NUM_SPLITS, head_dim] and [..., 2]
     GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile = tl.program_id(0) // NUM_SPLITS
+    split = tl.program_id(0) % NUM_SPLITS
     kv_head = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + row)
@@ -130,6 +133,14 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NUM_SPLITS > 1:
+        # Split-KV: this program takes one of NUM_SPLITS equal BLOCK_N-aligned slices of [kv_lo, kv_hi).
+        start = (kv_lo // BLOCK_N) * BLOCK_N
+        span = tl.maximum(kv_hi - start, 0)
+        per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        split_lo = start + split * per_split
+        kv_hi = tl.minimum(kv_hi, split_lo + per_split)
+        kv_lo = tl.maximum(kv_lo, split_lo)
     acc, m_i, l_i = _attend_key_range(
         q, pos, row_valid, acc, m_i, l_i,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + row * stride_table_row,
@@ -137,11 +148,50 @@ def _paged_attention_kernel(
         num_kv_heads, head_dim, block_size, max_blocks_per_row, qk_scale, sliding_window,
         BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, DOT_PRECISION,
     )
-    # Padding rows and queries without a visible key have acc = 0, l = 0: they output 0.
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + row * stride_ob + slot[:, None] * stride_ot + head[:, None] * stride_oh
-             + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
-             mask=in_tile[:, None] & d_mask[None, :])
+    if NUM_SPLITS > 1:
+        # Partials (unnormalised acc, max, sum) for _merge_splits_kernel; padding rows write acc 0, l 0.
+        part = ((row * q_len + slot) * (num_kv_heads * GROUP) + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_acc_ptr + part[:, None] * head_dim + d[None, :], acc, mask=in_tile[:, None] & d_mask[None, :])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=in_tile)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=in_tile)
+    else:
+        # Padding rows and queries without a visible key have acc = 0, l = 0: they output 0.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + row * stride_ob + slot[:, None] * stride_ot + head[:, None] * stride_oh
+                 + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+                 mask=in_tile[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr,  # [batch, q_len, num_heads, NUM_SPLITS, head_dim], [..., NUM_SPLITS, 2] fp32
+    out_ptr,  # [batch, q_len, num_heads, head_dim], any strides
+    stride_ob, stride_ot, stride_oh, stride_od,
+    q_len, num_heads, head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per (row, query slot, q head): softmax-weighted sum of the split partials.
+    row_slot = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = row_slot // q_len
+    slot = row_slot % q_len
+    base = (row_slot * num_heads + head) * NUM_SPLITS
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    m_s = tl.load(part_ml_ptr + (base + s) * 2, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_mask, other=0.0)
+    m = tl.max(m_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))  # [BLOCK_S]
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * head_dim + d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(acc * w[:, None], 0)
+    l = tl.sum(l_s * w, 0)
+    out = total / tl.where(l == 0.0, 1.0, l)
+    tl.store(out_ptr + row * stride_ob + slot * stride_ot + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @dataclass(frozen=True)
@@ -195,15 +245,40 @@ def paged_attention(
     return out
 
 
+# Split-KV: below this many programs per launch the GPU is underfilled (H100/H200: 132 SMs), so long key
+# ranges are cut into slices that run in parallel and are merged after.
+TARGET_PROGRAMS = 2 * 132
+MIN_KEYS_PER_SPLIT = 256
+
+
+def num_kv_splits(base_programs: int, max_keys: int, block_n: int) -> int:
+    """Slices per key range: enough programs to fill the GPU, each slice at least MIN_KEYS_PER_SPLIT keys.
+    Depends on shapes only (the block table width), never on lengths, so a CUDA graph can capture it."""
+    by_fill = TARGET_PROGRAMS // max(1, base_programs)
+    by_length = max_keys // max(MIN_KEYS_PER_SPLIT, block_n)
+    return max(1, min(by_fill, by_length, 64))
+
+
 def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale,
-                            sliding_window, causal, out, block_n=None) -> torch.Tensor:
+                            sliding_window, causal, out, block_n=None, num_splits=None) -> torch.Tensor:
     batch, q_len, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check(head_dim <= MAX_TRITON_HEAD_DIM, f"the Triton kernel supports head_dim <= {MAX_TRITON_HEAD_DIM}, "
           f"got {head_dim}: set HF_SPECDEC_FORCE_TRITON=0 to use the torch reference")
     group = num_heads // num_kv_heads
     tiles = _pick_tiles(head_dim, group, q_len, block_n)
-    grid = (triton.cdiv(q_len, tiles.block_t), num_kv_heads, batch)
+    tiles_per_row = triton.cdiv(q_len, tiles.block_t)
+    if num_splits is None:
+        max_keys = block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_keys = min(max_keys, sliding_window + q_len)
+        num_splits = num_kv_splits(tiles_per_row * num_kv_heads * batch, max_keys, tiles.block_n)
+    grid = (tiles_per_row * num_splits, num_kv_heads, batch)
+    if num_splits > 1:
+        part_acc = torch.empty(batch * q_len * num_heads * num_splits * head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(batch * q_len * num_heads * num_splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
     # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits: upcast there.
     upcast_dot = q.dtype == torch.bfloat16 and interpreting(_paged_attention_kernel)
     _paged_attention_kernel[grid](
@@ -211,13 +286,19 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
         *q.stride(), *out.stride(),
         block_tables.stride(0), q_len, num_kv_heads, head_dim, block_size, block_tables.shape[1],
         scale * math.log2(math.e), sliding_window or 0,
+        part_acc, part_ml,
         GROUP=group, BLOCK_T=tiles.block_t, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=tiles.block_d, CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
         # fp32 inputs must not be rounded to tf32: fp32 is the exactness dtype of the tests.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast_dot else "tf32",
-        UPCAST_DOT=upcast_dot,
+        UPCAST_DOT=upcast_dot, NUM_SPLITS=num_splits,
         num_warps=tiles.num_warps,
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(batch * q_len, num_heads)](
+            part_acc, part_ml, out, *out.stride(), q_len, num_heads, head_dim,
+            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=tiles.block_d,
+        )
     return out
 
 
