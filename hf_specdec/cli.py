@@ -39,17 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="complete a few Python prompts with the bundled tiny model on CPU")
     demo.add_argument("--max-new-tokens", type=int, default=48)
-    gen = commands.add_parser("generate", help="generate from a prompt with any causal LM through hf_specdec")
-    gen.add_argument("model", help="a model directory or hub id (loaded with transformers)")
-    gen.add_argument("--prompt", help="the prompt text (or use --prompt-file)")
-    gen.add_argument("--prompt-file", help="read the prompt from this file")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--no-stream", action="store_true", help="print the completion at the end instead of streaming")
+    add_generate_parser(commands)
     bench = commands.add_parser(
         "bench", help="run a benchmark of the source checkout's benchmarks/ folder (progress bar, JSON record, plot)",
         description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,27 +164,148 @@ def _demo_table(title, model, tokenizer, input_ids, attention_mask, prompts, dra
     return all(same for *_, same in rows)
 
 
+GENERATE_DESCRIPTION = """\
+Generate a completion of one prompt through hf_specdec, streamed to stdout as it is accepted; a line of
+statistics (tokens, tokens/s, tau) goes to stderr. Plain decoding by default; speculative with --assistant
+(a Gemma 4 MTP assistant or a DFlash drafter) or --mode mtp (Step 3.5's own MTP layers). Greedy unless
+--do-sample. Exit status 2 on invalid input, with the error naming the fix.
+
+examples (bundled tiny models, CPU):
+  hf-specdec generate tiny-gemma4 --prompt 'def fibonacci(n):' --assistant tiny-gemma4-assistant
+  hf-specdec generate tiny-step3p5 --file prompt.py --mode mtp -k 3 --do-sample --temperature 0.7
+"""
+
+
+# generate() argument -> the option that sets it, for error messages written in generate()'s terms
+CLI_NAMES = {"assistant_model": "--assistant", "spec_mode": "--mode", "num_speculative_tokens": "-k",
+             "max_new_tokens": "--max-new-tokens"}
+
+
+def add_generate_parser(commands) -> None:
+    gen = commands.add_parser("generate", help="generate from a prompt with any causal LM through hf_specdec",
+                              description=GENERATE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen.add_argument("model", help="a model directory, a hub id, or a bundled tiny model (tiny-gemma4, tiny-step3p5)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--file", "--prompt-file", dest="file", help="read the prompt from this file ('-': stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (-it models; the tokenizer must have one)")
+    spec = gen.add_argument_group("speculative decoding")
+    spec.add_argument("--assistant", help="drafter: a Gemma 4 MTP assistant or a DFlash drafter (directory, hub id, "
+                                          "or tiny-gemma4-assistant)")
+    spec.add_argument("--mode", choices=["mtp", "dflash"], default=None,
+                      help="spec_mode; inferred from --assistant when left out; Step 3.5 drafts with --mode mtp")
+    spec.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                      help="drafts per step (default per drafter: MTP assistant 4, Step 3.5 its MTP layers, DFlash "
+                           "block_size - 1)")
+    sampling = gen.add_argument_group("decoding")
+    sampling.add_argument("--max-new-tokens", type=int, default=64)
+    sampling.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    sampling.add_argument("--temperature", type=float, default=None, help="with --do-sample")
+    sampling.add_argument("--top-k", type=int, default=None, help="with --do-sample")
+    sampling.add_argument("--top-p", type=float, default=None, help="with --do-sample")
+    sampling.add_argument("--repetition-penalty", type=float, default=None)
+    sampling.add_argument("--stop", action="append", default=None, metavar="STRING",
+                          help="stop when the completion ends with STRING (repeatable)")
+    sampling.add_argument("--seed", type=int, default=0, help="torch seed (sampling)")
+    run = gen.add_argument_group("model and output")
+    run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                     help="weights dtype (auto: the checkpoint's); the assistant is loaded in the same dtype")
+    run.add_argument("--device", default=None, help="cpu, cuda, cuda:1, auto ... (default: cuda when present)")
+    run.add_argument("--threads", type=int, default=None,
+                     help="CPU threads (default: 1 for models under 100M parameters, else torch's default)")
+    run.add_argument("--no-stream", action="store_true", help="print the completion at the end instead of streaming")
+
+
 def run_generate(args) -> int:
     from transformers import AutoTokenizer, TextStreamer
 
     import hf_specdec
 
-    if (args.prompt is None) == (args.prompt_file is None):
-        print("give exactly one of --prompt or --prompt-file", file=sys.stderr)
+    try:
+        prompt = _read_prompt(args)
+        model = hf_specdec.AutoModelForCausalLM.from_pretrained(_model_path(args.model), dtype=_dtype(args.dtype),
+                                                                device_map=args.device or _default_device())
+        tokenizer = AutoTokenizer.from_pretrained(_model_path(args.model))
+        _set_threads(args.threads, model)
+        extra = _speculative_kwargs(args, model)
+        inputs = _tokenize(tokenizer, prompt, args.chat).to(model.device)
+        streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        sampling = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "repetition_penalty")
+                    if getattr(args, name) is not None}
+        if args.stop:
+            extra |= dict(stop_strings=args.stop, tokenizer=tokenizer)
+        torch.manual_seed(args.seed)
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                             streamer=streamer, **sampling, **extra)
+    except (ValueError, OSError) as err:
+        print(f"hf-specdec generate: error: {err}", file=sys.stderr)
+        if any(name in str(err) for name in CLI_NAMES):
+            print("(here: " + ", ".join(f"{name} is {flag}" for name, flag in CLI_NAMES.items() if name in str(err))
+                  + ")", file=sys.stderr)
         return 2
-    prompt = args.prompt if args.prompt is not None else open(args.prompt_file).read()
-    torch.manual_seed(args.seed)
-    model = hf_specdec.AutoModelForCausalLM.from_pretrained(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    inputs = tokenizer([prompt], return_tensors="pt").to(model.device)
-    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True)
-    out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, streamer=streamer)
     if args.no_stream:
         print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
     stats = hf_specdec.last_generation_stats(model)
-    print(f"\n[{stats.num_generated_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s]", file=sys.stderr)
+    tau = f", tau {stats.mean_accepted_length:.2f} ({stats.spec_mode}, k={stats.num_speculative_tokens})" \
+        if stats.spec_mode else ""
+    print(f"[{stats.num_generated_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s{tau}]", file=sys.stderr)
     return 0
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.file == "-":
+        return sys.stdin.read()
+    with open(args.file, encoding="utf-8") as f:
+        return f.read()
+
+
+def _model_path(name: str):
+    """A bundled tiny model's folder for its bare name (unless a folder of that name exists here)."""
+    import pathlib
+
+    from hf_specdec.assets import asset_path, available_assets
+
+    return asset_path(name) if name in available_assets() and not pathlib.Path(name).exists() else name
+
+
+def _dtype(name: str):
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _set_threads(threads: int | None, model) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif model.device.type == "cpu" and model.num_parameters() < 100_000_000:
+        torch.set_num_threads(1)  # small models: threads cost more than they give (as in the demo)
+
+
+def _speculative_kwargs(args, model) -> dict:
+    """generate() arguments of the drafter options; the assistant is loaded beside the target, in its dtype."""
+    import hf_specdec
+
+    extra = {}
+    if args.assistant is not None:
+        extra["assistant_model"] = hf_specdec.AutoModelForCausalLM.from_pretrained(
+            _model_path(args.assistant), dtype=model.dtype, device_map=str(model.device))
+    if args.mode is not None:
+        extra["spec_mode"] = args.mode
+    if args.num_speculative_tokens is not None:
+        extra["num_speculative_tokens"] = args.num_speculative_tokens
+    return extra
+
+
+def _tokenize(tokenizer, prompt: str, chat: bool):
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        return ids
+    return tokenizer([prompt], return_tensors="pt")
 
 
 def _import_benchmarks():

@@ -1,0 +1,122 @@
+"""``hf-specdec generate``: every mode on the bundled models, prompt or file, sampling options, streaming, stop
+strings, and invalid input answered with exit status 2 and the error naming the fix. The CLI's output must
+be what the Python API returns for the same arguments."""
+
+import io
+import sys
+
+import pytest
+import torch
+
+from hf_specdec.cli import main
+from tests import bundled
+
+PROMPT = "import os\n\n\ndef walk(root):\n"
+
+
+def _api_completion(mode: str, max_new_tokens: int, **kwargs) -> str:
+    model, extra, _ = bundled.mode(mode)
+    tok = bundled.tokenizer()
+    ids = tok([PROMPT], return_tensors="pt")
+    torch.manual_seed(0)
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, **extra, **kwargs)
+    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def _cli(capsys, *argv):
+    """(exit status, stdout, stderr) of `hf-specdec generate ...`, fp32 like the API side."""
+    code = main(["generate", *argv, "--dtype", "float32"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("mode,options", [
+    ("plain", []),
+    ("gemma_mtp", ["--assistant", "tiny-gemma4-assistant", "-k", "4"]),
+    ("step_mtp", ["--mode", "mtp", "--num-speculative-tokens", "3"]),
+])
+def test_streamed_completion_is_the_api_completion(capsys, mode, options):
+    model = "tiny-step3p5" if mode.startswith("step") else "tiny-gemma4"
+    code, out, err = _cli(capsys, model, "--prompt", PROMPT, "--max-new-tokens", "24", *options)
+    assert code == 0
+    assert out == _api_completion(mode, 24, do_sample=False) + "\n"
+    assert "24 tokens" in err and ("tau" in err) == (mode != "plain")
+
+
+def test_a_dflash_drafter_checkpoint(capsys, tmp_path):
+    if not bundled.dflash_registered():
+        pytest.skip("no DFlash drafter is registered for spec_mode='dflash' yet")
+    from tests.models.dflash import helpers
+
+    target = bundled.gemma()[0]
+    config = helpers.drafter_config_dict(target)
+    path = helpers.write_checkpoint(tmp_path / "dflash", config, helpers.random_state_dict(helpers.released_layout(config)))
+    code, out, err = _cli(capsys, "tiny-gemma4", "--prompt", PROMPT, "--max-new-tokens", "12", "--assistant", str(path),
+                          "--mode", "dflash")
+    assert code == 0 and "(dflash, k=3)" in err
+    assert out == _api_completion("plain", 12, do_sample=False) + "\n"  # greedy: lossless whatever the drafter
+
+
+def test_prompt_file_stdin_sampling_options_and_no_stream(capsys, tmp_path, monkeypatch):
+    path = tmp_path / "prompt.py"
+    path.write_text(PROMPT)
+    sampling = ["--do-sample", "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9", "--repetition-penalty",
+                "1.2", "--seed", "0"]
+    code, out, _ = _cli(capsys, "tiny-step3p5", "--file", str(path), "--mode", "mtp", "--max-new-tokens", "16",
+                        "--no-stream", *sampling)
+    expected = _api_completion("step_mtp", 16, do_sample=True, temperature=0.7, top_k=20, top_p=0.9,
+                               repetition_penalty=1.2)
+    assert code == 0 and out == expected + "\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    code, again, _ = _cli(capsys, "tiny-step3p5", "--file", "-", "--mode", "mtp", "--max-new-tokens", "16",
+                          "--no-stream", *sampling)
+    assert code == 0 and again == out
+
+
+def test_stop_string_ends_the_streamed_completion(capsys):
+    full = _api_completion("gemma_mtp", 24, do_sample=False)
+    stop = full.strip().split()[2]
+    code, out, _ = _cli(capsys, "tiny-gemma4", "--prompt", PROMPT, "--max-new-tokens", "24", "--assistant",
+                        "tiny-gemma4-assistant", "--stop", stop)
+    assert code == 0 and out.rstrip("\n").endswith(stop) and len(out) < len(full)
+    assert full.startswith(out.rstrip("\n"))
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--assistant", "tiny-gemma4-assistant", "--mode", "dflash"], "Pass spec_mode='mtp'"),
+    (["-k", "3"], "num_speculative_tokens=3 without a drafter"),
+    (["--assistant", "tiny-gemma4-assistant", "-k", "0"], "num_speculative_tokens must be a positive integer"),
+    (["--max-new-tokens", "0"], "`max_new_tokens` must be greater than 0"),
+])
+def test_invalid_input_exits_2_with_the_fix(capsys, options, message):
+    code, out, err = _cli(capsys, "tiny-gemma4", "--prompt", PROMPT, *options)
+    assert code == 2 and out.strip() == ""  # (a failing call ends its streamer: a newline at most)
+    assert "hf-specdec generate: error: " in err and message in err
+    if "-k" in options:
+        assert "num_speculative_tokens is -k" in err  # the option that sets it
+
+
+def test_a_missing_prompt_file_or_model_exits_2(capsys, tmp_path):
+    code, _, err = _cli(capsys, "tiny-gemma4", "--file", str(tmp_path / "missing.txt"))
+    assert code == 2 and "No such file" in err
+    code, _, err = _cli(capsys, str(tmp_path / "no-model"), "--prompt", "x")
+    assert code == 2 and "error:" in err
+
+
+def test_prompt_and_file_are_exclusive_and_one_is_required(capsys):
+    for argv in (["tiny-gemma4"], ["tiny-gemma4", "--prompt", "x", "--file", "y"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", *argv])
+        assert exit_info.value.code == 2
+    assert "--prompt" in capsys.readouterr().err
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--prompt", "--file", "--chat", "--assistant", "--mode {mtp,dflash}", "--num-speculative-tokens",
+                   "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty",
+                   "--stop", "--seed", "--dtype", "--device", "--threads", "--no-stream"):
+        assert option in text
