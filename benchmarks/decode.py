@@ -28,7 +28,7 @@ COLUMNS = ["model_shape", "backend", "batch", "tokens_per_s", "floor_tokens_per_
            "speedup_vs_hf_dynamic", "same_tokens", "skipped"]
 PRESETS = {
     "smoke": dict(shapes=["smoke-31b", "smoke-e4b"], batch=[1, 2], prompt=12, new_tokens=5),
-    "quick": dict(layers=12, prompt=256, new_tokens=32, compile_batches=[1]),
+    "quick": dict(layers=12, prompt=256, new_tokens=32, compile_shapes=["gemma4-31b"]),
 }
 
 
@@ -41,6 +41,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--compile-batches", type=int, nargs="+", default=None,
                         help="batch sizes that run hf_static_compile (default: all; each costs a compile)")
+    parser.add_argument("--compile-shapes", nargs="+", default=None,
+                        help="shapes that run hf_static_compile (default: all)")
 
 
 def run(args, progress) -> list[dict]:
@@ -65,8 +67,9 @@ def bench_batch(model, model_shape: str, batch: int, bandwidth: float, args, pro
     rows, reference = [], None
     for backend in args.backends:
         row = dict(common, backend=backend, tokens_per_s=None, same_tokens=None, skipped=None)
-        if backend == "hf_static_compile" and args.compile_batches is not None and batch not in args.compile_batches:
-            row["skipped"] = f"batch {batch} not in --compile-batches {args.compile_batches}"
+        if backend == "hf_static_compile" and not _compiles(args, model_shape, batch):
+            row["skipped"] = f"not run at this size (--compile-batches {args.compile_batches}, --compile-shapes " \
+                             f"{args.compile_shapes}): each costs a compile"
         else:
             try:
                 measured = MEASURE[backend](model, ids, args)
@@ -83,6 +86,12 @@ def bench_batch(model, model_shape: str, batch: int, bandwidth: float, args, pro
             r["pct_of_floor"] = 100 * r["tokens_per_s"] / r["floor_tokens_per_s"]
             r["speedup_vs_hf_dynamic"] = r["tokens_per_s"] / base if base else None
     return rows
+
+
+def _compiles(args, model_shape: str, batch: int) -> bool:
+    shape = model_shape.split("/")[0]
+    return ((args.compile_batches is None or batch in args.compile_batches)
+            and (args.compile_shapes is None or shape in args.compile_shapes))
 
 
 def _fill(row: dict, measured: dict, reference):

@@ -46,12 +46,12 @@ def _runs(model_name: str, args):
     if model_name == "tiny-gemma4":
         if "tiny-gemma4-assistant" in available_assets():
             assistant = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-assistant"),
-                                                                        dtype=torch.float32)
+                                                                        dtype=torch.float32).to(args.device)
             for k in args.mtp_k:
                 yield "hf_specdec_mtp", k, dict(assistant_model=assistant, num_speculative_tokens=k)
         if "tiny-gemma4-dflash" in available_assets():
             drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"),
-                                                                      dtype=torch.float32)
+                                                                      dtype=torch.float32).to(args.device)
             yield "hf_specdec_dflash", None, dict(assistant_model=drafter)
     elif model_name == "tiny-step3p5":
         for k in (1, 2, 3):
