@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from hf_specdec.attention import ATTENTION_NAME, register
 from hf_specdec.cache import KVLayout, kv_layout_from_config
 from hf_specdec.config import CacheConfig
+from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
 from hf_specdec.generation.generate import generate
 from hf_specdec.generation.stats import SpecStats
 
@@ -49,6 +50,7 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
     model._hf_specdec = EnabledState(layout, cache_config or CacheConfig(), original,
                                      cuda_graphs=True if cuda_graphs is None else cuda_graphs)
     model.generate = types.MethodType(generate, model)
+    fuse_modules(model)
     return model
 
 
@@ -58,6 +60,7 @@ def disable(model):
     if state is None:
         return model
     model.set_attn_implementation(state.original_attention)
+    unfuse_modules(model)
     del model.generate
     del model._hf_specdec
     return model
