@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
 import subprocess
@@ -32,7 +33,9 @@ RECORD_FIELDS = ("bench", "gpu", "commit", "torch", "transformers", "model_shape
 
 
 def environment() -> dict:
-    """GPU (or "cpu"), commit, torch and transformers versions: the fields every record carries."""
+    """GPU (or "cpu"), commit, torch and transformers versions: the fields every record carries.
+
+    ``BENCH_COMMIT`` overrides the commit: a copied checkout (a lent GPU machine) may carry a stale HEAD."""
     import transformers
 
     try:
@@ -43,6 +46,7 @@ def environment() -> dict:
         commit += "+dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
+    commit = os.environ.get("BENCH_COMMIT", commit)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"gpu": gpu, "commit": commit, "torch": torch.__version__, "transformers": transformers.__version__}
 
