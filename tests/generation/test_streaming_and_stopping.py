@@ -15,7 +15,7 @@ from tests import bundled
 
 MODES = ["plain", "gemma_mtp", "step_plain", "step_mtp", "gemma_dflash"]
 SPEC_MODES = ["gemma_mtp", "step_mtp", "gemma_dflash"]
-NEW_TOKENS = 40
+NEW_TOKENS = 32
 
 
 class Recorder:
