@@ -10,8 +10,8 @@ record per call: ``allocated_mib`` (torch.cuda.memory_allocated after the call),
 must be 0), ``same_tokens`` (a greedy call equals the first call with the same inputs), and on the CPU
 (or with ``--count-tensors``) ``live_tensors`` (tensors reachable from Python). Records go to
 benchmarks/results/soak.jsonl. Exit status 1 when blocks leaked, a greedy call changed its answer, or
-memory grew: allocated after the last call above allocated after the first round of calls by more than
-``--tolerance-mib`` (live tensors on the CPU).
+memory grew: once every kind of call (mode, batch, length) has run, a mode's last call may not hold more
+allocated memory (``--tolerance-mib``) or more live tensors than its first call from then on.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def _schedule(args, modes: list[str]):
     for call in range(args.calls):
         mode = modes[call % len(modes)]
         turn = call // len(modes)
-        yield call, mode, args.batches[turn % len(args.batches)], args.new_tokens[turn % len(args.new_tokens)], turn % 4 == 3
+        batch, new_tokens = args.batches[turn % len(args.batches)], args.new_tokens[turn % len(args.new_tokens)]
+        yield call, mode, batch, new_tokens, turn % 4 == 3
 
 
 def _inputs(tokenizer, batch: int, device):
@@ -114,8 +115,8 @@ def _memory(device: str, count_tensors: bool) -> dict:
     out = {"allocated_mib": None, "reserved_mib": None, "peak_mib": None, "live_tensors": None}
     if device == "cuda":
         mib = 2**20
-        out |= {"allocated_mib": torch.cuda.memory_allocated() / mib, "reserved_mib": torch.cuda.memory_reserved() / mib,
-                "peak_mib": torch.cuda.max_memory_allocated() / mib}
+        out |= {"allocated_mib": torch.cuda.memory_allocated() / mib,
+                "reserved_mib": torch.cuda.memory_reserved() / mib, "peak_mib": torch.cuda.max_memory_allocated() / mib}
     if count_tensors or device != "cuda":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -157,16 +158,17 @@ def run(args, progress) -> list[dict]:
 
 
 def problems(records: list[dict], tolerance_mib: float) -> list[str]:
-    """What the soak found wrong: leaked blocks, changed answers, and memory that grew within a mode once each
-    of its kinds of call (batch, length) had run and allocated what later calls of that kind reuse."""
+    """What the soak found wrong: leaked blocks, changed answers, and memory that grew after every kind of
+    call (mode, batch, length) had run once, i.e. had allocated what later calls reuse (a model's storage
+    pool, kernel plans); compared within a mode, since modes hold different per-call state."""
     found = [f"call {r['call']}: {r['leaked_blocks']} blocks still in use" for r in records if r["leaked_blocks"]]
     found += [f"call {r['call']}: a greedy answer changed" for r in records if r["same_tokens"] is False]
+    first_of_kind = {}
+    for i, r in enumerate(records):
+        first_of_kind.setdefault((r["backend"], r["batch"], r["new_tokens"]), i)
+    baseline = max(first_of_kind.values(), default=0)
     for backend in dict.fromkeys(r["backend"] for r in records):
-        mine = [r for r in records if r["backend"] == backend]
-        first_of_kind = {}
-        for i, r in enumerate(mine):
-            first_of_kind.setdefault((r["batch"], r["new_tokens"]), i)
-        calls = mine[max(first_of_kind.values()):]
+        calls = [r for r in records[baseline:] if r["backend"] == backend]
         if len(calls) < 2:
             continue
         first, last = calls[0], calls[-1]

@@ -188,7 +188,8 @@ def add_generate_parser(commands) -> None:
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")
     prompt.add_argument("--file", "--prompt-file", dest="file", help="read the prompt from this file ('-': stdin)")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template (-it models; the tokenizer must have one)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the tokenizer's chat template (-it models; the tokenizer must have one)")
     spec = gen.add_argument_group("speculative decoding")
     spec.add_argument("--assistant", help="drafter: a Gemma 4 MTP assistant or a DFlash drafter (directory, hub id, "
                                           "or tiny-gemma4-assistant)")

@@ -50,7 +50,8 @@ def test_a_dflash_drafter_checkpoint(capsys, tmp_path):
 
     target = bundled.gemma()[0]
     config = helpers.drafter_config_dict(target)
-    path = helpers.write_checkpoint(tmp_path / "dflash", config, helpers.random_state_dict(helpers.released_layout(config)))
+    state = helpers.random_state_dict(helpers.released_layout(config))
+    path = helpers.write_checkpoint(tmp_path / "dflash", config, state)
     code, out, err = _cli(capsys, "tiny-gemma4", "--prompt", PROMPT, "--max-new-tokens", "12", "--assistant", str(path),
                           "--mode", "dflash")
     assert code == 0 and "(dflash, k=3)" in err
