@@ -31,7 +31,7 @@ def main() -> int:
     ids = torch.randint(3, 262144, (args.batch, args.prompt), device="cuda")
     q = args.k + 1
     with torch.inference_mode():
-        runner = ModelRunner(model, state.layout, state.cache_config, cuda_graphs=True)
+        runner = ModelRunner(model, state.layout, state.cache_config, state.graph_store)
         runner.start([args.prompt] * args.batch, args.steps * q + 64, lookahead=q)
         runner.forward(ids, [args.prompt] * args.batch, keep_logits=1)
         runner.commit([args.prompt] * args.batch)

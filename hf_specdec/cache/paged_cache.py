@@ -45,7 +45,8 @@ class ForwardMeta:
 
 class PagedKVCache(Cache):
     def __init__(self, layout: KVLayout, num_blocks: list[int], batch_size: int, *, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str,
+                 storage: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
         super().__init__(layers=[])
         self.layout = layout
         self.block_size = block_size
@@ -56,11 +57,9 @@ class PagedKVCache(Cache):
         windows = [None if g.sliding_window is None else g.sliding_window + 2 for g in layout.groups]
         self.manager = BlockManager(num_blocks, block_size, windows)
         self.seq_ids = [self.manager.add_sequence() for _ in range(batch_size)]
-        self.k_storage, self.v_storage = [], []
-        for grp, n in zip(layout.groups, num_blocks):
-            shape = (len(grp.layers), n, block_size, grp.num_kv_heads, grp.head_dim)
-            self.k_storage.append(torch.zeros(shape, dtype=dtype, device=self.device))
-            self.v_storage.append(torch.zeros(shape, dtype=dtype, device=self.device))
+        # storage: K/V tensors of a pool reused across requests (CUDA graphs write into fixed addresses)
+        self.k_storage, self.v_storage = storage if storage is not None else allocate_storage(
+            layout, num_blocks, block_size, dtype, self.device)
         self.meta: ForwardMeta | None = None
         self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards
         # What the request was sized for (set by for_request; a drafter sizes its own caches alike).
@@ -69,11 +68,12 @@ class PagedKVCache(Cache):
         self.lookahead = 0
         # Set when the request runs with CUDA graphs: the widest block table a row can reach.
         self.graph_table_width: int | None = None
+        self.graph_store = None  # and the model's GraphStore, where drafters keep their graphs too
 
     # ---- sizing -----------------------------------------------------------------------------
     @classmethod
     def for_request(cls, layout: KVLayout, cache_config: CacheConfig, prompt_lens: list[int], max_new_tokens: int,
-                    lookahead: int, *, dtype: torch.dtype, device) -> "PagedKVCache":
+                    lookahead: int, *, dtype: torch.dtype, device, storage_pool=None) -> "PagedKVCache":
         """A cache sized so the request never runs out of blocks; raises :class:`CacheCapacityError` before
         allocating anything when the request does not fit what ``cache_config`` allows."""
         bs = cache_config.block_size
@@ -99,9 +99,17 @@ class PagedKVCache(Cache):
                     "or lower the batch size, the prompt lengths or max_new_tokens."
                 )
             need = [cache_config.num_blocks] * len(layout.groups)
+        storage = None
+        if storage_pool is not None and cache_config.num_blocks is None:
+            def allocate(blocks):
+                if cache_config.max_cache_tokens is None:
+                    _check_memory(layout, blocks, bs, dtype, torch.device(device), cache_config.gpu_memory_fraction)
+                return allocate_storage(layout, blocks, bs, dtype, torch.device(device))
+
+            *storage, need = storage_pool.take_storage(layout, need, bs, dtype, device, allocate)
         elif cache_config.max_cache_tokens is None:
             _check_memory(layout, need, bs, dtype, torch.device(device), cache_config.gpu_memory_fraction)
-        cache = cls(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device)
+        cache = cls(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device, storage=storage)
         cache.cache_config, cache.max_new_tokens, cache.lookahead = cache_config, max_new_tokens, lookahead
         return cache
 
@@ -258,6 +266,17 @@ class PagedKVCache(Cache):
     @property
     def is_dummy(self) -> list[bool]:
         return [False] * self.layout.num_layers
+
+
+def allocate_storage(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Zeroed K and V storage ``[layers_in_group, num_blocks[g], block_size, kv_heads, head_dim]`` per group."""
+    k_storage, v_storage = [], []
+    for grp, n in zip(layout.groups, num_blocks):
+        shape = (len(grp.layers), n, block_size, grp.num_kv_heads, grp.head_dim)
+        k_storage.append(torch.zeros(shape, dtype=dtype, device=device))
+        v_storage.append(torch.zeros(shape, dtype=dtype, device=device))
+    return k_storage, v_storage
 
 
 def kv_bytes(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype) -> int:

@@ -13,9 +13,10 @@ Forward hooks (a drafter recording hidden states) run only while capturing; what
 tensors inside the graph's memory, rewritten by each replay, so after a replay the runner puts them back
 where the drafter looks (``HookedState``).
 
-Graphs are kept per request (per :class:`ModelRunner`) and released with it. A forward that cannot be
-captured (a model doing host work inside its forward) falls back to eager for the rest of the request,
-with one warning saying why.
+Graphs are kept per enabled model (:class:`GraphStore`) with the K/V storage they write into, so later
+requests of the same batch size and k replay them without capturing: the storage is pooled (allocated
+once, grown when a request needs more, released by ``hf_specdec.disable``). A forward that cannot be
+captured (a model doing host work inside its forward) falls back to eager, with one warning saying why.
 """
 
 from __future__ import annotations
@@ -40,12 +41,19 @@ def cuda_graphs_wanted(requested: bool, device: torch.device) -> bool:
     return requested and device.type == "cuda"
 
 
+def graph_store_for(model) -> "GraphStore | None":
+    """An enabled model's GraphStore when its calls use CUDA graphs (asked for, on CUDA, not switched off)."""
+    state = model._hf_specdec
+    return state.graph_store if cuda_graphs_wanted(state.cuda_graphs, model.device) else None
+
+
 class HookedState:
     """What forward hooks of a drafter recorded (an object's attributes or a list's items), saved right
     after a capture and put back after every replay of that graph."""
 
-    def __init__(self, holder):
+    def __init__(self, holder, signature=None):
         self.holder = holder
+        self.signature = signature  # what the hooks record (graphs captured with other hooks are not reused)
 
     def snapshot(self):
         if self.holder is None:
@@ -72,26 +80,67 @@ class _Graph:
     hooked: object
 
 
-class GraphRunner:
-    """Captures and replays a model's fixed-shape forwards over one request's PagedKVCache."""
+class GraphStore:
+    """What an enabled model keeps between ``generate`` calls to replay graphs: one pooled K/V storage per
+    KV group (a graph writes into the storage it was captured with, so requests reuse it), the captured
+    target forwards and drafter calls (each graph with its own memory pool: graphs sharing one could
+    overwrite each other's live outputs). Growing the storage drops every graph
+    (they point into the old one). Lives in ``model._hf_specdec``; ``hf_specdec.disable`` releases it."""
 
-    def __init__(self, model, cache, table_width: int, hooked: HookedState):
+    def __init__(self):
+        self.generation = 0
+        self.storage = None  # (key, blocks per group, k list, v list)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.calls: dict[tuple, CallGraph] = {}
+        self.disabled_reason: str | None = None
+
+    def take_storage(self, layout, need: list[int], block_size: int, dtype, device, allocate):
+        """(k list, v list, blocks per group) with at least ``need[g]`` blocks each: the pooled storage if it
+        fits, else a new one from ``allocate(blocks)`` (power-of-two block counts, so growth is rare)."""
+        key = (id(layout), block_size, dtype, torch.device(device))
+        if self.storage is not None and self.storage[0] == key and all(
+                n <= have for n, have in zip(need, self.storage[1])):
+            return self.storage[2], self.storage[3], self.storage[1]
+        self.release()
+        blocks = [1 << max(0, n - 1).bit_length() for n in need]
+        try:
+            k, v = allocate(blocks)
+        except (torch.OutOfMemoryError, ValueError):
+            blocks = list(need)  # the rounded-up size does not fit: exactly what this request needs
+            k, v = allocate(blocks)
+        self.storage = (key, blocks, k, v)
+        return k, v, blocks
+
+    def release(self) -> None:
+        """Drop the storage and every graph (the next request allocates and captures anew)."""
+        self.storage = None
+        self.graphs.clear()
+        self.calls.clear()
+        self.generation += 1
+
+
+class GraphRunner:
+    """Captures and replays an enabled model's fixed-shape forwards over one request's PagedKVCache, keeping
+    the graphs in the model's :class:`GraphStore` for later requests."""
+
+    def __init__(self, model, store: GraphStore, cache, table_width: int, hooked: HookedState):
         self.model = model
+        self.store = store
         self.cache = cache
         self.table_width = table_width
         self.hooked = hooked
-        self.graphs: dict[tuple, _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
-        self.disabled_reason: str | None = None
+
+    def key(self, input_ids: torch.Tensor, keep_logits: int) -> tuple:
+        return (self.store.generation, tuple(input_ids.shape), keep_logits, self.table_width, self.hooked.signature)
 
     def can_run(self, input_ids: torch.Tensor, extra: dict) -> bool:
-        return self.disabled_reason is None and not extra and input_ids.shape[1] <= MAX_GRAPH_QUERY_LEN
+        return self.store.disabled_reason is None and not extra and input_ids.shape[1] <= MAX_GRAPH_QUERY_LEN
 
     def has(self, key: tuple) -> bool:
-        return key in self.graphs
+        return key in self.store.graphs
 
     def replay(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMeta):
-        g = self.graphs[key]
+        g = self.store.graphs[key]
         g.input_ids.copy_(input_ids)
         _copy_meta(g.meta, meta)
         g.graph.replay()
@@ -100,7 +149,7 @@ class GraphRunner:
 
     def capture(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMeta, forward) -> None:
         """Capture ``forward(input_ids, meta)`` for ``key`` (after it ran eagerly with the same inputs, so a
-        warm-up replay rewrites the same K/V into the same slots). On failure, graphs are off for this runner."""
+        warm-up replay rewrites the same K/V into the same slots). On failure, graphs are off for the model."""
         static_ids = input_ids.clone()
         static_meta = _static_meta(meta, self.table_width)
         live_meta = self.cache.meta
@@ -113,22 +162,24 @@ class GraphRunner:
                 forward(static_ids)  # warm-up outside the graph (lazy inits must not be captured)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph):  # own memory pool: a shared one could overlay live outputs
                 out = forward(static_ids)
-            self.graphs[key] = _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot())
-        except Exception as error:  # noqa: BLE001 - any capture failure means: run this request eagerly
-            self.disabled_reason = f"{type(error).__name__}: {error}"
+            self.store.graphs[key] = _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot())
+        except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
+            self.store.disabled_reason = f"{type(error).__name__}: {error}"
             warnings.warn(
                 f"hf_specdec could not capture a CUDA graph of {type(self.model).__name__}'s forward "
-                f"({self.disabled_reason}); decoding eagerly. Pass cuda_graphs=False to hf_specdec.enable to "
-                "skip the attempt.", RuntimeWarning, stacklevel=3,
+                f"({self.store.disabled_reason}); decoding eagerly. Pass cuda_graphs=False to hf_specdec.enable "
+                "to skip the attempt.", RuntimeWarning, stacklevel=3,
             )
         finally:
             self.cache.meta = live_meta
             self.hooked.restore(recorded)
 
-    def release(self) -> None:
-        self.graphs.clear()
+
+def table_width_bucket(blocks: int) -> int:
+    """Block-table width a graph is captured for: a power of two >= 8, so requests of similar lengths share."""
+    return max(8, 1 << max(0, blocks - 1).bit_length())
 
 
 def _static_meta(meta: ForwardMeta, table_width: int) -> ForwardMeta:
@@ -163,7 +214,7 @@ class CallGraph:
     inputs into the static ones it was captured with and returns the (static) outputs. A drafter uses it
     for its whole propose (k draft steps in one replay). ``fn`` must not sync with the host."""
 
-    def __init__(self, fn, inputs: list[torch.Tensor], pool=None):
+    def __init__(self, fn, inputs: list[torch.Tensor]):
         self.inputs = [t.clone() for t in inputs]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -171,7 +222,7 @@ class CallGraph:
             fn(*self.inputs)  # warm-up outside the graph
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph):
             self.outputs = fn(*self.inputs)
 
     def __call__(self, *inputs: torch.Tensor):

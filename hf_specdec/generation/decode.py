@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from hf_specdec.generation.cuda_graphs import graph_store_for
 from hf_specdec.generation.model_runner import ModelRunner, real_token_counts
 from hf_specdec.generation.sampling import mask_finished, select_tokens
 from hf_specdec.generation.stats import SpecStats
@@ -28,7 +29,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
-    runner = ModelRunner(model, state.layout, state.cache_config, cuda_graphs=state.cuda_graphs)
+    runner = ModelRunner(model, state.layout, state.cache_config, graph_store_for(model))
     runner.start(prompt_lens, generation_config.max_length - input_ids.shape[1])
     try:
         # 1. prefill: every prompt token of every row, logits of the last one

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from hf_specdec.attention import ATTENTION_NAME, register
 from hf_specdec.cache import KVLayout, kv_layout_from_config
 from hf_specdec.config import CacheConfig
+from hf_specdec.generation.cuda_graphs import GraphStore
 from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
 from hf_specdec.generation.generate import generate
 from hf_specdec.generation.stats import SpecStats
@@ -24,6 +25,7 @@ class EnabledState:
     cache_config: CacheConfig
     original_attention: str
     cuda_graphs: bool = True  # capture decode/verify forwards on CUDA devices (cuda_graphs.py)
+    graph_store: GraphStore = field(default_factory=GraphStore)  # graphs + pooled K/V kept between calls
     last_stats: SpecStats | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # one generate at a time per model
     owner: int | None = None  # thread id of the generate call holding the lock
@@ -41,6 +43,8 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
             state.cache_config = cache_config
         if cuda_graphs is not None:
             state.cuda_graphs = cuda_graphs
+            if not cuda_graphs:
+                state.graph_store.release()
         return model
     _check_supported(model)
     layout = kv_layout_from_config(model.config)
@@ -60,6 +64,7 @@ def disable(model):
     if state is None:
         return model
     model.set_attn_implementation(state.original_attention)
+    state.graph_store.release()
     unfuse_modules(model)
     del model.generate
     del model._hf_specdec

@@ -10,7 +10,7 @@ import torch
 
 from hf_specdec.cache import KVLayout, PagedKVCache
 from hf_specdec.config import CacheConfig
-from hf_specdec.generation.cuda_graphs import GraphRunner, HookedState, cuda_graphs_wanted
+from hf_specdec.generation.cuda_graphs import GraphRunner, GraphStore, HookedState, table_width_bucket
 
 # Keys of HF's prepared model_kwargs that the runner replaces with its own.
 _RUNNER_KEYS = {
@@ -47,11 +47,12 @@ def real_token_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
 class ModelRunner:
     """One paged forward at a time for ``model`` (an HF causal LM enabled by hf_specdec)."""
 
-    def __init__(self, model, layout: KVLayout, cache_config: CacheConfig, cuda_graphs: bool = False):
+    def __init__(self, model, layout: KVLayout, cache_config: CacheConfig, graph_store: GraphStore | None = None):
+        """``graph_store``: the model's store of CUDA graphs and pooled K/V storage, or None for eager forwards."""
         self.model = model
         self.layout = layout
         self.cache_config = cache_config
-        self.cuda_graphs = cuda_graphs
+        self.graph_store = graph_store
         self.cache: PagedKVCache | None = None
         self.graphs: GraphRunner | None = None
         self.hooked = HookedState(None)
@@ -59,26 +60,29 @@ class ModelRunner:
 
     def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0) -> PagedKVCache:
         dtype = self.model.get_input_embeddings().weight.dtype
+        device = self.model.device
+        store = self.graph_store if self.graph_store is not None and device.type == "cuda" else None
         self.cache = PagedKVCache.for_request(self.layout, self.cache_config, prompt_lens, max_new_tokens,
-                                              lookahead, dtype=dtype, device=self.model.device)
+                                              lookahead, dtype=dtype, device=device, storage_pool=store)
         # A 4D mask is passed through transformers' mask builders untouched; the paged attention ignores it.
-        self._mask_stub = torch.ones(len(prompt_lens), 1, 1, 1, dtype=torch.bool, device=self.model.device)
-        if cuda_graphs_wanted(self.cuda_graphs, self.cache.device):
-            # the widest block table any row can reach in this request (what for_request sized it for)
-            width = -(-(max(prompt_lens) + max_new_tokens + lookahead) // self.cache_config.block_size) + 1
-            self.graphs = GraphRunner(self.model, self.cache, width, self.hooked)
+        self._mask_stub = torch.ones(len(prompt_lens), 1, 1, 1, dtype=torch.bool, device=device)
+        if store is not None:
+            # the widest block table any row can reach in this request, bucketed so later requests share graphs
+            width = table_width_bucket(
+                -(-(max(prompt_lens) + max_new_tokens + lookahead) // self.cache_config.block_size) + 1)
+            self.graphs = GraphRunner(self.model, store, self.cache, width, self.hooked)
             self.cache.graph_table_width = width  # drafters reading this cache capture their own graphs
+            self.cache.graph_store = store
         return self.cache
 
-    def record_hooks_of(self, holder) -> None:
-        """``holder`` (an object or a list) is where a drafter's forward hooks put what they record; graph
-        replays keep it current."""
+    def record_hooks_of(self, holder, signature=None) -> None:
+        """``holder`` (an object or a list) is where a drafter's forward hooks put what they record, and
+        ``signature`` says which hooks those are; graph replays keep the holder current."""
         self.hooked.holder = holder
+        self.hooked.signature = signature
 
     def finish(self) -> None:
-        if self.graphs is not None:
-            self.graphs.release()
-            self.graphs = None
+        self.graphs = None
         if self.cache is not None:
             self.cache.free()
         self.cache = None
@@ -94,7 +98,7 @@ class ModelRunner:
         extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
         if self.graphs is None or not self.graphs.can_run(input_ids, extra):
             return self._eager(input_ids, meta.position_ids, keep_logits, extra)
-        key = (tuple(input_ids.shape), keep_logits)
+        key = self.graphs.key(input_ids, keep_logits)
         if self.graphs.has(key):
             return self.graphs.replay(key, input_ids, meta)
         out = self._eager(input_ids, meta.position_ids, keep_logits, extra)

@@ -22,6 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.acceptance import greedy_accept_no_sync, rejection_sample_no_sync
 from hf_specdec.generation.drafter import DraftSelector
+from hf_specdec.generation.cuda_graphs import graph_store_for
 from hf_specdec.generation.model_runner import ModelRunner, real_token_counts
 from hf_specdec.generation.sampling import PositionScorer, select_tokens
 from hf_specdec.generation.stats import SpecStats
@@ -60,11 +61,11 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     stopper = RowStopper(stopping_criteria, generation_config)
     rows = [input_ids[b].tolist() for b in range(batch)]
     running = [True] * batch
-    runner = ModelRunner(model, state.layout, state.cache_config, cuda_graphs=state.cuda_graphs)
+    runner = ModelRunner(model, state.layout, state.cache_config, graph_store_for(model))
     cache = runner.start(prompt_lens, generation_config.max_length - width, lookahead=k + 1)
     try:
         with drafter.capture(model) as captured:
-            runner.record_hooks_of(captured)
+            runner.record_hooks_of(captured, (type(drafter).__qualname__, getattr(drafter, "capture_key", None)))
             # 1. prefill: the prompt, its last logits, and the first token (a plain step)
             outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, **model_kwargs)
             runner.commit(prompt_lens)

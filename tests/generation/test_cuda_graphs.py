@@ -80,3 +80,40 @@ def test_graph_replay_equals_eager_speculative(name, k):
 def test_graph_replay_equals_eager_sampled():
     eager = _decode(llama, False, do_sample=True, temperature=0.9, k=3)
     assert torch.equal(eager, _decode(llama, True, do_sample=True, temperature=0.9, k=3))
+
+
+def test_graph_store_pools_storage_and_drops_graphs_when_it_grows():
+    from hf_specdec.generation.cuda_graphs import GraphStore
+
+    store, made = GraphStore(), []
+
+    def allocate(blocks):
+        made.append(list(blocks))
+        return [torch.zeros(n) for n in blocks], [torch.zeros(n) for n in blocks]
+
+    layout = object()
+    k, _, blocks = store.take_storage(layout, [5, 3], 16, torch.float32, "cpu", allocate)
+    assert blocks == [8, 4] and made == [[8, 4]]  # rounded up to powers of two
+    store.graphs["some graph"] = None
+    generation = store.generation
+    k2, _, _ = store.take_storage(layout, [8, 2], 16, torch.float32, "cpu", allocate)
+    assert k2 is k and len(made) == 1 and store.graphs  # fits: reused, graphs kept
+    store.take_storage(layout, [9, 2], 16, torch.float32, "cpu", allocate)
+    assert made[-1] == [16, 2] and not store.graphs and store.generation > generation  # grown: graphs dropped
+
+
+@cuda
+def test_later_calls_replay_the_stored_graphs():
+    model = hf_specdec.enable(llama().cuda())
+    ids, mask = left_padded_batch([12, 3, 9, 6])
+    kwargs = dict(attention_mask=mask.cuda(), max_new_tokens=30, eos_token_id=None, do_sample=False,
+                  assistant_model=CopyDrafter(llama().cuda(), 3))
+    first = model.generate(ids.cuda(), **kwargs)
+    store = model._hf_specdec.graph_store
+    graphs = dict(store.graphs)
+    assert graphs, "the verify forward was captured"
+    second = model.generate(ids.cuda(), **kwargs)
+    assert torch.equal(first, second)
+    assert store.graphs == graphs  # nothing captured again
+    hf_specdec.disable(model)
+    assert not store.graphs and store.storage is None
