@@ -256,7 +256,10 @@ def num_kv_splits(base_programs: int, max_keys: int, block_n: int) -> int:
     Depends on shapes only (the block table width), never on lengths, so a CUDA graph can capture it."""
     by_fill = TARGET_PROGRAMS // max(1, base_programs)
     by_length = max_keys // max(MIN_KEYS_PER_SPLIT, block_n)
-    return max(1, min(by_fill, by_length, 64))
+    splits = max(1, min(by_fill, by_length, 64))
+    # a power of two: NUM_SPLITS is a compile-time constant, and a row's growing context must not compile a
+    # new kernel variant at every few blocks
+    return 1 << (splits.bit_length() - 1)
 
 
 def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale,

@@ -272,6 +272,7 @@ def test_split_count_fills_the_gpu_only_for_long_ranges():
     assert num_kv_splits(base_programs=16, max_keys=300, block_n=64) == 1  # short context: no split
     assert num_kv_splits(base_programs=512, max_keys=8192, block_n=64) == 1  # big batch fills the GPU already
     assert num_kv_splits(base_programs=1, max_keys=10**6, block_n=64) == 64  # capped
+    assert num_kv_splits(base_programs=16, max_keys=1500, block_n=64) == 4  # 5 slices of 256 -> a power of two
 
 
 def test_triton_cases_in_interpreter(run_triton_cases_in_interpreter):
