@@ -16,5 +16,6 @@ Every member is trained from the same pieces, so a new member adds one recipe mo
 Members: `gemma4_target` + `train_target` (the Gemma 4 target; also trains the tokenizer).
 `gemma4_assistant` + `train_assistant` (its MTP assistant, distilled from the frozen target).
 `step3p5_model` + `train_step3p5` (Step 3.5 with 3 MTP layers, trained jointly with its MTP losses).
+`gemma4_dflash` + `train_dflash` (the target's DFlash drafter, trained with the block objective).
 Numbers and rebuild commands: `hf_specdec/assets/README.md`.
 """

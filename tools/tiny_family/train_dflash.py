@@ -1,0 +1,475 @@
+"""Train the tiny DFlash drafter of the frozen bundled target with the block objective, export it in the
+z-lab checkpoint layout, and measure τ with hf_specdec's speculative loop.
+
+    python -m tools.tiny_family.train_dflash --corpus .carry/stdlib-3.11.7.tar.gz \
+        --out hf_specdec/assets/tiny-gemma4-dflash --report tools/tiny_family/results/tiny-gemma4-dflash.json
+    python -m tools.tiny_family.train_dflash --measure-only --device cpu --out hf_specdec/assets/tiny-gemma4-dflash \
+        --report tools/tiny_family/results/tiny-gemma4-dflash.json      # τ per block size and CPU speed
+
+The block objective (DFlash, arXiv 2602.06036), on random windows of the target's train split:
+
+- one frozen target forward per window gives the hidden states after the drafter's `target_layer_ids`
+  (hooks, as when decoding) and the target's soft-capped logits;
+- random anchors a in every window: block `[x_a, mask x (L-1)]` at positions a .. a+L-1, its context the
+  fused features of positions < a (the accepted prefix); all blocks of a window are concatenated along the
+  block axis and attend, in one attention per layer, over the window's context K/V and their own block
+  (`ConcatenatedBlocks`: bidirectional within a block for full layers, causal for sliding ones), exactly as
+  `DFlashDrafter.draft_block` runs at decode time (checked by `check_matches_draft_block`);
+- draft j of a block (position a+j) is scored against the target's distribution there (its logits at
+  a+j-1), with the position decay of the paper:
+
+      loss = sum_j w_j KL(target(a+j-1) || draft_j) / sum_j w_j,   w_j = exp(-(j-1) / gamma)
+
+  A fraction of the steps (`--short-block-prob`) uses a shorter block, as decoding does for
+  num_speculative_tokens < block_size - 1.
+
+As the DFlash drafters are trained on their target's own responses, part of every batch
+(`--generated-fraction`) can be windows whose second half the target wrote itself: a train-split prefix
+continued greedily by the target (`--generated-windows`, made once before training). Validation then also
+scores such continuations of validation prefixes, where the target's argmax is the next token, so the
+teacher-forced `tau_estimate` there is the greedy acceptance of decoding; the kept weights are the best on it.
+"""
+
+import argparse
+import copy
+import json
+import math
+import pathlib
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_specdec
+from hf_specdec.assets import held_out_snippets
+from hf_specdec.models.dflash import DenseDFlashContext, capture_hidden_states, dense_block_attention
+
+from . import gemma4_dflash
+from .corpus import load_corpus
+from .data import RandomWindows, TokenStream
+from .export import export_checkpoint
+from .tokenizer import encode_documents
+from .train_assistant import device_name, measure_tau, prompt_batch, update_report, validation_windows
+from .train_loop import TrainConfig, seed_everything, train
+
+DEFAULT_TARGET = pathlib.Path("hf_specdec/assets/tiny-gemma4")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint folder to write (or measure)")
+    p.add_argument("--report", type=pathlib.Path, help="JSON file for config, loss curves, metrics, τ")
+    p.add_argument("--target", type=pathlib.Path, default=DEFAULT_TARGET, help="the frozen target (and tokenizer)")
+    p.add_argument("--corpus", type=pathlib.Path, help="stdlib folder or corpus .tar.gz (default: this stdlib)")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of training: sets --steps from the time of a few probe steps (recorded)")
+    p.add_argument("--batch-size", type=int, default=32, help="windows per step")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window")
+    p.add_argument("--anchors", type=int, default=32, help="blocks per window")
+    p.add_argument("--block-size", type=int, default=gemma4_dflash.BLOCK_SIZE)
+    p.add_argument("--short-block-prob", type=float, default=0.25,
+                   help="fraction of steps with a block of random length 2 .. block_size - 1")
+    p.add_argument("--generated-windows", type=int, default=0,
+                   help="train-split prefixes continued greedily by the target, made before training (0: none)")
+    p.add_argument("--generated-fraction", type=float, default=0.5, help="share of each batch drawn from them")
+    p.add_argument("--generated-prefix", type=int, default=256, help="data tokens before the target's continuation")
+    p.add_argument("--gamma", type=float, default=4.0, help="position decay of the loss weights")
+    p.add_argument("--layer-types", default=",".join("S" if t == gemma4_dflash.SLIDING else "F"
+                                                      for t in gemma4_dflash.LAYER_TYPES),
+                   help="draft layers, e.g. S,S,F (S: sliding, causal in the block; F: full, bidirectional)")
+    p.add_argument("--target-layer-ids", default=",".join(map(str, gemma4_dflash.TARGET_LAYER_IDS)))
+    p.add_argument("--intermediate-size", type=int, default=gemma4_dflash.INTERMEDIATE_SIZE)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=250, help="validation metrics every N steps (0: never)")
+    p.add_argument("--eval-windows", type=int, default=32)
+    p.add_argument("--tau-new-tokens", type=int, default=256, help="new tokens per prompt when measuring τ")
+    p.add_argument("--tau-prompt-chars", type=int, default=400, help="leading characters of each held-out snippet")
+    p.add_argument("--measure-only", action="store_true", help="only measure τ and speed of the checkpoint at --out")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the target gives the drafter, and all blocks of a window in one drafter forward
+
+
+class TargetView:
+    """One frozen target forward over windows `ids` [batch, seq]: the hidden states after `layer_ids` (one
+    [batch, seq, hidden] per id, captured by hooks as when decoding) and the soft-capped logits [batch, seq, vocab]."""
+
+    def __init__(self, target, ids: torch.Tensor, layer_ids):
+        with torch.no_grad(), capture_hidden_states(target, layer_ids) as captured:
+            self.logits = target(input_ids=ids, use_cache=False).logits.float()
+            self.hidden = list(captured)
+
+
+class ConcatenatedBlocks:
+    """`DFlashContextSource` for training: the blocks of window b, anchored at `anchors[b]` [num_anchors], sit
+    one after another on the block axis (block i at slots i*L .. i*L+L-1) and each attends over the window's
+    context K/V of positions < its anchor and over its own block, with the decode-time visibility rule
+    (`hf_specdec.models.dflash.context`)."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], anchors: torch.Tensor, block_len: int):
+        self.kv = kv  # per draft layer: keys, values [batch, seq, kv_heads, head_dim] at positions 0 .. seq-1
+        batch, num_anchors = anchors.shape
+        offsets = torch.arange(block_len, device=anchors.device)
+        self.position_ids = (anchors[:, :, None] + offsets).flatten(1)  # [batch, num_anchors * L]
+        self.anchor_of = anchors.repeat_interleave(block_len, dim=1)  # [batch, num_anchors * L]
+        self.block_of = torch.arange(num_anchors, device=anchors.device).repeat_interleave(block_len)
+        self.offset_of = offsets.repeat(num_anchors)
+        self._masks: dict = {}
+
+    def mask(self, causal_block: bool, sliding_window: int | None) -> torch.Tensor:
+        """[batch, num_anchors * L, seq + num_anchors * L] bool, True = visible."""
+        key = (causal_block, sliding_window)
+        if key not in self._masks:
+            seq_len = self.kv[0][0].shape[1]
+            context_pos = torch.arange(seq_len, device=self.position_ids.device)
+            context = context_pos < self.anchor_of[:, :, None]
+            if sliding_window is not None:
+                context &= self.position_ids[:, :, None] - context_pos < sliding_window
+            distance = self.offset_of[:, None] - self.offset_of[None, :]  # query minus key offset
+            block = self.block_of[:, None] == self.block_of[None, :]
+            if causal_block:
+                block &= distance >= 0
+            if sliding_window is not None:
+                block &= distance.abs() < sliding_window
+            self._masks[key] = torch.cat([context, block.expand(len(context), -1, -1)], dim=-1)
+        return self._masks[key]
+
+    def attend(self, layer_idx, query, block_k, block_v, *, scaling, causal_block, sliding_window):
+        context_k, context_v = self.kv[layer_idx]
+        keys = torch.cat([context_k, block_k.to(context_k.dtype)], dim=1)
+        values = torch.cat([context_v, block_v.to(context_v.dtype)], dim=1)
+        return dense_block_attention(query.to(keys.dtype), keys, values, self.mask(causal_block, sliding_window),
+                                     scaling)
+
+
+def block_ids(drafter, windows: torch.Tensor, anchors: torch.Tensor, block_len: int) -> torch.Tensor:
+    """`[x_a, mask x (L-1)]` of every anchor, concatenated per window -> [batch, num_anchors * L]."""
+    first = windows.gather(1, anchors)  # [batch, num_anchors]
+    return drafter.block_input_ids(first.flatten(), block_len - 1).view(len(windows), -1)
+
+
+def draft_logits_at(drafter, target, view: TargetView, windows: torch.Tensor, anchors: torch.Tensor,
+                    block_len: int) -> torch.Tensor:
+    """Draft logits of every block [batch * num_anchors, L-1, vocab] (drafts at positions a+1 .. a+L-1)."""
+    batch, seq_len = windows.shape
+    features = drafter.context_features(view.hidden)
+    positions = torch.arange(seq_len, device=windows.device).expand(batch, -1)
+    source = ConcatenatedBlocks(drafter.context_kv_all_layers(features, positions), anchors, block_len)
+    with torch.no_grad():
+        embeds = drafter.embed_block(target, block_ids(drafter, windows, anchors, block_len))
+    hidden = drafter.draft_block(embeds, source.position_ids, source)  # [batch, num_anchors * L, hidden]
+    return drafter.draft_logits(target, hidden.reshape(batch * anchors.shape[1], block_len, -1))
+
+
+def target_logits_at(view: TargetView, anchors: torch.Tensor, block_len: int) -> torch.Tensor:
+    """The target's logits that draft j of each block is scored against: position a+j-1 -> [n_blocks, L-1, vocab]."""
+    index = (anchors[:, :, None] + torch.arange(block_len - 1, device=anchors.device)).flatten(1)
+    vocab = view.logits.shape[-1]
+    return view.logits.gather(1, index[:, :, None].expand(-1, -1, vocab)).view(-1, block_len - 1, vocab)
+
+
+class BlockObjective:
+    """`loss_fn(drafter, batch)` for `train_loop.train`, and the validation metrics."""
+
+    def __init__(self, target, *, block_size: int, num_anchors: int, gamma: float, short_block_prob: float,
+                 seed: int):
+        self.target, self.block_size, self.num_anchors = target, block_size, num_anchors
+        self.gamma, self.short_block_prob = gamma, short_block_prob
+        self.generator = torch.Generator().manual_seed(seed + 1)  # anchors and block lengths, on the CPU
+
+    def weights(self, block_len: int, device) -> torch.Tensor:
+        """Position decay w_j = exp(-(j-1)/gamma) of drafts j = 1 .. L-1, normalised to sum 1."""
+        w = torch.exp(-torch.arange(block_len - 1, device=device, dtype=torch.float32) / self.gamma)
+        return w / w.sum()
+
+    def sample(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        block_len = self.block_size
+        if self.block_size > 2 and torch.rand((), generator=self.generator) < self.short_block_prob:
+            block_len = int(torch.randint(2, self.block_size, (), generator=self.generator))
+        anchors = torch.randint(1, batch.shape[1] - block_len + 1, (len(batch), self.num_anchors),
+                                generator=self.generator)
+        return anchors.to(batch.device), block_len
+
+    def __call__(self, drafter, batch: torch.Tensor) -> torch.Tensor:
+        anchors, block_len = self.sample(batch)
+        view = TargetView(self.target, batch, drafter.target_layer_ids)
+        log_q = F.log_softmax(draft_logits_at(drafter, self.target, view, batch, anchors, block_len).float(), -1)
+        log_p = F.log_softmax(target_logits_at(view, anchors, block_len), -1)
+        kl = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)  # [n_blocks, L-1]
+        return (kl.mean(0) * self.weights(block_len, kl.device)).sum()
+
+    @torch.no_grad()
+    def metrics(self, drafter, windows: list[torch.Tensor], stride: int = 8, first_anchor: int = 1) -> dict:
+        """Full blocks anchored every `stride` positions (from `first_anchor`) of fixed validation windows: KL
+        and accuracy (draft argmax == target argmax) per draft position, and `tau_estimate` per k = 1 .. L-1:
+        1 + mean number of leading drafts that all match, at most k (teacher-forced on the windows)."""
+        L = self.block_size
+        kl_sum, match_sum, runs = torch.zeros(L - 1), torch.zeros(L - 1), []
+        for batch in windows:
+            anchors = torch.arange(first_anchor, batch.shape[1] - L + 1, stride, device=batch.device)
+            anchors = anchors.expand(len(batch), -1)
+            view = TargetView(self.target, batch, drafter.target_layer_ids)
+            draft = draft_logits_at(drafter, self.target, view, batch, anchors, L).float()
+            target = target_logits_at(view, anchors, L)
+            kl = F.kl_div(F.log_softmax(draft, -1), F.log_softmax(target, -1), log_target=True, reduction="none")
+            match = draft.argmax(-1) == target.argmax(-1)  # [n_blocks, L-1]
+            kl_sum += kl.sum(-1).sum(0).cpu()
+            match_sum += match.sum(0).float().cpu()
+            runs.append(match.long().cumprod(-1).sum(-1).cpu())
+        runs = torch.cat(runs)
+        n = len(runs)
+        tau = {str(k): 1 + runs.clamp(max=k).float().mean().item() for k in range(1, L)}
+        kl = (kl_sum / n).tolist()
+        return {"kl": kl, "accuracy": (match_sum / n).tolist(), "tau_estimate": tau,
+                "loss": float((torch.tensor(kl) * self.weights(L, "cpu")).sum())}
+
+
+@torch.no_grad()
+def check_matches_draft_block(drafter, target, ids: torch.Tensor, block_len: int, tol: float = 1e-4) -> float:
+    """Raise if the training path disagrees with decode-time drafting: `draft_logits_at` (all blocks of a window
+    in one forward) against `draft_block` over a `DenseDFlashContext` of each anchor's prefix (fp32, one window,
+    anchors before, at and past the sliding window). Returns the max difference of the draft logits."""
+    drafter, ids = copy.deepcopy(drafter).float(), ids[:1]
+    view = TargetView(target, ids, drafter.target_layer_ids)
+    window = drafter.config.sliding_window or 8
+    anchors = torch.tensor([[1, 5, window, window + 7, ids.shape[1] - block_len]], device=ids.device)
+    batched = draft_logits_at(drafter, target, view, ids, anchors, block_len)
+    features = drafter.context_features(view.hidden)
+    worst = 0.0
+    for i, a in enumerate(anchors[0].tolist()):
+        context = DenseDFlashContext.from_features(drafter, features[:, :a])
+        embeds = drafter.embed_block(target, drafter.block_input_ids(ids[:, a], block_len - 1))
+        hidden = drafter.draft_block(embeds, torch.arange(a, a + block_len, device=ids.device)[None], context)
+        worst = max(worst, (drafter.draft_logits(target, hidden)[0] - batched[i]).abs().max().item())
+    if worst > tol:
+        raise AssertionError(f"training draft logits differ from draft_block by {worst:.2e} (> {tol})")
+    return worst
+
+
+def generate_windows(target, stream: TokenStream, count: int, prefix_len: int, seq_len: int, seed: int,
+                     chunk: int = 1024) -> torch.Tensor:
+    """[count, seq_len]: random `prefix_len`-token windows of `stream` (seeded), each continued by the target."""
+    prefixes = RandomWindows(stream, count, prefix_len - 1, seed)()
+    return torch.cat([continue_greedily(target, ids, seq_len) for ids in prefixes.split(chunk)])
+
+
+@torch.no_grad()
+def continue_greedily(target, prefixes: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """prefixes [n, prefix_len] continued greedily by the target to [n, seq_len] (fp32, stock transformers
+    generate, no end-of-sequence stop)."""
+    new = seq_len - prefixes.shape[1]
+    return target.generate(prefixes, attention_mask=torch.ones_like(prefixes), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=target.config.pad_token_id)
+
+
+class MixedWindows:
+    """Training batches: `round(fraction * batch_size)` windows drawn (seeded) from `generated`, the rest from `data`."""
+
+    def __init__(self, data: RandomWindows, generated: torch.Tensor, fraction: float, seed: int):
+        self.data, self.generated = data, generated
+        self.num_generated = round(fraction * data.batch_size)
+        self.data.batch_size -= self.num_generated
+        self.generator = torch.Generator().manual_seed(seed + 3)
+
+    def __call__(self) -> torch.Tensor:
+        index = torch.randint(0, len(self.generated), (self.num_generated,), generator=self.generator)
+        return torch.cat([self.data(), self.generated[index.to(self.generated.device)]])
+
+
+def probe_steps(drafter, objective, batches, budget_s: float, device, probe: int = 8) -> tuple[int, float]:
+    """Steps that fit in `budget_s`, from the time of `probe` steps on a copy (after 3 warm-up steps)."""
+    model = copy.deepcopy(drafter)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    samplers = [objective, batches, getattr(batches, "data", None)]  # put back after: training draws the same
+    states = [s.generator.get_state() for s in samplers if s is not None]
+    for i in range(3 + probe):
+        if i == 3:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = objective(model, batches())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    per_step = (time.perf_counter() - start) / probe
+    for sampler, state in zip([s for s in samplers if s is not None], states):
+        sampler.generator.set_state(state)
+    return max(200, int(budget_s / per_step)), per_step
+
+
+# ---------------------------------------------------------------------------------------------------
+# τ and speed through hf_specdec's speculative loop
+
+
+def load_pair(target_dir: pathlib.Path, drafter_dir: pathlib.Path, device):
+    target = hf_specdec.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).to(device).eval()
+    return target, drafter
+
+
+def measure_speed(target, drafter, tokenizer, prompts: list[str], new_tokens: int, k: int, batch: int) -> dict:
+    """Tokens/s of plain hf_specdec decoding and of DFlash at `k`: `batch` prompts at a time over all prompts,
+    every row generating exactly `new_tokens` (after one warm-up call of each)."""
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+    row = {"batch": batch, "k": k, "new_tokens": new_tokens, "prompts": sum(map(len, groups))}
+    for name, extra in (("plain", {}), ("dflash", dict(assistant_model=drafter, num_speculative_tokens=k))):
+        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
+        target.generate(**prompt_batch(tokenizer, groups[0], target.device), **{**kwargs, "max_new_tokens": 4,
+                                                                                 "min_new_tokens": 4})
+        start = time.perf_counter()
+        for group in groups:
+            target.generate(**prompt_batch(tokenizer, group, target.device), **kwargs)
+        row[f"{name}_tokens_per_s"] = round(row["prompts"] * new_tokens / (time.perf_counter() - start), 1)
+    row["speedup"] = round(row["dflash_tokens_per_s"] / row["plain_tokens_per_s"], 2)
+    print("speed", json.dumps(row), flush=True)
+    return row
+
+
+def measure(args, device) -> dict:
+    """τ per block size (k = 1 .. block_size - 1) on `device`; on CPU also plain vs DFlash tokens/s (one
+    thread) at batch 1 and 4, at the default k and at the k of the highest τ."""
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target, drafter = load_pair(args.target, args.out, device)
+    prompts = [s["text"][: args.tau_prompt_chars] for s in held_out_snippets()]
+    ks = tuple(range(1, drafter.block_size))
+    result = {"device": device_name(device), "prompts": f"{len(prompts)} held-out snippets, first "
+              f"{args.tau_prompt_chars} characters", "new_tokens": args.tau_new_tokens, "greedy": True,
+              "tau": measure_tau(target, drafter, tokenizer, prompts, args.tau_new_tokens, ks),
+              "torch": torch.__version__, "transformers": transformers.__version__}
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+        result["cpu_threads"] = 1
+        best_k = max(ks, key=lambda k: result["tau"][str(k)]["tau"])
+        result["speed"] = [measure_speed(target, drafter, tokenizer, prompts, args.tau_new_tokens, k, batch)
+                           for k in sorted({best_k, ks[-1]}) for batch in (1, 4)]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if args.measure_only:
+        update_report(args.report, f"measured_{device.type}", measure(args, device))
+        return {}
+    seed_everything(args.seed)
+    report: dict = {"args": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
+
+    # 1. The frozen target, its tokenizer, and the token streams (the target's train / validation split).
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
+    target.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    corpus = load_corpus(args.corpus)
+    train_stream = TokenStream.from_documents(encode_documents(tokenizer, [d.text for d in corpus.train]))
+    validation_stream = TokenStream.from_documents(encode_documents(tokenizer, [d.text for d in corpus.validation]))
+    report["data"] = corpus.summary() | {"train_tokens": train_stream.ids.numel(),
+                                         "validation_tokens": validation_stream.ids.numel()}
+    print("data", json.dumps(report["data"]), flush=True)
+
+    # 2. The drafter; the training path is checked against decode-time drafting before anything is trained.
+    layer_types = [{"S": gemma4_dflash.SLIDING, "F": gemma4_dflash.FULL}[t] for t in args.layer_types.split(",")]
+    drafter = gemma4_dflash.build_model(
+        target, tokenizer.convert_tokens_to_ids(gemma4_dflash.MASK_TOKEN), layer_types=layer_types,
+        intermediate_size=args.intermediate_size, block_size=args.block_size,
+        target_layer_ids=[int(i) for i in args.target_layer_ids.split(",")]).to(device)
+    report["num_parameters"] = sum(p.numel() for p in drafter.parameters())
+    report["config"] = drafter.config.to_dict()
+    val_windows = validation_windows(validation_stream.to(device), args.eval_windows, args.seq_len, device)
+    report["draft_block_check_max_abs_diff"] = check_matches_draft_block(drafter, target, val_windows[0],
+                                                                         args.block_size)
+    print(f"parameters {report['num_parameters']:,}  draft_block check "
+          f"{report['draft_block_check_max_abs_diff']:.1e}", flush=True)
+
+    # 3. Training; validation metrics every `eval_every` steps, keeping the weights with the best τ estimate.
+    objective = BlockObjective(target, block_size=args.block_size, num_anchors=args.anchors, gamma=args.gamma,
+                               short_block_prob=args.short_block_prob, seed=args.seed)
+    batches = RandomWindows(train_stream.to(device), args.batch_size, args.seq_len - 1, args.seed)
+    val_generated = []
+    if args.generated_windows:
+        start = time.perf_counter()
+        generated = generate_windows(target, train_stream.to(device), args.generated_windows, args.generated_prefix,
+                                     args.seq_len, args.seed + 2)
+        val_generated = [continue_greedily(target, w[:, : args.generated_prefix], args.seq_len) for w in val_windows]
+        batches = MixedWindows(batches, generated, args.generated_fraction, args.seed)
+        report["generated"] = {"windows": args.generated_windows, "prefix": args.generated_prefix,
+                               "fraction": args.generated_fraction, "seconds": round(time.perf_counter() - start, 1)}
+        print("generated", json.dumps(report["generated"]), flush=True)
+    steps = args.steps
+    if args.time_budget:
+        steps, per_step = probe_steps(drafter, objective, batches, args.time_budget, device)
+        report["probe"] = {"time_budget_s": args.time_budget, "seconds_per_step": round(per_step, 4), "steps": steps}
+        report["args"]["steps"] = steps
+        print("probe", json.dumps(report["probe"]), flush=True)
+    cfg = TrainConfig(steps=steps, batch_size=args.batch_size, seq_len=args.seq_len - 1, lr=args.lr,
+                      warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, log_every=args.log_every,
+                      seed=args.seed)
+    curve, best = [], {"score": -math.inf}
+    full_k = str(args.block_size - 1)
+
+    def validate(step: int | None = None) -> float:
+        """Called by `train` every `eval_every` steps (no argument), and once after the last step."""
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            metrics = {"step": step or (len(curve) + 1) * args.eval_every} | objective.metrics(drafter, val_windows)
+            if val_generated:
+                metrics["generated"] = objective.metrics(drafter, val_generated, first_anchor=args.generated_prefix)
+        curve.append(_rounded(metrics))
+        print("validation", json.dumps(curve[-1]), flush=True)
+        score = (metrics.get("generated") or metrics)["tau_estimate"][full_k]
+        if score > best["score"]:
+            best.update(curve[-1], score=score, state=copy.deepcopy(drafter.state_dict()))
+        return metrics["loss"]
+
+    result = train(drafter, objective, batches, cfg, evaluate=validate, eval_every=args.eval_every,
+                   log=lambda line: print(line, flush=True))
+    final = validate(steps)
+    drafter.load_state_dict(best.pop("state"))
+    best.pop("score")
+    report["training"] = {
+        "steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": args.seq_len, "anchors": args.anchors,
+        "block_size": args.block_size, "kept_by": "generated tau_estimate" if val_generated else "tau_estimate",
+        "short_block_prob": args.short_block_prob, "gamma": args.gamma,
+        "lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio,
+        "weight_decay": cfg.weight_decay, "betas": cfg.betas, "grad_clip": cfg.grad_clip,
+        "target_tokens_seen": result.tokens_seen, "epochs": round(result.tokens_seen / train_stream.ids.numel(), 2),
+        "wall_time_s": round(result.wall_time_s, 1), "final_train_loss": result.losses[-1][1],
+        "train_loss_curve": result.losses, "final_validation_loss": final,
+        "validation_curve": curve, "kept_step": best.pop("step"), "kept_validation": best,
+        "device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
+    }
+
+    # 4. Export in bf16 (z-lab layout), reload through hf_specdec, measure τ on this device.
+    files = export_checkpoint(drafter, None, args.out)
+    report["files"] = files | {"total": sum(files.values())}
+    print("files", json.dumps(report["files"]), flush=True)
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=1) + "\n")
+    update_report(args.report, f"measured_{device.type}", measure(args, device))
+    return report
+
+
+def _rounded(value):
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [round(v, 4) for v in value]
+    return round(value, 4) if isinstance(value, float) else value
+
+
+if __name__ == "__main__":
+    main()
