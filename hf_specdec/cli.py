@@ -78,7 +78,9 @@ def load_demo_drafters() -> dict[str, dict]:
     if "tiny-gemma4-dflash" in available_assets():
         drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"),
                                                                   dtype=torch.float32)
-        drafters["hf_specdec DFlash"] = dict(assistant_model=drafter)
+        # k=4, not the default block_size - 1 = 7: its drafts past the 4th are almost never accepted (τ per k in
+        # hf_specdec/assets/README.md), and on CPU the 3 longer verify positions cost more than they bring
+        drafters["hf_specdec DFlash (k=4)"] = dict(assistant_model=drafter, num_speculative_tokens=4)
     return drafters
 
 
