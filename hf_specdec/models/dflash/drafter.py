@@ -73,6 +73,9 @@ class PagedDFlashDrafter:
         self.drafter = drafter.to(device=target.device)
         self.layout = context_layout(drafter)
         self.cache: PagedKVCache | None = None
+        # which target layers the capture hooks record: graphs of target forwards captured with other hooks
+        # (another drafter's layers) must not be replayed for this one
+        self.capture_key = ("target_layer_ids", *self.drafter.target_layer_ids)
 
     @contextlib.contextmanager
     def capture(self, target):

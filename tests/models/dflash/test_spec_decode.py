@@ -218,6 +218,16 @@ def test_spec_mode_is_inferred_and_checked(tmp_path):
         wider.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=3)
 
 
+def test_capture_key_names_the_hooked_target_layers():
+    """Target forwards replayed from CUDA graphs restore what the hooks recorded at capture: the key keeps a
+    drafter reading other layers from reusing them."""
+    target = llama(num_hidden_layers=4)
+    first = PagedDFlashDrafter(target, random_drafter(target, target_layer_ids=[0, 2]))
+    same = PagedDFlashDrafter(target, random_drafter(target, seed=1, target_layer_ids=[0, 2]))
+    other = PagedDFlashDrafter(target, random_drafter(target, target_layer_ids=[1, 3]))
+    assert first.capture_key == same.capture_key != other.capture_key
+
+
 def test_bidirectional_sliding_layers_need_blocks_within_their_window():
     target = gemma4_31b_style()
     drafter = random_drafter(target, block_size=8, layer_types=[S, S], use_sliding_window=True, sliding_window=4,
