@@ -47,7 +47,7 @@ def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, sc
         q_pos0 = q_pos0 + (meta.q_len - q_len)
         q_lens = q_lens.clamp(max=q_len)
     return paged_attention(query.transpose(1, 2), k_cache, v_cache, block_tables, meta.kv_lens, q_pos0, q_lens,
-                           scale=scaling, sliding_window=window)
+                           scale=scaling, sliding_window=window, validate=False)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def paged_query_attention(paged_cache, layer_idx: int, query: torch.Tensor, rows
     # The kernel's window counts the query's own position; masking as if the query sat on the last cached
     # key makes the window exactly the last `sliding_window` keys.
     return paged_attention(query, k_cache, v_cache, block_tables, rows.kv_lens, rows.q_pos0, rows.q_lens,
-                           scale=scaling, sliding_window=sliding_window)
+                           scale=scaling, sliding_window=sliding_window, validate=False)
 
 
 def _fallback(module: torch.nn.Module):

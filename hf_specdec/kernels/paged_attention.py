@@ -227,14 +227,18 @@ def paged_attention(
     sliding_window: int | None = None,
     causal: bool = True,
     out: torch.Tensor | None = None,  # [batch, q_len, num_heads, head_dim]
+    validate: bool = True,
 ) -> torch.Tensor:
     """Attention of `q` over paged K/V (see the module docstring); returns [batch, q_len, num_heads,
     head_dim] in q.dtype, written into `out` when given. Softmax of ``scale * q.k`` in fp32.
 
-    The Triton path never syncs with the host, so it can be captured in a CUDA graph.
+    The Triton path never syncs with the host, so it can be captured in a CUDA graph. ``validate=False``
+    skips the argument checks: for callers whose metadata comes from a PagedKVCache (every layer of every
+    step; the checks cost a quarter of a small decode call on CPU).
     """
-    _check_paged_attention_args(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
-                                scale, sliding_window, out)
+    if validate:
+        _check_paged_attention_args(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
+                                    scale, sliding_window, out)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.numel() == 0:
@@ -326,7 +330,8 @@ def paged_attention_reference(
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    slots, visible = _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, k_cache.shape[1], sliding_window, causal)
+    slots, visible, sees_key = _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, k_cache.shape[1], sliding_window,
+                                     causal)
     keys, values = (cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
                     .view(batch, -1, num_kv_heads, head_dim).transpose(1, 2).float() for cache in (k_cache, v_cache))
 
@@ -337,7 +342,9 @@ def paged_attention_reference(
     mask = visible[:, None].expand(-1, group, -1, -1).reshape(batch, 1, group * q_len, -1)
     result = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     # Queries that see no key output 0, whatever the SDPA backend makes of an all-masked row.
-    result = torch.where(mask.any(-1, keepdim=True), result, 0.0)
+    if sees_key is not None:
+        result = torch.where(sees_key[:, None, None, :, None].expand(-1, 1, group, -1, -1)
+                             .reshape(batch, 1, group * q_len, 1), result, 0.0)
     result = result.view(batch, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
     result = result.reshape(batch, q_len, num_heads, head_dim)
     if out is None:
@@ -362,7 +369,8 @@ _MAX_PLANS = 8
 
 
 def _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal):
-    """(slots [batch * L] into the flattened cache, visible [batch, q_len, L]) for this forward's rows."""
+    """(slots [batch * L] into the flattened cache, visible [batch, q_len, L], which queries see some key
+    [batch, q_len] or None if all do) for this forward's rows."""
     key = (id(block_tables), id(kv_lens), id(q_pos0), id(q_lens), q_len, block_size, sliding_window, causal)
     hit = _PLANS.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], (block_tables, kv_lens, q_pos0, q_lens))):
@@ -376,10 +384,12 @@ def _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_wind
         visible &= key_pos[:, None, :] <= pos
     if sliding_window is not None:
         visible &= key_pos[:, None, :] > pos - sliding_window  # [batch, q_len, L]
+    sees_key = visible.any(-1)  # [batch, q_len]; None when every query sees a key (nothing to zero)
+    sees_key = None if bool(sees_key.all()) else sees_key
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = ((block_tables, kv_lens, q_pos0, q_lens), (slots, visible))
-    return slots, visible
+    _PLANS[key] = ((block_tables, kv_lens, q_pos0, q_lens), (slots, visible, sees_key))
+    return slots, visible, sees_key
 
 
 def _key_slots(block_tables, block_size, kv_lo, kv_hi):
