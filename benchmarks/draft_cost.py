@@ -81,7 +81,8 @@ def _gemma4_drafters(shape: str, target, args) -> dict:
     return drafters
 
 
-def _dflash_drafter(target, args):
+def _dflash_drafter(target, args, k: int | None = None):
+    """A random DFlash drafter of an assumed shape for ``target`` (block 16; k = block - 1 unless given)."""
     from hf_specdec.models.dflash import DFlashConfig, DFlashDrafter
 
     from benchmarks.shapes import build_on_device
@@ -99,7 +100,7 @@ def _dflash_drafter(target, args):
                        "target_layer_ids": sorted({1, layers // 4, layers // 2, 3 * layers // 4, layers - 2})},
     )
     drafter = build_on_device(DFlashDrafter, config, args.device, args.dtype, seed=2)
-    return build_drafter(target, drafter, "dflash", None)
+    return build_drafter(target, drafter, "dflash", k)
 
 
 def _batch_rows(target, model_shape: str, batch: int, drafters: dict, args) -> list[dict]:

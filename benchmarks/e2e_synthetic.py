@@ -1,11 +1,12 @@
-"""e2e_synthetic: end-to-end Gemma 4 MTP decoding at a fixed acceptance rate, beside plain decoding.
+"""e2e_synthetic: end-to-end Gemma 4 MTP and DFlash decoding at a fixed acceptance rate, beside plain decoding.
 
-    python -m benchmarks.e2e_synthetic [--shape gemma4-31b] [--layers N] [--alpha 0.6 0.8] [--k 7] [--batch 1 32] [--quick | --smoke]
+    python -m benchmarks.e2e_synthetic [--shape gemma4-31b] [--layers N] [--alpha 0.6 0.8] [--k 7] [--batch 1 32]
+        [--drafter mtp dflash] [--quick | --smoke]
 
-Random weights accept almost no drafts, so the speculative rows run the real MTP assistant (its real
-draft cost) but accept each draft with probability alpha (``SyntheticAcceptance``,
-benchmarks/drafters.py, through the loop's benchmark-only ``synthetic_acceptance`` hook): the committed
-tokens are not the target's greedy tokens, and these rows say ``lossless: false``. This measures system
+Random weights accept almost no drafts, so the speculative rows run a real drafter — the Gemma 4 MTP
+assistant, and a DFlash drafter of an assumed shape (``--drafter``) — with its real draft cost, but accept
+each draft with probability alpha (``SyntheticAcceptance``, benchmarks/drafters.py, through the loop's
+benchmark-only ``synthetic_acceptance`` hook): the committed tokens are not the target's greedy tokens, and these rows say ``lossless: false``. This measures system
 throughput at a given tau (expected tau = sum_{i<=k} alpha^i), as vLLM's synthetic acceptance mode does.
 Beside them: ``hf_dynamic`` (transformers ``generate``) and ``hf_specdec`` plain on the same shape.
 tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)). ``vs_floor_tau`` =
@@ -18,6 +19,7 @@ import torch
 
 import hf_specdec
 from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, free_device_memory
+from benchmarks.draft_cost import _dflash_drafter
 from benchmarks.drafters import SyntheticAcceptance, expected_tau
 from benchmarks.shapes import floor_tokens_per_s, gemma4_assistant, gemma4_target, random_prompt, shape_name
 from hf_specdec.generation.registry import build_drafter
@@ -40,6 +42,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers generate rows")
+    parser.add_argument("--drafter", nargs="+", choices=["mtp", "dflash"], default=["mtp", "dflash"],
+                        help="drafters to run: the Gemma 4 MTP assistant and/or a DFlash drafter (assumed shape, "
+                             "as in draft_cost)")
 
 
 def run(args, progress) -> list[dict]:
@@ -47,7 +52,7 @@ def run(args, progress) -> list[dict]:
     target = gemma4_target(args.shape, args.layers, args.device, args.dtype)
     assistant = gemma4_assistant(args.shape, target, args.device, args.dtype)
     model_shape = shape_name(args.shape, args.layers)
-    progress.total(len(args.batch) * (len(args.alpha) + 2))
+    progress.total(len(args.batch) * (len(args.alpha) * len(args.drafter) + 2))
     rows = []
     for batch in args.batch:
         ids = random_prompt(batch, args.prompt, target.config.vocab_size, args.device)
@@ -63,12 +68,15 @@ def run(args, progress) -> list[dict]:
         batch_rows.append(dict(common, backend="hf_specdec", k=None, alpha=None, lossless=True,
                                **_speed(target, ids, args, {})))
         progress.step(f"b{batch} hf_specdec")
-        for alpha in args.alpha:
-            drafter = SyntheticAcceptance(build_drafter(target, assistant, "mtp", args.k), alpha)
-            batch_rows.append(dict(common, backend="hf_specdec_mtp_synthetic", k=args.k, alpha=alpha, lossless=False,
-                                   expected_tau=expected_tau(alpha, args.k),
-                                   **_speed(target, ids, args, dict(assistant_model=drafter))))
-            progress.step(f"b{batch} alpha {alpha}")
+        for kind in args.drafter:
+            for alpha in args.alpha:
+                inner = (build_drafter(target, assistant, "mtp", args.k) if kind == "mtp"
+                         else _dflash_drafter(target, args, args.k))
+                drafter = SyntheticAcceptance(inner, alpha)
+                batch_rows.append(dict(common, backend=f"hf_specdec_{kind}_synthetic", k=args.k, alpha=alpha,
+                                       lossless=False, expected_tau=expected_tau(alpha, args.k),
+                                       **_speed(target, ids, args, dict(assistant_model=drafter))))
+                progress.step(f"b{batch} {kind} alpha {alpha}")
         hf_specdec.disable(target)
         plain = next(r["tokens_per_s"] for r in batch_rows if r["backend"] == "hf_specdec")
         for r in batch_rows:
