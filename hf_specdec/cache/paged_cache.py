@@ -223,7 +223,8 @@ class PagedKVCache(Cache):
             raise ValueError(f"layer {layer_idx} stores {q_len} tokens per row, the forward has {self.meta.q_len}.")
         store_kv(key_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
                  value_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
-                 self.k_storage[group][index], self.v_storage[group][index], self.meta.slot_mapping[group])
+                 self.k_storage[group][index], self.v_storage[group][index], self.meta.slot_mapping[group],
+                 validate=False)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

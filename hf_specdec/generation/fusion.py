@@ -12,10 +12,13 @@ import types
 
 import torch
 
+from hf_specdec.kernels import use_triton
 from hf_specdec.kernels.rms_norm import rms_norm
 
 
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not use_triton(hidden_states):
+        return type(self).forward(self, hidden_states)  # the module's own ops: the same arithmetic, no wrapper
     return rms_norm(hidden_states, self.weight if self.with_scale else None, self.eps)
 
 

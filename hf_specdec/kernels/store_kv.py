@@ -42,12 +42,15 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64 or int32; < 0 => skip
+    validate: bool = True,
 ) -> None:
     """Write key/value (cast to the cache dtype) into the caches at `slot_mapping`, in place.
 
     The Triton path never syncs with the host; the reference (CPU) path filters padding with a mask.
+    ``validate=False`` skips the argument checks (for PagedKVCache, whose slot mappings it builds itself).
     """
-    _check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
+    if validate:
+        _check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
     if key.shape[0] == 0:
         return
     if use_triton(key):
