@@ -6,7 +6,8 @@
 
 Benches run in this process one after the other (each frees its models); a bench that fails is reported
 and the others still run. Records go to benchmarks/results/<bench>.jsonl tagged with one run id; the
-README tables and the PNG are written from this run's records. ``--budget-s`` skips the benches that
+README tables and the PNG are written from this run's records (``soak``, last, writes one record per call
+to soak.jsonl and no README table). ``--budget-s`` skips the benches that
 would start after that many seconds (the order puts the decisive ones first).
 """
 
@@ -21,7 +22,7 @@ import traceback
 from benchmarks.common import free_device_memory, run_bench
 from benchmarks.report import write_report
 
-BENCHES = ("decode", "verify_cost", "draft_cost", "e2e_synthetic", "hf_native_assisted", "e2e_tiny")
+BENCHES = ("decode", "verify_cost", "draft_cost", "e2e_synthetic", "hf_native_assisted", "e2e_tiny", "soak")
 
 
 def main(argv: list[str] | None = None) -> int:
