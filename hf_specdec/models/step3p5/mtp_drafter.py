@@ -79,14 +79,12 @@ class Step3p5MTPDrafter:
     @torch.inference_mode()
     def propose(self, last_tokens, cache, selector) -> DraftProposal:
         lens = cache.seq_lens
-        sequences = [p[-(n + 1):].tolist() for p, n in zip(selector.prefixes, lens)]  # t[0..L] per row
         drafted = last_tokens[:, None][:, :0]
         probs = []
         for j, mtp_cache in enumerate(self.caches):
             starts = mtp_cache.seq_lens  # each row's first position this layer has no valid entry for
-            drafts = drafted.tolist()
-            tokens = [[_token(seq, d, i + 1 + j) for i in range(s, n)]
-                      for seq, d, s, n in zip(sequences, drafts, starts, lens)]
+            tokens = [_tokens(prefix, drafted[b], s + 1 + j, n, j)
+                      for b, (prefix, s, n) in enumerate(zip(selector.prefixes, starts, lens))]
             below = self.pending if j == 0 else [w.slice(s, n) for w, s, n in zip(self.outputs[j - 1], starts, lens)]
             out = self._run_layer(j, mtp_cache, tokens, below)
             for b, (s, n) in enumerate(zip(starts, lens)):
@@ -98,16 +96,16 @@ class Step3p5MTPDrafter:
             window.trim()
         return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
 
-    def _run_layer(self, j: int, mtp_cache: PagedKVCache, tokens: list[list[int]], hidden: list[torch.Tensor]):
+    def _run_layer(self, j: int, mtp_cache: PagedKVCache, tokens: list[torch.Tensor], hidden: list[torch.Tensor]):
         """MTP layer j over each row's new positions (right-aligned), appending their K/V to its cache."""
-        counts = [len(t) for t in tokens]
+        counts = [t.shape[0] for t in tokens]
         width = max(counts)
         ref = next(h for h in hidden if h.shape[0])
         ids = torch.zeros(len(tokens), width, dtype=torch.long, device=ref.device)
         states = ref.new_zeros(len(tokens), width, ref.shape[-1])
         for b, (row_tokens, row_hidden, c) in enumerate(zip(tokens, hidden, counts)):
             if c:
-                ids[b, width - c:] = torch.tensor(row_tokens, device=ref.device)
+                ids[b, width - c:] = row_tokens
                 states[b, width - c:] = row_hidden
         meta = mtp_cache.begin_forward(counts, width)
         stub = torch.ones(len(tokens), 1, 1, 1, dtype=torch.bool, device=ref.device)
@@ -154,9 +152,13 @@ class _RecentOutputs:
         return self.states[first - self.start: stop - self.start]
 
 
-def _token(sequence: list[int], drafts: list[int], index: int) -> int:
-    """Token ``index`` of a row: committed (``index <= L``) or the draft made earlier this round."""
-    return sequence[index] if index < len(sequence) else drafts[index - len(sequence)]
+def _tokens(prefix: torch.Tensor, drafts: torch.Tensor, first: int, length: int, j: int) -> torch.Tensor:
+    """Tokens ``t[first .. length + j]`` of a row, on its device: committed ones (index <= L = ``length``) from
+    the row's ids ``prefix`` (left padding first, ``t[L]`` last), then this round's ``j`` drafts. Slicing
+    only: nothing comes back to the host."""
+    if first > length:
+        return drafts[first - length - 1: j]
+    return torch.cat([prefix[prefix.shape[0] - (length + 1) + first:], drafts[:j]])
 
 
 def matches(target, assistant) -> bool:
