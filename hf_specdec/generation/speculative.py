@@ -60,6 +60,7 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     scorer = PositionScorer(logits_processor)
     stopper = RowStopper(stopping_criteria, generation_config)
     rows = [input_ids[b].tolist() for b in range(batch)]
+    row_ids = RowIds(input_ids, generation_config.max_length + k + 1)
     running = [True] * batch
     runner = ModelRunner(model, state.layout, state.cache_config, graph_store_for(model))
     cache = runner.start(prompt_lens, generation_config.max_length - width, lookahead=k + 1)
@@ -75,8 +76,9 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
             emitted = _emit(rows, running, next_tokens.tolist(), [[]] * batch, stopper, streamer)
             stats.record_step(emitted)
             while any(running):
+                row_ids.extend(rows)
                 _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config, rows,
-                                  running, next_tokens, stats, streamer, device)
+                                  row_ids.views(), running, next_tokens, stats, streamer)
                 next_tokens = torch.tensor([r[-1] for r in rows], device=device)
     finally:
         runner.finish()
@@ -89,11 +91,10 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     return sequences
 
 
-def _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config, rows, running,
-                      last_tokens, stats, streamer, device):
+def _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config, rows, prefixes,
+                      running, last_tokens, stats, streamer):
     cache = runner.cache
     k = drafter.num_speculative_tokens
-    prefixes = [torch.tensor(r, device=device) for r in rows]
     selector = DraftSelector(generation_config.do_sample, scorer, model.config.get_text_config().vocab_size,
                              prefixes)
     # 1. draft
@@ -123,6 +124,35 @@ def _speculative_step(model, runner, drafter, captured, scorer, stopper, generat
     kept = [e if r else 0 for e, r in zip(emitted, was_running)]
     runner.commit([n - (k + 1) + keep for n, keep in zip(cache.seq_lens, kept)])
     drafter.commit(cache, captured, num_accepted, kept)
+
+
+class RowIds:
+    """Each row's ids on the device — its prompt as given (left padding first), then what it emitted — grown
+    in place after every step, so drafters and history processors get them without a per-step copy of whole
+    rows to the device."""
+
+    def __init__(self, input_ids: torch.Tensor, capacity: int):
+        batch, width = input_ids.shape
+        self.buffer = input_ids.new_zeros(batch, max(capacity, width))
+        self.buffer[:, :width] = input_ids
+        self.lens = [width] * batch
+
+    def extend(self, rows: list[list[int]]) -> None:
+        """Append what each row emitted since the last call (one scatter for the batch)."""
+        index_rows, index_cols, values = [], [], []
+        for b, row in enumerate(rows):
+            for col in range(self.lens[b], len(row)):
+                index_rows.append(b)
+                index_cols.append(col)
+                values.append(row[col])
+            self.lens[b] = len(row)
+        if values:
+            device = self.buffer.device
+            self.buffer[torch.tensor(index_rows, device=device), torch.tensor(index_cols, device=device)] = \
+                torch.tensor(values, dtype=self.buffer.dtype, device=device)
+
+    def views(self) -> list[torch.Tensor]:
+        return [self.buffer[b, :n] for b, n in enumerate(self.lens)]
 
 
 def _emit(rows, running, last, accepted_drafts, stopper, streamer) -> list[int]:
