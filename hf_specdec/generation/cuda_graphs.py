@@ -183,15 +183,10 @@ def table_width_bucket(blocks: int) -> int:
 
 
 def _static_meta(meta: ForwardMeta, table_width: int) -> ForwardMeta:
-    tables = []
-    for table in meta.block_tables:
-        static = torch.full((table.shape[0], max(table_width, table.shape[1])), -1, dtype=table.dtype,
-                            device=table.device)
-        static[:, : table.shape[1]].copy_(table)
-        tables.append(static)
+    """Buffers of their own for every tensor of ``meta`` (block tables padded to ``table_width``)."""
     return replace(meta, kv_lens=meta.kv_lens.clone(), q_pos0=meta.q_pos0.clone(), q_lens=meta.q_lens.clone(),
                    position_ids=meta.position_ids.clone(), slot_mapping=[s.clone() for s in meta.slot_mapping],
-                   block_tables=tables)
+                   block_tables=[pad_table(t, table_width).clone() for t in meta.block_tables])
 
 
 def _copy_meta(static: ForwardMeta, meta: ForwardMeta) -> None:
