@@ -11,6 +11,9 @@ Every member is trained from the same pieces, so a new member adds one recipe mo
 - `train_loop` seeded AdamW + warmup/cosine loop with bf16 autocast for any `loss_fn(model, batch)`;
 - `evaluate`   per-document cross-entropy and bits per byte;
 - `export`     a standard Hugging Face checkpoint in bf16, and the bundled held-out snippets;
+- `cli`        the options every CLI shares (loop, device, drafter τ), its `TrainConfig`, the report file;
+- `frozen_target` the frozen target a drafter learns from, with the target's token streams;
+- `measure`    a drafter's τ and CPU tokens/s through hf_specdec's speculative loop;
 - `sweep`      several runs of one member side by side on one GPU, keeping the best on validation.
 
 Members: `gemma4_target` + `train_target` (the Gemma 4 target; also trains the tokenizer).

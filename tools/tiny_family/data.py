@@ -63,3 +63,9 @@ def eval_windows(stream: TokenStream, seq_len: int, stride: int, pad_id: int) ->
         if next_target >= num_targets:
             break
     return windows
+
+
+def validation_windows(stream: TokenStream, count: int, seq_len: int, device) -> list[torch.Tensor]:
+    """A fixed set of `count` validation windows of `seq_len` tokens (seeded), in batches of at most 16."""
+    sample = RandomWindows(stream, count, seq_len - 1, seed=1234)()
+    return [w.to(device) for w in sample.split(16)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .corpus import Document
 from .data import TokenStream, eval_windows
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # [batch, seq_len] ids -> [batch, seq_len, vocab] logits
@@ -52,3 +53,32 @@ def score_documents(
 
 def bits_per_byte(total_nats: float, num_bytes: int) -> float:
     return total_nats / math.log(2) / num_bytes
+
+
+@dataclass
+class CausalLMScorer:
+    """`score_documents` for a causal LM: windows of `seq_len` tokens, half a window apart."""
+
+    seq_len: int
+    batch_size: int
+    pad_id: int
+    device: torch.device | str
+
+    def scores(self, model: torch.nn.Module, documents: list[list[int]],
+               autocast_dtype: torch.dtype | None = None) -> list[DocumentScore]:
+        return score_documents(causal_lm_logits(model), documents, self.seq_len, self.seq_len // 2, self.batch_size,
+                               self.pad_id, self.device, autocast_dtype)
+
+    def loss(self, model: torch.nn.Module, documents: list[list[int]],
+             autocast_dtype: torch.dtype | None = None) -> float:
+        """Mean nats per token over all `documents`."""
+        scores = self.scores(model, documents, autocast_dtype)
+        return sum(s.nats for s in scores) / sum(s.num_tokens for s in scores)
+
+
+def split_scores(scores: list[DocumentScore], documents: list[Document]) -> dict:
+    """The report's record of one split (validation or held-out files)."""
+    nats, tokens = sum(s.nats for s in scores), sum(s.num_tokens for s in scores)
+    num_bytes = sum(d.num_bytes for d in documents)
+    return {"loss_nats_per_token": nats / tokens, "tokens": tokens, "bytes": num_bytes,
+            "bits_per_byte": bits_per_byte(nats, num_bytes)}

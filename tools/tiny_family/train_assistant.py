@@ -23,24 +23,20 @@ import argparse
 import copy
 import json
 import pathlib
-import time
 
 import torch
 import torch.nn.functional as F
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
-import hf_specdec
-from hf_specdec.assets import held_out_snippets
 from hf_specdec.models.gemma4 import DenseTargetKVSource, draft_sliding_window
 from hf_specdec.models.gemma4.centroid_head import softcap
 
-from . import gemma4_assistant
-from .corpus import load_corpus
-from .data import RandomWindows, TokenStream
+from . import cli, gemma4_assistant
+from .data import RandomWindows, validation_windows
 from .export import export_checkpoint
-from .tokenizer import encode_documents
-from .train_loop import TrainConfig, seed_everything, train
+from .frozen_target import load_frozen_target
+from .measure import measure_drafter
+from .train_loop import seed_everything, train
 
 DEFAULT_TARGET = pathlib.Path("hf_specdec/assets/tiny-gemma4")
 TAU_KS = (1, 2, 4, 7)
@@ -48,10 +44,7 @@ TAU_KS = (1, 2, 4, 7)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint folder to write (or measure)")
-    p.add_argument("--report", type=pathlib.Path, help="JSON file for config, loss curves, metrics, τ")
-    p.add_argument("--target", type=pathlib.Path, default=DEFAULT_TARGET, help="the frozen target (and tokenizer)")
-    p.add_argument("--corpus", type=pathlib.Path, help="stdlib folder or corpus .tar.gz (default: this stdlib)")
+    cli.add_drafter_source_args(p, DEFAULT_TARGET)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=32, help="windows per step")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window (>= sliding window)")
@@ -59,17 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--centroid-weight", type=float, default=1.0)
     p.add_argument("--hidden-size", type=int, default=gemma4_assistant.HIDDEN_SIZE)
     p.add_argument("--intermediate-size", type=int, default=gemma4_assistant.INTERMEDIATE_SIZE)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=250, help="validation metrics every N steps (0: never)")
-    p.add_argument("--eval-windows", type=int, default=32)
-    p.add_argument("--tau-new-tokens", type=int, default=256, help="new tokens per prompt when measuring τ")
-    p.add_argument("--tau-prompt-chars", type=int, default=400, help="leading characters of each held-out snippet")
-    p.add_argument("--measure-only", action="store_true", help="only measure τ and speed of the checkpoint at --out")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    cli.add_drafter_loop_args(p)
     return p.parse_args(argv)
 
 
@@ -235,112 +218,27 @@ def check_matches_draft_step(assistant, target, ids: torch.Tensor, num_steps: in
 
 
 # ---------------------------------------------------------------------------------------------------
-# τ and speed through hf_specdec's speculative loop
-
-
-def load_pair(target_dir: pathlib.Path, assistant_dir: pathlib.Path, device):
-    target = hf_specdec.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
-    assistant = hf_specdec.AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=torch.float32).to(device).eval()
-    return target, assistant
-
-
-def prompt_batch(tokenizer, texts: list[str], device) -> dict:
-    tokenizer.padding_side = "left"
-    return tokenizer(texts, return_tensors="pt", padding=True).to(device)
-
-
-def measure_tau(target, assistant, tokenizer, prompts: list[str], new_tokens: int, ks=TAU_KS) -> dict:
-    """Greedy MTP on all prompts as one batch, per k: τ (tokens per target forward, bonus included), the
-    acceptance histogram, and whether the output equals plain greedy decoding token for token."""
-    inputs = prompt_batch(tokenizer, prompts, target.device)
-    kwargs = dict(**inputs, max_new_tokens=new_tokens, do_sample=False)
-    plain = target.generate(**kwargs)
-    result = {}
-    for k in ks:
-        out = target.generate(**kwargs, assistant_model=assistant, num_speculative_tokens=k)
-        stats = hf_specdec.last_generation_stats(target)
-        result[str(k)] = {"tau": round(stats.mean_accepted_length, 3), "histogram": stats.acceptance_histogram,
-                          "generated_tokens": stats.num_generated_tokens, "same_as_plain": torch.equal(out, plain)}
-        print(f"k={k}  tau {stats.mean_accepted_length:.3f}  histogram {stats.acceptance_histogram}", flush=True)
-    return result
-
-
-def measure_speed(target, assistant, tokenizer, prompts: list[str], new_tokens: int, k: int, batch: int) -> dict:
-    """Tokens/s of plain hf_specdec decoding and of MTP at `k`: `batch` prompts at a time over all prompts,
-    every row generating exactly `new_tokens` (after one warm-up call of each)."""
-    groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
-    row = {"batch": batch, "k": k, "new_tokens": new_tokens, "prompts": sum(map(len, groups))}
-    for name, extra in (("plain", {}), ("mtp", dict(assistant_model=assistant, num_speculative_tokens=k))):
-        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
-        target.generate(**prompt_batch(tokenizer, groups[0], target.device), **{**kwargs, "max_new_tokens": 4,
-                                                                                 "min_new_tokens": 4})
-        start = time.perf_counter()
-        for group in groups:
-            target.generate(**prompt_batch(tokenizer, group, target.device), **kwargs)
-        row[f"{name}_tokens_per_s"] = round(row["prompts"] * new_tokens / (time.perf_counter() - start), 1)
-    row["speedup"] = round(row["mtp_tokens_per_s"] / row["plain_tokens_per_s"], 2)
-    print("speed", json.dumps(row), flush=True)
-    return row
 
 
 def measure(args, device) -> dict:
-    """τ per k on `device`; on CPU also plain vs MTP tokens/s (one thread) at batch 1 and 4."""
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target, assistant = load_pair(args.target, args.out, device)
-    prompts = [s["text"][: args.tau_prompt_chars] for s in held_out_snippets()]
-    result = {"device": device_name(device), "prompts": f"{len(prompts)} held-out snippets, first "
-              f"{args.tau_prompt_chars} characters", "new_tokens": args.tau_new_tokens, "greedy": True,
-              "tau": measure_tau(target, assistant, tokenizer, prompts, args.tau_new_tokens),
-              "torch": torch.__version__, "transformers": transformers.__version__}
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-        result["cpu_threads"] = 1
-        result["speed"] = [measure_speed(target, assistant, tokenizer, prompts, args.tau_new_tokens, 4, batch)
-                           for batch in (1, 4)]
-    return result
-
-
-def device_name(device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-# ---------------------------------------------------------------------------------------------------
-
-
-def update_report(path: pathlib.Path | None, section: str, value) -> None:
-    if path is None:
-        return
-    report = json.loads(path.read_text()) if path.is_file() else {}
-    report[section] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-
-
-def validation_windows(stream: TokenStream, count: int, seq_len: int, device) -> list[torch.Tensor]:
-    """A fixed set of validation windows (seeded), in batches of at most 16."""
-    sample = RandomWindows(stream, count, seq_len - 1, seed=1234)()
-    return [w.to(device) for w in sample.split(16)]
+    """τ per k in `TAU_KS` on `device`; on CPU also plain vs MTP tokens/s (one thread) at k = 4."""
+    return measure_drafter(args.target, args.out, device, method="mtp", new_tokens=args.tau_new_tokens,
+                           prompt_chars=args.tau_prompt_chars, ks=lambda assistant: TAU_KS, speed_ks=lambda tau: [4])
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
     if args.measure_only:
-        update_report(args.report, f"measured_{device.type}", measure(args, device))
+        cli.update_report(args.report, f"measured_{device.type}", measure(args, device))
         return {}
     seed_everything(args.seed)
-    report: dict = {"args": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
+    report: dict = {"args": cli.args_record(args)}
 
     # 1. The frozen target, its tokenizer, and the token streams (the target's train / validation split).
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
-    target.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    corpus = load_corpus(args.corpus)
-    train_stream = TokenStream.from_documents(encode_documents(tokenizer, [d.text for d in corpus.train]))
-    validation_stream = TokenStream.from_documents(encode_documents(tokenizer, [d.text for d in corpus.validation]))
-    report["data"] = corpus.summary() | {"train_tokens": train_stream.ids.numel(),
-                                         "validation_tokens": validation_stream.ids.numel()}
-    print("data", json.dumps(report["data"]), flush=True)
+    frozen = load_frozen_target(args.target, args.corpus, device)
+    target, train_stream = frozen.model, frozen.train_stream
+    report["data"] = frozen.data
 
     # 2. The assistant, initialised from the target (ordering, LM head, centroids); the training path
     #    is checked against the decode-time draft step before anything is trained.
@@ -348,16 +246,14 @@ def main(argv: list[str] | None = None) -> dict:
                                              intermediate_size=args.intermediate_size).to(device)
     report["num_parameters"] = sum(p.numel() for p in assistant.parameters())
     report["config"] = assistant.config.to_dict()
-    val_windows = validation_windows(validation_stream.to(device), args.eval_windows, args.seq_len, device)
+    val_windows = validation_windows(frozen.validation_stream.to(device), args.eval_windows, args.seq_len, device)
     report["draft_step_check_max_abs_diff"] = check_matches_draft_step(assistant, target, val_windows[0],
                                                                        args.draft_steps)
     print(f"parameters {report['num_parameters']:,}  draft_step check {report['draft_step_check_max_abs_diff']:.1e}",
           flush=True)
 
     # 3. Distillation; validation metrics every `eval_every` steps, keeping the weights with the best τ estimate.
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len - 1, lr=args.lr,
-                      warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, log_every=args.log_every,
-                      seed=args.seed)
+    cfg = cli.train_config(args, steps=args.steps, seq_len=args.seq_len - 1)
     distiller = Distiller(target, args.draft_steps, args.centroid_weight)
     curve, best = [], {"tau_estimate": 0.0}
 
@@ -365,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
         """Called by `train` every `eval_every` steps (no argument), and once after the last step."""
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             metrics = {"step": step or (len(curve) + 1) * args.eval_every} | distiller.metrics(assistant, val_windows)
-        curve.append({k: _rounded(v) for k, v in metrics.items()})
+        curve.append(cli.rounded(metrics))
         print("validation", json.dumps(curve[-1]), flush=True)
         if metrics["tau_estimate"] > best["tau_estimate"]:
             best.update(curve[-1], state=copy.deepcopy(assistant.state_dict()))
@@ -379,28 +275,19 @@ def main(argv: list[str] | None = None) -> dict:
     report["training"] = {
         "steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": args.seq_len, "draft_steps": args.draft_steps,
         "query_positions_per_window": args.seq_len - args.draft_steps, "centroid_weight": args.centroid_weight,
-        "lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio,
-        "weight_decay": cfg.weight_decay, "betas": cfg.betas, "grad_clip": cfg.grad_clip,
-        "target_tokens_seen": result.tokens_seen, "epochs": round(result.tokens_seen / train_stream.ids.numel(), 2),
-        "wall_time_s": round(result.wall_time_s, 1), "final_train_loss": result.losses[-1][1],
-        "train_loss_curve": result.losses, "final_validation_loss": final,
+        **cli.schedule_record(cfg), "target_tokens_seen": result.tokens_seen,
+        **cli.curve_record(result, train_stream.ids.numel()), "final_validation_loss": final,
         "validation_curve": curve, "kept_step": best.pop("step"), "kept_validation": best,
-        "device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": cli.device_name(device), **cli.versions(),
     }
 
     # 4. Export in bf16 (released config layout), reload through hf_specdec, measure τ on this device.
     files = export_checkpoint(assistant, None, args.out, gemma4_assistant.write_released_config)
     report["files"] = files | {"total": sum(files.values())}
     print("files", json.dumps(report["files"]), flush=True)
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=1) + "\n")
-    update_report(args.report, f"measured_{device.type}", measure(args, device))
+    cli.write_report(args.report, report)
+    cli.update_report(args.report, f"measured_{device.type}", measure(args, device))
     return report
-
-
-def _rounded(value):
-    return [round(v, 4) for v in value] if isinstance(value, list) else round(value, 4)
 
 
 if __name__ == "__main__":

@@ -39,33 +39,24 @@ import time
 
 import torch
 import torch.nn.functional as F
-import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hf_specdec
-from hf_specdec.assets import held_out_snippets
 from hf_specdec.models.dflash import DenseDFlashContext, capture_hidden_states, dense_block_attention
 
-from . import gemma4_dflash
-from .corpus import load_corpus
-from .data import RandomWindows, TokenStream
+from . import cli, gemma4_dflash
+from .data import RandomWindows, TokenStream, validation_windows
 from .export import export_checkpoint
-from .tokenizer import encode_documents
-from .train_assistant import device_name, measure_tau, prompt_batch, update_report, validation_windows
-from .train_loop import TrainConfig, seed_everything, train
+from .frozen_target import load_frozen_target
+from .measure import measure_drafter
+from .train_loop import seed_everything, train
 
 DEFAULT_TARGET = pathlib.Path("hf_specdec/assets/tiny-gemma4")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint folder to write (or measure)")
-    p.add_argument("--report", type=pathlib.Path, help="JSON file for config, loss curves, metrics, τ")
-    p.add_argument("--target", type=pathlib.Path, default=DEFAULT_TARGET, help="the frozen target (and tokenizer)")
-    p.add_argument("--corpus", type=pathlib.Path, help="stdlib folder or corpus .tar.gz (default: this stdlib)")
+    cli.add_drafter_source_args(p, DEFAULT_TARGET)
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds of training: sets --steps from the time of a few probe steps (recorded)")
+    cli.add_time_budget_arg(p)
     p.add_argument("--batch-size", type=int, default=32, help="windows per step")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window")
     p.add_argument("--anchors", type=int, default=32, help="blocks per window")
@@ -82,17 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="draft layers, e.g. S,S,F (S: sliding, causal in the block; F: full, bidirectional)")
     p.add_argument("--target-layer-ids", default=",".join(map(str, gemma4_dflash.TARGET_LAYER_IDS)))
     p.add_argument("--intermediate-size", type=int, default=gemma4_dflash.INTERMEDIATE_SIZE)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=250, help="validation metrics every N steps (0: never)")
-    p.add_argument("--eval-windows", type=int, default=32)
-    p.add_argument("--tau-new-tokens", type=int, default=256, help="new tokens per prompt when measuring τ")
-    p.add_argument("--tau-prompt-chars", type=int, default=400, help="leading characters of each held-out snippet")
-    p.add_argument("--measure-only", action="store_true", help="only measure τ and speed of the checkpoint at --out")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    cli.add_drafter_loop_args(p)
     return p.parse_args(argv)
 
 
@@ -311,75 +292,33 @@ def probe_steps(drafter, objective, batches, budget_s: float, device, probe: int
 
 
 # ---------------------------------------------------------------------------------------------------
-# τ and speed through hf_specdec's speculative loop
-
-
-def load_pair(target_dir: pathlib.Path, drafter_dir: pathlib.Path, device):
-    target = hf_specdec.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
-    drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(drafter_dir, dtype=torch.float32).to(device).eval()
-    return target, drafter
-
-
-def measure_speed(target, drafter, tokenizer, prompts: list[str], new_tokens: int, k: int, batch: int) -> dict:
-    """Tokens/s of plain hf_specdec decoding and of DFlash at `k`: `batch` prompts at a time over all prompts,
-    every row generating exactly `new_tokens` (after one warm-up call of each)."""
-    groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
-    row = {"batch": batch, "k": k, "new_tokens": new_tokens, "prompts": sum(map(len, groups))}
-    for name, extra in (("plain", {}), ("dflash", dict(assistant_model=drafter, num_speculative_tokens=k))):
-        kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
-        target.generate(**prompt_batch(tokenizer, groups[0], target.device), **{**kwargs, "max_new_tokens": 4,
-                                                                                 "min_new_tokens": 4})
-        start = time.perf_counter()
-        for group in groups:
-            target.generate(**prompt_batch(tokenizer, group, target.device), **kwargs)
-        row[f"{name}_tokens_per_s"] = round(row["prompts"] * new_tokens / (time.perf_counter() - start), 1)
-    row["speedup"] = round(row["dflash_tokens_per_s"] / row["plain_tokens_per_s"], 2)
-    print("speed", json.dumps(row), flush=True)
-    return row
 
 
 def measure(args, device) -> dict:
     """τ per block size (k = 1 .. block_size - 1) on `device`; on CPU also plain vs DFlash tokens/s (one
-    thread) at batch 1 and 4, at the default k and at the k of the highest τ."""
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target, drafter = load_pair(args.target, args.out, device)
-    prompts = [s["text"][: args.tau_prompt_chars] for s in held_out_snippets()]
-    ks = tuple(range(1, drafter.block_size))
-    result = {"device": device_name(device), "prompts": f"{len(prompts)} held-out snippets, first "
-              f"{args.tau_prompt_chars} characters", "new_tokens": args.tau_new_tokens, "greedy": True,
-              "tau": measure_tau(target, drafter, tokenizer, prompts, args.tau_new_tokens, ks),
-              "torch": torch.__version__, "transformers": transformers.__version__}
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-        result["cpu_threads"] = 1
-        best_k = max(ks, key=lambda k: result["tau"][str(k)]["tau"])
-        result["speed"] = [measure_speed(target, drafter, tokenizer, prompts, args.tau_new_tokens, k, batch)
-                           for k in sorted({best_k, ks[-1]}) for batch in (1, 4)]
-    return result
+    thread) at the default k and at the k of the highest τ."""
+    def speed_ks(tau: dict) -> list[int]:
+        best_k = max(tau, key=lambda k: tau[k]["tau"])  # the first of equals, in order of k
+        return sorted({int(best_k), int(list(tau)[-1])})
 
-
-# ---------------------------------------------------------------------------------------------------
+    return measure_drafter(args.target, args.out, device, method="dflash", new_tokens=args.tau_new_tokens,
+                           prompt_chars=args.tau_prompt_chars, ks=lambda drafter: tuple(range(1, drafter.block_size)),
+                           speed_ks=speed_ks)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
     if args.measure_only:
-        update_report(args.report, f"measured_{device.type}", measure(args, device))
+        cli.update_report(args.report, f"measured_{device.type}", measure(args, device))
         return {}
     seed_everything(args.seed)
-    report: dict = {"args": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
+    report: dict = {"args": cli.args_record(args)}
 
     # 1. The frozen target, its tokenizer, and the token streams (the target's train / validation split).
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
-    target.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    corpus = load_corpus(args.corpus)
-    train_stream = TokenStream.from_documents(encode_documents(tokenizer, [d.text for d in corpus.train]))
-    validation_stream = TokenStream.from_documents(encode_documents(tokenizer, [d.text for d in corpus.validation]))
-    report["data"] = corpus.summary() | {"train_tokens": train_stream.ids.numel(),
-                                         "validation_tokens": validation_stream.ids.numel()}
-    print("data", json.dumps(report["data"]), flush=True)
+    frozen = load_frozen_target(args.target, args.corpus, device)
+    target, tokenizer, train_stream = frozen.model, frozen.tokenizer, frozen.train_stream
+    report["data"] = frozen.data
 
     # 2. The drafter; the training path is checked against decode-time drafting before anything is trained.
     layer_types = [{"S": gemma4_dflash.SLIDING, "F": gemma4_dflash.FULL}[t] for t in args.layer_types.split(",")]
@@ -389,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
         target_layer_ids=[int(i) for i in args.target_layer_ids.split(",")]).to(device)
     report["num_parameters"] = sum(p.numel() for p in drafter.parameters())
     report["config"] = drafter.config.to_dict()
-    val_windows = validation_windows(validation_stream.to(device), args.eval_windows, args.seq_len, device)
+    val_windows = validation_windows(frozen.validation_stream.to(device), args.eval_windows, args.seq_len, device)
     report["draft_block_check_max_abs_diff"] = check_matches_draft_block(drafter, target, val_windows[0],
                                                                          args.block_size)
     print(f"parameters {report['num_parameters']:,}  draft_block check "
@@ -415,9 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["probe"] = {"time_budget_s": args.time_budget, "seconds_per_step": round(per_step, 4), "steps": steps}
         report["args"]["steps"] = steps
         print("probe", json.dumps(report["probe"]), flush=True)
-    cfg = TrainConfig(steps=steps, batch_size=args.batch_size, seq_len=args.seq_len - 1, lr=args.lr,
-                      warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, log_every=args.log_every,
-                      seed=args.seed)
+    cfg = cli.train_config(args, steps=steps, seq_len=args.seq_len - 1)
     curve, best = [], {"score": -math.inf}
     full_k = str(args.block_size - 1)
 
@@ -427,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
             metrics = {"step": step or (len(curve) + 1) * args.eval_every} | objective.metrics(drafter, val_windows)
             if val_generated:
                 metrics["generated"] = objective.metrics(drafter, val_generated, first_anchor=args.generated_prefix)
-        curve.append(_rounded(metrics))
+        curve.append(cli.rounded(metrics))
         print("validation", json.dumps(curve[-1]), flush=True)
         score = (metrics.get("generated") or metrics)["tau_estimate"][full_k]
         if score > best["score"]:
@@ -443,32 +380,19 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": args.seq_len, "anchors": args.anchors,
         "block_size": args.block_size, "kept_by": "generated tau_estimate" if val_generated else "tau_estimate",
         "short_block_prob": args.short_block_prob, "gamma": args.gamma,
-        "lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio,
-        "weight_decay": cfg.weight_decay, "betas": cfg.betas, "grad_clip": cfg.grad_clip,
-        "target_tokens_seen": result.tokens_seen, "epochs": round(result.tokens_seen / train_stream.ids.numel(), 2),
-        "wall_time_s": round(result.wall_time_s, 1), "final_train_loss": result.losses[-1][1],
-        "train_loss_curve": result.losses, "final_validation_loss": final,
+        **cli.schedule_record(cfg), "target_tokens_seen": result.tokens_seen,
+        **cli.curve_record(result, train_stream.ids.numel()), "final_validation_loss": final,
         "validation_curve": curve, "kept_step": best.pop("step"), "kept_validation": best,
-        "device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": cli.device_name(device), **cli.versions(),
     }
 
     # 4. Export in bf16 (z-lab layout), reload through hf_specdec, measure τ on this device.
     files = export_checkpoint(drafter, None, args.out)
     report["files"] = files | {"total": sum(files.values())}
     print("files", json.dumps(report["files"]), flush=True)
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=1) + "\n")
-    update_report(args.report, f"measured_{device.type}", measure(args, device))
+    cli.write_report(args.report, report)
+    cli.update_report(args.report, f"measured_{device.type}", measure(args, device))
     return report
-
-
-def _rounded(value):
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [round(v, 4) for v in value]
-    return round(value, 4) if isinstance(value, float) else value
 
 
 if __name__ == "__main__":

@@ -19,20 +19,18 @@ import shutil
 import time
 
 import torch
-import transformers
 from transformers import PreTrainedTokenizerFast
 
 import hf_specdec
 from hf_specdec.assets import asset_path, held_out_snippets
 
-from . import step3p5_model
+from . import cli, step3p5_model
 from .corpus import load_corpus
 from .data import RandomWindows, TokenStream
-from .evaluate import causal_lm_logits, score_documents
+from .evaluate import CausalLMScorer, split_scores
 from .export import export_checkpoint
 from .tokenizer import encode_documents
-from .train_loop import TrainConfig, seed_everything, train
-from .train_target import split_scores
+from .train_loop import seed_everything, train
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -41,22 +39,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=pathlib.Path, required=True, help="checkpoint folder to write (or measure)")
     p.add_argument("--report", type=pathlib.Path, help="JSON file for config, loss curves, metrics")
-    p.add_argument("--corpus", type=pathlib.Path, help="stdlib folder or corpus .tar.gz (default: this stdlib)")
+    cli.add_corpus_arg(p)
     p.add_argument("--tokenizer", type=pathlib.Path, default=None, help="default: the bundled tiny-gemma4")
     p.add_argument("--steps", type=int, default=1600)
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds of training: sets --steps from the time of a few probe steps (recorded)")
+    cli.add_time_budget_arg(p)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=200)
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    cli.add_optimizer_args(p, warmup_steps=200)
     p.add_argument("--mtp-weight", type=float, default=0.3, help="weight of each MTP layer's loss")
     p.add_argument("--router-bias-rate", type=float, default=1e-3, help="load-balancing bias step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=500, help="validation loss every N steps (0: never)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    cli.add_run_args(p, eval_every=500, evaluated="validation loss")
+    cli.add_device_arg(p)
     p.add_argument("--measure", action="store_true", help="no training: measure the asset in --out on CPU")
     p.add_argument("--max-new-tokens", type=int, default=128, help="--measure: tokens per held-out prompt")
     return p.parse_args(argv)
@@ -155,16 +148,9 @@ def train_and_export(args: argparse.Namespace, report: dict) -> dict:
         report["probe"] = {"time_budget_s": args.time_budget, "seconds_per_step": round(per_step, 4), "steps": steps}
         report["args"]["steps"] = steps  # `--steps` with this value and no `--time-budget` repeats the run
         print("probe", json.dumps(report["probe"]), flush=True)
-    cfg = TrainConfig(steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, log_every=args.log_every,
-                      seed=args.seed)
-    score_kwargs = dict(seq_len=args.seq_len, stride=args.seq_len // 2, batch_size=args.batch_size,
-                        pad_id=tokenizer.pad_token_id, device=device)
+    cfg = cli.train_config(args, steps=steps, seq_len=args.seq_len)
+    scorer = CausalLMScorer(args.seq_len, args.batch_size, tokenizer.pad_token_id, device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-
-    def validation_loss() -> float:
-        scores = score_documents(causal_lm_logits(model), validation_ids, autocast_dtype=autocast, **score_kwargs)
-        return sum(s.nats for s in scores) / sum(s.num_tokens for s in scores)
 
     # 3. Train: main loss + mtp_weight × each MTP layer's loss; router biases balanced after each step.
     balancer = step3p5_model.RouterBalancer(model, args.router_bias_rate)
@@ -178,24 +164,20 @@ def train_and_export(args: argparse.Namespace, report: dict) -> dict:
         return (weights * losses).sum()
 
     batches = RandomWindows(train_stream.to(device), cfg.batch_size, cfg.seq_len, cfg.seed)
-    result = train(model, loss_fn, batches, cfg, evaluate=validation_loss, eval_every=args.eval_every,
-                   log=lambda line: print(line + parts.flush(), flush=True))
+    result = train(model, loss_fn, batches, cfg, evaluate=lambda: scorer.loss(model, validation_ids, autocast),
+                   eval_every=args.eval_every, log=lambda line: print(line + parts.flush(), flush=True))
     balancer.update()
     balancer.remove()
     report["training"] = {
-        "steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "lr": cfg.lr,
-        "warmup_steps": cfg.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio, "weight_decay": cfg.weight_decay,
-        "betas": cfg.betas, "grad_clip": cfg.grad_clip, "mtp_weight": args.mtp_weight,
-        "router_bias_rate": args.router_bias_rate, "tokens_seen": result.tokens_seen,
-        "epochs": round(result.tokens_seen / train_stream.ids.numel(), 2), "wall_time_s": round(result.wall_time_s, 1),
-        "final_train_loss": result.losses[-1][1], "train_loss_curve": result.losses,
+        "steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, **cli.schedule_record(cfg),
+        "mtp_weight": args.mtp_weight, "router_bias_rate": args.router_bias_rate, "tokens_seen": result.tokens_seen,
+        **cli.curve_record(result, train_stream.ids.numel()),
         "train_loss_parts_curve": [[s, [round(m, 4) for m in means]] for s, means in parts.curve],
         "loss_parts": ["main"] + [f"mtp_{j}" for j in range(model.num_mtp_layers)],
         "validation_loss_curve": result.eval_losses,
         "router_bias": {f"layer_{i}": [round(b, 4) for b in layer.moe.router_bias.tolist()]
                         for i, layer in enumerate(model.model.layers) if hasattr(layer, "moe")},
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": cli.device_name(device), **cli.versions(),
     }
 
     # 4. Export in bf16 (the family's tokenizer files copied unchanged), then score the exported weights in fp32.
@@ -203,8 +185,7 @@ def train_and_export(args: argparse.Namespace, report: dict) -> dict:
     for name in TOKENIZER_FILES:
         shutil.copyfile(args.tokenizer / name, args.out / name)
     model.float()
-    validation = score_documents(causal_lm_logits(model), validation_ids, **score_kwargs)
-    held_out = score_documents(causal_lm_logits(model), held_out_ids, **score_kwargs)
+    validation, held_out = scorer.scores(model, validation_ids), scorer.scores(model, held_out_ids)
     report["validation"] = split_scores(validation, corpus.validation) | {
         "mtp": mtp_validation(model, TokenStream.from_documents(validation_ids), args.seq_len, args.batch_size, device)}
     report["held_out"] = split_scores(held_out, corpus.held_out)
@@ -244,8 +225,8 @@ def measure(args: argparse.Namespace, report: dict) -> dict:
     corpus = load_corpus(args.corpus)
     held_out_ids = encode_documents(tokenizer, [d.text for d in corpus.held_out])
     start = time.perf_counter()
-    scores = score_documents(causal_lm_logits(model), held_out_ids, seq_len=512, stride=256, batch_size=8,
-                             pad_id=tokenizer.pad_token_id, device="cpu")
+    scores = CausalLMScorer(seq_len=512, batch_size=8, pad_id=tokenizer.pad_token_id, device="cpu").scores(
+        model, held_out_ids)
     cpu = {"held_out": split_scores(scores, corpus.held_out), "held_out_time_s": round(time.perf_counter() - start, 1)}
     print("held_out", json.dumps(cpu["held_out"]), flush=True)
 
@@ -265,7 +246,7 @@ def measure(args: argparse.Namespace, report: dict) -> dict:
         cpu["mtp"][name.removeprefix("mtp_k")] = run | {
             "speedup": round(run["tokens_per_s"] / plain["tokens_per_s"], 2), "equals_plain_greedy": lossless}
     print("plain", json.dumps(cpu["plain"]), "\nmtp", json.dumps(cpu["mtp"]), flush=True)
-    cpu |= {"threads": 1, "dtype": "float32", "torch": torch.__version__, "transformers": transformers.__version__}
+    cpu |= {"threads": 1, "dtype": "float32", **cli.versions()}
     report["cpu_measurement"] = cpu
     return report
 
@@ -274,11 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.tokenizer = args.tokenizer or asset_path("tiny-gemma4")
     previous = json.loads(args.report.read_text()) if args.measure and args.report and args.report.is_file() else {}
-    report = previous or {"args": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
+    report = previous or {"args": cli.args_record(args)}
     report = measure(args, report) if args.measure else train_and_export(args, report)
-    if args.report:
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=1) + "\n")
+    cli.write_report(args.report, report)
     return report
 
 
