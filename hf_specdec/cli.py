@@ -21,9 +21,10 @@ BENCHES = {
     "decode": "plain decoding: transformers dynamic / static+compile vs hf_specdec, beside the bandwidth floor",
     "verify_cost": "one verify step (k+1 tokens per row) / one decode step",
     "draft_cost": "one draft step (Gemma 4 MTP, Step 3.5 MTP, DFlash) / one target step",
-    "e2e_synthetic": "MTP end to end at a fixed acceptance rate (not lossless) beside plain decoding",
+    "e2e_synthetic": "MTP and DFlash end to end at a fixed acceptance rate (not lossless) beside plain decoding",
     "hf_native_assisted": "transformers' assisted decoding vs hf_specdec MTP on identical weights",
     "e2e_tiny": "the bundled tiny family: plain vs every speculative mode, real tau",
+    "soak": "many generate calls on the bundled family: device memory, leaked blocks, repeat answers per call",
     "all": "every benchmark above at one size (run_all), then benchmarks/README.md and the plot",
 }
 BENCH_DESCRIPTION = (
