@@ -16,6 +16,7 @@ from hf_specdec.generation.drafter import DraftSelector
 from hf_specdec.generation.model_runner import ModelRunner
 from hf_specdec.generation.sampling import PositionScorer
 from hf_specdec.models.dflash import DenseDFlashContext, DFlashDrafter, PagedDFlashContext, PagedDFlashDrafter
+from tests.distribution import assert_follows, second_token_marginal
 from tests.models.dflash.helpers import (
     F,
     S,
@@ -178,16 +179,7 @@ def test_sampled_dflash_tokens_follow_the_target_distribution():
     stats = hf_specdec.last_generation_stats(target)
     assert stats.spec_mode == "dflash" and 0 < stats.num_accepted_tokens < rows * 2
     hf_specdec.disable(target)
-    with torch.no_grad():
-        p1 = torch.softmax(target(prompt).logits[0, -1], -1)
-        seconds = torch.stack([torch.softmax(target(torch.cat([prompt[0], torch.tensor([a])])[None]).logits[0, -1], -1)
-                               for a in range(16)])
-    marginal = (p1[:, None] * seconds).sum(0)
-    counts = torch.bincount(out[:, 5], minlength=16).float()
-    expected = marginal * rows
-    keep = expected > 5
-    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    assert chi2 < 37.7  # <= 15 dof, p-value 0.001
+    assert_follows(out[:, 5], second_token_marginal(target, prompt, 16))
 
 
 def test_seeded_dflash_sampling_is_deterministic():

@@ -7,6 +7,7 @@ import torch
 import hf_specdec
 from hf_specdec.generation.model_runner import ModelRunner
 from hf_specdec.models.gemma4 import DenseTargetKVSource, Gemma4MTPAssistant, Gemma4MTPDrafter, PagedTargetKVSource
+from tests.distribution import assert_follows, second_token_marginal
 from tests.models.gemma4.helpers import assistant_config_dict, random_state_dict, released_layout, write_checkpoint
 from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch
 
@@ -109,16 +110,7 @@ def test_sampled_mtp_tokens_follow_the_target_distribution(tmp_path):
                           assistant_model=assistant, num_speculative_tokens=2, max_new_tokens=2, do_sample=True,
                           eos_token_id=None, pad_token_id=0)
     hf_specdec.disable(target)
-    with torch.no_grad():
-        p1 = torch.softmax(target(prompt).logits[0, -1], -1)
-        seconds = torch.stack([torch.softmax(target(torch.cat([prompt[0], torch.tensor([a])])[None]).logits[0, -1], -1)
-                               for a in range(16)])
-    marginal = (p1[:, None] * seconds).sum(0)
-    counts = torch.bincount(out[:, 5], minlength=16).float()
-    expected = marginal * rows
-    keep = expected > 5
-    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
-    assert chi2 < 37.7  # <= 15 dof, p-value 0.001
+    assert_follows(out[:, 5], second_token_marginal(target, prompt, 16))
 
 
 def test_seeded_mtp_sampling_is_deterministic(tmp_path):
