@@ -1,7 +1,7 @@
 """Where a decode or verify step's time goes: wall time per step, then the top kernels and host calls
 (torch.profiler), for a Gemma-4-31B-shaped model driven through the ModelRunner with CUDA graphs on.
 
-    PYTHONPATH=. python -m benchmarks.profile_decode [--layers 12] [--batch 1] [--k 0]
+    PYTHONPATH=. python -m benchmarks.profile_decode [--layers 12] [--batch 1] [--k 0] [--eager]
 
 ``--k 0``: decode steps (1 token per row); ``--k N``: verify steps of N+1 tokens per row.
 """
@@ -21,17 +21,19 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--k", type=int, default=0)
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs: every kernel launch shows up")
+    parser.add_argument("--rows", type=int, default=18, help="rows of each profiler table")
     args = parser.parse_args()
     import hf_specdec
     from benchmarks.decode_gpu_check import build_model
     from hf_specdec.generation.model_runner import ModelRunner
 
-    model = hf_specdec.enable(build_model(args.layers))
+    model = hf_specdec.enable(build_model(args.layers), cuda_graphs=not args.eager)
     state = model._hf_specdec
     ids = torch.randint(3, 262144, (args.batch, args.prompt), device="cuda")
     q = args.k + 1
     with torch.inference_mode():
-        runner = ModelRunner(model, state.layout, state.cache_config, state.graph_store)
+        runner = ModelRunner(model, state.layout, state.cache_config, None if args.eager else state.graph_store)
         runner.start([args.prompt] * args.batch, args.steps * q + 64, lookahead=q)
         runner.forward(ids, [args.prompt] * args.batch, keep_logits=1)
         runner.commit([args.prompt] * args.batch)
@@ -59,9 +61,9 @@ def main() -> int:
                 step()
             torch.cuda.synchronize()
         runner.finish()
-    print(f"batch {args.batch}, q_len {q}: {per_step * 1e3:.2f} ms per step (wall)")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print(f"batch {args.batch}, q_len {q}, {'eager' if args.eager else 'graphs'}: {per_step * 1e3:.2f} ms per step (wall)")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     return 0
 
 

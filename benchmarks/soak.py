@@ -6,17 +6,21 @@ The bundled tiny family decodes call after call with the same model objects: the
 MTP on the tiny Gemma 4, DFlash when bundled, plain and MTP-3 on the tiny Step 3.5), batch sizes 1/3/8,
 prompts of different lengths, generations several sliding windows long, every fourth call sampled. One
 record per call: ``allocated_mib`` (torch.cuda.memory_allocated after the call), ``reserved_mib``,
-``peak_mib`` (the call's peak), ``leaked_blocks`` (blocks still in use in any KV cache the call built:
+``peak_mib`` (the call's peak), ``graphs`` (CUDA graphs the models keep for later calls), ``leaked_blocks`` (blocks still in use in any KV cache the call built:
 must be 0), ``same_tokens`` (a greedy call equals the first call with the same inputs), and on the CPU
 (or with ``--count-tensors``) ``live_tensors`` (tensors reachable from Python). Records go to
 benchmarks/results/soak.jsonl. Exit status 1 when blocks leaked, a greedy call changed its answer, or
-memory grew: once every kind of call (mode, batch, length) has run, a mode's last call may not hold more
-allocated memory (``--tolerance-mib``) or more live tensors than its first call from then on.
+memory grew: the schedule repeats with a period of lcm(batches, lengths, 4) turns of all modes; once one
+period has run after the last growth of a model's pooled K/V storage (which drops that model's graphs),
+every kind of call — mode, batch, length, greedy or sampled — has allocated what later calls reuse
+(storage pools, CUDA graphs, kernel plans), and no later call may hold more allocated memory
+(``--tolerance-mib``), more live tensors or more graphs (see ``problems``).
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import sys
 import time
 import warnings
@@ -30,10 +34,10 @@ from hf_specdec.cache import PagedKVCache
 
 NAME = "soak"
 COLUMNS = ["call", "backend", "batch", "k", "new_tokens", "sampled", "tokens_per_s", "allocated_mib", "peak_mib",
-           "live_tensors", "leaked_blocks", "same_tokens"]
+           "live_tensors", "graphs", "leaked_blocks", "same_tokens"]
 PRESETS = {
     "smoke": dict(calls=12, batches=[1, 2], new_tokens=[12]),
-    "quick": dict(calls=60),
+    "quick": dict(calls=120),  # two full periods of the schedule with the default modes, batches and lengths
 }
 MODES = ("plain", "mtp", "dflash", "step_plain", "step_mtp")
 
@@ -66,6 +70,11 @@ def _models(args) -> dict:
     found["step_plain"] = (step, {}, None)
     found["step_mtp"] = (step, dict(spec_mode="mtp", num_speculative_tokens=3), 3)
     return {m: found[m] for m in args.modes if m in found}
+
+
+def _period(args, modes) -> int:
+    """Calls after which the schedule repeats: every kind of call has run once."""
+    return len(modes) * math.lcm(len(args.batches), len(args.new_tokens), 4)
 
 
 def _schedule(args, modes: list[str]):
@@ -107,6 +116,21 @@ class _CacheRecorder:
         leaked = sum(sum(c.num_used_blocks) for c in self.caches)
         self.caches = []
         return leaked
+
+
+def _graph_stores(models: dict) -> dict:
+    """Where the enabled models keep their CUDA graphs and pooled K/V storage (one store per model)."""
+    stores = (getattr(getattr(model, "_hf_specdec", None), "graph_store", None) for model, _, _ in models.values())
+    return {id(s): s for s in stores if s is not None}
+
+
+def _kept(models: dict) -> dict:
+    """``graphs``: CUDA graphs (target forwards and drafter calls) the models keep for later calls;
+    ``pool_generation``: how often a model's pooled storage was replaced by a larger one (which drops the
+    model's graphs: later calls capture them again)."""
+    stores = _graph_stores(models).values()
+    return {"graphs": sum(len(s.graphs) + len(s.calls) for s in stores),
+            "pool_generation": sum(s.generation for s in stores)}
 
 
 def _memory(device: str, count_tensors: bool) -> dict:
@@ -152,32 +176,43 @@ def run(args, progress) -> list[dict]:
         rows.append(dict(call=call, model_shape="tiny-step3p5" if mode.startswith("step") else "tiny-gemma4",
                          backend=mode, batch=batch, k=k, new_tokens=new_tokens, sampled=sampled,
                          tokens_per_s=batch * new_tokens / seconds, leaked_blocks=leaked, same_tokens=same,
+                         **_kept(models), period=_period(args, list(models)),
                          **_memory(args.device, args.count_tensors)))
         progress.step(f"{mode} b{batch}")
     return rows
 
 
 def problems(records: list[dict], tolerance_mib: float) -> list[str]:
-    """What the soak found wrong: leaked blocks, changed answers, and memory that grew after every kind of
-    call (mode, batch, length) had run once, i.e. had allocated what later calls reuse (a model's storage
-    pool, kernel plans); compared within a mode, since modes hold different per-call state."""
+    """What the soak found wrong: leaked blocks, changed answers, and growth in the steady state.
+
+    The steady state starts one period (every kind of call once) after the last time a model's pooled
+    storage grew (that drops its graphs, so the kinds run before must capture theirs again): from then on
+    no call may hold more allocated memory (beyond ``tolerance_mib``) or more kept graphs than the call
+    that ends that period, nor more live tensors than any call of that period left (modes keep different
+    per-call state). A run too short to reach the steady state and one more call is reported as such,
+    unless it is shorter than two periods (no verdict on growth)."""
     found = [f"call {r['call']}: {r['leaked_blocks']} blocks still in use" for r in records if r["leaked_blocks"]]
     found += [f"call {r['call']}: a greedy answer changed" for r in records if r["same_tokens"] is False]
-    first_of_kind = {}
-    for i, r in enumerate(records):
-        first_of_kind.setdefault((r["backend"], r["batch"], r["new_tokens"]), i)
-    baseline = max(first_of_kind.values(), default=0)
-    for backend in dict.fromkeys(r["backend"] for r in records):
-        calls = [r for r in records[baseline:] if r["backend"] == backend]
-        if len(calls) < 2:
-            continue
-        first, last = calls[0], calls[-1]
-        if first["allocated_mib"] is not None and last["allocated_mib"] - first["allocated_mib"] > tolerance_mib:
-            found.append(f"{backend}: allocated grew {first['allocated_mib']:.1f} -> {last['allocated_mib']:.1f} MiB "
-                         f"(calls {first['call']} -> {last['call']})")
-        if first["live_tensors"] is not None and last["live_tensors"] > first["live_tensors"]:
-            found.append(f"{backend}: live tensors grew {first['live_tensors']} -> {last['live_tensors']} "
-                         f"(calls {first['call']} -> {last['call']})")
+    period = records[0]["period"] if records else 0
+    if len(records) <= period:
+        return found
+    start = max((i for i in range(1, len(records))
+                 if records[i].get("pool_generation") != records[i - 1].get("pool_generation")), default=0)
+    if len(records) <= start + period:
+        return found + [f"no steady state: the pooled storage last grew at call {records[start]['call']}, less than "
+                        f"one period ({period} calls) and one call before the end; run more calls"]
+    warmup = records[start:start + period]
+    base = dict(warmup[-1])
+    if base["live_tensors"] is not None:
+        base["live_tensors"] = max(r["live_tensors"] for r in warmup)
+    for r in records[start + period:]:
+        if base["allocated_mib"] is not None and r["allocated_mib"] - base["allocated_mib"] > tolerance_mib:
+            found.append(f"call {r['call']} ({r['backend']} b{r['batch']}): allocated grew "
+                         f"{base['allocated_mib']:.1f} -> {r['allocated_mib']:.1f} MiB since call {base['call']}")
+        for field in ("live_tensors", "graphs"):
+            if base.get(field) is not None and r[field] > base[field]:
+                found.append(f"call {r['call']} ({r['backend']} b{r['batch']}): {field} grew {base[field]} -> "
+                             f"{r[field]} in the steady state (from call {base['call']})")
     return found
 
 

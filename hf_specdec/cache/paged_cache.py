@@ -30,6 +30,21 @@ class CacheCapacityError(ValueError):
     """A request needs more KV cache than CacheConfig allows."""
 
 
+def to_device_async(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors of one dtype -> the same tensors on ``device``, in one copy that does not wait for the
+    device: a copy from pageable memory first waits for all queued device work, which would stall the host
+    while a drafter's graph runs; staged through pinned memory it queues behind that work instead."""
+    if device.type != "cuda":
+        return [t.to(device) for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory()
+    on_device = flat.to(device, non_blocking=True)
+    out, start = [], 0
+    for t in tensors:
+        out.append(on_device[start:start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out
+
+
 @dataclass
 class ForwardMeta:
     """Device-side description of the tokens of one forward (shared by every layer)."""
@@ -146,11 +161,13 @@ class PagedKVCache(Cache):
         kv_lens = torch.tensor([b + n for b, n in zip(before, num_new)], dtype=torch.int32)
         q_pos0 = kv_lens - q_len
         positions = (q_pos0[:, None].long() + torch.arange(q_len)[None, :]).clamp_(min=0)
-        to_dev = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        q_lens = torch.tensor(num_new, dtype=torch.int32)
+        groups = len(slots)
+        small = to_device_async([kv_lens, q_pos0, q_lens, *tables], self.device)
+        wide = to_device_async([positions, *slots], self.device)
         self.meta = ForwardMeta(
-            q_len=q_len, kv_lens=to_dev(kv_lens), q_pos0=to_dev(q_pos0.to(torch.int32)),
-            q_lens=to_dev(torch.tensor(num_new, dtype=torch.int32)), position_ids=to_dev(positions),
-            slot_mapping=[to_dev(t) for t in slots], block_tables=[to_dev(t) for t in tables],
+            q_len=q_len, kv_lens=small[0], q_pos0=small[1], q_lens=small[2], position_ids=wide[0],
+            slot_mapping=wide[1:1 + groups], block_tables=small[3:3 + groups],
         )
         return self.meta
 
@@ -160,7 +177,7 @@ class PagedKVCache(Cache):
         rows = [self.manager.block_table(s, group) for s in self.seq_ids]
         width = max(1, max(len(r) for r in rows))
         table = torch.tensor([r + [RELEASED] * (width - len(r)) for r in rows], dtype=torch.int32)
-        return table if device is None else table.to(self.device, non_blocking=True)
+        return table if device is None else to_device_async([table], self.device)[0]
 
     def commit(self, new_lens: list[int]) -> None:
         """Keep ``new_lens[b]`` tokens of each row (rollback of rejected drafts) and slide the windows."""

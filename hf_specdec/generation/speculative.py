@@ -77,9 +77,9 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
             stats.record_step(emitted)
             while any(running):
                 row_ids.extend(rows)
-                _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config, rows,
-                                  row_ids.views(), running, next_tokens, stats, streamer)
-                next_tokens = torch.tensor([r[-1] for r in rows], device=device)
+                # each running row's last token, already on the device (a stopped row's input is never used)
+                next_tokens = _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config,
+                                                rows, row_ids.views(), running, next_tokens, stats, streamer)
     finally:
         runner.finish()
     if streamer is not None:
@@ -124,6 +124,7 @@ def _speculative_step(model, runner, drafter, captured, scorer, stopper, generat
     kept = [e if r else 0 for e, r in zip(emitted, was_running)]
     runner.commit([n - (k + 1) + keep for n, keep in zip(cache.seq_lens, kept)])
     drafter.commit(cache, captured, num_accepted, kept)
+    return next_token
 
 
 class RowIds:

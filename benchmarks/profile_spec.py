@@ -1,0 +1,136 @@
+"""Where a speculative step's time goes, end to end: one ``generate`` call of the e2e_synthetic setup
+(Gemma-4-31B shape cut to ``--layers``, the MTP assistant, synthetic acceptance alpha) timed per phase
+(draft, verify forward, scoring and acceptance, the host sync, bookkeeping; the device is synchronised
+at every boundary, so the phases add up to more than an unsynchronised step), then the device kernels
+(torch.profiler).
+
+    PYTHONPATH=. python -m benchmarks.profile_spec [--batch 32] [--k 7] [--alpha 0.8] [--layers 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import ExitStack
+from unittest import mock
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="gemma4-31b")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--alpha", type=float, default=0.8)
+    parser.add_argument("--rows", type=int, default=22)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shape smoke-31b)")
+    args = parser.parse_args()
+    import hf_specdec
+    from benchmarks.drafters import SyntheticAcceptance
+    from benchmarks.shapes import gemma4_assistant, gemma4_target, random_prompt
+    from hf_specdec.generation.registry import build_drafter
+
+    target = gemma4_target(args.shape, args.layers, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
+    assistant = gemma4_assistant(args.shape, target, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
+    hf_specdec.enable(target)
+    ids = random_prompt(args.batch, args.prompt, target.config.vocab_size, args.device)
+    inner = build_drafter(target, assistant, "mtp", args.k)
+    drafter = SyntheticAcceptance(inner, args.alpha)
+
+    def generate(n=args.new_tokens):
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              assistant_model=drafter)
+        _sync()
+        return out
+
+    def plain(n=args.new_tokens):
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+        _sync()
+        return out
+
+    for fn in (generate, plain):
+        fn(), fn()
+    start = time.perf_counter()
+    plain()
+    plain_s = time.perf_counter() - start
+    start = time.perf_counter()
+    generate()
+    spec_s = time.perf_counter() - start
+    stats = hf_specdec.last_generation_stats(target)
+    steps = stats.num_target_forwards - 1
+    print(f"batch {args.batch}, k {args.k}, alpha {args.alpha}: tau {stats.mean_accepted_length:.2f}, "
+          f"{steps} spec steps, {spec_s * 1e3:.1f} ms/call, {spec_s * 1e3 / steps:.2f} ms/step incl. prefill "
+          f"(plain: {plain_s * 1e3:.1f} ms/call, {plain_s * 1e3 / args.new_tokens:.2f} ms/step)")
+
+    phases = _phase_times(generate, type(inner))
+    steps = hf_specdec.last_generation_stats(target).num_target_forwards - 1
+    print(f"phase (device synced at each boundary; {steps} spec steps)   ms per spec step")
+    for name, seconds, calls in phases:
+        print(f"  {name:40s} {seconds * 1e3 / steps:8.2f}   ({calls} calls)")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])) as prof:
+        generate()
+    print("kernels of one call (prefill included):")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total", row_limit=args.rows, max_name_column_width=50))
+    return 0
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _phase_times(generate, drafter_type) -> list[tuple[str, float, int]]:
+    """Run ``generate`` once with the loop's phases wrapped in device syncs and timers."""
+    from benchmarks.drafters import SyntheticAcceptance
+    from hf_specdec.cache.paged_cache import PagedKVCache
+    from hf_specdec.generation import speculative as loop
+    from hf_specdec.generation.model_runner import ModelRunner
+    from hf_specdec.generation.sampling import PositionScorer
+
+    durations: dict[str, list[float]] = {}
+
+    def timed_call(name, fn):
+        def wrapper(*args, **kwargs):
+            _sync()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync()
+            durations.setdefault(name, []).append(time.perf_counter() - start)
+            return out
+        return wrapper
+
+    targets = [
+        ("draft: propose (k steps)", drafter_type, "propose"),
+        ("drafter commit", drafter_type, "commit"),
+        ("target forward (verify)", ModelRunner, "forward"),
+        ("  of which: cache metadata (host)", PagedKVCache, "begin_forward"),
+        ("cache commit / rollback", ModelRunner, "commit"),
+        ("scorer (logits processors)", PositionScorer, "score"),
+        ("acceptance (synthetic)", SyntheticAcceptance, "synthetic_acceptance"),
+        ("emit (stop checks, streamer)", loop, "_emit"),
+        ("row ids to device", loop.RowIds, "extend"),
+    ]
+    with ExitStack() as stack:
+        for name, owner, attr in targets:
+            stack.enter_context(mock.patch.object(owner, attr, timed_call(name, getattr(owner, attr))))
+        _sync()
+        start = time.perf_counter()
+        generate()
+        total = time.perf_counter() - start
+    prefill = durations["target forward (verify)"].pop(0)  # the first forward of a call is the prompt's
+    durations["  of which: cache metadata (host)"].pop(0)
+    rows = [(name, sum(durations.get(name, [])), len(durations.get(name, []))) for name, _, _ in targets]
+    counted = prefill + sum(seconds for name, seconds, _ in rows if not name.startswith(" "))
+    return rows + [("rest (logits to float, host sync, loop)", total - counted, 1), ("total (synced, no prefill)",
+                                                                                      total - prefill, 1)]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
