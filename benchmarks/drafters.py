@@ -47,6 +47,7 @@ class _Wrapper:
         self.inner = inner
         self.spec_mode = inner.spec_mode
         self.num_speculative_tokens = inner.num_speculative_tokens
+        self.capture_key = getattr(inner, "capture_key", None)  # which target hooks the inner drafter records
 
     def capture(self, target):
         return self.inner.capture(target)

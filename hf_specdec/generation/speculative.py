@@ -66,7 +66,9 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     cache = runner.start(prompt_lens, generation_config.max_length - width, lookahead=k + 1)
     try:
         with drafter.capture(model) as captured:
-            runner.record_hooks_of(captured, (type(drafter).__qualname__, getattr(drafter, "capture_key", None)))
+            # graphs captured while other hooks recorded into another kind of holder are not replayed for these
+            runner.record_hooks_of(captured, (type(drafter).__qualname__, type(captured).__qualname__,
+                                              getattr(drafter, "capture_key", None)))
             # 1. prefill: the prompt, its last logits, and the first token (a plain step)
             outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, **model_kwargs)
             runner.commit(prompt_lens)
