@@ -173,6 +173,10 @@ class AssistantDecoderLayer(nn.Module):
 class AssistantBackbone(nn.Module):
     """The `model.` part of the checkpoint. `embed_tokens` is only the tied LM head: inputs use the target's."""
 
+    def rope_tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """(cos, sin) per layer type at ``position_ids`` [batch, 1], in ``x``'s dtype."""
+        return {t: self.rotary_emb(x, position_ids, t) for t in {layer.layer_type for layer in self.layers}}
+
     def __init__(self, text_config):
         super().__init__()
         config = module_config(text_config)
@@ -186,8 +190,10 @@ class AssistantBackbone(nn.Module):
         inputs_embeds: torch.Tensor,  # [batch, 1, hidden]
         position_ids: torch.Tensor,  # [batch, 1]
         kv_source: TargetKVSource,
+        rope: dict | None = None,  # from `rope_tables` (the k steps of a round share the draft position)
     ) -> torch.Tensor:  # [batch, 1, hidden], after the final norm
-        rope = {t: self.rotary_emb(inputs_embeds, position_ids, t) for t in {layer.layer_type for layer in self.layers}}
+        if rope is None:
+            rope = self.rope_tables(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers:
             hidden_states = layer(hidden_states, rope[layer.layer_type], kv_source)
@@ -236,13 +242,20 @@ class Gemma4MTPAssistant(PreTrainedModel):
         position_ids: torch.Tensor,  # [batch] the fixed draft position p of each row
         target_embed: nn.Module,  # the target's scaled input embedding, `target.get_input_embeddings()`
         kv_source: TargetKVSource,
+        rope: dict | None = None,  # `draft_rope(position_ids)`: computed once for the k steps of a round
     ) -> AssistantStepOutput:
         """One draft step for every row; no host syncs, no K/V written. Differentiable (callers that only
         decode wrap it in `torch.inference_mode()`)."""
         embeds = target_embed(input_ids).to(self.pre_projection.weight.dtype)  # already x sqrt(backbone_hidden)
         x = self.pre_projection(torch.cat([embeds, hidden.to(embeds.dtype)], dim=-1)).unsqueeze(1)
-        normed = self.model(x, position_ids.unsqueeze(1), kv_source).squeeze(1)  # [batch, hidden]
+        normed = self.model(x, position_ids.unsqueeze(1), kv_source, rope).squeeze(1)  # [batch, hidden]
         return AssistantStepOutput(hidden_next=self.post_projection(normed), logits=self.draft_logits(normed))
+
+    def draft_rope(self, position_ids: torch.Tensor) -> dict:
+        """The rotary (cos, sin) of every layer type at the draft positions ``position_ids`` [batch]: every
+        step of a round drafts at the same position, so a drafter computes them once per round."""
+        dtype = self.pre_projection.weight.dtype
+        return self.model.rope_tables(torch.empty(0, dtype=dtype, device=position_ids.device), position_ids.unsqueeze(1))
 
     def draft_logits(self, normed: torch.Tensor) -> DraftLogits:  # normed: [batch, hidden]
         """Draft logits from the final-normed hidden state, soft-capped if the text config asks for it."""

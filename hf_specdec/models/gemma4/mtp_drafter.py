@@ -86,8 +86,9 @@ class Gemma4MTPDrafter:
             return DraftProposal(self._graphed_greedy_drafts(last_tokens, positions, cache), None)
         kv_source = PagedTargetKVSource(cache, self.producers, positions)
         tokens, hidden, drafted, probs = last_tokens, self.hidden, last_tokens[:, None][:, :0], []
+        rope = self.assistant.draft_rope(positions)
         for _ in range(self.num_speculative_tokens):
-            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source)
+            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source, rope)
             tokens, q = selector.select(step.logits, drafted)
             drafted = torch.cat([drafted, tokens[:, None]], dim=1)
             probs.append(q)
@@ -119,8 +120,9 @@ class Gemma4MTPDrafter:
     def _greedy_drafts(self, cache, layers, tokens, hidden, positions, *tables) -> torch.Tensor:
         kv_source = PagedTargetKVSource(cache, self.producers, positions, dict(zip(layers, tables)))
         drafted = []
+        rope = self.assistant.draft_rope(positions)
         for _ in range(self.num_speculative_tokens):
-            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source)
+            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source, rope)
             head = step.logits
             tokens = head.argmax(dim=-1) if isinstance(head, torch.Tensor) else head.argmax()
             drafted.append(tokens)
