@@ -151,17 +151,19 @@ class PagedKVCache(Cache):
         before = self.seq_lens
         self._context_tables.clear()
         self.manager.append({s: n for s, n in zip(self.seq_ids, num_new) if n})
-        slots, tables = [], []
-        for g in range(self.manager.num_groups):
-            mapping = []
-            for s, n, start in zip(self.seq_ids, num_new, before):
-                mapping += [-1] * (q_len - n) + self.manager.slots(s, g, start, start + n)
-            slots.append(torch.tensor(mapping, dtype=torch.int64))
-            tables.append(self.block_table_tensor(g, device=None))
         kv_lens = torch.tensor([b + n for b, n in zip(before, num_new)], dtype=torch.int32)
         q_pos0 = kv_lens - q_len
-        positions = (q_pos0[:, None].long() + torch.arange(q_len)[None, :]).clamp_(min=0)
         q_lens = torch.tensor(num_new, dtype=torch.int32)
+        positions = (q_pos0[:, None].long() + torch.arange(q_len)[None, :]).clamp_(min=0)
+        # slot of each query slot's token per group; -1 for left padding (no token to store)
+        is_new = torch.arange(q_len)[None, :] >= (q_len - q_lens)[:, None]  # [batch, q_len]
+        tables = [self.block_table_tensor(g, device=None) for g in range(self.manager.num_groups)]
+        slots = []
+        for g, table in enumerate(tables):
+            blocks = table.gather(1, positions // self.block_size).long()  # the tables hold every new position
+            if bool((is_new & (blocks == RELEASED)).any()):
+                raise IndexError(f"a new token's position slid out of group {g}'s window.")
+            slots.append(torch.where(is_new, blocks * self.block_size + positions % self.block_size, -1).view(-1))
         groups = len(slots)
         small = to_device_async([kv_lens, q_pos0, q_lens, *tables], self.device)
         wide = to_device_async([positions, *slots], self.device)
