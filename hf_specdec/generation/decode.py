@@ -5,6 +5,11 @@
 ``generate`` call means (generation config, logits processors, stopping criteria, special tokens,
 max length, streamer prompt) and this loop only runs the model: one forward per token, one host sync
 per step (the "is any row still running" check).
+
+On CUDA the next token's forward is queued before that check is read back: the host waits only for the
+check (an event recorded before the forward), then prepares the step after while the forward runs, so
+the device does not idle during the host's per-step work. When every row stops at EOS, the one forward
+queued ahead is discarded (the tokens are the same; it costs one step per call).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
         runner.commit(lens)
         unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
         active = batch
+        readback = Readback(input_ids.device)
         while True:
             # 2. pick the next token of each row from the processed scores
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
@@ -50,18 +56,22 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
                 scores_out.append(scores)
             if keep_logits:
                 logits_out.append(logits)
-            if streamer is not None:
-                streamer.put(next_tokens.cpu())
-            stats.record_step([1] * active)
-            # 3. stop check: the one host sync of the step
+            # 3. stop check, read back after the next forward is queued (the one host sync of the step)
             unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-            active = int(unfinished.sum())
-            if active == 0:
+            pending = readback.start(unfinished.sum(), next_tokens if streamer is not None else None)
+            at_max = input_ids.shape[1] >= generation_config.max_length
+            if not at_max:
+                # 4. one decode forward for every row (a stopped row's forward is never read)
+                outputs = runner.forward(next_tokens[:, None], [1] * batch, keep_logits=1)
+                lens = [n + 1 for n in lens]
+                runner.commit(lens)
+            count, streamed = readback.wait(pending)
+            if streamer is not None:
+                streamer.put(streamed)
+            stats.record_step([1] * active)
+            active = int(count)
+            if active == 0 or at_max:
                 break
-            # 4. one decode forward for every row
-            outputs = runner.forward(next_tokens[:, None], [1] * batch, keep_logits=1)
-            lens = [n + 1 for n in lens]
-            runner.commit(lens)
     finally:
         runner.finish()
     if streamer is not None:
@@ -73,3 +83,27 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             logits=tuple(logits_out) if keep_logits else None,
         )
     return input_ids
+
+
+class Readback:
+    """Device values the host needs, copied into pinned memory behind an event, so the host can queue more
+    work before waiting for them (on CUDA); elsewhere a plain copy."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self, *tensors: torch.Tensor | None):
+        if not self.cuda:
+            return tensors
+        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in tensors]
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def wait(self, pending) -> list[torch.Tensor | None]:
+        if not self.cuda:
+            return [None if t is None else t.cpu() for t in pending]
+        host, event = pending
+        event.synchronize()
+        return host

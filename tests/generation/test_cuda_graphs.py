@@ -117,3 +117,34 @@ def test_later_calls_replay_the_stored_graphs():
     assert store.graphs == graphs  # nothing captured again
     hf_specdec.disable(model)
     assert not store.graphs and store.storage is None
+
+
+@cuda
+def test_plain_decode_on_cuda_stops_at_eos_and_streams_like_transformers():
+    """On CUDA the plain loop queues the next forward before it reads the stop check back: rows that stop at
+    EOS, the padding after them and what a streamer receives must still be transformers' own."""
+    from transformers import TextIteratorStreamer  # noqa: F401 - the streamer protocol is put/end
+
+    class Collect:
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.tolist())
+
+        def end(self):
+            pass
+
+    ids, mask = left_padded_batch([12, 3, 9, 6])
+    reference = llama().cuda()
+    expected = reference.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=30, do_sample=False)
+    eos = int(expected[0, ids.shape[1] + 4])  # a token row 0 emits early: rows stop at different steps
+    kwargs = dict(attention_mask=mask.cuda(), max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    expected = reference.generate(ids.cuda(), **kwargs)
+    ours, theirs = Collect(), Collect()
+    model = hf_specdec.enable(llama().cuda())
+    got = model.generate(ids.cuda(), streamer=ours, **kwargs)
+    reference.generate(ids.cuda(), streamer=theirs, **kwargs)
+    assert torch.equal(got, expected)
+    assert (got[0, ids.shape[1]:] == eos).any() and got[0, -1] == 0  # row 0 stopped and was padded
+    assert ours.chunks == theirs.chunks
