@@ -1,6 +1,6 @@
 """e2e_synthetic: end-to-end Gemma 4 MTP and DFlash decoding at a fixed acceptance rate, beside plain decoding.
 
-    python -m benchmarks.e2e_synthetic [--shape gemma4-31b] [--layers N] [--alpha 0.6 0.8] [--k 7] [--batch 1 32]
+    python -m benchmarks.e2e_synthetic [--shape gemma4-31b] [--layers N] [--alpha 0.6 0.8] [--k 3 7] [--batch 1 32]
         [--drafter mtp dflash] [--quick | --smoke]
 
 Random weights accept almost no drafts, so the speculative rows run a real drafter — the Gemma 4 MTP
@@ -28,8 +28,8 @@ NAME = "e2e_synthetic"
 COLUMNS = ["model_shape", "backend", "batch", "k", "alpha", "tau", "expected_tau", "tokens_per_s",
            "speedup_vs_plain", "vs_floor_tau", "lossless"]
 PRESETS = {
-    "smoke": dict(shape="smoke-31b", batch=[1, 4], prompt=12, new_tokens=8, k=3),
-    "quick": dict(layers=12, prompt=256, new_tokens=32),
+    "smoke": dict(shape="smoke-31b", batch=[1, 4], prompt=12, new_tokens=8, k=[3]),
+    "quick": dict(layers=12, prompt=256, new_tokens=32, k=[3, 7]),
 }
 
 
@@ -37,7 +37,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shape", default="gemma4-31b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--alpha", type=float, nargs="+", default=[0.6, 0.8])
-    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--k", type=int, nargs="+", default=[7],
+                        help="drafts per step; several values give one row each (a large batch may want fewer)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -52,7 +53,7 @@ def run(args, progress) -> list[dict]:
     target = gemma4_target(args.shape, args.layers, args.device, args.dtype)
     assistant = gemma4_assistant(args.shape, target, args.device, args.dtype)
     model_shape = shape_name(args.shape, args.layers)
-    progress.total(len(args.batch) * (len(args.alpha) * len(args.drafter) + 2))
+    progress.total(len(args.batch) * (len(args.alpha) * len(args.drafter) * len(args.k) + 2))
     rows = []
     for batch in args.batch:
         ids = random_prompt(batch, args.prompt, target.config.vocab_size, args.device)
@@ -69,14 +70,15 @@ def run(args, progress) -> list[dict]:
                                **_speed(target, ids, args, {})))
         progress.step(f"b{batch} hf_specdec")
         for kind in args.drafter:
-            for alpha in args.alpha:
-                inner = (build_drafter(target, assistant, "mtp", args.k) if kind == "mtp"
-                         else _dflash_drafter(target, args, args.k))
-                drafter = SyntheticAcceptance(inner, alpha)
-                batch_rows.append(dict(common, backend=f"hf_specdec_{kind}_synthetic", k=args.k, alpha=alpha,
-                                       lossless=False, expected_tau=expected_tau(alpha, args.k),
-                                       **_speed(target, ids, args, dict(assistant_model=drafter))))
-                progress.step(f"b{batch} {kind} alpha {alpha}")
+            for k in args.k:
+                for alpha in args.alpha:
+                    inner = (build_drafter(target, assistant, "mtp", k) if kind == "mtp"
+                             else _dflash_drafter(target, args, k))
+                    drafter = SyntheticAcceptance(inner, alpha)
+                    batch_rows.append(dict(common, backend=f"hf_specdec_{kind}_synthetic", k=k, alpha=alpha,
+                                           lossless=False, expected_tau=expected_tau(alpha, k),
+                                           **_speed(target, ids, args, dict(assistant_model=drafter))))
+                    progress.step(f"b{batch} {kind} k {k} alpha {alpha}")
         hf_specdec.disable(target)
         plain = next(r["tokens_per_s"] for r in batch_rows if r["backend"] == "hf_specdec")
         for r in batch_rows:
