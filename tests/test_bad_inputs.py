@@ -406,3 +406,9 @@ def _disabled(model, fn):
         return fn()
     finally:
         hf_specdec.enable(model, config)
+
+
+@pytest.mark.parametrize("bound", [0, -1, 2.5, True, "8"])
+def test_max_cuda_graphs_must_be_a_positive_integer(bound):
+    with pytest.raises(ValueError, match="max_cuda_graphs must be an int >= 1"):
+        hf_specdec.enable(llama(), max_cuda_graphs=bound)

@@ -15,7 +15,9 @@ where the drafter looks (``HookedState``).
 
 Graphs are kept per enabled model (:class:`GraphStore`) with the K/V storage they write into, so later
 requests of the same batch size and k replay them without capturing: the storage is pooled (allocated
-once, grown when a request needs more, released by ``hf_specdec.disable``). A forward that cannot be
+once, grown when a request needs more, released by ``hf_specdec.disable``). Each kept graph holds its own
+memory pool (its activations and logits), so the store keeps at most ``max_graphs`` of them and drops the
+least recently used one first (``hf_specdec.enable(model, max_cuda_graphs=...)``). A forward that cannot be
 captured (a model doing host work inside its forward) falls back to eager, with one warning saying why.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -32,6 +35,7 @@ from hf_specdec.cache.paged_cache import ForwardMeta
 
 CUDA_GRAPHS_ENV = "HF_SPECDEC_CUDA_GRAPHS"
 MAX_GRAPH_QUERY_LEN = 32  # decode and verify forwards; prefills run eagerly
+DEFAULT_MAX_GRAPHS = 64  # kept graphs per model (forwards and drafter calls together)
 
 
 def cuda_graphs_wanted(requested: bool, device: torch.device) -> bool:
@@ -87,12 +91,38 @@ class GraphStore:
     overwrite each other's live outputs). Growing the storage drops every graph
     (they point into the old one). Lives in ``model._hf_specdec``; ``hf_specdec.disable`` releases it."""
 
-    def __init__(self):
+    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS):
         self.generation = 0
         self.storage = None  # (key, blocks per group, k list, v list)
         self.graphs: dict[tuple, _Graph] = {}
         self.calls: dict[tuple, CallGraph] = {}
+        self.max_graphs = check_max_graphs(max_graphs)
+        self.evicted = 0  # graphs dropped to stay within max_graphs
+        self._recency: OrderedDict[tuple[str, tuple], None] = OrderedDict()  # (table, key), least recent first
         self.disabled_reason: str | None = None
+
+    def get(self, table: str, key: tuple):
+        """The kept graph ``key`` of ``table`` ("graphs": target forwards, "calls": drafter calls), or None;
+        a hit counts as a use."""
+        found = getattr(self, table).get(key)
+        if found is not None:
+            self._recency.move_to_end((table, key))
+        return found
+
+    def keep(self, table: str, key: tuple, graph) -> None:
+        """Keep ``graph`` under ``key``; beyond ``max_graphs`` the least recently used graph is dropped (its
+        memory pool is freed once nothing reads its outputs any more)."""
+        getattr(self, table)[key] = graph
+        self._recency[(table, key)] = None
+        self._recency.move_to_end((table, key))
+        self.trim()
+
+    def trim(self) -> None:
+        """Drop least recently used graphs until at most ``max_graphs`` are kept."""
+        while len(self._recency) > self.max_graphs:
+            (old_table, old_key), _ = self._recency.popitem(last=False)
+            del getattr(self, old_table)[old_key]
+            self.evicted += 1
 
     def take_storage(self, layout, need: list[int], block_size: int, dtype, device, allocate):
         """(k list, v list, blocks per group) with at least ``need[g]`` blocks each: the pooled storage if it
@@ -116,7 +146,15 @@ class GraphStore:
         self.storage = None
         self.graphs.clear()
         self.calls.clear()
+        self._recency.clear()
         self.generation += 1
+
+
+def check_max_graphs(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_cuda_graphs must be an int >= 1 (a request keeps up to 3: decode, verify and the "
+                         f"drafter's steps; 8 or more avoids recapturing), got {value!r}.")
+    return value
 
 
 class GraphRunner:
@@ -140,7 +178,7 @@ class GraphRunner:
         return key in self.store.graphs
 
     def replay(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMeta):
-        g = self.store.graphs[key]
+        g = self.store.get("graphs", key)
         g.input_ids.copy_(input_ids)
         _copy_meta(g.meta, meta)
         g.graph.replay()
@@ -164,7 +202,7 @@ class GraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):  # own memory pool: a shared one could overlay live outputs
                 out = forward(static_ids)
-            self.store.graphs[key] = _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot())
+            self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot()))
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
             self.store.disabled_reason = f"{type(error).__name__}: {error}"
             warnings.warn(

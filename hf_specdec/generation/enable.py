@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from hf_specdec.attention import ATTENTION_NAME, register
 from hf_specdec.cache import KVLayout, kv_layout_from_config
 from hf_specdec.config import CacheConfig
-from hf_specdec.generation.cuda_graphs import GraphStore
+from hf_specdec.generation.cuda_graphs import GraphStore, check_max_graphs
 from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
 from hf_specdec.generation.generate import generate
 from hf_specdec.generation.stats import SpecStats
@@ -31,12 +31,17 @@ class EnabledState:
     owner: int | None = None  # thread id of the generate call holding the lock
 
 
-def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool | None = None):
+def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool | None = None,
+           max_cuda_graphs: int | None = None):
     """Route ``model``'s attention and ``generate`` through hf_specdec; returns the same object.
 
     Scoped to the instance and reversible (:func:`disable`). Plain forwards keep the model's behaviour.
     ``cuda_graphs`` (default True) replays decode and verify forwards as CUDA graphs on CUDA devices; the
-    environment variable ``HF_SPECDEC_CUDA_GRAPHS=0`` turns them off everywhere."""
+    environment variable ``HF_SPECDEC_CUDA_GRAPHS=0`` turns them off everywhere. ``max_cuda_graphs``
+    (default 64) bounds the graphs the model keeps between calls (each holds its own activations and
+    logits; one is kept per batch size, k and context bucket): beyond it the least recently used is dropped."""
+    if max_cuda_graphs is not None:
+        check_max_graphs(max_cuda_graphs)
     state = getattr(model, "_hf_specdec", None)
     if state is not None:
         if cache_config is not None:
@@ -45,6 +50,9 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
             state.cuda_graphs = cuda_graphs
             if not cuda_graphs:
                 state.graph_store.release()
+        if max_cuda_graphs is not None:
+            state.graph_store.max_graphs = max_cuda_graphs
+            state.graph_store.trim()
         return model
     _check_supported(model)
     layout = kv_layout_from_config(model.config)
@@ -53,6 +61,8 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
     model.set_attn_implementation(ATTENTION_NAME)
     model._hf_specdec = EnabledState(layout, cache_config or CacheConfig(), original,
                                      cuda_graphs=True if cuda_graphs is None else cuda_graphs)
+    if max_cuda_graphs is not None:
+        model._hf_specdec.graph_store.max_graphs = max_cuda_graphs
     model.generate = types.MethodType(generate, model)
     fuse_modules(model)
     return model

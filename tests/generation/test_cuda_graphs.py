@@ -148,3 +148,33 @@ def test_plain_decode_on_cuda_stops_at_eos_and_streams_like_transformers():
     assert torch.equal(got, expected)
     assert (got[0, ids.shape[1]:] == eos).any() and got[0, -1] == 0  # row 0 stopped and was padded
     assert ours.chunks == theirs.chunks
+
+
+def test_graph_store_keeps_the_most_recently_used_graphs_within_its_bound():
+    from hf_specdec.generation.cuda_graphs import GraphStore
+
+    store = GraphStore(max_graphs=3)
+    store.keep("graphs", ("decode", 1), "d1")
+    store.keep("calls", ("draft", 1), "c1")
+    store.keep("graphs", ("verify", 1), "v1")
+    assert store.get("graphs", ("decode", 1)) == "d1"  # a replay counts as a use
+    store.keep("graphs", ("decode", 2), "d2")  # over the bound: the draft call is the least recently used
+    assert store.calls == {} and set(store.graphs) == {("decode", 1), ("verify", 1), ("decode", 2)}
+    assert store.evicted == 1 and store.get("calls", ("draft", 1)) is None
+    store.max_graphs = 1
+    store.trim()
+    assert list(store.graphs) == [("decode", 2)] and store.evicted == 3
+    store.release()
+    assert not store.graphs and not store.calls
+    store.keep("graphs", ("decode", 3), "d3")  # nothing left over from before the release counts
+    assert list(store.graphs) == [("decode", 3)]
+
+
+def test_enable_sets_the_graph_bound_and_trims_to_a_lower_one():
+    model = hf_specdec.enable(llama(), max_cuda_graphs=5)
+    store = model._hf_specdec.graph_store
+    assert store.max_graphs == 5
+    for i in range(5):
+        store.keep("graphs", ("decode", i), i)
+    hf_specdec.enable(model, max_cuda_graphs=2)
+    assert store.max_graphs == 2 and list(store.graphs) == [("decode", 3), ("decode", 4)]

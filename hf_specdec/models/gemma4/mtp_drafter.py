@@ -105,12 +105,13 @@ class Gemma4MTPDrafter:
         # kept in the model's GraphStore: later requests of the same batch size and k replay it too
         key = ("gemma4_mtp", store.generation, id(self.assistant), id(self.embed), self.num_speculative_tokens,
                tuple(last_tokens.shape), tuple(self.hidden.shape), cache.graph_table_width)
-        if key in store.calls:
-            return store.calls[key](*inputs)
+        graph = store.get("calls", key)
+        if graph is not None:
+            return graph(*inputs)
         run = functools.partial(self._greedy_drafts, cache, layers)
         drafts = run(*inputs)
         try:
-            store.calls[key] = CallGraph(run, inputs)
+            store.keep("calls", key, CallGraph(run, inputs))
         except Exception as error:  # noqa: BLE001 - any capture failure means: draft eagerly
             self._graph_failed = True
             warnings.warn(f"hf_specdec could not capture the MTP draft steps as a CUDA graph ({error}); drafting "
