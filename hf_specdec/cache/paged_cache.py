@@ -34,6 +34,8 @@ def to_device_async(tensors: list[torch.Tensor], device: torch.device) -> list[t
     """Host tensors of one dtype -> the same tensors on ``device``, in one copy that does not wait for the
     device: a copy from pageable memory first waits for all queued device work, which would stall the host
     while a drafter's graph runs; staged through pinned memory it queues behind that work instead."""
+    if len({t.dtype for t in tensors}) != 1:
+        raise TypeError(f"to_device_async copies tensors of one dtype, got {sorted({str(t.dtype) for t in tensors})}.")
     if device.type != "cuda":
         return [t.to(device) for t in tensors]
     flat = torch.cat([t.reshape(-1) for t in tensors]).pin_memory()
