@@ -160,12 +160,13 @@ class PagedKVCache(Cache):
         # slot of each query slot's token per group; -1 for left padding (no token to store)
         is_new = torch.arange(q_len)[None, :] >= (q_len - q_lens)[:, None]  # [batch, q_len]
         tables = [self.block_table_tensor(g, device=None) for g in range(self.manager.num_groups)]
+        block_index, offset = positions // self.block_size, positions % self.block_size
         slots = []
         for g, table in enumerate(tables):
-            blocks = table.gather(1, positions // self.block_size).long()  # the tables hold every new position
+            blocks = table.gather(1, block_index).long()  # the tables hold every new position
             if bool((is_new & (blocks == RELEASED)).any()):
                 raise IndexError(f"a new token's position slid out of group {g}'s window.")
-            slots.append(torch.where(is_new, blocks * self.block_size + positions % self.block_size, -1).view(-1))
+            slots.append(torch.where(is_new, blocks * self.block_size + offset, -1).view(-1))
         groups = len(slots)
         small = to_device_async([kv_lens, q_pos0, q_lens, *tables], self.device)
         wide = to_device_async([positions, *slots], self.device)
