@@ -249,10 +249,11 @@ def paged_attention(
     return out
 
 
-# Split-KV: below this many programs per launch the GPU is underfilled (H100/H200: 132 SMs), so long key
-# ranges are cut into slices that run in parallel and are merged after.
+# Split-KV: below this many programs per launch the GPU is underfilled (H100/H200: 132 SMs), so key ranges
+# are cut into slices that run in parallel and are merged after. Slices of 64 keys: at batch 1 a decode
+# step's 16 (sliding) or 4 (full) programs per layer otherwise each walk hundreds of keys one tile at a time.
 TARGET_PROGRAMS = 2 * 132
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 64
 
 
 def num_kv_splits(base_programs: int, max_keys: int, block_n: int) -> int:
