@@ -31,8 +31,9 @@ from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4RMSNorm,
     Gemma4TextMLP,
     Gemma4TextRotaryEmbedding,
-    apply_rotary_pos_emb,
 )
+
+from hf_specdec.kernels.norm_rope import qkv_norm_rope
 
 from .assistant_config import (
     LAYER_TYPES,
@@ -142,8 +143,10 @@ class AssistantAttention(nn.Module):
         kv_source: TargetKVSource,
     ) -> torch.Tensor:  # [batch, 1, hidden]
         batch = hidden_states.shape[0]
-        query = self.q_norm(self.q_proj(hidden_states).view(batch, 1, self.num_heads, self.head_dim))
-        query = apply_rotary_pos_emb(query, *position_embeddings, unsqueeze_dim=2)
+        query = self.q_proj(hidden_states).view(batch, 1, self.num_heads, self.head_dim)
+        # rope(q_norm(query)) in one launch on the GPU (transformers' ops on CPU)
+        query = qkv_norm_rope(query, None, None, (self.q_norm.weight, None, None), (self.q_norm.eps, 0.0, 0.0),
+                              *position_embeddings)[0]
         out = kv_source.attend(self.layer_type, query, scaling=self.scaling, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(batch, 1, self.num_heads * self.head_dim))
 

@@ -1,0 +1,107 @@
+"""qkv_norm_rope: the torch reference is transformers' Gemma 4 q/k/v norm + rotary ops bit for bit; the
+Triton kernel matches it (fp32 to rounding of the mean, bf16 to one rounding step)."""
+
+import pytest
+import torch
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
+
+from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
+
+
+def _case(dtype, device="cpu", batch=2, seq=3, q_heads=4, kv_heads=2, dim=32, cos_batch=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    q, k, v = rand(batch, seq, q_heads, dim), rand(batch, seq, kv_heads, dim), rand(batch, seq, kv_heads, dim)
+    angles = torch.rand(cos_batch or batch, seq, dim // 2, generator=gen) * 6
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    weights = (rand(dim), rand(dim), None)
+    return q, k, v, weights, (1e-6, 1e-5, 1e-6), cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_transformers_ops_exactly(dtype):
+    q, k, v, weights, eps, cos, sin = _case(dtype)
+    norms = []
+    for w, e in zip(weights, eps):
+        norm = Gemma4RMSNorm(q.shape[-1], eps=e, with_scale=w is not None)
+        if w is not None:
+            norm.weight.data = w.float()
+        norms.append(norm.to(dtype))
+    expected = (apply_rotary_pos_emb(norms[0](q), cos, sin, unsqueeze_dim=2),
+                apply_rotary_pos_emb(norms[1](k), cos, sin, unsqueeze_dim=2), norms[2](v))
+    got = qkv_norm_rope_reference(q, k, v, weights, eps, cos, sin)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def _assert_close(got, expected, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.cpu(), expected.cpu(), atol=2e-6, rtol=2e-6)
+    else:  # a rounding step of the products (|x| < 8 here), which may cancel in the sum; Triton's CPU
+        # interpreter also truncates where the GPU rounds to nearest
+        torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), atol=0.07, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype,dim,cos_batch", [(torch.float32, 32, None), (torch.bfloat16, 32, 1),
+                                                  (torch.float32, 24, 1)])
+def test_triton_qkv_norm_rope(triton_device, dtype, dim, cos_batch):
+    q, k, v, weights, eps, cos, sin = _case(dtype, triton_device, dim=dim, cos_batch=cos_batch)
+    got = qkv_norm_rope(q, k, v, weights, eps, cos, sin)
+    expected = qkv_norm_rope_reference(q, k, v, weights, eps, cos, sin)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype and g.is_contiguous()
+        _assert_close(g, e, dtype)
+
+
+def test_triton_qkv_norm_rope_q_only_and_shared_kv_input(triton_device):
+    q, k, _, weights, eps, cos, sin = _case(torch.float32, triton_device)
+    # q only (a Q-only drafter)
+    got_q, none_k, none_v = qkv_norm_rope(q, None, None, weights, eps, cos, sin)
+    assert none_k is None and none_v is None
+    _assert_close(got_q, qkv_norm_rope_reference(q, None, None, weights, eps, cos, sin)[0], torch.float32)
+    # v is k (Gemma 4's k_eq_v layers): v is normalised from the raw keys, not the rotated ones; and a
+    # non-contiguous q (a slice of a wider projection)
+    wide = torch.randn(*q.shape[:2], q.shape[2] + 1, q.shape[3], device=triton_device)
+    q_view = wide[:, :, 1:]
+    got = qkv_norm_rope(q_view, k, k, weights, eps, cos, sin)
+    expected = qkv_norm_rope_reference(q_view, k, k, weights, eps, cos, sin)
+    for g, e in zip(got, expected):
+        _assert_close(g, e, torch.float32)
+
+
+def test_bad_shapes_name_the_fix():
+    q, k, v, weights, eps, cos, sin = _case(torch.float32)
+    with pytest.raises(ValueError, match="give both k and v"):
+        qkv_norm_rope(q, k, None, weights, eps, cos, sin)
+    with pytest.raises(ValueError, match="cos/sin must be"):
+        qkv_norm_rope(q, k, v, weights, eps, cos[..., :-2], sin[..., :-2])
+
+
+@pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style"])
+def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, build):
+    """enable's fused attention forward (one qkv_norm_rope launch per layer) and decoder-layer forward
+    (norm_add at the residual seams) inside a whole model: sliding and full layers, k_eq_v layers (v
+    normalised from the raw keys), KV-shared layers and per-layer-input blocks (original forwards)."""
+    from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+    from tests import tiny_models
+
+    model = getattr(tiny_models, build)().to(triton_device)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(triton_device)
+    with torch.inference_mode():
+        expected = model(ids).logits
+        attentions = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]
+        shared = [m for m in attentions if m.is_kv_shared_layer]
+        layers = [m for m in model.modules() if type(m).__name__ == "Gemma4TextDecoderLayer"]
+        fuse_modules(model)
+        assert sum("forward" in vars(m) for m in attentions) == len(attentions) - len(shared) > 0
+        assert all("forward" in vars(m) for m in layers)  # E2B style: per-layer inputs -> original at run time
+        got = model(ids).logits
+        unfuse_modules(model)
+    assert not any("forward" in vars(m) for m in attentions + layers)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
