@@ -1,19 +1,26 @@
 """Fused replacements for small modules of an enabled model (instance-scoped, undone by ``disable``).
 
 A decode step of a big model is bound by weight bytes, but each of its ~10 norms per layer runs as ~8
-tiny kernels in eager torch, and those launches cost ~20% of a step even inside a CUDA graph. ``enable``
-swaps the ``forward`` of such modules, on that model's instances only, for one fused kernel with the
-same arithmetic (on CPU the kernel's torch reference runs: the same ops as the original).
+tiny kernels in eager torch, the rotary embedding of q and k as ~10 more, and the residual seams as a few
+more; those launches cost ~20% of a step even inside a CUDA graph. ``enable`` swaps the ``forward`` of
+such modules, on that model's instances only, for fused kernels with the same arithmetic: Gemma 4 norms
+(one kernel each), attention (q/k/v norms and rotary in one kernel) and decoder layers (post-norm, residual
+add, layer scalar and the next pre-norm in one kernel). Each fused forward checks at ``enable`` that the
+module has what it reads, and runs the module's own forward on CPU and for the variants it does not cover
+(KV-shared layers, MoE and per-layer-input blocks).
 """
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_specdec.kernels import use_triton
-from hf_specdec.kernels.rms_norm import rms_norm
+from hf_specdec.kernels.norm_rope import qkv_norm_rope
+from hf_specdec.kernels.rms_norm import norm_add, rms_norm
 
 
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -22,16 +29,92 @@ def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight if self.with_scale else None, self.eps)
 
 
-# class name -> fused forward (names, so that no model package has to be imported here)
-FUSED_FORWARDS = {"Gemma4RMSNorm": _gemma_rms_norm_forward}
+def _gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states=None,
+                              past_key_values=None, **kwargs):
+    """transformers' ``Gemma4TextAttention.forward`` with q/k/v norms and rotary in one kernel
+    (:func:`qkv_norm_rope`); layers that reuse another layer's K/V, and the CPU, run the original."""
+    if self.is_kv_shared_layer or not use_triton(hidden_states):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states,
+                                  past_key_values, **kwargs)
+    hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    query = self.q_proj(hidden_states).view(hidden_shape)
+    key = self.k_proj(hidden_states).view(hidden_shape)
+    value = self.v_proj(hidden_states).view(hidden_shape) if self.v_proj is not None else key
+    query, key, value = qkv_norm_rope(
+        query, key, value, (self.q_norm.weight, self.k_norm.weight, _norm_weight(self.v_norm)),
+        (self.q_norm.eps, self.k_norm.eps, self.v_norm.eps), *position_embeddings)
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    if self.store_full_length_kv:
+        shared_kv_states[self.layer_type] = key, value
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, sys.modules[type(self).__module__].eager_attention_forward)
+    out, weights = attention(self, query, key, value, attention_mask,
+                             dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+                             sliding_window=self.sliding_window, **kwargs)
+    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, shared_kv_states=None,
+                                  position_embeddings=None, attention_mask=None, position_ids=None,
+                                  past_key_values=None, **kwargs):
+    """transformers' ``Gemma4TextDecoderLayer.forward`` with its norm/residual seams fused (:func:`norm_add`):
+    post-attention norm + residual add + pre-feedforward norm in one launch, post-feedforward norm + residual
+    add + layer scalar in another. MoE and per-layer-input blocks, and the CPU, run the original."""
+    if self.enable_moe_block or self.hidden_size_per_layer_input or not use_triton(hidden_states):
+        return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states=shared_kv_states,
+                                  position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                  position_ids=position_ids, past_key_values=past_key_values, **kwargs)
+    attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                             position_embeddings=position_embeddings, attention_mask=attention_mask,
+                             shared_kv_states=shared_kv_states, position_ids=position_ids,
+                             past_key_values=past_key_values, **kwargs)
+    post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+    hidden_states, mlp_in = norm_add(attn, hidden_states, post.weight, post.eps, next_weight=_norm_weight(pre),
+                                     next_eps=pre.eps)
+    post = self.post_feedforward_layernorm
+    hidden_states, _ = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps, scale=self.layer_scalar)
+    return hidden_states
+
+
+def _fusible_gemma4_decoder_layer(module) -> bool:
+    names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm", "layer_scalar", "enable_moe_block", "hidden_size_per_layer_input")
+    return (all(hasattr(module, n) for n in names)
+            and all(type(getattr(module, n)).__name__ == "Gemma4RMSNorm" for n in names[2:6])
+            and module.post_attention_layernorm.with_scale and module.post_feedforward_layernorm.with_scale)
+
+
+def _norm_weight(norm):
+    return norm.weight if norm.with_scale else None
+
+
+def _fusible_gemma4_attention(module) -> bool:
+    """The attributes the fused forward reads (transformers 5.17+); anything else keeps its own forward."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "v_norm", "head_dim", "layer_idx",
+             "layer_type", "scaling", "sliding_window", "is_kv_shared_layer", "store_full_length_kv", "config",
+             "attention_dropout")
+    return (all(hasattr(module, n) for n in names)
+            and all(type(getattr(module, n)).__name__ == "Gemma4RMSNorm" for n in ("q_norm", "k_norm", "v_norm"))
+            and module.q_norm.with_scale and module.k_norm.with_scale
+            and hasattr(sys.modules[type(module).__module__], "eager_attention_forward"))
+
+
+# class name -> (fused forward, test of the instance) (names, so that no model package is imported here)
+FUSED_FORWARDS = {
+    "Gemma4RMSNorm": (_gemma_rms_norm_forward, lambda module: True),
+    "Gemma4TextAttention": (_gemma4_attention_forward, _fusible_gemma4_attention),
+    "Gemma4TextDecoderLayer": (_gemma4_decoder_layer_forward, _fusible_gemma4_decoder_layer),
+}
 
 
 def fuse_modules(model: torch.nn.Module) -> int:
     """Give every fusible submodule of ``model`` its fused forward; returns how many were swapped."""
     count = 0
     for module in model.modules():
-        fused = FUSED_FORWARDS.get(type(module).__name__)
-        if fused is not None and "forward" not in vars(module):
+        fused, fusible = FUSED_FORWARDS.get(type(module).__name__, (None, None))
+        if fused is not None and "forward" not in vars(module) and fusible(module):
             module.forward = types.MethodType(fused, module)
             count += 1
     return count
@@ -41,5 +124,5 @@ def unfuse_modules(model: torch.nn.Module) -> None:
     """Undo :func:`fuse_modules`."""
     for module in model.modules():
         forward = vars(module).get("forward")
-        if forward is not None and getattr(forward, "__func__", None) in FUSED_FORWARDS.values():
+        if forward is not None and getattr(forward, "__func__", None) in {f for f, _ in FUSED_FORWARDS.values()}:
             del module.forward

@@ -7,7 +7,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
 import hf_specdec
 from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
-from hf_specdec.kernels.rms_norm import rms_norm, rms_norm_reference
+from hf_specdec.kernels.rms_norm import norm_add, norm_add_reference, rms_norm, rms_norm_reference
 from tests.tiny_models import gemma4_e2b_style
 
 
@@ -46,6 +46,46 @@ def test_enable_fuses_gemma_norms_and_disable_restores_them():
         assert torch.equal(norms[0](x), Gemma4RMSNorm.forward(norms[0], x))
     hf_specdec.disable(model)
     assert not any("forward" in vars(m) for m in norms)
-    assert fuse_modules(model) == len(norms)
+    fused_attentions = [m for m in model.modules()
+                        if type(m).__name__ == "Gemma4TextAttention" and not m.is_kv_shared_layer]
+    layers = [m for m in model.modules() if type(m).__name__ == "Gemma4TextDecoderLayer"]
+    # attentions and layers: tests/kernels/test_norm_rope.py
+    assert fuse_modules(model) == len(norms) + len(fused_attentions) + len(layers)
     unfuse_modules(model)
     assert not any("forward" in vars(m) for m in norms)
+
+
+def _block_seam_case(dtype, device="cpu", dim=40):
+    gen = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(2, 3, dim, generator=gen).to(dtype).to(device) for _ in range(2))
+    w, w2 = (torch.randn(dim, generator=gen).to(dtype).to(device) for _ in range(2))
+    return x, residual, w, w2, torch.tensor([0.7], dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_add_reference_is_the_gemma4_block_seams_exactly(dtype):
+    x, residual, w, w2, scale = _block_seam_case(dtype)
+    post, pre = Gemma4RMSNorm(x.shape[-1], eps=1e-6), Gemma4RMSNorm(x.shape[-1], eps=1e-5)
+    post.weight.data, pre.weight.data = w.float(), w2.float()
+    post, pre = post.to(dtype), pre.to(dtype)
+    hidden = residual + post(x)  # Gemma4TextDecoderLayer: post-attention norm, residual, pre-feedforward norm
+    total, nxt = norm_add_reference(x, residual, w, 1e-6, next_weight=w2, next_eps=1e-5)
+    assert torch.equal(total, hidden) and torch.equal(nxt, pre(hidden))
+    hidden = residual + post(x)  # post-feedforward norm, residual, layer scalar (in place)
+    hidden *= scale
+    total, nxt = norm_add_reference(x, residual, w, 1e-6, scale=scale)
+    assert torch.equal(total, hidden) and nxt is None
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 40), (torch.bfloat16, 64)])
+def test_triton_norm_add(triton_device, dtype, dim):
+    x, residual, w, w2, scale = _block_seam_case(dtype, triton_device, dim)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=0.02)
+    for kwargs in (dict(next_weight=w2, next_eps=1e-5), dict(next_weight=None, next_eps=1e-5), dict(scale=scale)):
+        got = norm_add(x, residual, w, 1e-6, **kwargs)
+        expected = norm_add_reference(x, residual, w, 1e-6, **kwargs)
+        for g, e in zip(got, expected):
+            if e is None:
+                assert g is None
+            else:
+                torch.testing.assert_close(g.float().cpu(), e.float().cpu(), **tol)
