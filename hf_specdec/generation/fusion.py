@@ -7,7 +7,8 @@ such modules, on that model's instances only, for fused kernels with the same ar
 (one kernel each), attention (q/k/v norms and rotary in one kernel) and decoder layers (post-norm, residual
 add, layer scalar and the next pre-norm in one kernel). Each fused forward checks at ``enable`` that the
 module has what it reads, and runs the module's own forward on CPU and for the variants it does not cover
-(KV-shared layers, MoE and per-layer-input blocks).
+(KV-shared layers, MoE and per-layer-input blocks), and whenever autograd tracks the input (the kernels
+have no backward).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_specdec.kernels import use_triton
+from hf_specdec.kernels._dispatch import needs_grad
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
 
 
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if not use_triton(hidden_states):
+    if not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states)  # the module's own ops: the same arithmetic, no wrapper
     return rms_norm(hidden_states, self.weight if self.with_scale else None, self.eps)
 
@@ -33,7 +35,7 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
                               past_key_values=None, **kwargs):
     """transformers' ``Gemma4TextAttention.forward`` with q/k/v norms and rotary in one kernel
     (:func:`qkv_norm_rope`); layers that reuse another layer's K/V, and the CPU, run the original."""
-    if self.is_kv_shared_layer or not use_triton(hidden_states):
+    if self.is_kv_shared_layer or not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states,
                                   past_key_values, **kwargs)
     hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -62,7 +64,8 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     """transformers' ``Gemma4TextDecoderLayer.forward`` with its norm/residual seams fused (:func:`norm_add`):
     post-attention norm + residual add + pre-feedforward norm in one launch, post-feedforward norm + residual
     add + layer scalar in another. MoE and per-layer-input blocks, and the CPU, run the original."""
-    if self.enable_moe_block or self.hidden_size_per_layer_input or not use_triton(hidden_states):
+    if (self.enable_moe_block or self.hidden_size_per_layer_input or not use_triton(hidden_states)
+            or needs_grad(hidden_states)):
         return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states=shared_kv_states,
                                   position_embeddings=position_embeddings, attention_mask=attention_mask,
                                   position_ids=position_ids, past_key_values=past_key_values, **kwargs)

@@ -44,6 +44,11 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
+def needs_grad(x: torch.Tensor) -> bool:
+    """Whether autograd tracks ``x``: the Triton kernels have no backward, so training runs the torch ops."""
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 def interpreting(kernel) -> bool:
     """Whether `kernel` was jitted under TRITON_INTERPRET=1 (it then runs on CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"

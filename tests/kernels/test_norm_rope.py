@@ -105,3 +105,25 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
         unfuse_modules(model)
     assert not any("forward" in vars(m) for m in attentions + layers)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
+
+
+def test_triton_fused_forwards_leave_training_to_torch(triton_device):
+    """The kernels have no backward: where autograd tracks the input, the fused forwards run transformers'
+    ops, so gradients are the unfused model's exactly."""
+    from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+    from tests.tiny_models import gemma4_31b_style
+
+    model = gemma4_31b_style().to(triton_device)
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    params = [model.model.layers[0].self_attn.q_norm.weight, model.model.layers[0].post_attention_layernorm.weight]
+
+    def grads():
+        return torch.autograd.grad(model(ids.to(triton_device)).logits.square().mean(), params)
+
+    expected = grads()
+    fuse_modules(model)
+    got = grads()
+    unfuse_modules(model)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)

@@ -33,7 +33,9 @@ from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4TextRotaryEmbedding,
 )
 
-from hf_specdec.kernels.norm_rope import qkv_norm_rope
+from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
+from hf_specdec.kernels.rms_norm import norm_add, rms_norm
 
 from .assistant_config import (
     LAYER_TYPES,
@@ -144,9 +146,10 @@ class AssistantAttention(nn.Module):
     ) -> torch.Tensor:  # [batch, 1, hidden]
         batch = hidden_states.shape[0]
         query = self.q_proj(hidden_states).view(batch, 1, self.num_heads, self.head_dim)
-        # rope(q_norm(query)) in one launch on the GPU (transformers' ops on CPU)
-        query = qkv_norm_rope(query, None, None, (self.q_norm.weight, None, None), (self.q_norm.eps, 0.0, 0.0),
-                              *position_embeddings)[0]
+        # rope(q_norm(query)): one launch on the GPU; transformers' ops on CPU and under autograd (training)
+        norm_rope = qkv_norm_rope_reference if needs_grad(query) else qkv_norm_rope
+        query = norm_rope(query, None, None, (self.q_norm.weight, None, None), (self.q_norm.eps, 0.0, 0.0),
+                          *position_embeddings)[0]
         out = kv_source.attend(self.layer_type, query, scaling=self.scaling, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(batch, 1, self.num_heads * self.head_dim))
 
@@ -166,11 +169,21 @@ class AssistantDecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(self, hidden_states, position_embeddings, kv_source: TargetKVSource) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, kv_source)
-        hidden_states = hidden_states + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
-        hidden_states = hidden_states + self.post_feedforward_layernorm(mlp)
-        return hidden_states * self.layer_scalar
+        if needs_grad(hidden_states):  # training: the torch ops (the kernels below have no backward)
+            attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, kv_source)
+            hidden_states = hidden_states + self.post_attention_layernorm(attn)
+            mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+            hidden_states = hidden_states + self.post_feedforward_layernorm(mlp)
+            return hidden_states * self.layer_scalar
+        # drafting: the same arithmetic with the norm/residual seams fused (torch's ops on CPU)
+        norm = self.input_layernorm
+        attn = self.self_attn(rms_norm(hidden_states, norm.weight, norm.eps), position_embeddings, kv_source)
+        post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        hidden_states, mlp_in = norm_add(attn, hidden_states, post.weight, post.eps, next_weight=pre.weight,
+                                         next_eps=pre.eps)
+        post = self.post_feedforward_layernorm
+        hidden_states, _ = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps, scale=self.layer_scalar)
+        return hidden_states
 
 
 class AssistantBackbone(nn.Module):
@@ -200,7 +213,8 @@ class AssistantBackbone(nn.Module):
         hidden_states = inputs_embeds
         for layer in self.layers:
             hidden_states = layer(hidden_states, rope[layer.layer_type], kv_source)
-        return self.norm(hidden_states)
+        return self.norm(hidden_states) if needs_grad(hidden_states) else rms_norm(hidden_states, self.norm.weight,
+                                                                                   self.norm.eps)
 
 
 @dataclass(frozen=True)
