@@ -4,8 +4,8 @@ A decode step of a big model is bound by weight bytes, but each of its ~10 norms
 tiny kernels in eager torch, the rotary embedding of q and k as ~10 more, and the residual seams as a few
 more; those launches cost ~20% of a step even inside a CUDA graph. ``enable`` swaps the ``forward`` of
 such modules, on that model's instances only, for fused kernels with the same arithmetic: Gemma 4 norms
-(one kernel each), attention (q/k/v norms and rotary in one kernel) and decoder layers (post-norm, residual
-add, layer scalar and the next pre-norm in one kernel). Each fused forward checks at ``enable`` that the
+(one kernel each), attention (q/k/v norms and rotary in one kernel), decoder layers (post-norm, residual
+add, layer scalar and the next pre-norm in one kernel) and MLPs (activation and gate product in one). Each fused forward checks at ``enable`` that the
 module has what it reads, and runs the module's own forward on CPU and for the variants it does not cover
 (KV-shared layers, MoE and per-layer-input blocks), and whenever autograd tracks the input (the kernels
 have no backward).
@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
 
@@ -81,6 +82,21 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     return hidden_states
 
 
+def gemma4_mlp_forward(self, x):
+    """transformers' ``Gemma4TextMLP.forward`` with the activation and the product in one launch."""
+    if not use_triton(x) or needs_grad(x):
+        return type(self).forward(self, x)
+    return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fusible_gemma4_mlp(module) -> bool:
+    act = getattr(module, "act_fn", None)
+    return (all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
+            and type(act).__name__ in ("GELUTanh", "PytorchGELUTanh")
+            and not getattr(act, "use_gelu_tanh_python", False)
+            and getattr(getattr(act, "act", None), "keywords", {}).get("approximate") == "tanh")
+
+
 def _fusible_gemma4_decoder_layer(module) -> bool:
     names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
              "post_feedforward_layernorm", "layer_scalar", "enable_moe_block", "hidden_size_per_layer_input")
@@ -109,6 +125,7 @@ FUSED_FORWARDS = {
     "Gemma4RMSNorm": (_gemma_rms_norm_forward, lambda module: True),
     "Gemma4TextAttention": (_gemma4_attention_forward, _fusible_gemma4_attention),
     "Gemma4TextDecoderLayer": (_gemma4_decoder_layer_forward, _fusible_gemma4_decoder_layer),
+    "Gemma4TextMLP": (gemma4_mlp_forward, _fusible_gemma4_mlp),
 }
 
 

@@ -84,7 +84,7 @@ def test_bad_shapes_name_the_fix():
 @pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style"])
 def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, build):
     """enable's fused attention forward (one qkv_norm_rope launch per layer) and decoder-layer forward
-    (norm_add at the residual seams) inside a whole model: sliding and full layers, k_eq_v layers (v
+    (norm_add at the residual seams) and MLP forward (gelu_tanh_mul) inside a whole model: sliding and full layers, k_eq_v layers (v
     normalised from the raw keys), KV-shared layers and per-layer-input blocks (original forwards)."""
     from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
     from tests import tiny_models
@@ -97,7 +97,7 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
         expected = model(ids).logits
         attentions = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]
         shared = [m for m in attentions if m.is_kv_shared_layer]
-        layers = [m for m in model.modules() if type(m).__name__ == "Gemma4TextDecoderLayer"]
+        layers = [m for m in model.modules() if type(m).__name__ in ("Gemma4TextDecoderLayer", "Gemma4TextMLP")]
         fuse_modules(model)
         assert sum("forward" in vars(m) for m in attentions) == len(attentions) - len(shared) > 0
         assert all("forward" in vars(m) for m in layers)  # E2B style: per-layer inputs -> original at run time

@@ -48,9 +48,9 @@ def test_enable_fuses_gemma_norms_and_disable_restores_them():
     assert not any("forward" in vars(m) for m in norms)
     fused_attentions = [m for m in model.modules()
                         if type(m).__name__ == "Gemma4TextAttention" and not m.is_kv_shared_layer]
-    layers = [m for m in model.modules() if type(m).__name__ == "Gemma4TextDecoderLayer"]
-    # attentions and layers: tests/kernels/test_norm_rope.py
-    assert fuse_modules(model) == len(norms) + len(fused_attentions) + len(layers)
+    layers_and_mlps = [m for m in model.modules() if type(m).__name__ in ("Gemma4TextDecoderLayer", "Gemma4TextMLP")]
+    # attentions, layers and MLPs: tests/kernels/test_norm_rope.py
+    assert fuse_modules(model) == len(norms) + len(fused_attentions) + len(layers_and_mlps)
     unfuse_modules(model)
     assert not any("forward" in vars(m) for m in norms)
 

@@ -34,6 +34,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
 )
 
 from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
 
@@ -167,6 +168,7 @@ class AssistantDecoderLayer(nn.Module):
         for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
             setattr(self, f"{name}_layernorm", Gemma4RMSNorm(config.hidden_size, eps=config.rms_norm_eps))
         self.register_buffer("layer_scalar", torch.ones(1))
+        self.gelu_tanh = config.hidden_activation == "gelu_pytorch_tanh"  # the MLP's act_fn: gelu_tanh_mul fuses it
 
     def forward(self, hidden_states, position_embeddings, kv_source: TargetKVSource) -> torch.Tensor:
         if needs_grad(hidden_states):  # training: the torch ops (the kernels below have no backward)
@@ -182,7 +184,10 @@ class AssistantDecoderLayer(nn.Module):
         hidden_states, mlp_in = norm_add(attn, hidden_states, post.weight, post.eps, next_weight=pre.weight,
                                          next_eps=pre.eps)
         post = self.post_feedforward_layernorm
-        hidden_states, _ = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps, scale=self.layer_scalar)
+        mlp = self.mlp
+        mlp_out = (mlp.down_proj(gelu_tanh_mul(mlp.gate_proj(mlp_in), mlp.up_proj(mlp_in))) if self.gelu_tanh
+                   else mlp(mlp_in))
+        hidden_states, _ = norm_add(mlp_out, hidden_states, post.weight, post.eps, scale=self.layer_scalar)
         return hidden_states
 
 
