@@ -1,6 +1,6 @@
 """benchmarks/README.md tables and the PNG plot, from benchmark records (benchmarks/results/*.jsonl).
 
-    python -m benchmarks.report [--results-dir benchmarks/results] [--run-id ID]   # regenerate from records
+    python -m benchmarks.report [--results-dir benchmarks/results] [--run-id ID] [--also-run-id ID ...]
 
 Every table row names the GPU, the commit and the command that produced it. The plot (matplotlib, the
 ``dev`` extra) shows tokens/s vs k and tokens/s vs batch; without matplotlib it is skipped with a message.
@@ -30,8 +30,9 @@ TABLE_COLUMNS = {
 }
 
 
-def load_records(results_dir=None, run_id: str | None = None) -> list[dict]:
-    """Records of one run: ``run_id``, or per bench the records of its latest run id."""
+def load_records(results_dir=None, run_id: str | None = None, also: list[str] = ()) -> list[dict]:
+    """Records of one run: ``run_id``, or per bench the records of its latest run id; then those of the
+    runs in ``also`` (e.g. a full-depth run made apart from ``run_all``), after them in each table."""
     records = []
     for path in sorted(pathlib.Path(results_dir or RESULTS_DIR).glob("*.jsonl")):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -40,6 +41,7 @@ def load_records(results_dir=None, run_id: str | None = None) -> list[dict]:
             continue
         wanted = run_id or max(r["run_id"] for r in rows)
         records += [r for r in rows if r["run_id"] == wanted]
+        records += [r for r in rows if r["run_id"] in also and r["run_id"] != wanted]
     return records
 
 
@@ -135,11 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", default=None)
     parser.add_argument("--run-id", default=None, help="default: each bench's latest run")
+    parser.add_argument("--also-run-id", nargs="+", default=[], help="add the records of these runs too")
     parser.add_argument("--readme", default=None, help="default benchmarks/README.md")
     parser.add_argument("--png", default=None, help="default benchmarks/results/plot.png")
     args = parser.parse_args(argv)
-    records = load_records(args.results_dir, args.run_id)
-    print(json.dumps(write_report(records, args.readme, args.png)))
+    records = load_records(args.results_dir, args.run_id, args.also_run_id)
+    title = ""
+    if args.also_run_id:
+        title = f"Besides each bench's latest run, the rows of run(s) {', '.join(f'`{r}`' for r in args.also_run_id)}."
+    print(json.dumps(write_report(records, args.readme, args.png, title)))
     return 0
 
 

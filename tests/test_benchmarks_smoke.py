@@ -85,3 +85,20 @@ def test_report_writes_readme_with_gpu_commit_and_command(smoke, tmp_path):
     assert "| cpu |" in text and "`python -m benchmarks.verify_cost --smoke`" in text
     if written["plot"]:
         assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_report_adds_the_rows_of_runs_made_apart(tmp_path):
+    """``--also-run-id``: a full-depth run made apart from run_all shows in the tables beside the latest run."""
+    import json
+
+    from benchmarks.report import load_records, markdown
+
+    rows = [dict(bench="e2e_synthetic", run_id=run, model_shape=shape, backend="hf_specdec", tokens_per_s=tps,
+                 gpu="G", commit="c", command=f"cmd {shape}") for run, shape, tps in
+            [("20260101T000000", "s/L60", 40.0), ("20260102T000000", "s/L12", 170.0), ("20260101T120000", "s/L12", 1.0)]]
+    (tmp_path / "e2e_synthetic.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    latest = load_records(tmp_path)
+    assert [r["model_shape"] for r in latest] == ["s/L12"] and latest[0]["tokens_per_s"] == 170.0
+    both = load_records(tmp_path, also=["20260101T000000"])
+    assert [r["model_shape"] for r in both] == ["s/L12", "s/L60"]
+    assert "cmd s/L60" in markdown(both)
