@@ -3,6 +3,7 @@
     python -m benchmarks.run_all --quick          # on a GPU: fits one 9-minute command
     python -m benchmarks.run_all --smoke          # on the CPU: seconds
     python -m benchmarks all --quick              # the same
+    bash benchmarks/gpu_session.sh OUT COMMIT     # GPU tests + --quick, results under OUT (a copied checkout)
 
 Benches run in this process one after the other (each frees its models); a bench that fails is reported
 and the others still run. Records go to benchmarks/results/<bench>.jsonl tagged with one run id; the

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One command for a GPU machine that only gets a copy of the working tree: the GPU tests, then the benches,
+# with every result under one folder (few files: a machine that sends results back may cap their number).
+#
+#   bash benchmarks/gpu_session.sh OUT_DIR COMMIT [tests|quick|full-depth|all]
+#
+#   tests       pytest of the Triton kernels, CUDA graphs and Gemma 4 models on the GPU (~1.5 min)
+#   quick       python -m benchmarks.run_all --quick --skip soak (~7 min on an H100)
+#   full-depth  e2e_synthetic on all 60 layers of the Gemma-4-31B shape at batch 1 (~2.5 min, 61 GB)
+#   all         tests, then quick (default)
+#
+# COMMIT tags the records (a copied checkout may carry a stale git HEAD). Records go to OUT_DIR/results/*.jsonl
+# (append them to benchmarks/results/ and run `python -m benchmarks.report`), logs to OUT_DIR/*.log.
+set -uo pipefail
+out="${1:?OUT_DIR}"
+export BENCH_COMMIT="${2:?COMMIT}" PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(cd "$(dirname "$0")/.." && pwd)"
+what="${3:-all}"
+mkdir -p "$out/results"
+status=0
+
+run_tests() {
+  python -m pytest -q -x tests/kernels tests/generation/test_cuda_graphs.py tests/models/gemma4 >"$out/gpu_tests.log" 2>&1
+  local rc=$?
+  tail -1 "$out/gpu_tests.log"
+  return $rc
+}
+
+run_quick() {
+  python -m benchmarks.run_all --quick --skip soak --results-dir "$out/results" --no-report >"$out/run_all.log" 2>&1
+  local rc=$?
+  grep "\[run_all\]" "$out/run_all.log"
+  return $rc
+}
+
+run_full_depth() {
+  python -m benchmarks.e2e_synthetic --layers 60 --batch 1 --skip-hf --alpha 0.8 --k 3 7 --drafter mtp dflash \
+    --prompt 256 --new-tokens 64 --results-dir "$out/results" >"$out/full_depth.log" 2>&1
+  local rc=$?
+  grep -E "^ *(model_shape|gemma4)" "$out/full_depth.log"
+  return $rc
+}
+
+case "$what" in
+  tests) run_tests || status=1 ;;
+  quick) run_quick || status=1 ;;
+  full-depth) run_full_depth || status=1 ;;
+  all) run_tests || status=1; run_quick || status=1 ;;
+  *) echo "unknown part '$what': tests, quick, full-depth or all" >&2; exit 2 ;;
+esac
+exit $status
