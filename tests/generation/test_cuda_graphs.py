@@ -178,3 +178,18 @@ def test_enable_sets_the_graph_bound_and_trims_to_a_lower_one():
         store.keep("graphs", ("decode", i), i)
     hf_specdec.enable(model, max_cuda_graphs=2)
     assert store.max_graphs == 2 and list(store.graphs) == [("decode", 3), ("decode", 4)]
+
+
+@cuda
+def test_fused_gemma4_blocks_on_cuda_give_transformers_greedy_tokens():
+    """Invariant 1 on the GPU path: with the fused attention, decoder-layer and MLP forwards (31B style: no
+    per-layer inputs, so every layer takes them) and graphs on, greedy tokens are transformers' own (fp32)."""
+    ids, mask = left_padded_batch([12, 3, 9, 6])
+    kwargs = dict(attention_mask=mask.cuda(), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = gemma4_31b_style().cuda().generate(ids.cuda(), **kwargs)
+    model = hf_specdec.enable(gemma4_31b_style().cuda())
+    fused = [m for m in model.modules() if "forward" in vars(m)]
+    kinds = {type(m).__name__ for m in fused}
+    assert {"Gemma4TextAttention", "Gemma4TextDecoderLayer", "Gemma4TextMLP", "Gemma4RMSNorm"} <= kinds
+    assert torch.equal(model.generate(ids.cuda(), **kwargs), expected)
+    assert torch.equal(model.generate(ids.cuda(), **kwargs), expected)  # the second call replays stored graphs

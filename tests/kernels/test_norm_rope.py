@@ -127,3 +127,17 @@ def test_triton_fused_forwards_leave_training_to_torch(triton_device):
     unfuse_modules(model)
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
+
+
+def test_triton_fused_gemma4_generate_gives_transformers_tokens(triton_device):
+    """Invariant 1 through every Triton kernel (paged attention, K/V store, norms, qkv_norm_rope, norm_add,
+    gelu_tanh_mul): an enabled 31B-style model's greedy tokens are transformers' own (fp32)."""
+    import hf_specdec
+    from tests.tiny_models import gemma4_31b_style, left_padded_batch
+
+    ids, mask = left_padded_batch([12, 3, 9, 6])
+    kwargs = dict(attention_mask=mask.to(triton_device), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+    expected = gemma4_31b_style().to(triton_device).generate(ids.to(triton_device), **kwargs)
+    model = hf_specdec.enable(gemma4_31b_style().to(triton_device))
+    assert torch.equal(model.generate(ids.to(triton_device), **kwargs), expected)
