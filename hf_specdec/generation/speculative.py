@@ -16,6 +16,8 @@ distribution (rejection sampling), whatever the drafter proposes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -78,10 +80,11 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
             emitted = _emit(rows, running, next_tokens.tolist(), [[]] * batch, stopper, streamer)
             stats.record_step(emitted)
             while any(running):
-                row_ids.extend(rows)
-                # each running row's last token, already on the device (a stopped row's input is never used)
+                # each running row's last token, already on the device (a stopped row's input is never used);
+                # the rows' ids go to the device only if a drafter or logits processor reads them this step
                 next_tokens = _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config,
-                                                rows, row_ids.views(), running, next_tokens, stats, streamer)
+                                                rows, LazyPrefixes(row_ids, rows), running, next_tokens, stats,
+                                                streamer)
     finally:
         runner.finish()
     if streamer is not None:
@@ -156,6 +159,28 @@ class RowIds:
 
     def views(self) -> list[torch.Tensor]:
         return [self.buffer[b, :n] for b, n in enumerate(self.lens)]
+
+
+class LazyPrefixes(Sequence):
+    """Each row's ids on the device (``RowIds.views()``), brought up to date with ``rows`` at the first access.
+
+    Greedy MTP drafting without logits processors never reads them: the step then skips the per-row host loop
+    and copies of ``RowIds.extend``, which run after the step's host sync while the device waits."""
+
+    def __init__(self, row_ids: RowIds, rows: list[list[int]]):
+        self._row_ids, self._rows, self._views = row_ids, rows, None
+
+    def _get(self) -> list[torch.Tensor]:
+        if self._views is None:
+            self._row_ids.extend(self._rows)
+            self._views = self._row_ids.views()
+        return self._views
+
+    def __getitem__(self, index):
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 def _emit(rows, running, last, accepted_drafts, stopper, streamer) -> list[int]:

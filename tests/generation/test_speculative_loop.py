@@ -131,3 +131,24 @@ def test_graph_replays_are_keyed_by_what_the_drafter_hooks_record(monkeypatch):
         target.generate(ids, max_new_tokens=3, do_sample=False, assistant_model=SyntheticAcceptance(inner, 0.5))
     mtp, dflash = signatures
     assert mtp != dflash
+
+
+def test_row_prefixes_reach_the_device_only_when_read(monkeypatch):
+    """The loop hands drafters and processors each row's ids lazily: never read, RowIds.extend never runs
+    (greedy MTP without processors); read, they hold everything the rows emitted so far."""
+    from hf_specdec.generation.speculative import LazyPrefixes, RowIds
+
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    row_ids = RowIds(ids, capacity=10)
+    rows = [ids[0].tolist(), ids[1].tolist()]
+    calls = []
+    monkeypatch.setattr(RowIds, "extend", lambda self, r, _orig=RowIds.extend: calls.append(1) or _orig(self, r))
+    LazyPrefixes(row_ids, rows)  # a step that reads nothing
+    rows[0] += [11, 12]
+    rows[1] += [13]
+    assert not calls
+    prefixes = LazyPrefixes(row_ids, rows)
+    rows[1] += [14]  # emitted before the step reads them
+    assert len(prefixes) == 2
+    assert [p.tolist() for p in prefixes] == [[0, 5, 6, 11, 12], [7, 8, 9, 13, 14]]
+    assert prefixes[1].tolist() == [7, 8, 9, 13, 14] and len(calls) == 1
