@@ -118,7 +118,9 @@ def _speculative_step(model, runner, drafter, captured, scorer, stopper, generat
     else:
         num_accepted, next_token = greedy_accept_no_sync(proposal.tokens, scores.argmax(dim=-1))
     # 4. the one host sync of the step; emit, commit, let the drafter catch up
-    accepted, nxt, drafts = num_accepted.tolist(), next_token.tolist(), proposal.tokens.tolist()
+    host = torch.cat([num_accepted[:, None].to(proposal.tokens.dtype), next_token[:, None].to(proposal.tokens.dtype),
+                      proposal.tokens], dim=1).tolist()  # one copy to the host instead of three
+    accepted, nxt, drafts = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
     was_running = list(running)
     chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(rows))]
     emitted = _emit(rows, running, [c[-1] for c in chunks], [c[:-1] for c in chunks], stopper, streamer)
