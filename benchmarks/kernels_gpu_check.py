@@ -1,9 +1,11 @@
-"""Triton paged attention vs its torch reference at Gemma-4-31B attention shapes, on one CUDA GPU.
+"""Triton paged attention vs its torch reference at the real attention shapes, on one CUDA GPU.
 
-    PYTHONPATH=. python benchmarks/kernels_gpu_check.py
+    PYTHONPATH=. python benchmarks/kernels_gpu_check.py [--layers sliding full e4b_sliding ...]
 
-Layers: sliding (32 q / 16 kv heads, head_dim 256, window 1024) and full (32 q / 4 kv heads,
-head_dim 512); decode (T=1) and verify (T=8); batch 1 and 8; context 2048 and 8192; block_size 16;
+Layers (default: all): Gemma-4-31B sliding (32 q / 16 kv heads, head_dim 256, window 1024) and full (32 q /
+4 kv heads, head_dim 512); Gemma 4 E4B sliding (8 q / 2 kv, 256, window 512) and full (8 q / 2 kv, 512);
+Step 3.5 full (64 q / 8 kv, 128) and sliding (96 q / 8 kv, 128, window 512). Decode (T=1) and verify (T=8);
+batch 1 and 8; context 2048 and 8192; block_size 16;
 bf16 with random pages (shuffled physical blocks, released window blocks set to -1); plus a
 left-padded prefill (T=512, batch 2) per layer, whose GB/s is not its measure (compute-bound). Per
 case: relative error ||out - ref|| / ||ref|| (pass < 1e-2), median time (triton.testing.do_bench),
@@ -21,9 +23,14 @@ import torch
 
 from hf_specdec.kernels import paged_attention, paged_attention_reference, store_kv, store_kv_reference
 
+# scale: Gemma 4 normalises q and k (scaling 1.0); Step 3.5 uses 1/sqrt(head_dim)
 LAYERS = {
-    "sliding": dict(num_heads=32, num_kv_heads=16, head_dim=256, sliding_window=1024),
-    "full": dict(num_heads=32, num_kv_heads=4, head_dim=512, sliding_window=None),
+    "sliding": dict(num_heads=32, num_kv_heads=16, head_dim=256, sliding_window=1024, scale=1.0),
+    "full": dict(num_heads=32, num_kv_heads=4, head_dim=512, sliding_window=None, scale=1.0),
+    "e4b_sliding": dict(num_heads=8, num_kv_heads=2, head_dim=256, sliding_window=512, scale=1.0),
+    "e4b_full": dict(num_heads=8, num_kv_heads=2, head_dim=512, sliding_window=None, scale=1.0),
+    "step_full": dict(num_heads=64, num_kv_heads=8, head_dim=128, sliding_window=None, scale=128 ** -0.5),
+    "step_sliding": dict(num_heads=96, num_kv_heads=8, head_dim=128, sliding_window=512, scale=128 ** -0.5),
 }
 BLOCK_SIZE = 16
 PASS_REL_ERROR = 1e-2
@@ -42,7 +49,7 @@ class Result:
     passed: bool
 
 
-def make_inputs(batch, context, q_len, num_heads, num_kv_heads, head_dim, sliding_window, device="cuda"):
+def make_inputs(batch, context, q_len, num_heads, num_kv_heads, head_dim, sliding_window, scale=1.0, device="cuda"):
     """Rows end at slightly different lengths; their blocks are scattered over the pool at random."""
     kv_lens = torch.tensor([context - 13 * b for b in range(batch)], dtype=torch.int32)
     blocks_per_row = math.ceil(context / BLOCK_SIZE)
@@ -77,7 +84,7 @@ def check_case(layer, batch, context, q_len) -> Result:
 
     shape = LAYERS[layer]
     args = make_inputs(batch, context, q_len, **shape)
-    kwargs = dict(scale=1.0, sliding_window=shape["sliding_window"])  # Gemma 4 normalises q and k
+    kwargs = dict(scale=shape["scale"], sliding_window=shape["sliding_window"])
     out = paged_attention(*args, **kwargs)
     ref = paged_attention_reference(*args, **kwargs)
     rel_error = float((out.float() - ref.float()).norm() / ref.float().norm())
@@ -101,7 +108,12 @@ def check_store_kv() -> bool:
     return all(torch.equal(a, b) for a, b in zip(caches, expected))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", nargs="+", choices=list(LAYERS), default=list(LAYERS))
+    layers = parser.parse_args(argv).layers
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 0
@@ -109,12 +121,12 @@ def main() -> int:
 
     torch.manual_seed(0)
     store_kv_ok = check_store_kv()
-    cases = [*product(LAYERS, (1, 8), (2048, 8192), (1, 8)), *product(LAYERS, (2,), (2048,), (512,))]
+    cases = [*product(layers, (1, 8), (2048, 8192), (1, 8)), *product(layers, (2,), (2048,), (512,))]
     results = [check_case(*case) for case in cases]
-    print(f"{'layer':8} {'batch':>5} {'ctx':>5} {'T':>3} {'rel_err':>9} {'triton_ms':>9} {'ref_ms':>8} "
+    print(f"{'layer':12} {'batch':>5} {'ctx':>5} {'T':>3} {'rel_err':>9} {'triton_ms':>9} {'ref_ms':>8} "
           f"{'GB/s':>7}  ok")
     for r in results:
-        print(f"{r.layer:8} {r.batch:5d} {r.context:5d} {r.q_len:3d} {r.rel_error:9.2e} {r.triton_ms:9.4f} "
+        print(f"{r.layer:12} {r.batch:5d} {r.context:5d} {r.q_len:3d} {r.rel_error:9.2e} {r.triton_ms:9.4f} "
               f"{r.reference_ms:8.3f} {r.gb_per_s:7.0f}  {'yes' if r.passed else 'NO'}")
     print(f"store_kv exact: {'yes' if store_kv_ok else 'NO'}")
     all_pass = store_kv_ok and all(r.passed for r in results)
