@@ -106,8 +106,13 @@ def _speculative_step(model, runner, drafter, captured, scorer, stopper, generat
     proposal = drafter.propose(last_tokens, cache, selector)
     # 2. verify [last token, drafts] in one target forward
     verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
-    logits = runner.forward(verify_ids, [k + 1] * len(rows), keep_logits=0).logits.float()
-    scores = scorer.score(prefixes, proposal.tokens, logits)
+    logits = runner.forward(verify_ids, [k + 1] * len(rows), keep_logits=0).logits
+    if generation_config.do_sample or scorer.processors:
+        scores = scorer.score(prefixes, proposal.tokens, logits.float())
+    else:
+        # greedy, no processors: only argmax reads the scores, and it is the same on the model's dtype (the
+        # cast to fp32 is exact and keeps the order), so the [batch, k+1, vocab] fp32 copy is skipped
+        scores = logits
     # 3. accept on device
     if getattr(drafter, "synthetic_acceptance", None) is not None:
         # benchmark-only (benchmarks/e2e_synthetic.py): a fixed acceptance rate, output NOT lossless
