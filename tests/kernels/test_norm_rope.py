@@ -141,3 +141,30 @@ def test_triton_fused_gemma4_generate_gives_transformers_tokens(triton_device):
     expected = gemma4_31b_style().to(triton_device).generate(ids.to(triton_device), **kwargs)
     model = hf_specdec.enable(gemma4_31b_style().to(triton_device))
     assert torch.equal(model.generate(ids.to(triton_device), **kwargs), expected)
+
+
+def test_triton_mtp_drafting_proposes_the_reference_drafts(triton_device, monkeypatch):
+    """The MTP assistant drafting through the kernels (fused norms and seams, q norm + rotary, gelu gate,
+    paged Q-only attention, the centroid head's gather_matvec) proposes what its torch ops propose: the same
+    number of target forwards for the same greedy tokens (fp32, bundled tiny family)."""
+    import transformers
+
+    import hf_specdec
+    from hf_specdec.assets import asset_path, held_out_snippets
+    from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV
+
+    path = asset_path("tiny-gemma4")
+    target = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(triton_device)
+    assistant = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-assistant"),
+                                                                dtype=torch.float32).to(triton_device)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(held_out_snippets()[0]["text"][:200], return_tensors="pt").input_ids.to(triton_device)
+    hf_specdec.enable(target, cuda_graphs=False)
+    runs = {}
+    for force in ("0", "1"):
+        monkeypatch.setenv(FORCE_TRITON_ENV, force)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              assistant_model=assistant)
+        runs[force] = (out, hf_specdec.last_generation_stats(target).num_target_forwards)
+    assert torch.equal(runs["0"][0], runs["1"][0])
+    assert runs["0"][1] == runs["1"][1] < 12  # the same drafts accepted, and some were

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.gather_matvec import gather_matvec, gather_matvec_reference
 
 Temperature = float | torch.Tensor  # a float > 0, or a tensor [batch] of them
 
@@ -44,8 +46,10 @@ class CentroidHead(nn.Module):
         top = self.centroids(hidden).topk(self.top_k, dim=-1).indices  # [batch, top_k]
         clusters = self.token_ordering.view(self.num_centroids, -1)  # [num_centroids, vocab // num_centroids]
         token_ids = clusters[top].flatten(1)  # [batch, top_k * vocab // num_centroids]
-        rows = F.embedding(token_ids, lm_head_weight)  # [batch, n_cand, hidden]
-        logits = torch.bmm(rows, hidden.unsqueeze(-1)).squeeze(-1)  # [batch, n_cand]
+        # [batch, n_cand]: the candidates' rows of the LM head times hidden (one kernel on the GPU, reading
+        # each row once; under autograd and on CPU the embedding lookup + bmm)
+        score = gather_matvec_reference if needs_grad(hidden) or needs_grad(lm_head_weight) else gather_matvec
+        logits = score(lm_head_weight, token_ids, hidden)
         return CandidateLogits(token_ids=token_ids, logits=logits, vocab_size=self.vocab_size)
 
 
