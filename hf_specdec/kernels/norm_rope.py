@@ -111,8 +111,9 @@ def qkv_norm_rope(
         sin3 = sin3.contiguous()
         cos3 = cos3.contiguous()
     check(cos3.stride(2) == 1, "cos/sin must be contiguous in head_dim")
-    qf, kf, vf = flat[0], flat[1] if k is not None else flat[0], flat[2] if k is not None else flat[0]
-    qo, ko, vo = outs[0], outs[1] if k is not None else outs[0], outs[2] if k is not None else outs[0]
+    # q only: the k/v arguments repeat q's tensors (no program reads them: kv_heads is 0)
+    qf, kf, vf = flat if k is not None else flat[:1] * 3
+    qo, ko, vo = outs if k is not None else outs[:1] * 3
     w = [wt if wt is not None else qf for wt in weights]
     block = next_power_of_2(dim)
     _qkv_norm_rope_kernel[(tokens, q_heads + 2 * kv_heads)](
