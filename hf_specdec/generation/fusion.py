@@ -24,6 +24,7 @@ from hf_specdec.kernels._dispatch import needs_grad
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
+from hf_specdec.kernels.stacked_linear import stack_weights, stacked_projections
 
 
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -40,9 +41,9 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states,
                                   past_key_values, **kwargs)
     hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape)
-    key = self.k_proj(hidden_states).view(hidden_shape)
-    value = self.v_proj(hidden_states).view(hidden_shape) if self.v_proj is not None else key
+    projections = (self.q_proj, self.k_proj) if self.v_proj is None else (self.q_proj, self.k_proj, self.v_proj)
+    query, key, *value = (p.view(hidden_shape) for p in stacked_projections(hidden_states, *projections))
+    value = value[0] if value else key
     query, key, value = qkv_norm_rope(
         query, key, value, (self.q_norm.weight, self.k_norm.weight, _norm_weight(self.v_norm)),
         (self.q_norm.eps, self.k_norm.eps, self.v_norm.eps), *position_embeddings)
@@ -86,7 +87,7 @@ def gemma4_mlp_forward(self, x):
     """transformers' ``Gemma4TextMLP.forward`` with the activation and the product in one launch."""
     if not use_triton(x) or needs_grad(x):
         return type(self).forward(self, x)
-    return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(gelu_tanh_mul(*stacked_projections(x, self.gate_proj, self.up_proj)))
 
 
 def _fusible_gemma4_mlp(module) -> bool:
@@ -129,15 +130,35 @@ FUSED_FORWARDS = {
 }
 
 
+# class name -> the groups of projections of one input that the fused forward runs as one GEMM when stacked
+STACKED_PROJECTIONS = {
+    "Gemma4TextAttention": (("q_proj", "k_proj", "v_proj"),),
+    "Gemma4TextMLP": (("gate_proj", "up_proj"),),
+}
+
+
 def fuse_modules(model: torch.nn.Module) -> int:
-    """Give every fusible submodule of ``model`` its fused forward; returns how many were swapped."""
+    """Give every fusible submodule of ``model`` its fused forward; returns how many were swapped. Where the
+    kernels run (CUDA), the weights of projections that read the same input are also stacked into one storage
+    (:func:`stack_projections`), so that the fused forward runs them as one GEMM."""
     count = 0
     for module in model.modules():
         fused, fusible = FUSED_FORWARDS.get(type(module).__name__, (None, None))
         if fused is not None and "forward" not in vars(module) and fusible(module):
             module.forward = types.MethodType(fused, module)
+            stack_projections(module)
             count += 1
     return count
+
+
+def stack_projections(module: torch.nn.Module) -> None:
+    """Stack the weights of ``module``'s same-input projections (``STACKED_PROJECTIONS``) when the kernels run
+    on their device: same parameters and values, one storage (see :mod:`hf_specdec.kernels.stacked_linear`)."""
+    for names in STACKED_PROJECTIONS.get(type(module).__name__, ()):
+        linears = [getattr(module, n) for n in names if getattr(module, n, None) is not None]
+        weight = getattr(linears[0], "weight", None) if linears else None
+        if isinstance(weight, torch.Tensor) and use_triton(weight):
+            stack_weights(*linears)
 
 
 def unfuse_modules(model: torch.nn.Module) -> None:

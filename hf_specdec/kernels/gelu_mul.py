@@ -16,32 +16,46 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _gelu_tanh_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr, K_BETA: tl.constexpr,
-                          K_KAPPA: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _gelu_tanh_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, BLOCK: tl.constexpr,
+                          K_BETA: tl.constexpr, K_KAPPA: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     inner = K_BETA * (x + K_KAPPA * (x * x * x))
     # |2 * inner| > 80: tanh is +-1 in fp32 already; the clamp keeps exp finite
     tanh = 1.0 - 2.0 / (tl.exp(tl.minimum(tl.maximum(2.0 * inner, -80.0), 80.0)) + 1.0)
     act = (0.5 * x * (1.0 + tanh)).to(dtype).to(tl.float32)
-    up = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (act * up).to(dtype), mask=mask)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu(gate, approximate="tanh") * up`` for same-shape tensors; a new contiguous tensor."""
+    """``gelu(gate, approximate="tanh") * up`` for same-shape tensors; a new contiguous tensor. The inputs may
+    be column slices of a wider tensor (e.g. the two halves of one stacked gate/up projection): only the
+    last dimension has to be contiguous."""
     check(gate.shape == up.shape and gate.dtype == up.dtype,
           f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
     if not use_triton(gate) or gate.numel() == 0:
         return gelu_tanh_mul_reference(gate, up)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    _gelu_tanh_mul_kernel[(triton.cdiv(n, _BLOCK),)](
-        gate, up, out, n, BLOCK=_BLOCK, K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715, num_warps=4)
+    width = gate.shape[-1]
+    gate2, up2 = _rows(gate, width), _rows(up, width)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _gelu_tanh_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
+        gate2, up2, out, width, gate2.stride(0), up2.stride(0), BLOCK=_BLOCK,
+        K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715, num_warps=4)
     return out
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` as [rows, width] with contiguous columns: a view when the leading dimensions collapse."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, width)
+    except RuntimeError:
+        return t.reshape(-1, width)
 
 
 def gelu_tanh_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

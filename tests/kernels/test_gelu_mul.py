@@ -33,3 +33,15 @@ def test_triton_gelu_tanh_mul(triton_device, dtype):
 def test_mismatched_inputs_name_the_fix():
     with pytest.raises(ValueError, match="gate and up must match"):
         gelu_tanh_mul(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+def test_triton_gelu_tanh_mul_on_the_halves_of_one_stacked_projection(triton_device):
+    """The inputs may be column slices of one [.., 2 x width] tensor (a stacked gate/up GEMM's output)."""
+    gen = torch.Generator().manual_seed(2)
+    stacked = (torch.randn(3, 4, 2 * 1100, generator=gen) * 3).to(triton_device)
+    gate, up = stacked.split(1100, dim=-1)
+    assert not gate.is_contiguous()
+    got = gelu_tanh_mul(gate, up)
+    assert got.shape == (3, 4, 1100) and got.is_contiguous()
+    torch.testing.assert_close(got.cpu(), gelu_tanh_mul_reference(gate.contiguous(), up.contiguous()).cpu(),
+                               atol=1e-5, rtol=1e-5)

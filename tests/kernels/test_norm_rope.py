@@ -87,6 +87,7 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
     (norm_add at the residual seams) and MLP forward (gelu_tanh_mul) inside a whole model: sliding and full layers, k_eq_v layers (v
     normalised from the raw keys), KV-shared layers and per-layer-input blocks (original forwards)."""
     from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+    from hf_specdec.kernels.stacked_linear import stacked_weight
     from tests import tiny_models
 
     model = getattr(tiny_models, build)().to(triton_device)
@@ -101,6 +102,10 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
         fuse_modules(model)
         assert sum("forward" in vars(m) for m in attentions) == len(attentions) - len(shared) > 0
         assert all("forward" in vars(m) for m in layers)  # E2B style: per-layer inputs -> original at run time
+        # q/k/v (gate/up) weights now share one storage each: the fused forwards run one GEMM for them
+        assert all(stacked_weight(m.q_proj, m.k_proj, *([m.v_proj] if m.v_proj is not None else [])) is not None
+                   for m in attentions if m not in shared)
+        assert all(stacked_weight(m.gate_proj, m.up_proj) is not None for m in layers if hasattr(m, "gate_proj"))
         got = model(ids).logits
         unfuse_modules(model)
     assert not any("forward" in vars(m) for m in attentions + layers)

@@ -37,6 +37,7 @@ from hf_specdec.kernels._dispatch import needs_grad
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
+from hf_specdec.kernels.stacked_linear import stacked_projections
 
 from .assistant_config import (
     LAYER_TYPES,
@@ -185,8 +186,8 @@ class AssistantDecoderLayer(nn.Module):
                                          next_eps=pre.eps)
         post = self.post_feedforward_layernorm
         mlp = self.mlp
-        mlp_out = (mlp.down_proj(gelu_tanh_mul(mlp.gate_proj(mlp_in), mlp.up_proj(mlp_in))) if self.gelu_tanh
-                   else mlp(mlp_in))
+        mlp_out = (mlp.down_proj(gelu_tanh_mul(*stacked_projections(mlp_in, mlp.gate_proj, mlp.up_proj)))
+                   if self.gelu_tanh else mlp(mlp_in))
         hidden_states, _ = norm_add(mlp_out, hidden_states, post.weight, post.eps, scale=self.layer_scalar)
         return hidden_states
 

@@ -21,6 +21,7 @@ import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
 from hf_specdec.generation.cuda_graphs import CallGraph, pad_table
+from hf_specdec.generation.fusion import stack_projections
 from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, target_embedding
 from hf_specdec.models.gemma4.assistant_config import check_compatible, producer_layer_for, target_text_config
@@ -56,6 +57,8 @@ class Gemma4MTPDrafter:
         check_compatible(assistant, target)
         self.target = target
         self.assistant = assistant.to(device=target.device)
+        for module in self.assistant.modules():  # gate/up as one GEMM while drafting on a GPU
+            stack_projections(module)
         self.num_speculative_tokens = num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         self.embed = target_embedding(target)
         text_config = target_text_config(target)

@@ -1,0 +1,103 @@
+"""Stacked projections: one storage for q/k/v (gate/up) weights, the same parameters, values and outputs."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hf_specdec.kernels.stacked_linear import stack_weights, stacked_projections, stacked_weight
+
+
+def _linears(*outs, width=12, bias=False, seed=0):
+    torch.manual_seed(seed)
+    return [nn.Linear(width, n, bias=bias) for n in outs]
+
+
+def test_stacking_keeps_parameters_and_values_and_one_gemm_gives_each_projection():
+    q, k, v = _linears(8, 4, 4)
+    params = [m.weight for m in (q, k, v)]
+    values = [p.detach().clone() for p in params]
+    x = torch.randn(2, 3, 12)
+    before = [m(x) for m in (q, k, v)]
+    assert stacked_weight(q, k, v) is None
+    assert stack_weights(q, k, v)
+    assert [m.weight for m in (q, k, v)] == params  # the same Parameter objects
+    for p, value in zip(params, values):
+        assert torch.equal(p, value)
+    stacked = stacked_weight(q, k, v)
+    assert stacked.shape == (16, 12) and stacked.data_ptr() == q.weight.data_ptr()
+    for got, want in zip(stacked_projections(x, q, k, v), before):
+        torch.testing.assert_close(got, want)
+    # order matters: the rows of k come after those of q
+    assert stacked_weight(k, q, v) is None
+    assert stacked_weight(q, k) is not None
+
+
+def test_updates_in_place_reach_the_stacked_view():
+    gate, up = _linears(6, 6)
+    assert stack_weights(gate, up)
+    with torch.no_grad():
+        up.weight.add_(1.0)
+    stacked = stacked_weight(gate, up)
+    assert torch.equal(stacked[6:], up.weight)
+
+
+def test_separated_weights_fall_back_to_one_call_per_projection():
+    gate, up = _linears(6, 6)
+    assert stack_weights(gate, up)
+    up.weight.data = up.weight.detach().clone()  # what .to(), or load_state_dict(assign=True), does
+    assert stacked_weight(gate, up) is None
+    x = torch.randn(5, 12)
+    g, u = stacked_projections(x, gate, up)
+    torch.testing.assert_close(g, gate(x))
+    torch.testing.assert_close(u, up(x))
+
+
+@pytest.mark.parametrize("case", ["bias", "hook", "dtype", "width"])
+def test_projections_that_cannot_share_a_gemm_are_left_alone(case):
+    a, b = _linears(4, 4, bias=case == "bias")
+    if case == "hook":
+        b.register_forward_hook(lambda module, args, out: out * 2)
+    elif case == "dtype":
+        b.to(torch.float64)
+    elif case == "width":
+        b = nn.Linear(10, 4, bias=False)
+    ptrs = (a.weight.data_ptr(), b.weight.data_ptr())
+    assert not stack_weights(a, b)
+    assert (a.weight.data_ptr(), b.weight.data_ptr()) == ptrs
+    assert stacked_weight(a, b) is None
+    if case in ("bias", "hook"):
+        x = torch.randn(3, 12)
+        assert torch.equal(stacked_projections(x, a, b)[1], b(x))
+
+
+def test_a_hook_added_after_stacking_still_runs():
+    a, b = _linears(4, 4)
+    assert stack_weights(a, b)
+    b.register_forward_hook(lambda module, args, out: out * 2)
+    x = torch.randn(3, 12)
+    assert stacked_weight(a, b) is None
+    torch.testing.assert_close(stacked_projections(x, a, b)[1], b(x))
+
+
+def test_a_model_with_stacked_projections_saves_and_loads_its_own_weights(tmp_path):
+    """save_pretrained writes each projection under its own key; loading gives the same weights back."""
+    import transformers
+
+    from hf_specdec.generation.fusion import STACKED_PROJECTIONS
+    from tests.tiny_models import gemma4_31b_style
+
+    model = gemma4_31b_style()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    stacked = 0
+    for module in model.modules():
+        for names in STACKED_PROJECTIONS.get(type(module).__name__, ()):
+            linears = [getattr(module, n) for n in names if getattr(module, n, None) is not None]
+            stacked += stack_weights(*linears)
+    assert stacked >= 2 * len(model.model.layers)
+    assert model.state_dict().keys() == expected.keys()
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    got = loaded.state_dict()
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
