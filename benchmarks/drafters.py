@@ -89,6 +89,10 @@ class SyntheticAcceptance(_Wrapper):
         self.seed = seed
         self._generator: torch.Generator | None = None
 
+    def propose_ahead(self, next_tokens, num_accepted, cache, captured, selector):
+        ahead = getattr(self.inner, "propose_ahead", None)
+        return None if ahead is None else ahead(next_tokens, num_accepted, cache, captured, selector)
+
     def synthetic_acceptance(self, draft_tokens: torch.Tensor, target_tokens: torch.Tensor):
         """draft_tokens [batch, k], target_tokens [batch, k+1] -> (num_accepted [batch], next_token [batch])."""
         if self._generator is None or self._generator.device != draft_tokens.device:

@@ -108,6 +108,7 @@ def _phase_times(generate, drafter_type) -> list[tuple[str, float, int]]:
 
     targets = [
         ("draft: propose (k steps)", drafter_type, "propose"),
+        ("draft: ahead (k steps, queued before the sync)", drafter_type, "propose_ahead"),
         ("drafter commit", drafter_type, "commit"),
         ("target forward (verify)", ModelRunner, "forward"),
         ("  of which: cache metadata (host)", PagedKVCache, "begin_forward"),
@@ -119,6 +120,8 @@ def _phase_times(generate, drafter_type) -> list[tuple[str, float, int]]:
     ]
     with ExitStack() as stack:
         for name, owner, attr in targets:
+            if not hasattr(owner, attr):  # e.g. a drafter without propose_ahead
+                continue
             stack.enter_context(mock.patch.object(owner, attr, timed_call(name, getattr(owner, attr))))
         _sync()
         start = time.perf_counter()

@@ -10,7 +10,15 @@ an object with
     commit(cache, captured, num_accepted, kept)   after the verify forward and the target cache's commit;
                                     kept[b] = tokens row b kept (accepted + 1, or 0 for a row that stopped)
 
-and the attributes ``num_speculative_tokens`` (k) and ``spec_mode``.
+and the attributes ``num_speculative_tokens`` (k) and ``spec_mode``. Optionally
+
+    propose_ahead(next_tokens, num_accepted, cache, captured, selector) -> DraftProposal | None
+                                    the next round's drafts, launched right after the acceptance and
+                                    before the step's host sync, from device tensors only (the cache not
+                                    yet committed): the device drafts while the host emits and commits.
+                                    None when it cannot (the loop then calls ``propose`` next step). Its
+                                    drafts must equal what ``propose`` would give after the commit, for
+                                    every row that keeps running (``kept[b] == num_accepted[b] + 1``).
 """
 
 from __future__ import annotations

@@ -79,12 +79,13 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
             next_tokens = select_tokens(logits_processor(input_ids, logits), generation_config.do_sample)
             emitted = _emit(rows, running, next_tokens.tolist(), [[]] * batch, stopper, streamer)
             stats.record_step(emitted)
+            ahead = None
             while any(running):
                 # each running row's last token, already on the device (a stopped row's input is never used);
                 # the rows' ids go to the device only if a drafter or logits processor reads them this step
-                next_tokens = _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config,
-                                                rows, LazyPrefixes(row_ids, rows), running, next_tokens, stats,
-                                                streamer)
+                next_tokens, ahead = _speculative_step(model, runner, drafter, captured, scorer, stopper,
+                                                       generation_config, rows, LazyPrefixes(row_ids, rows),
+                                                       running, next_tokens, stats, streamer, ahead)
     finally:
         runner.finish()
     if streamer is not None:
@@ -97,13 +98,14 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
 
 
 def _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config, rows, prefixes,
-                      running, last_tokens, stats, streamer):
+                      running, last_tokens, stats, streamer, ahead=None):
+    """One step; returns (each row's next token on the device, the next round's drafts if already launched)."""
     cache = runner.cache
     k = drafter.num_speculative_tokens
     selector = DraftSelector(generation_config.do_sample, scorer, model.config.get_text_config().vocab_size,
                              prefixes)
-    # 1. draft
-    proposal = drafter.propose(last_tokens, cache, selector)
+    # 1. draft (unless the previous step launched this round's drafts before its host sync)
+    proposal = ahead if ahead is not None else drafter.propose(last_tokens, cache, selector)
     # 2. verify [last token, drafts] in one target forward
     verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
     logits = runner.forward(verify_ids, [k + 1] * len(rows), keep_logits=0).logits
@@ -124,7 +126,24 @@ def _speculative_step(model, runner, drafter, captured, scorer, stopper, generat
         num_accepted, next_token = greedy_accept_no_sync(proposal.tokens, scores.argmax(dim=-1))
     # 4. the one host sync of the step; emit, commit, let the drafter catch up
     host = torch.cat([num_accepted[:, None].to(proposal.tokens.dtype), next_token[:, None].to(proposal.tokens.dtype),
-                      proposal.tokens], dim=1).tolist()  # one copy to the host instead of three
+                      proposal.tokens], dim=1)  # one copy to the host instead of three
+    propose_ahead = getattr(drafter, "propose_ahead", None)
+    ahead = None
+    if propose_ahead is not None and not all(len(row) + 1 >= stopper.max_length
+                                             for row, run in zip(rows, running) if run):
+        # the next round's drafts depend only on device tensors: queue them behind this copy, so the device
+        # drafts while the host emits and commits below (a row that stops now wastes its drafts)
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=host.is_cuda)
+        pinned.copy_(host, non_blocking=True)
+        copied = torch.cuda.Event() if host.is_cuda else None
+        if copied is not None:
+            copied.record()
+        ahead = propose_ahead(next_token, num_accepted, cache, captured, selector)
+        if copied is not None:
+            copied.synchronize()
+        host = pinned.tolist()
+    else:
+        host = host.tolist()
     accepted, nxt, drafts = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
     was_running = list(running)
     chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(rows))]
@@ -136,7 +155,7 @@ def _speculative_step(model, runner, drafter, captured, scorer, stopper, generat
     kept = [e if r else 0 for e, r in zip(emitted, was_running)]
     runner.commit([n - (k + 1) + keep for n, keep in zip(cache.seq_lens, kept)])
     drafter.commit(cache, captured, num_accepted, kept)
-    return next_token
+    return next_token, ahead
 
 
 class RowIds:

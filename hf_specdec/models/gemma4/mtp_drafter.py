@@ -80,13 +80,13 @@ class Gemma4MTPDrafter:
     def begin(self, cache, captured, prompt_lens):
         self.hidden = captured.hidden[:, -1]  # the last slot is each row's last prompt token
         self._graph_failed = False
+        self._ahead = False  # propose_ahead already took the next round's hidden states
 
     @torch.inference_mode()
     def propose(self, last_tokens, cache, selector) -> DraftProposal:
         positions = torch.tensor(cache.seq_lens, device=last_tokens.device)
-        if cache.graph_table_width is not None and not self._graph_failed and not selector.do_sample \
-                and not selector.scorer.processors:
-            return DraftProposal(self._graphed_greedy_drafts(last_tokens, positions, cache), None)
+        if not selector.do_sample and not selector.scorer.processors:
+            return DraftProposal(self._greedy(last_tokens, positions, cache), None)
         kv_source = PagedTargetKVSource(cache, self.producers, positions)
         tokens, hidden, drafted, probs = last_tokens, self.hidden, last_tokens[:, None][:, :0], []
         rope = self.assistant.draft_rope(positions)
@@ -97,6 +97,27 @@ class Gemma4MTPDrafter:
             probs.append(q)
             hidden = step.hidden_next
         return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
+
+    @torch.inference_mode()
+    def propose_ahead(self, next_tokens, num_accepted, cache, captured, selector) -> DraftProposal | None:
+        """Greedy drafts of the next round before the cache commits: a row that keeps running commits
+        ``num_accepted + 1`` tokens, so it drafts at ``p + num_accepted + 1`` from the verify's hidden state at
+        its last accepted slot, over pages the verify already holds (the Q-only attention reads positions below
+        the draft position only). Sampling and logits processors draft after the commit (``propose``)."""
+        if selector.do_sample or selector.scorer.processors or cache.meta is None:
+            return None
+        self._take_hidden(captured, num_accepted)
+        self._ahead = True
+        # the verify's first query position is each row's committed length before it (stopped rows included)
+        positions = cache.meta.q_pos0.to(torch.int64) + num_accepted.to(torch.int64) + 1
+        return DraftProposal(self._greedy(next_tokens, positions, cache), None)
+
+    def _greedy(self, last_tokens, positions, cache) -> torch.Tensor:
+        if cache.graph_table_width is not None and not self._graph_failed:
+            return self._graphed_greedy_drafts(last_tokens, positions, cache)
+        layers = sorted(set(self.producers.values()))
+        return self._greedy_drafts(cache, layers, last_tokens, self.hidden, positions,
+                                   *[cache.context_pages(layer)[2] for layer in layers])
 
     def _graphed_greedy_drafts(self, last_tokens, positions, cache) -> torch.Tensor:
         """Greedy drafts [batch, k] of all k steps in one CUDA-graph replay (captured at the first round,
@@ -134,6 +155,13 @@ class Gemma4MTPDrafter:
         return torch.stack(drafted, dim=1)
 
     def commit(self, cache, captured, num_accepted, kept):
+        if self._ahead:  # propose_ahead took them already (and drafted from them)
+            self._ahead = False
+        else:
+            self._take_hidden(captured, num_accepted)
+
+    def _take_hidden(self, captured, num_accepted) -> None:
+        """The next round's hidden state: the verify's final-normed state at each row's last accepted slot."""
         index = num_accepted[:, None, None].expand(-1, 1, captured.hidden.shape[-1])
         self.hidden = captured.hidden.gather(1, index).squeeze(1)
 
