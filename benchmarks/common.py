@@ -107,21 +107,29 @@ def copy_bandwidth_gb_s(device: str, num_bytes: int | None = None, repeats: int 
     return 2 * num_bytes * repeats / seconds / 1e9
 
 
-def decode_rate(generate, batch: int, new_tokens: int, stats=None) -> dict:
+def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int = 1, snapshot=None) -> dict:
     """Steady-state decoding speed of ``generate(n)`` (n new tokens per row), prefill excluded:
-    tokens/s = batch * (N - 1) / (t(N) - t(1)), after one warm-up call of each length.
+    tokens/s = batch * (N - 1) / (t(N) - t(1)), after one warm-up call of each length; with ``repeats`` > 1
+    the median of that many (t(1), t(N)) pairs.
 
     ``stats(result)`` may return the number of target forwards of a call; with it the result also has
-    ``step_ms`` (time per target forward, from the same differencing) and ``forwards``."""
+    ``step_ms`` (time per target forward, from the same differencing) and ``forwards``. ``snapshot()``, called
+    after each long call, is returned as ``snapshot`` for the pair the result comes from."""
     generate(1), generate(new_tokens)  # warm-up: kernels, autotuning, allocator, compile
-    short, t_short = timed(lambda: generate(1))
-    f_short = stats(short) if stats else None
-    out, t_long = timed(lambda: generate(new_tokens))
-    elapsed = max(t_long - t_short, 1e-9)
-    result = {"tokens_per_s": batch * (new_tokens - 1) / elapsed, "output": out, "seconds": t_long}
+    pairs = []
+    for _ in range(max(1, repeats)):
+        short, t_short = timed(lambda: generate(1))
+        f_short = stats(short) if stats else None
+        out, t_long = timed(lambda: generate(new_tokens))
+        forwards = stats(out) - f_short if stats else None
+        pairs.append(dict(elapsed=max(t_long - t_short, 1e-9), out=out, t_long=t_long, forwards=forwards,
+                          snapshot=snapshot() if snapshot else None))
+    pair = sorted(pairs, key=lambda p: p["elapsed"])[len(pairs) // 2]
+    elapsed = pair["elapsed"]
+    result = {"tokens_per_s": batch * (new_tokens - 1) / elapsed, "output": pair["out"], "seconds": pair["t_long"],
+              "repeats": len(pairs), "snapshot": pair["snapshot"]}
     if stats:
-        forwards = stats(out) - f_short
-        result |= {"step_ms": 1e3 * elapsed / max(forwards, 1), "forwards": forwards}
+        result |= {"step_ms": 1e3 * elapsed / max(pair["forwards"], 1), "forwards": pair["forwards"]}
     return result
 
 

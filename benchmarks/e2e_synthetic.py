@@ -44,6 +44,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time each row this many times and keep the median (the full-depth rows vary by a "
+                             "few percent between runs)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers generate rows")
     parser.add_argument("--drafter", nargs="+", choices=["mtp", "dflash"], default=["mtp", "dflash"],
                         help="drafters to run: the Gemma 4 MTP assistant and/or a DFlash drafter (assumed shape, "
@@ -61,7 +64,7 @@ def run(args, progress) -> list[dict]:
         ids = random_prompt(batch, args.prompt, target.config.vocab_size, args.device)
         floor = floor_tokens_per_s(target, batch, args.prompt + args.new_tokens // 2, bandwidth)["floor_tokens_per_s"]
         common = dict(model_shape=model_shape, batch=batch, prompt=args.prompt, new_tokens=args.new_tokens,
-                      floor_tokens_per_s=floor)
+                      floor_tokens_per_s=floor, repeats=args.repeats)
         batch_rows = []
         if not args.skip_hf:
             batch_rows.append(dict(common, backend="hf_dynamic", k=None, alpha=None, lossless=True,
@@ -100,8 +103,10 @@ def _speed(target, ids, args, extra: dict) -> dict:
                                do_sample=False, **extra)
 
     stats = (lambda _out: hf_specdec.last_generation_stats(target).num_target_forwards) if enabled else None
-    measured = decode_rate(generate, ids.shape[0], args.new_tokens, stats=stats)
-    tau = hf_specdec.last_generation_stats(target).mean_accepted_length if enabled else 1.0
+    tau_of_call = (lambda: hf_specdec.last_generation_stats(target).mean_accepted_length) if enabled else None
+    measured = decode_rate(generate, ids.shape[0], args.new_tokens, stats=stats, repeats=args.repeats,
+                           snapshot=tau_of_call)
+    tau = measured["snapshot"] if enabled else 1.0
     return {"tokens_per_s": measured["tokens_per_s"], "tau": tau}
 
 

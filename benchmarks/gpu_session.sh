@@ -6,7 +6,7 @@
 #
 #   tests       pytest of the Triton kernels, CUDA graphs and Gemma 4 models on the GPU (~1.5 min)
 #   quick       python -m benchmarks.run_all --quick --skip soak (~7 min on an H100)
-#   full-depth  e2e_synthetic on all 60 layers of the Gemma-4-31B shape at batch 1 (~2.5 min, 61 GB)
+#   full-depth  e2e_synthetic on all 60 layers of the Gemma-4-31B shape at batch 1, median of 3 (~4 min, 61 GB)
 #   all         tests, then quick (default)
 #
 # COMMIT tags the records (a copied checkout may carry a stale git HEAD). Records go to OUT_DIR/results/*.jsonl
@@ -34,7 +34,7 @@ run_quick() {
 
 run_full_depth() {
   python -m benchmarks.e2e_synthetic --layers 60 --batch 1 --skip-hf --alpha 0.8 --k 3 7 --drafter mtp dflash \
-    --prompt 256 --new-tokens 64 --results-dir "$out/results" >"$out/full_depth.log" 2>&1
+    --prompt 256 --new-tokens 128 --repeats 3 --results-dir "$out/results" >"$out/full_depth.log" 2>&1
   local rc=$?
   grep -E "^ *(model_shape|gemma4)" "$out/full_depth.log"
   return $rc
