@@ -20,7 +20,7 @@ accepted context. `DenseTargetKVSource` is the dense reference; a paged cache pr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -34,6 +34,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
 )
 
 from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.embed_concat import embed_concat
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
@@ -172,15 +173,20 @@ class AssistantDecoderLayer(nn.Module):
         self.gelu_tanh = config.hidden_activation == "gelu_pytorch_tanh"  # the MLP's act_fn: gelu_tanh_mul fuses it
 
     def forward(self, hidden_states, position_embeddings, kv_source: TargetKVSource) -> torch.Tensor:
-        if needs_grad(hidden_states):  # training: the torch ops (the kernels below have no backward)
-            attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, kv_source)
-            hidden_states = hidden_states + self.post_attention_layernorm(attn)
-            mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
-            hidden_states = hidden_states + self.post_feedforward_layernorm(mlp)
-            return hidden_states * self.layer_scalar
-        # drafting: the same arithmetic with the norm/residual seams fused (torch's ops on CPU)
-        norm = self.input_layernorm
-        attn = self.self_attn(rms_norm(hidden_states, norm.weight, norm.eps), position_embeddings, kv_source)
+        """The block as transformers writes it (training, hooks); drafting runs :meth:`fused_forward`."""
+        attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, kv_source)
+        hidden_states = hidden_states + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        hidden_states = hidden_states + self.post_feedforward_layernorm(mlp)
+        return hidden_states * self.layer_scalar
+
+    def fused_forward(self, hidden_states, normed, position_embeddings, kv_source: TargetKVSource,
+                      next_norm: Gemma4RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafting: (the block's output, ``next_norm`` of it) from the input and its input norm ``normed``,
+        with the norm/residual seams fused (:func:`norm_add`, torch's ops on CPU). The last seam also applies
+        the norm that reads the block's output next (the next block's input norm, or the final norm), so no
+        norm runs on its own: one launch less per block."""
+        attn = self.self_attn(normed, position_embeddings, kv_source)
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         hidden_states, mlp_in = norm_add(attn, hidden_states, post.weight, post.eps, next_weight=pre.weight,
                                          next_eps=pre.eps)
@@ -188,8 +194,8 @@ class AssistantDecoderLayer(nn.Module):
         mlp = self.mlp
         mlp_out = (mlp.down_proj(gelu_tanh_mul(*stacked_projections(mlp_in, mlp.gate_proj, mlp.up_proj)))
                    if self.gelu_tanh else mlp(mlp_in))
-        hidden_states, _ = norm_add(mlp_out, hidden_states, post.weight, post.eps, scale=self.layer_scalar)
-        return hidden_states
+        return norm_add(mlp_out, hidden_states, post.weight, post.eps, scale=self.layer_scalar,
+                        next_weight=next_norm.weight, next_eps=next_norm.eps)
 
 
 class AssistantBackbone(nn.Module):
@@ -217,10 +223,16 @@ class AssistantBackbone(nn.Module):
         if rope is None:
             rope = self.rope_tables(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, rope[layer.layer_type], kv_source)
-        return self.norm(hidden_states) if needs_grad(hidden_states) else rms_norm(hidden_states, self.norm.weight,
-                                                                                   self.norm.eps)
+        if needs_grad(hidden_states):  # training: the torch ops (the kernels have no backward)
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, rope[layer.layer_type], kv_source)
+            return self.norm(hidden_states)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        normed = rms_norm(hidden_states, self.layers[0].input_layernorm.weight, self.layers[0].input_layernorm.eps)
+        for layer, next_norm in zip(self.layers, norms):
+            hidden_states, normed = layer.fused_forward(hidden_states, normed, rope[layer.layer_type], kv_source,
+                                                        next_norm)
+        return normed
 
 
 @dataclass(frozen=True)
@@ -266,11 +278,18 @@ class Gemma4MTPAssistant(PreTrainedModel):
         target_embed: nn.Module,  # the target's scaled input embedding, `target.get_input_embeddings()`
         kv_source: TargetKVSource,
         rope: dict | None = None,  # `draft_rope(position_ids)`: computed once for the k steps of a round
+        embed_scale: float | None = None,  # `fused_embedding_scale(target_embed)`: one launch for the input
     ) -> AssistantStepOutput:
         """One draft step for every row; no host syncs, no K/V written. Differentiable (callers that only
         decode wrap it in `torch.inference_mode()`)."""
-        embeds = target_embed(input_ids).to(self.pre_projection.weight.dtype)  # already x sqrt(backbone_hidden)
-        x = self.pre_projection(torch.cat([embeds, hidden.to(embeds.dtype)], dim=-1)).unsqueeze(1)
+        dtype = self.pre_projection.weight.dtype
+        if embed_scale is not None and not needs_grad(hidden) and hidden.dtype == dtype:
+            # lookup, scale and concatenation in one kernel on the GPU (the same arithmetic)
+            x = embed_concat(input_ids, target_embed.weight, embed_scale, hidden)
+        else:
+            embeds = target_embed(input_ids).to(dtype)  # already x sqrt(backbone_hidden)
+            x = torch.cat([embeds, hidden.to(embeds.dtype)], dim=-1)
+        x = self.pre_projection(x).unsqueeze(1)
         normed = self.model(x, position_ids.unsqueeze(1), kv_source, rope).squeeze(1)  # [batch, hidden]
         return AssistantStepOutput(hidden_next=self.post_projection(normed), logits=self.draft_logits(normed))
 
@@ -286,8 +305,7 @@ class Gemma4MTPAssistant(PreTrainedModel):
         cap = self.config.text_config.final_logit_softcapping
         if self.masked_embedding is None:
             return DenseLogits(softcap(normed @ weight.T, cap))
-        cands = self.masked_embedding(normed, weight)
-        return replace(cands, logits=softcap(cands.logits, cap))
+        return self.masked_embedding(normed, weight, cap)
 
     def forward(self, input_ids, hidden, position_ids, target_embed, kv_source) -> AssistantStepOutput:
         """Calling the module is one `draft_step` (so hooks, `torch.compile` and graph capture see it)."""
@@ -336,6 +354,18 @@ def _raise_on_bad_keys(info: dict) -> None:
             f"gemma4_assistant checkpoint does not match the expected layout: missing keys {missing}, "
             f"unexpected keys {unexpected}. Pass output_loading_info=True to load anyway and inspect them."
         )
+
+
+def fused_embedding_scale(target_embed: nn.Module, dtype: torch.dtype) -> float | None:
+    """The scale of the target's scaled embedding as a float exact in its weight's dtype (what transformers'
+    ``Gemma4TextScaledWordEmbedding`` multiplies by), when its output in ``dtype`` is exactly
+    ``weight[ids] * scale``; else None (``draft_step`` then calls the module). Reads the scale once (a sync)."""
+    weight, scale = getattr(target_embed, "weight", None), getattr(target_embed, "embed_scale", None)
+    if (type(target_embed).__name__ != "Gemma4TextScaledWordEmbedding" or not isinstance(weight, torch.Tensor)
+            or not isinstance(scale, torch.Tensor) or scale.numel() != 1 or weight.dtype != dtype
+            or target_embed._forward_hooks or target_embed._forward_pre_hooks or "forward" in vars(target_embed)):
+        return None
+    return float(scale.to(weight.dtype))
 
 
 def target_embedding(target: nn.Module) -> nn.Module:

@@ -22,7 +22,12 @@ import torch
 import torch.nn as nn
 
 from hf_specdec.kernels._dispatch import needs_grad
-from hf_specdec.kernels.gather_matvec import gather_matvec, gather_matvec_reference
+from hf_specdec.kernels.gather_matvec import (
+    centroid_candidates,
+    centroid_candidates_reference,
+    gather_matvec,
+    gather_matvec_reference,
+)
 
 Temperature = float | torch.Tensor  # a float > 0, or a tensor [batch] of them
 
@@ -42,15 +47,19 @@ class CentroidHead(nn.Module):
         self,
         hidden: torch.Tensor,  # [batch, hidden]
         lm_head_weight: torch.Tensor,  # [vocab, hidden]
+        cap: float | None = None,  # Gemma's final logit soft-cap of the candidates' logits (None: none)
     ) -> CandidateLogits:
-        top = self.centroids(hidden).topk(self.top_k, dim=-1).indices  # [batch, top_k]
-        clusters = self.token_ordering.view(self.num_centroids, -1)  # [num_centroids, vocab // num_centroids]
-        token_ids = clusters[top].flatten(1)  # [batch, top_k * vocab // num_centroids]
-        # [batch, n_cand]: the candidates' rows of the LM head times hidden (one kernel on the GPU, reading
-        # each row once; under autograd and on CPU the embedding lookup + bmm)
-        score = gather_matvec_reference if needs_grad(hidden) or needs_grad(lm_head_weight) else gather_matvec
-        logits = score(lm_head_weight, token_ids, hidden)
-        return CandidateLogits(token_ids=token_ids, logits=logits, vocab_size=self.vocab_size)
+        # the candidates of the top_k centroids ([batch, top_k * vocab // num_centroids], each centroid owning
+        # consecutive entries of token_ordering), and their rows of the LM head times hidden: each one kernel on
+        # the GPU (gather_matvec reads each row once and soft-caps in fp32); under autograd and on CPU torch's
+        # top-k, the embedding lookup + bmm and the soft-cap
+        scores = self.centroids(hidden)  # [batch, num_centroids]
+        if needs_grad(hidden) or needs_grad(lm_head_weight):
+            token_ids = centroid_candidates_reference(scores, self.token_ordering, self.top_k)
+            return CandidateLogits(token_ids, gather_matvec_reference(lm_head_weight, token_ids, hidden, cap),
+                                   self.vocab_size)
+        token_ids = centroid_candidates(scores, self.token_ordering, self.top_k)
+        return CandidateLogits(token_ids, gather_matvec(lm_head_weight, token_ids, hidden, cap), self.vocab_size)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from hf_specdec.attention import QueryRows, paged_query_attention
 from hf_specdec.generation.cuda_graphs import CallGraph, pad_table
 from hf_specdec.generation.fusion import stack_projections
 from hf_specdec.generation.drafter import DraftProposal
-from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, target_embedding
+from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, fused_embedding_scale, target_embedding
 from hf_specdec.models.gemma4.assistant_config import check_compatible, producer_layer_for, target_text_config
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -61,6 +61,7 @@ class Gemma4MTPDrafter:
             stack_projections(module)
         self.num_speculative_tokens = num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         self.embed = target_embedding(target)
+        self.embed_scale = fused_embedding_scale(self.embed, self.assistant.pre_projection.weight.dtype)
         text_config = target_text_config(target)
         layer_types = set(assistant.config.text_config.layer_types)
         self.producers = {t: producer_layer_for(text_config, t) for t in layer_types}
@@ -91,7 +92,7 @@ class Gemma4MTPDrafter:
         tokens, hidden, drafted, probs = last_tokens, self.hidden, last_tokens[:, None][:, :0], []
         rope = self.assistant.draft_rope(positions)
         for _ in range(self.num_speculative_tokens):
-            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source, rope)
+            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source, rope, self.embed_scale)
             tokens, q = selector.select(step.logits, drafted)
             drafted = torch.cat([drafted, tokens[:, None]], dim=1)
             probs.append(q)
@@ -147,7 +148,7 @@ class Gemma4MTPDrafter:
         drafted = []
         rope = self.assistant.draft_rope(positions)
         for _ in range(self.num_speculative_tokens):
-            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source, rope)
+            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source, rope, self.embed_scale)
             head = step.logits
             tokens = head.argmax(dim=-1) if isinstance(head, torch.Tensor) else head.argmax()
             drafted.append(tokens)
