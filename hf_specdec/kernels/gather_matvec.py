@@ -85,17 +85,19 @@ def _centroid_candidates_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     x = tl.load(scores_ptr + row * stride_scores + cols, mask=cols < num_centroids, other=0.0).to(tl.float32)
-    # order-preserving int keys of the fp32 scores (NaN above +inf, as torch.topk ranks it); taken and padding
-    # entries get the smallest int, below every score, so each pick is a new centroid
+    # order-preserving int keys of the fp32 scores (NaN above +inf, as torch.topk ranks it), packed with the
+    # complement of the index below them: one max per pick finds the best score, ties to the lower index.
+    # Taken and padding entries get the smallest key, below every score, so each pick is a new centroid.
     bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    lowest = -2147483647 - 1
-    key = tl.where(cols < num_centroids, key, lowest)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    packed = (key << 32) | (BLOCK_C - 1 - cols).to(tl.int64)
+    lowest = -9223372036854775807 - 1
+    packed = tl.where(cols < num_centroids, packed, lowest)
     members = tl.arange(0, PER)
-    for i in tl.static_range(TOP_K):  # descending, ties to the lower centroid index
-        best = tl.max(key, 0)
-        pick = tl.min(tl.where(key == best, cols, BLOCK_C), 0)
-        key = tl.where(cols == pick, lowest, key)
+    for i in tl.static_range(TOP_K):  # descending
+        best = tl.max(packed, 0)
+        pick = BLOCK_C - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        packed = tl.where(cols == pick, lowest, packed)
         ids = tl.load(ordering_ptr + pick.to(tl.int64) * PER + members)
         tl.store(out_ptr + row * stride_out + i * PER + members, ids)
 
@@ -118,7 +120,7 @@ def centroid_candidates(scores: torch.Tensor, token_ordering: torch.Tensor, top_
     block_c = next_power_of_2(num_centroids)
     _centroid_candidates_kernel[(batch,)](
         scores, token_ordering.contiguous(), out, scores.stride(0), out.stride(0), num_centroids,
-        TOP_K=top_k, PER=per, BLOCK_C=block_c, num_warps=max(1, min(8, block_c // 256)),
+        TOP_K=top_k, PER=per, BLOCK_C=block_c, num_warps=max(1, min(4, block_c // 256)),
     )
     return out
 

@@ -173,3 +173,7 @@ def test_triton_mtp_drafting_proposes_the_reference_drafts(triton_device, monkey
         runs[force] = (out, hf_specdec.last_generation_stats(target).num_target_forwards)
     assert torch.equal(runs["0"][0], runs["1"][0])
     assert runs["0"][1] == runs["1"][1] < 12  # the same drafts accepted, and some were
+    from hf_specdec.kernels.stacked_linear import stacked_weight
+
+    # the kernels' run read post_projection and the centroid scores through one stacked GEMM
+    assert stacked_weight(assistant.post_projection, assistant.masked_embedding.centroids) is not None

@@ -291,7 +291,11 @@ class Gemma4MTPAssistant(PreTrainedModel):
             x = torch.cat([embeds, hidden.to(embeds.dtype)], dim=-1)
         x = self.pre_projection(x).unsqueeze(1)
         normed = self.model(x, position_ids.unsqueeze(1), kv_source, rope).squeeze(1)  # [batch, hidden]
-        return AssistantStepOutput(hidden_next=self.post_projection(normed), logits=self.draft_logits(normed))
+        if self.masked_embedding is None or needs_grad(normed):
+            return AssistantStepOutput(hidden_next=self.post_projection(normed), logits=self.draft_logits(normed))
+        # post_projection and the centroid scores read the same input: one GEMM when their weights are stacked
+        hidden_next, scores = stacked_projections(normed, self.post_projection, self.masked_embedding.centroids)
+        return AssistantStepOutput(hidden_next=hidden_next, logits=self.draft_logits(normed, scores))
 
     def draft_rope(self, position_ids: torch.Tensor) -> dict:
         """The rotary (cos, sin) of every layer type at the draft positions ``position_ids`` [batch]: every
@@ -299,13 +303,14 @@ class Gemma4MTPAssistant(PreTrainedModel):
         dtype = self.pre_projection.weight.dtype
         return self.model.rope_tables(torch.empty(0, dtype=dtype, device=position_ids.device), position_ids.unsqueeze(1))
 
-    def draft_logits(self, normed: torch.Tensor) -> DraftLogits:  # normed: [batch, hidden]
-        """Draft logits from the final-normed hidden state, soft-capped if the text config asks for it."""
+    def draft_logits(self, normed: torch.Tensor, centroid_scores: torch.Tensor | None = None) -> DraftLogits:
+        """Draft logits from the final-normed hidden state ``normed`` [batch, hidden], soft-capped if the text
+        config asks for it (``centroid_scores``: the centroid head's scores of ``normed``, if computed)."""
         weight = self.model.embed_tokens.weight
         cap = self.config.text_config.final_logit_softcapping
         if self.masked_embedding is None:
             return DenseLogits(softcap(normed @ weight.T, cap))
-        return self.masked_embedding(normed, weight, cap)
+        return self.masked_embedding(normed, weight, cap, centroid_scores)
 
     def forward(self, input_ids, hidden, position_ids, target_embed, kv_source) -> AssistantStepOutput:
         """Calling the module is one `draft_step` (so hooks, `torch.compile` and graph capture see it)."""

@@ -48,12 +48,14 @@ class CentroidHead(nn.Module):
         hidden: torch.Tensor,  # [batch, hidden]
         lm_head_weight: torch.Tensor,  # [vocab, hidden]
         cap: float | None = None,  # Gemma's final logit soft-cap of the candidates' logits (None: none)
+        scores: torch.Tensor | None = None,  # [batch, num_centroids] `centroids(hidden)` if the caller has them
     ) -> CandidateLogits:
         # the candidates of the top_k centroids ([batch, top_k * vocab // num_centroids], each centroid owning
         # consecutive entries of token_ordering), and their rows of the LM head times hidden: each one kernel on
         # the GPU (gather_matvec reads each row once and soft-caps in fp32); under autograd and on CPU torch's
         # top-k, the embedding lookup + bmm and the soft-cap
-        scores = self.centroids(hidden)  # [batch, num_centroids]
+        if scores is None:
+            scores = self.centroids(hidden)  # [batch, num_centroids]
         if needs_grad(hidden) or needs_grad(lm_head_weight):
             token_ids = centroid_candidates_reference(scores, self.token_ordering, self.top_k)
             return CandidateLogits(token_ids, gather_matvec_reference(lm_head_weight, token_ids, hidden, cap),

@@ -23,6 +23,8 @@ from hf_specdec.attention import QueryRows, paged_query_attention
 from hf_specdec.generation.cuda_graphs import CallGraph, pad_table
 from hf_specdec.generation.fusion import stack_projections
 from hf_specdec.generation.drafter import DraftProposal
+from hf_specdec.kernels import use_triton
+from hf_specdec.kernels.stacked_linear import stack_weights
 from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, fused_embedding_scale, target_embedding
 from hf_specdec.models.gemma4.assistant_config import check_compatible, producer_layer_for, target_text_config
 
@@ -59,6 +61,9 @@ class Gemma4MTPDrafter:
         self.assistant = assistant.to(device=target.device)
         for module in self.assistant.modules():  # gate/up as one GEMM while drafting on a GPU
             stack_projections(module)
+        head = self.assistant.masked_embedding
+        if head is not None and use_triton(head.centroids.weight):  # post_projection and the centroid scores too
+            stack_weights(self.assistant.post_projection, head.centroids)
         self.num_speculative_tokens = num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         self.embed = target_embedding(target)
         self.embed_scale = fused_embedding_scale(self.embed, self.assistant.pre_projection.weight.dtype)
