@@ -13,8 +13,14 @@ Forward hooks (a drafter recording hidden states) run only while capturing; what
 tensors inside the graph's memory, rewritten by each replay, so after a replay the runner puts them back
 where the drafter looks (``HookedState``).
 
+Graphs are captured per batch bucket (:func:`batch_bucket`: 1, 2, 4, then multiples of 8): a batch of 5
+replays the graph of 8 with three padding rows, which have no query tokens, no slot (their K/V are not
+stored), no keys and no pages; the logits and hook records of the real rows are returned. After a larger
+batch replayed a graph, the rows past a smaller one are reset to padding before its replay, so no stale
+slot mapping writes into pages a later request owns.
+
 Graphs are kept per enabled model (:class:`GraphStore`) with the K/V storage they write into, so later
-requests of the same batch size and k replay them without capturing: the storage is pooled (allocated
+requests of the same batch bucket and k replay them without capturing: the storage is pooled (allocated
 once, grown when a request needs more, released by ``hf_specdec.disable``). Each kept graph holds its own
 memory pool (its activations and logits), so the store keeps at most ``max_graphs`` of them and drops the
 least recently used one first (``hf_specdec.enable(model, max_cuda_graphs=...)``). A forward that cannot be
@@ -26,7 +32,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -66,22 +72,40 @@ class HookedState:
             return list(self.holder)
         return dict(vars(self.holder))
 
-    def restore(self, saved) -> None:
+    def restore(self, saved, rows: int | None = None) -> None:
+        """Put ``saved`` back; with ``rows``, tensors recorded for a padded batch keep their first ``rows``."""
         if saved is None:
             return
+        if rows is not None:
+            saved = _first_rows(saved, rows)
         if isinstance(self.holder, list):
             self.holder[:] = saved
         else:
             vars(self.holder).update(saved)
 
 
+def _first_rows(saved, rows: int):
+    """``saved`` (a list or dict of records) with every tensor cut to its first ``rows`` rows."""
+    cut = (lambda v: v[:rows] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] > rows else v)
+    return [cut(v) for v in saved] if isinstance(saved, list) else {k: cut(v) for k, v in saved.items()}
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    input_ids: torch.Tensor
-    meta: ForwardMeta
+    input_ids: torch.Tensor  # [bucket, q_len]
+    meta: ForwardMeta  # bucket rows; rows past live_rows are padding
     logits: torch.Tensor
     hooked: object
+    live_rows: int  # real rows of the last replay (or of the capture)
+
+
+def batch_bucket(batch: int) -> int:
+    """The batch size a graph is captured for: 1, 2 or 4 for small batches, else the next multiple of 8, so
+    requests of nearby batch sizes (and a request whose prompts were split differently) share graphs."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    return 1 << (batch - 1).bit_length() if batch <= 4 else -(-batch // 8) * 8
 
 
 class GraphStore:
@@ -169,7 +193,9 @@ class GraphRunner:
         self.hooked = hooked
 
     def key(self, input_ids: torch.Tensor, keep_logits: int) -> tuple:
-        return (self.store.generation, tuple(input_ids.shape), keep_logits, self.table_width, self.hooked.signature)
+        batch, q_len = input_ids.shape
+        return (self.store.generation, (batch_bucket(batch), q_len), keep_logits, self.table_width,
+                self.hooked.signature)
 
     def can_run(self, input_ids: torch.Tensor, extra: dict) -> bool:
         return self.store.disabled_reason is None and not extra and input_ids.shape[1] <= MAX_GRAPH_QUERY_LEN
@@ -179,17 +205,20 @@ class GraphRunner:
 
     def replay(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMeta):
         g = self.store.get("graphs", key)
-        g.input_ids.copy_(input_ids)
-        _copy_meta(g.meta, meta)
+        rows = input_ids.shape[0]
+        g.input_ids[:rows].copy_(input_ids)
+        _copy_meta(g.meta, meta, reset_from=rows if g.live_rows > rows else None)
+        g.live_rows = rows
         g.graph.replay()
-        self.hooked.restore(g.hooked)
-        return SimpleNamespace(logits=g.logits)
+        self.hooked.restore(g.hooked, rows)
+        return SimpleNamespace(logits=g.logits[:rows])
 
     def capture(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMeta, forward) -> None:
         """Capture ``forward(input_ids, meta)`` for ``key`` (after it ran eagerly with the same inputs, so a
         warm-up replay rewrites the same K/V into the same slots). On failure, graphs are off for the model."""
-        static_ids = input_ids.clone()
-        static_meta = _static_meta(meta, self.table_width)
+        rows, bucket = input_ids.shape[0], key[1][0]
+        static_ids = torch.nn.functional.pad(input_ids, (0, 0, 0, bucket - rows))  # padding rows: token 0
+        static_meta = _static_meta(meta, self.table_width, bucket)
         live_meta = self.cache.meta
         recorded = self.hooked.snapshot()  # the eager forward's records: what the caller reads next
         self.cache.meta = static_meta
@@ -202,7 +231,8 @@ class GraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):  # own memory pool: a shared one could overlay live outputs
                 out = forward(static_ids)
-            self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot()))
+            self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot(),
+                                                  rows))
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
             self.store.disabled_reason = f"{type(error).__name__}: {error}"
             warnings.warn(
@@ -220,26 +250,44 @@ def table_width_bucket(blocks: int) -> int:
     return max(8, 1 << max(0, blocks - 1).bit_length())
 
 
-def _static_meta(meta: ForwardMeta, table_width: int) -> ForwardMeta:
-    """Buffers of their own for every tensor of ``meta`` (block tables padded to ``table_width``)."""
-    return replace(meta, kv_lens=meta.kv_lens.clone(), q_pos0=meta.q_pos0.clone(), q_lens=meta.q_lens.clone(),
-                   position_ids=meta.position_ids.clone(), slot_mapping=[s.clone() for s in meta.slot_mapping],
-                   block_tables=[pad_table(t, table_width).clone() for t in meta.block_tables])
+def _static_meta(meta: ForwardMeta, table_width: int, bucket: int) -> ForwardMeta:
+    """Buffers of their own for every tensor of ``meta``, with padding rows up to ``bucket`` rows (block tables
+    padded to ``table_width``)."""
+    tables = [pad_table(t, table_width) for t in meta.block_tables]
+    static = ForwardMeta(
+        q_len=meta.q_len,
+        kv_lens=meta.kv_lens.new_zeros(bucket), q_pos0=meta.q_pos0.new_zeros(bucket),
+        q_lens=meta.q_lens.new_zeros(bucket), position_ids=meta.position_ids.new_zeros(bucket, meta.q_len),
+        slot_mapping=[s.new_full((bucket * meta.q_len,), -1) for s in meta.slot_mapping],
+        block_tables=[t.new_full((bucket, t.shape[1]), -1) for t in tables],
+    )
+    _copy_meta(static, meta)
+    return static
 
 
-def _copy_meta(static: ForwardMeta, meta: ForwardMeta) -> None:
-    static.kv_lens.copy_(meta.kv_lens)
-    static.q_pos0.copy_(meta.q_pos0)
-    static.q_lens.copy_(meta.q_lens)
-    static.position_ids.copy_(meta.position_ids)
+def _copy_meta(static: ForwardMeta, meta: ForwardMeta, reset_from: int | None = None) -> None:
+    """Copy ``meta`` into the first rows of ``static``; with ``reset_from``, rows from there on become padding
+    again (no query tokens, no keys, no slots, no pages)."""
+    rows = meta.kv_lens.shape[0]
+    static.kv_lens[:rows].copy_(meta.kv_lens)
+    static.q_pos0[:rows].copy_(meta.q_pos0)
+    static.q_lens[:rows].copy_(meta.q_lens)
+    static.position_ids[:rows].copy_(meta.position_ids)
     for dst, src in zip(static.slot_mapping, meta.slot_mapping):
-        dst.copy_(src)
+        dst[:src.shape[0]].copy_(src)
     for dst, src in zip(static.block_tables, meta.block_tables):
         width = src.shape[1]
         if width > dst.shape[1]:
             raise RuntimeError(f"block table of width {width} exceeds the captured width {dst.shape[1]}")
-        dst[:, :width].copy_(src)
-        dst[:, width:].fill_(-1)
+        dst[:rows, :width].copy_(src)
+        dst[:rows, width:].fill_(-1)
+    if reset_from is not None:
+        for tensor in (static.kv_lens, static.q_pos0, static.q_lens, static.position_ids):
+            tensor[reset_from:].zero_()
+        for dst in static.slot_mapping:
+            dst[reset_from * static.q_len:].fill_(-1)
+        for dst in static.block_tables:
+            dst[reset_from:].fill_(-1)
 
 
 class CallGraph:
@@ -259,10 +307,20 @@ class CallGraph:
             self.outputs = fn(*self.inputs)
 
     def __call__(self, *inputs: torch.Tensor):
+        """Replay with ``inputs``; inputs with fewer rows than the captured ones (a smaller batch of the same
+        bucket) fill the first rows, and the other rows keep what they held (the caller reads its rows)."""
         for static, new in zip(self.inputs, inputs):
-            static.copy_(new)
+            (static if new.shape == static.shape else static[:new.shape[0]]).copy_(new)
         self.graph.replay()
         return self.outputs
+
+
+def pad_rows(tensor: torch.Tensor, rows: int, value=0) -> torch.Tensor:
+    """``tensor`` [batch, ...] padded with ``value`` to ``rows`` rows (itself when it has them)."""
+    extra = rows - tensor.shape[0]
+    if extra <= 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_full((extra, *tensor.shape[1:]), value)])
 
 
 def pad_table(table: torch.Tensor, width: int) -> torch.Tensor:

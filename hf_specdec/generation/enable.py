@@ -39,7 +39,7 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
     ``cuda_graphs`` (default True) replays decode and verify forwards as CUDA graphs on CUDA devices; the
     environment variable ``HF_SPECDEC_CUDA_GRAPHS=0`` turns them off everywhere. ``max_cuda_graphs``
     (default 64) bounds the graphs the model keeps between calls (each holds its own activations and
-    logits; one is kept per batch size, k and context bucket): beyond it the least recently used is dropped."""
+    logits; one is kept per batch bucket, k and context bucket): beyond it the least recently used is dropped."""
     if max_cuda_graphs is not None:
         check_max_graphs(max_cuda_graphs)
     state = getattr(model, "_hf_specdec", None)

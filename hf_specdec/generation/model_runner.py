@@ -65,7 +65,7 @@ class ModelRunner:
         self.cache = PagedKVCache.for_request(self.layout, self.cache_config, prompt_lens, max_new_tokens,
                                               lookahead, dtype=dtype, device=device, storage_pool=store)
         # A 4D mask is passed through transformers' mask builders untouched; the paged attention ignores it.
-        self._mask_stub = torch.ones(len(prompt_lens), 1, 1, 1, dtype=torch.bool, device=device)
+        self._mask_stub = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         if store is not None:
             # the widest block table any row can reach in this request, bucketed so later requests share graphs
             width = table_width_bucket(
@@ -92,8 +92,8 @@ class ModelRunner:
         model, with logits of the last ``keep_logits`` slots (0: all); the tokens stay in the cache until
         :meth:`commit` says otherwise. ``model_kwargs`` not owned by the runner (e.g. pixel inputs) pass through.
 
-        Decode and verify forwards replay a CUDA graph from their second step on (see cuda_graphs); the
-        logits they return live in the graph's memory until the next forward."""
+        Decode and verify forwards replay a CUDA graph of the batch's bucket from their second step on (see
+        cuda_graphs); the logits they return live in the graph's memory until the next forward."""
         meta = self.cache.begin_forward(num_new, input_ids.shape[1])
         extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
         if self.graphs is None or not self.graphs.can_run(input_ids, extra):
@@ -108,7 +108,8 @@ class ModelRunner:
 
     def _eager(self, input_ids, position_ids, keep_logits, extra):
         return self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=self._mask_stub,
+            input_ids=input_ids, position_ids=position_ids,
+            attention_mask=self._mask_stub.expand(input_ids.shape[0], -1, -1, -1),  # a graph's rows: its bucket
             past_key_values=self.cache, paged_cache=self.cache, use_cache=True,
             logits_to_keep=keep_logits, return_dict=True, **extra,
         )

@@ -42,6 +42,56 @@ def test_hooked_state_puts_back_what_hooks_recorded():
     HookedState(None).restore(HookedState(None).snapshot())  # no drafter: nothing to do
 
 
+def test_batch_buckets():
+    from hf_specdec.generation.cuda_graphs import batch_bucket
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 40]
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        batch_bucket(0)
+
+
+def _meta(rows, q_len=2, width=3, fill=1):
+    from hf_specdec.cache.paged_cache import ForwardMeta
+
+    return ForwardMeta(
+        q_len=q_len, kv_lens=torch.full((rows,), 7 * fill, dtype=torch.int32),
+        q_pos0=torch.full((rows,), 5 * fill, dtype=torch.int32), q_lens=torch.full((rows,), q_len, dtype=torch.int32),
+        position_ids=torch.full((rows, q_len), 6 * fill), slot_mapping=[torch.full((rows * q_len,), 9 * fill)],
+        block_tables=[torch.full((rows, width), 2 * fill, dtype=torch.int32)])
+
+
+def _assert_padding(meta, start):
+    assert not meta.kv_lens[start:].any() and not meta.q_lens[start:].any() and not meta.q_pos0[start:].any()
+    assert not meta.position_ids[start:].any()
+    assert (meta.slot_mapping[0][start * meta.q_len:] == -1).all() and (meta.block_tables[0][start:] == -1).all()
+
+
+def test_a_graph_of_a_bucket_pads_its_rows_and_resets_the_rows_a_larger_batch_left():
+    """A batch of 3 in the graph of bucket 4: the 4th row has no queries, keys, slots or pages. A later batch
+    of 2 leaves the 3rd row's slots of the batch of 3 behind unless reset: a replay would store K/V there."""
+    from hf_specdec.generation.cuda_graphs import _copy_meta, _static_meta
+
+    static = _static_meta(_meta(3), table_width=8, bucket=4)
+    assert static.block_tables[0].shape == (4, 8) and static.slot_mapping[0].shape == (8,)
+    assert (static.kv_lens[:3] == 7).all() and (static.slot_mapping[0][:6] == 9).all()
+    assert (static.block_tables[0][:3, :3] == 2).all() and (static.block_tables[0][:3, 3:] == -1).all()
+    _assert_padding(static, 3)
+    _copy_meta(static, _meta(2, fill=2), reset_from=2)
+    assert (static.kv_lens[:2] == 14).all() and (static.slot_mapping[0][:4] == 18).all()
+    _assert_padding(static, 2)
+    _copy_meta(static, _meta(4, width=2, fill=3))  # a wider table than before: the rest of each row has no page
+    assert (static.block_tables[0][:, :2] == 6).all() and (static.block_tables[0][:, 2:] == -1).all()
+
+
+def test_hooked_state_of_a_padded_batch_gives_back_the_real_rows():
+    records = [torch.arange(8).view(4, 2), None, torch.zeros(3)]
+    state = HookedState(records)
+    saved = state.snapshot()
+    state.restore(saved, rows=2)
+    assert torch.equal(records[0], torch.arange(4).view(2, 2)) and records[1] is None
+    assert records[2].shape == (2,)
+
+
 def test_enable_records_the_graph_setting():
     model = hf_specdec.enable(llama(), cuda_graphs=False)
     assert model._hf_specdec.cuda_graphs is False
@@ -193,3 +243,32 @@ def test_fused_gemma4_blocks_on_cuda_give_transformers_greedy_tokens():
     assert {"Gemma4TextAttention", "Gemma4TextDecoderLayer", "Gemma4TextMLP", "Gemma4RMSNorm"} <= kinds
     assert torch.equal(model.generate(ids.cuda(), **kwargs), expected)
     assert torch.equal(model.generate(ids.cuda(), **kwargs), expected)  # the second call replays stored graphs
+
+
+@cuda
+def test_batches_of_one_bucket_share_its_graphs_and_give_the_eager_tokens(monkeypatch):
+    """Batches of 8, 5 and 6 replay the graphs of bucket 8 (the verify forward and Gemma 4 MTP's draft steps)
+    and give the tokens of eager decoding. The batch of 5 after the batch of 8 also checks that the rows the
+    larger batch left are reset: their stale slots would store K/V over this request's pages (fp32)."""
+    from hf_specdec.assets import asset_path
+    from hf_specdec.generation.cuda_graphs import CUDA_GRAPHS_ENV
+
+    load = lambda name: hf_specdec.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        asset_path(name), dtype=torch.float32).cuda()
+    model, assistant = load("tiny-gemma4"), load("tiny-gemma4-assistant")
+    store = model._hf_specdec.graph_store
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, assistant_model=assistant,
+                  num_speculative_tokens=3)
+    captured = None
+    for seed, lengths in enumerate(([12, 3, 9, 6, 4, 7, 10, 5], [12, 3, 9, 6, 4], [5, 9, 3, 8, 2, 11])):
+        ids, mask = left_padded_batch(lengths, vocab=200, seed=seed)
+        ids, mask = ids.cuda(), mask.cuda()
+        graphed = model.generate(ids, attention_mask=mask, **kwargs)
+        keys = (set(store.graphs), set(store.calls))
+        if captured is None:
+            captured = keys
+            assert any(key[0] == "gemma4_mtp" for key in store.calls), "the draft steps were captured"
+        assert keys == captured  # the same graphs replayed, none captured for 5 or 6 rows
+        monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
+        assert torch.equal(graphed, model.generate(ids, attention_mask=mask, **kwargs))
+        monkeypatch.delenv(CUDA_GRAPHS_ENV)

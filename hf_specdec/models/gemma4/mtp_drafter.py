@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
-from hf_specdec.generation.cuda_graphs import CallGraph, pad_table
+from hf_specdec.generation.cuda_graphs import CallGraph, batch_bucket, pad_rows, pad_table
 from hf_specdec.generation.fusion import stack_projections
 from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.kernels import use_triton
@@ -126,22 +126,26 @@ class Gemma4MTPDrafter:
                                    *[cache.context_pages(layer)[2] for layer in layers])
 
     def _graphed_greedy_drafts(self, last_tokens, positions, cache) -> torch.Tensor:
-        """Greedy drafts [batch, k] of all k steps in one CUDA-graph replay (captured at the first round,
-        after an eager run of the same function; a failed capture leaves the request eager)."""
+        """Greedy drafts [batch, k] of all k steps in one CUDA-graph replay, captured for the batch's bucket
+        (at the first round, after an eager run of the same function; a failed capture leaves the request
+        eager). Padding rows draft at position 0 over no pages; they read only and their drafts are dropped."""
         layers = sorted(set(self.producers.values()))
         tables = [pad_table(cache.context_pages(layer)[2], cache.graph_table_width) for layer in layers]
         inputs = [last_tokens, self.hidden, positions, *tables]
+        rows = last_tokens.shape[0]
+        bucket = batch_bucket(rows)
         store = cache.graph_store
-        # kept in the model's GraphStore: later requests of the same batch size and k replay it too
+        # kept in the model's GraphStore: later requests of the same batch bucket and k replay it too
         key = ("gemma4_mtp", store.generation, id(self.assistant), id(self.embed), self.num_speculative_tokens,
-               tuple(last_tokens.shape), tuple(self.hidden.shape), cache.graph_table_width)
+               bucket, tuple(self.hidden.shape[1:]), cache.graph_table_width)
         graph = store.get("calls", key)
         if graph is not None:
-            return graph(*inputs)
+            return graph(*inputs)[:rows]
         run = functools.partial(self._greedy_drafts, cache, layers)
         drafts = run(*inputs)
+        padded = [pad_rows(t, bucket, -1 if i >= 3 else 0) for i, t in enumerate(inputs)]  # tables: no page
         try:
-            store.keep("calls", key, CallGraph(run, inputs))
+            store.keep("calls", key, CallGraph(run, padded))
         except Exception as error:  # noqa: BLE001 - any capture failure means: draft eagerly
             self._graph_failed = True
             warnings.warn(f"hf_specdec could not capture the MTP draft steps as a CUDA graph ({error}); drafting "
