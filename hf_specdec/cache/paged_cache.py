@@ -90,9 +90,12 @@ class PagedKVCache(Cache):
     # ---- sizing -----------------------------------------------------------------------------
     @classmethod
     def for_request(cls, layout: KVLayout, cache_config: CacheConfig, prompt_lens: list[int], max_new_tokens: int,
-                    lookahead: int, *, dtype: torch.dtype, device, storage_pool=None) -> "PagedKVCache":
+                    lookahead: int, *, dtype: torch.dtype, device, storage_pool=None,
+                    storage_owner: str = "target") -> "PagedKVCache":
         """A cache sized so the request never runs out of blocks; raises :class:`CacheCapacityError` before
-        allocating anything when the request does not fit what ``cache_config`` allows."""
+        allocating anything when the request does not fit what ``cache_config`` allows. ``storage_pool`` (a
+        GraphStore) lends pooled storage kept under ``storage_owner`` between requests (CUDA graphs write into
+        fixed addresses)."""
         bs = cache_config.block_size
         full_need = [-(-(p + max_new_tokens + lookahead) // bs) + 1 for p in prompt_lens]
         if cache_config.max_cache_tokens is not None and sum(full_need) * bs > cache_config.max_cache_tokens:
@@ -123,7 +126,7 @@ class PagedKVCache(Cache):
                     _check_memory(layout, blocks, bs, dtype, torch.device(device), cache_config.gpu_memory_fraction)
                 return allocate_storage(layout, blocks, bs, dtype, torch.device(device))
 
-            *storage, need = storage_pool.take_storage(layout, need, bs, dtype, device, allocate)
+            *storage, need = storage_pool.take_storage(layout, need, bs, dtype, device, allocate, storage_owner)
         elif cache_config.max_cache_tokens is None:
             _check_memory(layout, need, bs, dtype, torch.device(device), cache_config.gpu_memory_fraction)
         cache = cls(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device, storage=storage)

@@ -117,7 +117,7 @@ class GraphStore:
 
     def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS):
         self.generation = 0
-        self.storage = None  # (key, blocks per group, k list, v list)
+        self.storages: dict[str, tuple] = {}  # per owner ("target", a drafter's cache): (key, blocks, k, v)
         self.graphs: dict[tuple, _Graph] = {}
         self.calls: dict[tuple, CallGraph] = {}
         self.max_graphs = check_max_graphs(max_graphs)
@@ -148,30 +148,50 @@ class GraphStore:
             del getattr(self, old_table)[old_key]
             self.evicted += 1
 
-    def take_storage(self, layout, need: list[int], block_size: int, dtype, device, allocate):
-        """(k list, v list, blocks per group) with at least ``need[g]`` blocks each: the pooled storage if it
-        fits, else a new one from ``allocate(blocks)`` (power-of-two block counts, so growth is rare)."""
-        key = (id(layout), block_size, dtype, torch.device(device))
-        if self.storage is not None and self.storage[0] == key and all(
-                n <= have for n, have in zip(need, self.storage[1])):
-            return self.storage[2], self.storage[3], self.storage[1]
-        self.release()
+    @property
+    def storage(self):
+        """The target's pooled storage (key, blocks per group, k list, v list), or None."""
+        return self.storages.get("target")
+
+    def take_storage(self, layout, need: list[int], block_size: int, dtype, device, allocate, owner: str = "target"):
+        """(k list, v list, blocks per group) with at least ``need[g]`` blocks each for ``owner`` (the target's
+        cache, or a drafter's own): its pooled storage if it fits, else a new one from ``allocate(blocks)``
+        (power-of-two block counts, so growth is rare). A new storage drops every graph (they may write into
+        the old one); the other owners' storage stays pooled."""
+        key = (_layout_key(layout), block_size, dtype, torch.device(device))
+        pooled = self.storages.get(owner)
+        if pooled is not None and pooled[0] == key and all(n <= have for n, have in zip(need, pooled[1])):
+            return pooled[2], pooled[3], pooled[1]
+        self.storages.pop(owner, None)  # freed with its graphs, before the new one is allocated
+        self._drop_graphs()
         blocks = [1 << max(0, n - 1).bit_length() for n in need]
         try:
             k, v = allocate(blocks)
         except (torch.OutOfMemoryError, ValueError):
             blocks = list(need)  # the rounded-up size does not fit: exactly what this request needs
             k, v = allocate(blocks)
-        self.storage = (key, blocks, k, v)
+        self.storages[owner] = (key, blocks, k, v)
         return k, v, blocks
 
     def release(self) -> None:
-        """Drop the storage and every graph (the next request allocates and captures anew)."""
-        self.storage = None
+        """Drop every storage and every graph (the next request allocates and captures anew)."""
+        self.storages.clear()
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
         self.graphs.clear()
         self.calls.clear()
         self._recency.clear()
         self.generation += 1
+
+
+def _layout_key(layout) -> tuple:
+    """What makes two KV layouts' storage interchangeable: their groups' shapes (a drafter builds its layout
+    anew per request)."""
+    groups = getattr(layout, "groups", None)
+    if groups is None:
+        return (id(layout),)
+    return tuple((g.num_kv_heads, g.head_dim, len(g.layers)) for g in groups)
 
 
 def check_max_graphs(value) -> int:

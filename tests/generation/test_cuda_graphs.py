@@ -272,3 +272,32 @@ def test_batches_of_one_bucket_share_its_graphs_and_give_the_eager_tokens(monkey
         monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
         assert torch.equal(graphed, model.generate(ids, attention_mask=mask, **kwargs))
         monkeypatch.delenv(CUDA_GRAPHS_ENV)
+
+
+@cuda
+def test_dflash_block_and_context_graphs_give_the_eager_tokens(monkeypatch):
+    """DFlash's greedy block forward and its context appends replay graphs of the batch's bucket (batches of
+    4, then 3 in the same bucket: padding rows store no K/V), later requests replay them, and the tokens are
+    those of eager drafting (fp32, bundled tiny family)."""
+    from hf_specdec.assets import asset_path
+    from hf_specdec.generation.cuda_graphs import CUDA_GRAPHS_ENV
+
+    load = lambda name: hf_specdec.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        asset_path(name), dtype=torch.float32).cuda()
+    model, drafter = load("tiny-gemma4"), load("tiny-gemma4-dflash")
+    store = model._hf_specdec.graph_store
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, assistant_model=drafter,
+                  num_speculative_tokens=4)
+    captured = None
+    for seed, lengths in enumerate(([12, 3, 9, 6], [5, 10, 7], [12, 3, 9, 6])):
+        ids, mask = left_padded_batch(lengths, vocab=200, seed=seed)
+        ids, mask = ids.cuda(), mask.cuda()
+        graphed = model.generate(ids, attention_mask=mask, **kwargs)
+        calls = {key[:2] for key in store.calls}
+        if captured is None:
+            captured = set(store.calls)
+            assert {("dflash", "block"), ("dflash", "context")} <= calls
+        assert set(store.calls) == captured  # replayed, nothing captured for 3 rows or the repeated request
+        monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
+        assert torch.equal(graphed, model.generate(ids, attention_mask=mask, **kwargs))
+        monkeypatch.delenv(CUDA_GRAPHS_ENV)

@@ -16,16 +16,24 @@ not in the target's cache yet):
 The context grows in `begin` (the prompt) and `commit` (the `kept` tokens of each row's verify forward,
 whose hidden states were captured by hooks during that same forward): rejected drafts never reach it, so
 the drafter's lengths always equal the target's.
+
+With CUDA graphs on, the greedy block forward (with its drafts' argmax) and each commit's context append run
+as graphs of the batch's bucket (kept in the target's GraphStore, over the drafter's pooled cache storage):
+their inputs are the token or hidden-state tensors and the whole forward metadata, padding rows have no
+query, no key, no slot and no page.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 
 import torch
 
 from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
 from hf_specdec.cache.paged_cache import ForwardMeta
+from hf_specdec.generation.cuda_graphs import MAX_GRAPH_QUERY_LEN, CallGraph, batch_bucket, pad_rows, pad_table
 from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.kernels import paged_attention, store_kv
 
@@ -90,10 +98,15 @@ class PagedDFlashDrafter:
                 self.cache = None
 
     def begin(self, cache, captured, prompt_lens):
+        # graphs where the target's cache has them (CUDA, switched on): kept in the target model's GraphStore
+        self.graph_store, self.table_width = cache.graph_store, cache.graph_table_width
+        self._graph_failed = False
         self.cache = PagedKVCache.for_request(
             self.layout, cache.cache_config, prompt_lens, cache.max_new_tokens, self.num_speculative_tokens + 1,
-            dtype=self.drafter.fc.weight.dtype, device=cache.device)
-        self._append_context(list(captured), prompt_lens)  # prefill slots are right-aligned already
+            dtype=self.drafter.fc.weight.dtype, device=cache.device, storage_pool=self.graph_store,
+            storage_owner="dflash")
+        # prefill slots are right-aligned already; a prompt's width varies per request: no graph
+        self._append_context(list(captured), prompt_lens, graph=False)
 
     @torch.inference_mode()
     def propose(self, last_tokens, cache, selector) -> DraftProposal:
@@ -101,17 +114,71 @@ class PagedDFlashDrafter:
         lens = self.cache.seq_lens
         meta = self.cache.begin_forward([k + 1] * len(lens), k + 1)  # block positions p .. p + k
         try:
-            embeds = self.drafter.embed_block(self.target, self.drafter.block_input_ids(last_tokens, k))
-            hidden = self.drafter(embeds, meta.position_ids, PagedDFlashContext(self.cache, meta))
+            if not selector.do_sample and not selector.scorer.processors:  # greedy: the argmax of every position
+                return DraftProposal(self._graphed("block", self._greedy_block, [last_tokens], meta), None)
+            logits = self._block_logits(last_tokens, meta)  # [batch, k, vocab]
         finally:
             self.cache.commit(lens)  # drop the block: the context keeps accepted tokens only
-        logits = self.drafter.draft_logits(self.target, hidden)  # [batch, k, vocab]
         drafted, probs = last_tokens[:, None][:, :0], []
         for j in range(k):
             token, q = selector.select(logits[:, j], drafted)
             drafted = torch.cat([drafted, token[:, None]], dim=1)
             probs.append(q)
         return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
+
+    def _block_logits(self, last_tokens, meta) -> torch.Tensor:
+        """The drafts' logits [batch, k, vocab] of one block forward (its K/V stored in the block's slots)."""
+        embeds = self.drafter.embed_block(self.target, self.drafter.block_input_ids(last_tokens,
+                                                                                   self.num_speculative_tokens))
+        hidden = self.drafter(embeds, meta.position_ids, PagedDFlashContext(self.cache, meta))
+        return self.drafter.draft_logits(self.target, hidden)
+
+    def _greedy_block(self, last_tokens, meta) -> torch.Tensor:
+        return self._block_logits(last_tokens, meta).argmax(dim=-1)  # [batch, k]
+
+    def _graphed(self, name: str, fn, tensors: list[torch.Tensor], meta: ForwardMeta):
+        """``fn(*tensors, meta)`` (tensors [batch, ...]; it must not sync with the host), replayed from a CUDA
+        graph of the batch's bucket when graphs are on: captured at its first call (after an eager run of the
+        same inputs), keyed by what fixes its shapes. A failed capture leaves the request eager."""
+        store = self.graph_store
+        if store is None or self._graph_failed or meta.q_len > MAX_GRAPH_QUERY_LEN:
+            return fn(*tensors, meta)
+        rows = meta.kv_lens.shape[0]
+        bucket = batch_bucket(rows)
+        key = ("dflash", name, store.generation, id(self.drafter), id(self.target), self.num_speculative_tokens,
+               bucket, meta.q_len, tuple(tuple(t.shape[1:]) for t in tensors), self.table_width)
+        # every call pads to the bucket (padding rows: token or state 0, no query, key, slot or page), so rows a
+        # larger batch left behind never store K/V
+        flat = [pad_rows(t, bucket) for t in tensors] + [
+            pad_rows(meta.kv_lens, bucket), pad_rows(meta.q_pos0, bucket), pad_rows(meta.q_lens, bucket),
+            pad_rows(meta.position_ids, bucket), *[pad_rows(m, bucket * meta.q_len, -1) for m in meta.slot_mapping],
+            *[pad_rows(pad_table(t, self.table_width), bucket, -1) for t in meta.block_tables]]
+        graph = store.get("calls", key)
+        if graph is not None:
+            out = graph(*flat)
+            return None if out is None else out[:rows]
+        out = fn(*tensors, meta)
+        run = functools.partial(self._with_meta, fn, len(tensors), meta.q_len, len(meta.slot_mapping))
+        try:
+            store.keep("calls", key, CallGraph(run, flat))
+        except Exception as error:  # noqa: BLE001 - any capture failure means: draft eagerly
+            self._graph_failed = True
+            warnings.warn(f"hf_specdec could not capture the DFlash {name} as a CUDA graph ({error}); running it "
+                          "eagerly.", RuntimeWarning, stacklevel=3)
+        return out
+
+    def _with_meta(self, fn, num_tensors, q_len, groups, *flat):
+        """``fn(*tensors, meta)`` with the metadata rebuilt from ``flat`` (a graph's static inputs) and set as the
+        drafter cache's current forward (its pages are the ones the layers read)."""
+        tensors, (kv_lens, q_pos0, q_lens, position_ids), rest = (
+            flat[:num_tensors], flat[num_tensors:num_tensors + 4], flat[num_tensors + 4:])
+        meta = ForwardMeta(q_len=q_len, kv_lens=kv_lens, q_pos0=q_pos0, q_lens=q_lens, position_ids=position_ids,
+                           slot_mapping=list(rest[:groups]), block_tables=list(rest[groups:]))
+        live, self.cache.meta = self.cache.meta, meta
+        try:
+            return fn(*tensors, meta)
+        finally:
+            self.cache.meta = live
 
     def commit(self, cache, captured, num_accepted, kept):
         # the verify forward's first kept[b] slots are row b's accepted tokens; right-align them as a forward's
@@ -125,16 +192,23 @@ class PagedDFlashDrafter:
                                f"{cache.seq_lens}; commit must follow the target cache's commit.")
 
     @torch.inference_mode()
-    def _append_context(self, hidden: list[torch.Tensor], num_new: list[int]) -> None:
+    def _append_context(self, hidden: list[torch.Tensor], num_new: list[int], graph: bool = True) -> None:
         """Append the context K/V of the last num_new[b] slots of `hidden` (one [batch, q_len, target_hidden]
         per target layer id) to every draft layer's group."""
         meta = self.cache.begin_forward(num_new, hidden[0].shape[1])
+        if graph:
+            self._graphed("context", self._store_context, hidden, meta)
+        else:
+            self._store_context(*hidden, meta)
+        self.cache.commit(self.cache.seq_lens)  # begin_forward grew the lengths; keep every new token
+
+    def _store_context(self, *hidden_and_meta) -> None:
+        *hidden, meta = hidden_and_meta
         features = self.drafter.context_features(hidden)
         for layer_idx, (keys, values) in enumerate(self.drafter.context_kv_all_layers(features, meta.position_ids)):
-            k_cache, v_cache, _, _ = self.cache.layer_pages(layer_idx)
+            k_cache, v_cache = self.cache.layer_storage(layer_idx)
             store_kv(keys.flatten(0, 1), values.flatten(0, 1), k_cache, v_cache,
                      meta.slot_mapping[self.layout.layer_slot[layer_idx][0]])
-        self.cache.commit(self.cache.seq_lens)  # begin_forward grew the lengths; keep every new token
 
 
 def _check_num_speculative_tokens(drafter: DFlashDrafter, requested: int | None) -> int:
