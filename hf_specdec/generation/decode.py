@@ -38,7 +38,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
     runner.start(prompt_lens, generation_config.max_length - input_ids.shape[1])
     try:
         # 1. prefill: every prompt token of every row, logits of the last one
-        outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, **model_kwargs)
+        outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, prefill=True, **model_kwargs)
         lens = list(prompt_lens)
         runner.commit(lens)
         unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)

@@ -87,16 +87,18 @@ class ModelRunner:
             self.cache.free()
         self.cache = None
 
-    def forward(self, input_ids: torch.Tensor, num_new: list[int], keep_logits: int = 0, **model_kwargs):
+    def forward(self, input_ids: torch.Tensor, num_new: list[int], keep_logits: int = 0, *, prefill: bool = False,
+                **model_kwargs):
         """Run ``input_ids`` [batch, q_len] (right-aligned real tokens, ``num_new[b]`` per row) through the
         model, with logits of the last ``keep_logits`` slots (0: all); the tokens stay in the cache until
         :meth:`commit` says otherwise. ``model_kwargs`` not owned by the runner (e.g. pixel inputs) pass through.
+        A ``prefill`` runs eagerly whatever its width (it runs once per request: a graph would not be replayed).
 
         Decode and verify forwards replay a CUDA graph of the batch's bucket from their second step on (see
         cuda_graphs); the logits they return live in the graph's memory until the next forward."""
         meta = self.cache.begin_forward(num_new, input_ids.shape[1])
         extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
-        if self.graphs is None or not self.graphs.can_run(input_ids, extra):
+        if prefill or self.graphs is None or not self.graphs.can_run(input_ids, extra):
             return self._eager(input_ids, meta.position_ids, keep_logits, extra)
         key = self.graphs.key(input_ids, keep_logits)
         if self.graphs.has(key):

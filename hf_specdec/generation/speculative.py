@@ -72,7 +72,7 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
             runner.record_hooks_of(captured, (type(drafter).__qualname__, type(captured).__qualname__,
                                               getattr(drafter, "capture_key", None)))
             # 1. prefill: the prompt, its last logits, and the first token (a plain step)
-            outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, **model_kwargs)
+            outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, prefill=True, **model_kwargs)
             runner.commit(prompt_lens)
             drafter.begin(cache, captured, prompt_lens)
             logits = outputs.logits[:, -1].to(dtype=torch.float32)
