@@ -301,3 +301,28 @@ def test_dflash_block_and_context_graphs_give_the_eager_tokens(monkeypatch):
         monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
         assert torch.equal(graphed, model.generate(ids, attention_mask=mask, **kwargs))
         monkeypatch.delenv(CUDA_GRAPHS_ENV)
+
+
+@cuda
+def test_sampled_mtp_draft_steps_replay_graphs_with_the_eager_tokens(monkeypatch):
+    """Sampled Gemma 4 MTP (temperature and top-k processors) replays one graph per draft step's forward and
+    samples eagerly from its outputs: the same seed gives the tokens of eager drafting, at a full bucket (4
+    rows) and a padded one (3 rows in the bucket of 4) (fp32, bundled tiny family)."""
+    from hf_specdec.assets import asset_path
+
+    load = lambda name: hf_specdec.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        asset_path(name), dtype=torch.float32).cuda()
+    model, assistant = load("tiny-gemma4"), load("tiny-gemma4-assistant")
+    store = model._hf_specdec.graph_store
+    kwargs = dict(max_new_tokens=24, do_sample=True, temperature=0.9, top_k=40, eos_token_id=None, pad_token_id=0,
+                  assistant_model=assistant, num_speculative_tokens=3)
+    for lengths in ([12, 3, 9, 6], [5, 10, 7]):
+        ids, mask = left_padded_batch(lengths, vocab=200)
+        runs = []
+        for graphs in (True, False):
+            hf_specdec.enable(model, cuda_graphs=graphs)
+            torch.manual_seed(0)
+            runs.append(model.generate(ids.cuda(), attention_mask=mask.cuda(), **kwargs))
+            if graphs:
+                assert any(key[0] == "gemma4_mtp_step" for key in store.calls)
+        assert torch.equal(*runs)

@@ -80,6 +80,10 @@ class CandidateLogits:
     def argmax(self) -> torch.Tensor:
         return argmax_no_sync(self)
 
+    def rows(self, n: int) -> CandidateLogits:
+        """The first ``n`` rows (of a padded batch)."""
+        return CandidateLogits(self.token_ids[:n], self.logits[:n], self.vocab_size)
+
     def sample(self, temperature: Temperature, generator: torch.Generator | None = None):
         return sample_no_sync(self, temperature, generator)
 
@@ -111,6 +115,10 @@ class DenseLogits:
 
     def argmax(self) -> torch.Tensor:
         return self.logits.argmax(-1)
+
+    def rows(self, n: int) -> DenseLogits:
+        """The first ``n`` rows (of a padded batch)."""
+        return DenseLogits(self.logits[:n])
 
     def sample(self, temperature: Temperature, generator: torch.Generator | None = None):
         return _sample_index_no_sync(self.logits, temperature, generator)

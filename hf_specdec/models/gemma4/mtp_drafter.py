@@ -93,16 +93,49 @@ class Gemma4MTPDrafter:
         positions = torch.tensor(cache.seq_lens, device=last_tokens.device)
         if not selector.do_sample and not selector.scorer.processors:
             return DraftProposal(self._greedy(last_tokens, positions, cache), None)
-        kv_source = PagedTargetKVSource(cache, self.producers, positions)
+        # sampling or logits processors: each step's forward (one graph replay on CUDA), then the selection
+        # (processors are arbitrary host code, and q is needed per step)
+        layers = sorted(set(self.producers.values()))
+        tables = [cache.context_pages(layer)[2] for layer in layers]
         tokens, hidden, drafted, probs = last_tokens, self.hidden, last_tokens[:, None][:, :0], []
-        rope = self.assistant.draft_rope(positions)
         for _ in range(self.num_speculative_tokens):
-            step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source, rope, self.embed_scale)
-            tokens, q = selector.select(step.logits, drafted)
+            hidden, head = self._step(cache, layers, tokens, hidden, positions, tables)
+            tokens, q = selector.select(head, drafted)
             drafted = torch.cat([drafted, tokens[:, None]], dim=1)
             probs.append(q)
-            hidden = step.hidden_next
         return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
+
+    def _step(self, cache, layers, tokens, hidden, positions, tables):
+        """One draft step -> (hidden_next, head): eagerly, or replayed from a CUDA graph of the batch's bucket
+        (its outputs are the graph's buffers, rewritten by the next replay: read them before it)."""
+        if cache.graph_table_width is None or self._graph_failed:
+            return self._one_step(cache, layers, tokens, hidden, positions, *tables)
+        tables = [pad_table(t, cache.graph_table_width) for t in tables]
+        inputs = [tokens, hidden, positions, *tables]
+        rows = tokens.shape[0]
+        bucket = batch_bucket(rows)
+        store = cache.graph_store
+        key = ("gemma4_mtp_step", store.generation, id(self.assistant), id(self.embed), bucket,
+               tuple(hidden.shape[1:]), cache.graph_table_width)
+        graph = store.get("calls", key)
+        if graph is None:
+            out = self._one_step(cache, layers, *inputs)
+            padded = [pad_rows(t, bucket, -1 if i >= 3 else 0) for i, t in enumerate(inputs)]  # tables: no page
+            try:
+                store.keep("calls", key, CallGraph(functools.partial(self._one_step, cache, layers), padded))
+            except Exception as error:  # noqa: BLE001 - any capture failure means: draft eagerly
+                self._graph_failed = True
+                warnings.warn(f"hf_specdec could not capture an MTP draft step as a CUDA graph ({error}); drafting "
+                              "eagerly.", RuntimeWarning, stacklevel=3)
+            return out
+        hidden_next, head = graph(*inputs)
+        return hidden_next[:rows], head.rows(rows)
+
+    def _one_step(self, cache, layers, tokens, hidden, positions, *tables):
+        kv_source = PagedTargetKVSource(cache, self.producers, positions, dict(zip(layers, tables)))
+        step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source,
+                                         self.assistant.draft_rope(positions), self.embed_scale)
+        return step.hidden_next, step.logits
 
     @torch.inference_mode()
     def propose_ahead(self, next_tokens, num_accepted, cache, captured, selector) -> DraftProposal | None:
