@@ -335,6 +335,25 @@ class CallGraph:
         return self.outputs
 
 
+def call_graph(store: GraphStore, key: tuple, fn, inputs: list[torch.Tensor],
+               capture_inputs: list[torch.Tensor] | None = None, what: str = "a drafter call"):
+    """``(fn(*inputs), ok)``: replayed from the kept :class:`CallGraph` ``key`` of ``store`` (its static outputs:
+    for a padded batch the caller reads its first rows), else run eagerly and captured over ``capture_inputs``
+    (default ``inputs``; e.g. padded to the batch's bucket) for the next call. ``ok`` is False when the capture
+    failed (with one warning): the caller then runs ``fn`` eagerly for the rest of the request."""
+    graph = store.get("calls", key)
+    if graph is not None:
+        return graph(*inputs), True
+    out = fn(*inputs)
+    try:
+        store.keep("calls", key, CallGraph(fn, inputs if capture_inputs is None else capture_inputs))
+    except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
+        warnings.warn(f"hf_specdec could not capture {what} as a CUDA graph ({error}); running it eagerly.",
+                      RuntimeWarning, stacklevel=3)
+        return out, False
+    return out, True
+
+
 def pad_rows(tensor: torch.Tensor, rows: int, value=0) -> torch.Tensor:
     """``tensor`` [batch, ...] padded with ``value`` to ``rows`` rows (itself when it has them)."""
     extra = rows - tensor.shape[0]

@@ -245,17 +245,53 @@ def test_fused_gemma4_blocks_on_cuda_give_transformers_greedy_tokens():
     assert torch.equal(model.generate(ids.cuda(), **kwargs), expected)  # the second call replays stored graphs
 
 
+def _bundled_on_cuda(*names):
+    """Fresh fp32 copies of bundled tiny models on the GPU (the session-wide ones stay on the CPU)."""
+    from hf_specdec.assets import asset_path
+
+    return [hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path(n), dtype=torch.float32).cuda() for n in names]
+
+
+def test_call_graph_replays_a_kept_graph_or_runs_eagerly_and_captures(monkeypatch):
+    """The drafters' graph calls: a kept graph replays with the call's inputs; otherwise ``fn`` runs eagerly,
+    and a graph is captured over the capture inputs; a failed capture warns and says so."""
+    from hf_specdec.generation import cuda_graphs
+    from hf_specdec.generation.cuda_graphs import GraphStore, call_graph
+
+    store, seen = GraphStore(), []
+
+    class FakeGraph:
+        def __init__(self, fn, inputs):
+            seen.append(("capture", [t.tolist() for t in inputs]))
+
+        def __call__(self, *inputs):
+            seen.append(("replay", [t.tolist() for t in inputs]))
+            return "replayed"
+
+    monkeypatch.setattr(cuda_graphs, "CallGraph", FakeGraph)
+    fn = lambda x: x * 2  # noqa: E731
+    out, ok = call_graph(store, ("k",), fn, [torch.tensor([1])], [torch.tensor([1, 0])])
+    assert ok and torch.equal(out, torch.tensor([2])) and seen == [("capture", [[1, 0]])]
+    assert call_graph(store, ("k",), fn, [torch.tensor([3])]) == ("replayed", True)
+    assert seen[-1] == ("replay", [[3]])
+
+    def broken(fn, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "CallGraph", broken)
+    with pytest.warns(RuntimeWarning, match="could not capture the thing"):
+        out, ok = call_graph(store, ("other",), fn, [torch.tensor([5])], what="the thing")
+    assert not ok and torch.equal(out, torch.tensor([10])) and ("calls", ("other",)) not in store._recency
+
+
 @cuda
 def test_batches_of_one_bucket_share_its_graphs_and_give_the_eager_tokens(monkeypatch):
     """Batches of 8, 5 and 6 replay the graphs of bucket 8 (the verify forward and Gemma 4 MTP's draft steps)
     and give the tokens of eager decoding. The batch of 5 after the batch of 8 also checks that the rows the
     larger batch left are reset: their stale slots would store K/V over this request's pages (fp32)."""
-    from hf_specdec.assets import asset_path
     from hf_specdec.generation.cuda_graphs import CUDA_GRAPHS_ENV
 
-    load = lambda name: hf_specdec.AutoModelForCausalLM.from_pretrained(  # noqa: E731
-        asset_path(name), dtype=torch.float32).cuda()
-    model, assistant = load("tiny-gemma4"), load("tiny-gemma4-assistant")
+    model, assistant = _bundled_on_cuda("tiny-gemma4", "tiny-gemma4-assistant")
     store = model._hf_specdec.graph_store
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, assistant_model=assistant,
                   num_speculative_tokens=3)
@@ -279,12 +315,9 @@ def test_dflash_block_and_context_graphs_give_the_eager_tokens(monkeypatch):
     """DFlash's greedy block forward and its context appends replay graphs of the batch's bucket (batches of
     4, then 3 in the same bucket: padding rows store no K/V), later requests replay them, and the tokens are
     those of eager drafting (fp32, bundled tiny family)."""
-    from hf_specdec.assets import asset_path
     from hf_specdec.generation.cuda_graphs import CUDA_GRAPHS_ENV
 
-    load = lambda name: hf_specdec.AutoModelForCausalLM.from_pretrained(  # noqa: E731
-        asset_path(name), dtype=torch.float32).cuda()
-    model, drafter = load("tiny-gemma4"), load("tiny-gemma4-dflash")
+    model, drafter = _bundled_on_cuda("tiny-gemma4", "tiny-gemma4-dflash")
     store = model._hf_specdec.graph_store
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, assistant_model=drafter,
                   num_speculative_tokens=4)
@@ -308,11 +341,7 @@ def test_sampled_mtp_draft_steps_replay_graphs_with_the_eager_tokens(monkeypatch
     """Sampled Gemma 4 MTP (temperature and top-k processors) replays one graph per draft step's forward and
     samples eagerly from its outputs: the same seed gives the tokens of eager drafting, at a full bucket (4
     rows) and a padded one (3 rows in the bucket of 4) (fp32, bundled tiny family)."""
-    from hf_specdec.assets import asset_path
-
-    load = lambda name: hf_specdec.AutoModelForCausalLM.from_pretrained(  # noqa: E731
-        asset_path(name), dtype=torch.float32).cuda()
-    model, assistant = load("tiny-gemma4"), load("tiny-gemma4-assistant")
+    model, assistant = _bundled_on_cuda("tiny-gemma4", "tiny-gemma4-assistant")
     store = model._hf_specdec.graph_store
     kwargs = dict(max_new_tokens=24, do_sample=True, temperature=0.9, top_k=40, eos_token_id=None, pad_token_id=0,
                   assistant_model=assistant, num_speculative_tokens=3)

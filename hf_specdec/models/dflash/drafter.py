@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 
 import torch
 
 from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
 from hf_specdec.cache.paged_cache import ForwardMeta
-from hf_specdec.generation.cuda_graphs import MAX_GRAPH_QUERY_LEN, CallGraph, batch_bucket, pad_rows, pad_table
+from hf_specdec.generation.cuda_graphs import MAX_GRAPH_QUERY_LEN, batch_bucket, call_graph, pad_rows, pad_table
 from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.kernels import paged_attention, store_kv
 
@@ -153,19 +152,10 @@ class PagedDFlashDrafter:
             pad_rows(meta.kv_lens, bucket), pad_rows(meta.q_pos0, bucket), pad_rows(meta.q_lens, bucket),
             pad_rows(meta.position_ids, bucket), *[pad_rows(m, bucket * meta.q_len, -1) for m in meta.slot_mapping],
             *[pad_rows(pad_table(t, self.table_width), bucket, -1) for t in meta.block_tables]]
-        graph = store.get("calls", key)
-        if graph is not None:
-            out = graph(*flat)
-            return None if out is None else out[:rows]
-        out = fn(*tensors, meta)
         run = functools.partial(self._with_meta, fn, len(tensors), meta.q_len, len(meta.slot_mapping))
-        try:
-            store.keep("calls", key, CallGraph(run, flat))
-        except Exception as error:  # noqa: BLE001 - any capture failure means: draft eagerly
-            self._graph_failed = True
-            warnings.warn(f"hf_specdec could not capture the DFlash {name} as a CUDA graph ({error}); running it "
-                          "eagerly.", RuntimeWarning, stacklevel=3)
-        return out
+        out, ok = call_graph(store, key, run, flat, what=f"the DFlash {name}")
+        self._graph_failed = not ok
+        return None if out is None else out[:rows]
 
     def _with_meta(self, fn, num_tensors, q_len, groups, *flat):
         """``fn(*tensors, meta)`` with the metadata rebuilt from ``flat`` (a graph's static inputs) and set as the

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
-from hf_specdec.generation.cuda_graphs import CallGraph, batch_bucket, pad_rows, pad_table
+from hf_specdec.generation.cuda_graphs import batch_bucket, call_graph, pad_rows, pad_table
 from hf_specdec.generation.fusion import stack_projections
 from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.kernels import use_triton
@@ -117,18 +116,10 @@ class Gemma4MTPDrafter:
         store = cache.graph_store
         key = ("gemma4_mtp_step", store.generation, id(self.assistant), id(self.embed), bucket,
                tuple(hidden.shape[1:]), cache.graph_table_width)
-        graph = store.get("calls", key)
-        if graph is None:
-            out = self._one_step(cache, layers, *inputs)
-            padded = [pad_rows(t, bucket, -1 if i >= 3 else 0) for i, t in enumerate(inputs)]  # tables: no page
-            try:
-                store.keep("calls", key, CallGraph(functools.partial(self._one_step, cache, layers), padded))
-            except Exception as error:  # noqa: BLE001 - any capture failure means: draft eagerly
-                self._graph_failed = True
-                warnings.warn(f"hf_specdec could not capture an MTP draft step as a CUDA graph ({error}); drafting "
-                              "eagerly.", RuntimeWarning, stacklevel=3)
-            return out
-        hidden_next, head = graph(*inputs)
+        padded = [pad_rows(t, bucket, -1 if i >= 3 else 0) for i, t in enumerate(inputs)]  # tables: no page
+        (hidden_next, head), ok = call_graph(store, key, functools.partial(self._one_step, cache, layers), inputs,
+                                             padded, "an MTP draft step")
+        self._graph_failed = not ok
         return hidden_next[:rows], head.rows(rows)
 
     def _one_step(self, cache, layers, tokens, hidden, positions, *tables):
@@ -171,19 +162,11 @@ class Gemma4MTPDrafter:
         # kept in the model's GraphStore: later requests of the same batch bucket and k replay it too
         key = ("gemma4_mtp", store.generation, id(self.assistant), id(self.embed), self.num_speculative_tokens,
                bucket, tuple(self.hidden.shape[1:]), cache.graph_table_width)
-        graph = store.get("calls", key)
-        if graph is not None:
-            return graph(*inputs)[:rows]
-        run = functools.partial(self._greedy_drafts, cache, layers)
-        drafts = run(*inputs)
         padded = [pad_rows(t, bucket, -1 if i >= 3 else 0) for i, t in enumerate(inputs)]  # tables: no page
-        try:
-            store.keep("calls", key, CallGraph(run, padded))
-        except Exception as error:  # noqa: BLE001 - any capture failure means: draft eagerly
-            self._graph_failed = True
-            warnings.warn(f"hf_specdec could not capture the MTP draft steps as a CUDA graph ({error}); drafting "
-                          "eagerly.", RuntimeWarning, stacklevel=2)
-        return drafts
+        drafts, ok = call_graph(store, key, functools.partial(self._greedy_drafts, cache, layers), inputs, padded,
+                                "the MTP draft steps")
+        self._graph_failed = not ok
+        return drafts[:rows]
 
     def _greedy_drafts(self, cache, layers, tokens, hidden, positions, *tables) -> torch.Tensor:
         kv_source = PagedTargetKVSource(cache, self.producers, positions, dict(zip(layers, tables)))
