@@ -120,13 +120,18 @@ class PagedKVCache(Cache):
                 )
             need = [cache_config.num_blocks] * len(layout.groups)
         storage = None
-        if storage_pool is not None and cache_config.num_blocks is None:
+        if storage_pool is not None:
             def allocate(blocks):
                 if cache_config.max_cache_tokens is None:
                     _check_memory(layout, blocks, bs, dtype, torch.device(device), cache_config.gpu_memory_fraction)
                 return allocate_storage(layout, blocks, bs, dtype, torch.device(device))
 
-            *storage, need = storage_pool.take_storage(layout, need, bs, dtype, device, allocate, storage_owner)
+            # with num_blocks the pool holds at least that many blocks (exactly that many when it allocates), and
+            # the request uses num_blocks of them: graphs captured over the pooled storage stay valid
+            fixed = cache_config.num_blocks is not None
+            *storage, have = storage_pool.take_storage(layout, need, bs, dtype, device, allocate, storage_owner,
+                                                       round_up=not fixed)
+            need = need if fixed else have
         elif cache_config.max_cache_tokens is None:
             _check_memory(layout, need, bs, dtype, torch.device(device), cache_config.gpu_memory_fraction)
         cache = cls(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device, storage=storage)

@@ -153,18 +153,19 @@ class GraphStore:
         """The target's pooled storage (key, blocks per group, k list, v list), or None."""
         return self.storages.get("target")
 
-    def take_storage(self, layout, need: list[int], block_size: int, dtype, device, allocate, owner: str = "target"):
+    def take_storage(self, layout, need: list[int], block_size: int, dtype, device, allocate, owner: str = "target",
+                     round_up: bool = True):
         """(k list, v list, blocks per group) with at least ``need[g]`` blocks each for ``owner`` (the target's
         cache, or a drafter's own): its pooled storage if it fits, else a new one from ``allocate(blocks)``
-        (power-of-two block counts, so growth is rare). A new storage drops every graph (they may write into
-        the old one); the other owners' storage stays pooled."""
+        (power-of-two block counts with ``round_up``, so growth is rare). A new storage drops every graph (they
+        may write into the old one); the other owners' storage stays pooled."""
         key = (_layout_key(layout), block_size, dtype, torch.device(device))
         pooled = self.storages.get(owner)
         if pooled is not None and pooled[0] == key and all(n <= have for n, have in zip(need, pooled[1])):
             return pooled[2], pooled[3], pooled[1]
         self.storages.pop(owner, None)  # freed with its graphs, before the new one is allocated
         self._drop_graphs()
-        blocks = [1 << max(0, n - 1).bit_length() for n in need]
+        blocks = [1 << max(0, n - 1).bit_length() for n in need] if round_up else list(need)
         try:
             k, v = allocate(blocks)
         except (torch.OutOfMemoryError, ValueError):
@@ -335,23 +336,31 @@ class CallGraph:
         return self.outputs
 
 
-def call_graph(store: GraphStore, key: tuple, fn, inputs: list[torch.Tensor],
-               capture_inputs: list[torch.Tensor] | None = None, what: str = "a drafter call"):
+def call_graph(store: GraphStore, key: tuple, fn, inputs: list[torch.Tensor], capture_inputs=None,
+               what: str = "a drafter call"):
     """``(fn(*inputs), ok)``: replayed from the kept :class:`CallGraph` ``key`` of ``store`` (its static outputs:
-    for a padded batch the caller reads its first rows), else run eagerly and captured over ``capture_inputs``
-    (default ``inputs``; e.g. padded to the batch's bucket) for the next call. ``ok`` is False when the capture
-    failed (with one warning): the caller then runs ``fn`` eagerly for the rest of the request."""
+    for a padded batch the caller reads its first rows), else run eagerly and captured over
+    ``capture_inputs(inputs)`` (default: ``inputs``; e.g. padded to the batch's bucket, built only when
+    capturing) for the next call. ``ok`` is False when the capture failed (with one warning): the caller then
+    runs ``fn`` eagerly for the rest of the request."""
     graph = store.get("calls", key)
     if graph is not None:
         return graph(*inputs), True
     out = fn(*inputs)
     try:
-        store.keep("calls", key, CallGraph(fn, inputs if capture_inputs is None else capture_inputs))
+        store.keep("calls", key, CallGraph(fn, inputs if capture_inputs is None else capture_inputs(inputs)))
     except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
         warnings.warn(f"hf_specdec could not capture {what} as a CUDA graph ({error}); running it eagerly.",
                       RuntimeWarning, stacklevel=3)
         return out, False
     return out, True
+
+
+def drafter_graphs_on(cache) -> bool:
+    """Whether a drafter reading ``cache`` replays CUDA graphs: the target's request uses them and the model's
+    graphs were not switched off by a failed capture."""
+    store = getattr(cache, "graph_store", None)
+    return cache.graph_table_width is not None and store is not None and store.disabled_reason is None
 
 
 def pad_rows(tensor: torch.Tensor, rows: int, value=0) -> torch.Tensor:

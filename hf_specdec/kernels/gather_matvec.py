@@ -89,7 +89,8 @@ def _centroid_candidates_kernel(
     # complement of the index below them: one max per pick finds the best score, ties to the lower index.
     # Taken and padding entries get the smallest key, below every score, so each pick is a new centroid.
     bits = x.to(tl.int32, bitcast=True)
-    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = tl.where(x != x, 0x7FC00000, key).to(tl.int64)  # every NaN (either sign) as the positive quiet NaN
     packed = (key << 32) | (BLOCK_C - 1 - cols).to(tl.int64)
     lowest = -9223372036854775807 - 1
     packed = tl.where(cols < num_centroids, packed, lowest)

@@ -35,6 +35,28 @@ def test_num_blocks_too_small_is_refused_up_front():
     assert _request(CacheConfig(block_size=4, num_blocks=27)).manager.pools[0].num_blocks == 27
 
 
+def test_a_pooled_storage_serves_requests_with_a_fixed_num_blocks():
+    """CUDA graphs write into the storage they were captured over, so requests of a model with graphs take
+    their K/V storage from its pool; with num_blocks set the pool allocates exactly that many blocks (no
+    power-of-two rounding past the user's bound) and every request uses num_blocks of them."""
+    from hf_specdec.generation.cuda_graphs import GraphStore
+
+    store = GraphStore()
+    config = CacheConfig(block_size=4, num_blocks=27)
+    first = PagedKVCache.for_request(LAYOUT, config, [20, 9], 30, 4, dtype=torch.float32, device="cpu",
+                                     storage_pool=store)
+    assert [k.shape[1] for k in first.k_storage] == [27, 27] and first.manager.pools[0].num_blocks == 27
+    first.free()
+    second = PagedKVCache.for_request(LAYOUT, config, [5], 10, 4, dtype=torch.float32, device="cpu",
+                                      storage_pool=store)
+    assert all(a is b for a, b in zip(second.k_storage, first.k_storage))  # the same tensors: graphs stay valid
+    assert second.manager.pools[0].num_blocks == 27
+    unfixed = PagedKVCache.for_request(LAYOUT, CacheConfig(block_size=4), [5], 10, 4, dtype=torch.float32,
+                                       device="cpu", storage_pool=store)
+    assert all(a is b for a, b in zip(unfixed.k_storage, first.k_storage))  # fits: reused, all 27 blocks usable
+    assert unfixed.manager.pools[0].num_blocks == 27
+
+
 def test_cuda_memory_budget_bounds_a_request(monkeypatch):
     """gpu_memory_fraction applies where free_device_memory knows the device (CUDA); here it is faked."""
     sized = _request(CacheConfig(block_size=4))

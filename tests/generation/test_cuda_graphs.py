@@ -270,7 +270,7 @@ def test_call_graph_replays_a_kept_graph_or_runs_eagerly_and_captures(monkeypatc
 
     monkeypatch.setattr(cuda_graphs, "CallGraph", FakeGraph)
     fn = lambda x: x * 2  # noqa: E731
-    out, ok = call_graph(store, ("k",), fn, [torch.tensor([1])], [torch.tensor([1, 0])])
+    out, ok = call_graph(store, ("k",), fn, [torch.tensor([1])], lambda inputs: [torch.cat([*inputs, inputs[0] * 0])])
     assert ok and torch.equal(out, torch.tensor([2])) and seen == [("capture", [[1, 0]])]
     assert call_graph(store, ("k",), fn, [torch.tensor([3])]) == ("replayed", True)
     assert seen[-1] == ("replay", [[3]])
@@ -305,8 +305,11 @@ def test_batches_of_one_bucket_share_its_graphs_and_give_the_eager_tokens(monkey
             captured = keys
             assert any(key[0] == "gemma4_mtp" for key in store.calls), "the draft steps were captured"
         assert keys == captured  # the same graphs replayed, none captured for 5 or 6 rows
+        forwards = hf_specdec.last_generation_stats(model).num_target_forwards
         monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
         assert torch.equal(graphed, model.generate(ids, attention_mask=mask, **kwargs))
+        # greedy output is the target's whatever the drafts; the same drafts also take the same verify steps
+        assert hf_specdec.last_generation_stats(model).num_target_forwards == forwards
         monkeypatch.delenv(CUDA_GRAPHS_ENV)
 
 
@@ -331,8 +334,11 @@ def test_dflash_block_and_context_graphs_give_the_eager_tokens(monkeypatch):
             captured = set(store.calls)
             assert {("dflash", "block"), ("dflash", "context")} <= calls
         assert set(store.calls) == captured  # replayed, nothing captured for 3 rows or the repeated request
+        forwards = hf_specdec.last_generation_stats(model).num_target_forwards
         monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
         assert torch.equal(graphed, model.generate(ids, attention_mask=mask, **kwargs))
+        # greedy output is the target's whatever the drafts; the same drafts also take the same verify steps
+        assert hf_specdec.last_generation_stats(model).num_target_forwards == forwards
         monkeypatch.delenv(CUDA_GRAPHS_ENV)
 
 

@@ -88,14 +88,17 @@ def test_triton_centroid_candidates_are_the_top_centroids_tokens(triton_device, 
 
 def test_triton_centroid_candidates_ties_nan_and_inf_give_distinct_centroids(triton_device):
     ordering = torch.arange(16 * 4).to(triton_device)
-    scores = torch.zeros(2, 16)
+    scores = torch.zeros(3, 16)
     scores[0, 3], scores[0, 9] = float("inf"), float("nan")  # NaN ranks first, as torch.topk ranks it
     scores[1] = float("-inf")
+    scores[2, 5] = torch.tensor([-4194304], dtype=torch.int32).view(torch.float32)  # a NaN with the sign bit set
+    scores[2, 7] = float("-inf")
     got = centroid_candidates(scores.to(triton_device), ordering, 4).cpu()
-    picked = got.view(2, 4, 4)[:, :, 0] // 4  # the centroid of each block of 4 ids
+    picked = got.view(3, 4, 4)[:, :, 0] // 4  # the centroid of each block of 4 ids
     assert picked[0].tolist() == [9, 3, 0, 1]  # then the zeros, ties to the lower index
     assert picked[1].tolist() == [0, 1, 2, 3]
-    assert torch.equal(got.view(2, 4, 4), (picked[:, :, None] * 4 + torch.arange(4)))
+    assert picked[2].tolist() == [5, 0, 1, 2]
+    assert torch.equal(got.view(3, 4, 4), (picked[:, :, None] * 4 + torch.arange(4)))
 
 
 def test_centroid_candidates_bad_input_names_the_fix():

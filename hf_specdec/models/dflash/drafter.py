@@ -32,7 +32,14 @@ import torch
 
 from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
 from hf_specdec.cache.paged_cache import ForwardMeta
-from hf_specdec.generation.cuda_graphs import MAX_GRAPH_QUERY_LEN, batch_bucket, call_graph, pad_rows, pad_table
+from hf_specdec.generation.cuda_graphs import (
+    MAX_GRAPH_QUERY_LEN,
+    batch_bucket,
+    call_graph,
+    drafter_graphs_on,
+    pad_rows,
+    pad_table,
+)
 from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.kernels import paged_attention, store_kv
 
@@ -98,7 +105,8 @@ class PagedDFlashDrafter:
 
     def begin(self, cache, captured, prompt_lens):
         # graphs where the target's cache has them (CUDA, switched on): kept in the target model's GraphStore
-        self.graph_store, self.table_width = cache.graph_store, cache.graph_table_width
+        self.graph_store = cache.graph_store if drafter_graphs_on(cache) else None
+        self.table_width = cache.graph_table_width
         self._graph_failed = False
         self.cache = PagedKVCache.for_request(
             self.layout, cache.cache_config, prompt_lens, cache.max_new_tokens, self.num_speculative_tokens + 1,
@@ -140,7 +148,7 @@ class PagedDFlashDrafter:
         graph of the batch's bucket when graphs are on: captured at its first call (after an eager run of the
         same inputs), keyed by what fixes its shapes. A failed capture leaves the request eager."""
         store = self.graph_store
-        if store is None or self._graph_failed or meta.q_len > MAX_GRAPH_QUERY_LEN:
+        if store is None or store.disabled_reason is not None or self._graph_failed or meta.q_len > MAX_GRAPH_QUERY_LEN:
             return fn(*tensors, meta)
         rows = meta.kv_lens.shape[0]
         bucket = batch_bucket(rows)

@@ -173,15 +173,18 @@ class AssistantDecoderLayer(nn.Module):
         self.gelu_tanh = config.hidden_activation == "gelu_pytorch_tanh"  # the MLP's act_fn: gelu_tanh_mul fuses it
 
     def forward(self, hidden_states, position_embeddings, kv_source: TargetKVSource) -> torch.Tensor:
-        """The block as transformers writes it (training, hooks); drafting runs :meth:`fused_forward`."""
-        attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, kv_source)
-        hidden_states = hidden_states + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
-        hidden_states = hidden_states + self.post_feedforward_layernorm(mlp)
-        return hidden_states * self.layer_scalar
+        if needs_grad(hidden_states):  # training: the torch ops (the kernels below have no backward)
+            attn = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, kv_source)
+            hidden_states = hidden_states + self.post_attention_layernorm(attn)
+            mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+            hidden_states = hidden_states + self.post_feedforward_layernorm(mlp)
+            return hidden_states * self.layer_scalar
+        norm = self.input_layernorm
+        return self.fused_forward(hidden_states, rms_norm(hidden_states, norm.weight, norm.eps), position_embeddings,
+                                  kv_source)[0]
 
     def fused_forward(self, hidden_states, normed, position_embeddings, kv_source: TargetKVSource,
-                      next_norm: Gemma4RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+                      next_norm: Gemma4RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafting: (the block's output, ``next_norm`` of it) from the input and its input norm ``normed``,
         with the norm/residual seams fused (:func:`norm_add`, torch's ops on CPU). The last seam also applies
         the norm that reads the block's output next (the next block's input norm, or the final norm), so no
@@ -195,7 +198,8 @@ class AssistantDecoderLayer(nn.Module):
         mlp_out = (mlp.down_proj(gelu_tanh_mul(*stacked_projections(mlp_in, mlp.gate_proj, mlp.up_proj)))
                    if self.gelu_tanh else mlp(mlp_in))
         return norm_add(mlp_out, hidden_states, post.weight, post.eps, scale=self.layer_scalar,
-                        next_weight=next_norm.weight, next_eps=next_norm.eps)
+                        next_weight=None if next_norm is None else next_norm.weight,
+                        next_eps=None if next_norm is None else next_norm.eps)
 
 
 class AssistantBackbone(nn.Module):
@@ -223,16 +227,23 @@ class AssistantBackbone(nn.Module):
         if rope is None:
             rope = self.rope_tables(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
-        if needs_grad(hidden_states):  # training: the torch ops (the kernels have no backward)
+        if needs_grad(hidden_states) or not self.layers or any(_hooked(layer) for layer in self.layers):
+            # training (the torch ops: the kernels have no backward), or layers with hooks (e.g. accelerate's
+            # offloading), which must see each layer's call: one call per layer
             for layer in self.layers:
                 hidden_states = layer(hidden_states, rope[layer.layer_type], kv_source)
-            return self.norm(hidden_states)
+            norm = self.norm
+            return norm(hidden_states) if needs_grad(hidden_states) else rms_norm(hidden_states, norm.weight, norm.eps)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         normed = rms_norm(hidden_states, self.layers[0].input_layernorm.weight, self.layers[0].input_layernorm.eps)
         for layer, next_norm in zip(self.layers, norms):
             hidden_states, normed = layer.fused_forward(hidden_states, normed, rope[layer.layer_type], kv_source,
                                                         next_norm)
         return normed
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
-from hf_specdec.generation.cuda_graphs import batch_bucket, call_graph, pad_rows, pad_table
+from hf_specdec.generation.cuda_graphs import batch_bucket, call_graph, drafter_graphs_on, pad_rows, pad_table
 from hf_specdec.generation.fusion import stack_projections
 from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.kernels import use_triton
@@ -107,7 +107,7 @@ class Gemma4MTPDrafter:
     def _step(self, cache, layers, tokens, hidden, positions, tables):
         """One draft step -> (hidden_next, head): eagerly, or replayed from a CUDA graph of the batch's bucket
         (its outputs are the graph's buffers, rewritten by the next replay: read them before it)."""
-        if cache.graph_table_width is None or self._graph_failed:
+        if not drafter_graphs_on(cache) or self._graph_failed:
             return self._one_step(cache, layers, tokens, hidden, positions, *tables)
         tables = [pad_table(t, cache.graph_table_width) for t in tables]
         inputs = [tokens, hidden, positions, *tables]
@@ -116,9 +116,8 @@ class Gemma4MTPDrafter:
         store = cache.graph_store
         key = ("gemma4_mtp_step", store.generation, id(self.assistant), id(self.embed), bucket,
                tuple(hidden.shape[1:]), cache.graph_table_width)
-        padded = [pad_rows(t, bucket, -1 if i >= 3 else 0) for i, t in enumerate(inputs)]  # tables: no page
         (hidden_next, head), ok = call_graph(store, key, functools.partial(self._one_step, cache, layers), inputs,
-                                             padded, "an MTP draft step")
+                                             functools.partial(_padded, bucket), "an MTP draft step")
         self._graph_failed = not ok
         return hidden_next[:rows], head.rows(rows)
 
@@ -143,7 +142,7 @@ class Gemma4MTPDrafter:
         return DraftProposal(self._greedy(next_tokens, positions, cache), None)
 
     def _greedy(self, last_tokens, positions, cache) -> torch.Tensor:
-        if cache.graph_table_width is not None and not self._graph_failed:
+        if drafter_graphs_on(cache) and not self._graph_failed:
             return self._graphed_greedy_drafts(last_tokens, positions, cache)
         layers = sorted(set(self.producers.values()))
         return self._greedy_drafts(cache, layers, last_tokens, self.hidden, positions,
@@ -152,7 +151,7 @@ class Gemma4MTPDrafter:
     def _graphed_greedy_drafts(self, last_tokens, positions, cache) -> torch.Tensor:
         """Greedy drafts [batch, k] of all k steps in one CUDA-graph replay, captured for the batch's bucket
         (at the first round, after an eager run of the same function; a failed capture leaves the request
-        eager). Padding rows draft at position 0 over no pages; they read only and their drafts are dropped."""
+        eager); see ``_padded`` for the padding rows."""
         layers = sorted(set(self.producers.values()))
         tables = [pad_table(cache.context_pages(layer)[2], cache.graph_table_width) for layer in layers]
         inputs = [last_tokens, self.hidden, positions, *tables]
@@ -162,9 +161,8 @@ class Gemma4MTPDrafter:
         # kept in the model's GraphStore: later requests of the same batch bucket and k replay it too
         key = ("gemma4_mtp", store.generation, id(self.assistant), id(self.embed), self.num_speculative_tokens,
                bucket, tuple(self.hidden.shape[1:]), cache.graph_table_width)
-        padded = [pad_rows(t, bucket, -1 if i >= 3 else 0) for i, t in enumerate(inputs)]  # tables: no page
-        drafts, ok = call_graph(store, key, functools.partial(self._greedy_drafts, cache, layers), inputs, padded,
-                                "the MTP draft steps")
+        drafts, ok = call_graph(store, key, functools.partial(self._greedy_drafts, cache, layers), inputs,
+                                functools.partial(_padded, bucket), "the MTP draft steps")
         self._graph_failed = not ok
         return drafts[:rows]
 
@@ -190,6 +188,14 @@ class Gemma4MTPDrafter:
         """The next round's hidden state: the verify's final-normed state at each row's last accepted slot."""
         index = num_accepted[:, None, None].expand(-1, 1, captured.hidden.shape[-1])
         self.hidden = captured.hidden.gather(1, index).squeeze(1)
+
+
+def _padded(bucket: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A draft graph's inputs (tokens, hidden, positions, block tables...) padded to ``bucket`` rows: padding rows
+    draft token 0 at position 0 over no pages (they only read, and their drafts are dropped). A smaller batch
+    replaying the graph later fills the first rows; the rows past it keep an earlier call's inputs, which are
+    only read too."""
+    return [pad_rows(t, bucket, -1 if i >= 3 else 0) for i, t in enumerate(inputs)]
 
 
 def _final_norm(target) -> torch.nn.Module:

@@ -183,3 +183,30 @@ def test_drafts_queued_before_the_sync_are_the_drafts_after_the_commit(monkeypat
     assert queued > 0 and min(taus) > 1.5  # the first run drafted ahead, and its drafts were mostly accepted
     assert all(torch.equal(a, b) for a, b in zip(outs_a, outs_b))
     assert len(drafts_a) == len(drafts_b) and all(torch.equal(a, b) for a, b in zip(drafts_a, drafts_b))
+
+
+def test_hooks_on_assistant_layers_see_every_draft_step():
+    """Drafting folds each assistant block's input norm into the previous block's last seam, which calls the
+    blocks' fused forward directly; a block with a hook (e.g. accelerate's offloading) is called as a module
+    instead: the hook sees every draft step, and the drafts are the same (same target forwards)."""
+    import transformers
+
+    from hf_specdec.assets import asset_path, held_out_snippets
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4"), dtype=torch.float32)
+    assistant = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-assistant"),
+                                                                dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(asset_path("tiny-gemma4"))
+    hf_specdec.enable(target)
+    ids = tokenizer(held_out_snippets()[0]["text"][:160], return_tensors="pt").input_ids
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, assistant_model=assistant,
+                  num_speculative_tokens=3)
+    runs, calls = [], []
+    for hooked in (False, True):
+        if hooked:
+            assistant.model.layers[1].register_forward_hook(lambda module, args, out: calls.append(out.shape))
+        out = target.generate(ids, **kwargs)
+        runs.append((out, hf_specdec.last_generation_stats(target).num_target_forwards))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1] < 20
+    # every draft step of every round: one round per verify (and maybe one queued ahead after the last)
+    assert len(calls) % 3 == 0 and 3 * (runs[1][1] - 1) <= len(calls) <= 3 * runs[1][1]
