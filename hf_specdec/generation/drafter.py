@@ -83,3 +83,27 @@ class DraftSelector:
         probs = torch.softmax(logits[:, 0], dim=-1)
         token = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         return token, probs
+
+    def select_block(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [batch, k] (and q [batch, k, vocab] when sampling) for ``logits`` [batch, k, vocab] of k draft
+        positions that one forward gave (a block drafter). Without history-dependent processors no position's
+        distribution depends on the drafts before it, so all k are scored, normalised and sampled in one call
+        each; a history-dependent processor (e.g. a repetition penalty) sees each draft's prefix, position by
+        position, as :meth:`select` does."""
+        batch, k, vocab = logits.shape
+        if not self.do_sample and not self.scorer.processors:
+            return logits.argmax(dim=-1), None
+        if not self.scorer.history_free:
+            drafted, probs = torch.zeros(batch, 0, dtype=torch.long, device=logits.device), []
+            for j in range(k):
+                token, q = self.select(logits[:, j], drafted)
+                drafted = torch.cat([drafted, token[:, None]], dim=1)
+                probs.append(q)
+            return drafted, None if probs[0] is None else torch.stack(probs, dim=1)
+        scores = self.scorer.score(self.prefixes, torch.zeros(batch, 0, dtype=torch.long, device=logits.device),
+                                   logits.float())
+        if not self.do_sample:
+            return scores.argmax(dim=-1), None
+        probs = torch.softmax(scores, dim=-1)
+        tokens = torch.multinomial(probs.view(-1, vocab), 1, generator=self.generator).view(batch, k)
+        return tokens, probs

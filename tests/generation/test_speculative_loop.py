@@ -152,3 +152,40 @@ def test_row_prefixes_reach_the_device_only_when_read(monkeypatch):
     assert len(prefixes) == 2
     assert [p.tolist() for p in prefixes] == [[0, 5, 6, 11, 12], [7, 8, 9, 13, 14]]
     assert prefixes[1].tolist() == [7, 8, 9, 13, 14] and len(calls) == 1
+
+
+def test_a_block_of_draft_logits_is_selected_as_position_by_position():
+    """select_block (a block drafter's k positions from one forward) gives what select gives position by
+    position: the same greedy tokens with and without processors (a repetition penalty sees each draft's
+    prefix), and when sampling with history-free processors the same q at every position, tokens from it."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
+    from transformers import TopKLogitsWarper
+
+    from hf_specdec.generation.drafter import DraftSelector
+    from hf_specdec.generation.sampling import PositionScorer
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 40, generator=gen)
+    logits[:, 1:, 7] = logits.amax() + 0.5  # positions 1.. prefer token 7, which a penalty pushes down once drafted
+    prefixes = [torch.randint(40, (n,), generator=gen) for n in (4, 6, 2)]
+
+    def by_position(selector):
+        drafted, probs = torch.zeros(3, 0, dtype=torch.long), []
+        for j in range(5):
+            token, q = selector.select(logits[:, j], drafted)
+            drafted, probs = torch.cat([drafted, token[:, None]], dim=1), probs + [q]
+        return drafted, probs
+
+    for processors in ([], [TemperatureLogitsWarper(0.7)], [RepetitionPenaltyLogitsProcessor(50.0)]):
+        selector = DraftSelector(False, PositionScorer(LogitsProcessorList(processors)), 40, prefixes)
+        tokens, q = selector.select_block(logits)
+        assert q is None and torch.equal(tokens, by_position(selector)[0])
+    penalised = DraftSelector(False, PositionScorer(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(50.0)])),
+                              40, prefixes).select_block(logits)[0]
+    assert not (penalised[:, 2:] == 7).all()  # the penalty saw the drafts before each position
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)])
+    selector = DraftSelector(True, PositionScorer(warpers), 40, prefixes, torch.Generator().manual_seed(1))
+    tokens, q = selector.select_block(logits)
+    _, expected = by_position(selector)
+    assert tokens.shape == (3, 5) and torch.allclose(q, torch.stack(expected, dim=1))
+    assert (q.gather(-1, tokens[..., None]) > 0).all() and ((q > 0).sum(-1) == 5).all()  # from the top-5 support

@@ -126,12 +126,7 @@ class PagedDFlashDrafter:
             logits = self._block_logits(last_tokens, meta)  # [batch, k, vocab]
         finally:
             self.cache.commit(lens)  # drop the block: the context keeps accepted tokens only
-        drafted, probs = last_tokens[:, None][:, :0], []
-        for j in range(k):
-            token, q = selector.select(logits[:, j], drafted)
-            drafted = torch.cat([drafted, token[:, None]], dim=1)
-            probs.append(q)
-        return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
+        return DraftProposal(*selector.select_block(logits))
 
     def _block_logits(self, last_tokens, meta) -> torch.Tensor:
         """The drafts' logits [batch, k, vocab] of one block forward (its K/V stored in the block's slots)."""
