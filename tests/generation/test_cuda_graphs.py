@@ -289,28 +289,32 @@ def test_batches_of_one_bucket_share_its_graphs_and_give_the_eager_tokens(monkey
     """Batches of 8, 5 and 6 replay the graphs of bucket 8 (the verify forward and Gemma 4 MTP's draft steps)
     and give the tokens of eager decoding. The batch of 5 after the batch of 8 also checks that the rows the
     larger batch left are reset: their stale slots would store K/V over this request's pages (fp32)."""
-    from hf_specdec.generation.cuda_graphs import CUDA_GRAPHS_ENV
-
     model, assistant = _bundled_on_cuda("tiny-gemma4", "tiny-gemma4-assistant")
     store = model._hf_specdec.graph_store
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, assistant_model=assistant,
                   num_speculative_tokens=3)
     captured = None
     for seed, lengths in enumerate(([12, 3, 9, 6, 4, 7, 10, 5], [12, 3, 9, 6, 4], [5, 9, 3, 8, 2, 11])):
-        ids, mask = left_padded_batch(lengths, vocab=200, seed=seed)
-        ids, mask = ids.cuda(), mask.cuda()
-        graphed = model.generate(ids, attention_mask=mask, **kwargs)
+        _assert_graphs_give_eager_drafts(model, lengths, seed, kwargs, monkeypatch)
         keys = (set(store.graphs), set(store.calls))
         if captured is None:
             captured = keys
             assert any(key[0] == "gemma4_mtp" for key in store.calls), "the draft steps were captured"
         assert keys == captured  # the same graphs replayed, none captured for 5 or 6 rows
-        forwards = hf_specdec.last_generation_stats(model).num_target_forwards
-        monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
+
+
+def _assert_graphs_give_eager_drafts(model, lengths, seed, kwargs, monkeypatch):
+    """Greedy speculative decoding of a random left-padded batch with graphs, then eagerly: the same tokens and
+    the same number of target forwards (greedy output is the target's whatever the drafts; the same drafts
+    also take the same verify steps)."""
+    ids, mask = left_padded_batch(lengths, vocab=200, seed=seed)
+    ids, mask = ids.cuda(), mask.cuda()
+    graphed = model.generate(ids, attention_mask=mask, **kwargs)
+    forwards = hf_specdec.last_generation_stats(model).num_target_forwards
+    with monkeypatch.context() as patch:
+        patch.setenv(CUDA_GRAPHS_ENV, "0")
         assert torch.equal(graphed, model.generate(ids, attention_mask=mask, **kwargs))
-        # greedy output is the target's whatever the drafts; the same drafts also take the same verify steps
-        assert hf_specdec.last_generation_stats(model).num_target_forwards == forwards
-        monkeypatch.delenv(CUDA_GRAPHS_ENV)
+    assert hf_specdec.last_generation_stats(model).num_target_forwards == forwards
 
 
 @cuda
@@ -318,28 +322,17 @@ def test_dflash_block_and_context_graphs_give_the_eager_tokens(monkeypatch):
     """DFlash's greedy block forward and its context appends replay graphs of the batch's bucket (batches of
     4, then 3 in the same bucket: padding rows store no K/V), later requests replay them, and the tokens are
     those of eager drafting (fp32, bundled tiny family)."""
-    from hf_specdec.generation.cuda_graphs import CUDA_GRAPHS_ENV
-
     model, drafter = _bundled_on_cuda("tiny-gemma4", "tiny-gemma4-dflash")
     store = model._hf_specdec.graph_store
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, assistant_model=drafter,
                   num_speculative_tokens=4)
     captured = None
     for seed, lengths in enumerate(([12, 3, 9, 6], [5, 10, 7], [12, 3, 9, 6])):
-        ids, mask = left_padded_batch(lengths, vocab=200, seed=seed)
-        ids, mask = ids.cuda(), mask.cuda()
-        graphed = model.generate(ids, attention_mask=mask, **kwargs)
-        calls = {key[:2] for key in store.calls}
+        _assert_graphs_give_eager_drafts(model, lengths, seed, kwargs, monkeypatch)
         if captured is None:
             captured = set(store.calls)
-            assert {("dflash", "block"), ("dflash", "context")} <= calls
+            assert {("dflash", "block"), ("dflash", "context")} <= {key[:2] for key in store.calls}
         assert set(store.calls) == captured  # replayed, nothing captured for 3 rows or the repeated request
-        forwards = hf_specdec.last_generation_stats(model).num_target_forwards
-        monkeypatch.setenv(CUDA_GRAPHS_ENV, "0")
-        assert torch.equal(graphed, model.generate(ids, attention_mask=mask, **kwargs))
-        # greedy output is the target's whatever the drafts; the same drafts also take the same verify steps
-        assert hf_specdec.last_generation_stats(model).num_target_forwards == forwards
-        monkeypatch.delenv(CUDA_GRAPHS_ENV)
 
 
 @cuda
