@@ -96,6 +96,8 @@ class Gemma4MTPDrafter:
         # (processors are arbitrary host code, and q is needed per step)
         layers = sorted(set(self.producers.values()))
         tables = [cache.context_pages(layer)[2] for layer in layers]
+        if drafter_graphs_on(cache):  # the graphs' width, once for the k steps (-1 columns: no page)
+            tables = [pad_table(t, cache.graph_table_width) for t in tables]
         tokens, hidden, drafted, probs = last_tokens, self.hidden, last_tokens[:, None][:, :0], []
         for _ in range(self.num_speculative_tokens):
             hidden, head = self._step(cache, layers, tokens, hidden, positions, tables)
@@ -109,8 +111,7 @@ class Gemma4MTPDrafter:
         (its outputs are the graph's buffers, rewritten by the next replay: read them before it)."""
         if not drafter_graphs_on(cache) or self._graph_failed:
             return self._one_step(cache, layers, tokens, hidden, positions, *tables)
-        tables = [pad_table(t, cache.graph_table_width) for t in tables]
-        inputs = [tokens, hidden, positions, *tables]
+        inputs = [tokens, hidden, positions, *tables]  # tables padded to the graphs' width by propose
         rows = tokens.shape[0]
         bucket = batch_bucket(rows)
         store = cache.graph_store
