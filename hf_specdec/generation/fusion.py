@@ -5,10 +5,11 @@ tiny kernels in eager torch, the rotary embedding of q and k as ~10 more, and th
 more; those launches cost ~20% of a step even inside a CUDA graph. ``enable`` swaps the ``forward`` of
 such modules, on that model's instances only, for fused kernels with the same arithmetic: Gemma 4 norms
 (one kernel each), attention (q/k/v norms and rotary in one kernel), decoder layers (post-norm, residual
-add, layer scalar and the next pre-norm in one kernel) and MLPs (activation and gate product in one). Each fused forward checks at ``enable`` that the
-module has what it reads, and runs the module's own forward on CPU and for the variants it does not cover
-(KV-shared layers, MoE and per-layer-input blocks), and whenever autograd tracks the input (the kernels
-have no backward).
+add, layer scalar and the next pre-norm in one kernel), MLPs (activation and gate product in one), and
+bias-free linear layers (a GEMM for a few rows that streams the weights faster than cuBLAS does). Each
+fused forward checks at ``enable`` that the module has what it reads, and runs the module's own forward on
+CPU and for the variants it does not cover (KV-shared layers, MoE and per-layer-input blocks), and whenever
+autograd tracks the input (the kernels have no backward).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hf_specdec.kernels._dispatch import needs_grad
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
+from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import stack_weights, stacked_projections
 
 
@@ -121,8 +123,16 @@ def _fusible_gemma4_attention(module) -> bool:
             and hasattr(sys.modules[type(module).__module__], "eager_attention_forward"))
 
 
+def _fusible_linear(module) -> bool:
+    """Bias-free ``nn.Linear`` layers on a device where the kernels run take :func:`skinny_linear` for the few
+    rows of decode and verify steps (o_proj, down_proj, the LM head; stacked projections already do)."""
+    return (type(module) is torch.nn.Linear and module.bias is None and not getattr(module, "_hf_hook", None)
+            and isinstance(module.weight, torch.Tensor) and use_triton(module.weight))
+
+
 # class name -> (fused forward, test of the instance) (names, so that no model package is imported here)
 FUSED_FORWARDS = {
+    "Linear": (linear_forward, _fusible_linear),
     "Gemma4RMSNorm": (_gemma_rms_norm_forward, lambda module: True),
     "Gemma4TextAttention": (_gemma4_attention_forward, _fusible_gemma4_attention),
     "Gemma4TextDecoderLayer": (_gemma4_decoder_layer_forward, _fusible_gemma4_decoder_layer),

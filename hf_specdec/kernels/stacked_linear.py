@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from .skinny_gemm import skinny_linear
 
 
 def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
@@ -68,7 +69,7 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Ten
     weight = stacked_weight(*linears)
     if weight is None:
         return tuple(linear(x) for linear in linears)
-    return F.linear(x, weight).split([linear.weight.shape[0] for linear in linears], dim=-1)
+    return skinny_linear(x, weight).split([linear.weight.shape[0] for linear in linears], dim=-1)
 
 
 def _plain_linear(module) -> bool:

@@ -1,0 +1,98 @@
+"""skinny_linear: ``x @ weight.T`` for a few rows (decode, verify and draft steps) at the weights' streaming rate.
+
+A decode or verify step multiplies 1-16 rows by each weight matrix, so its GEMMs are bound by reading the
+weights once. On an H100 cuBLAS streams the Gemma-4-31B shapes at 2.4-2.85 TB/s (a device copy moves 3.0);
+this kernel streams them at 2.85-3.1 (``docs/perf_log.md``, session 7): each program owns ``BLOCK_N`` output
+columns, walks the whole K dimension in ``BLOCK_K`` tiles through a deep software pipeline, and multiplies
+the rows, padded to 16, on the tensor cores. No split-K, so no reduction kernel and no memset.
+
+Every row is computed by the same program with the same K order whatever the number of rows (1-16), so a
+row's result does not depend on the batch: a verify step's logits equal a decode step's, bit for bit. fp32
+weights keep the torch GEMM (the tensor cores would round them to tf32), as do wide inputs (prefill) and
+anything autograd tracks.
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import needs_grad, tl, triton, use_triton
+
+# HF_SPECDEC_SKINNY_GEMM=0 keeps cuBLAS for every shape (read at import), e.g. to compare the two
+ENABLED = os.environ.get("HF_SPECDEC_SKINNY_GEMM", "1") != "0"
+MAX_ROWS = 16
+# smaller weights are launch- rather than bandwidth-bound; cuBLAS stays (see the perf log)
+MIN_WEIGHT_BYTES = 48 << 20
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    col_ok = cols < N
+    row_ok = rows < M
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        # the weights are read once: keep them from evicting the rows (and everything else) from L2
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def config_for(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a ``[n, k]`` weight, from the H100 sweep of the perf log."""
+    if n >= 65536:  # LM heads: many programs already, longer K tiles
+        return 32, 512, 4, 4
+    return 64, 256, 4, 4
+
+
+def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`skinny_linear` runs the kernel for these arguments (else ``F.linear``)."""
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        return False
+    rows = x.numel() // max(1, x.shape[-1])
+    return (ENABLED and use_triton(x) and x.device == weight.device and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and 0 < rows <= MAX_ROWS and weight.stride(1) == 1
+            and weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
+            and not needs_grad(x) and not needs_grad(weight))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias): the kernel when :func:`skinny_eligible`, else torch."""
+    if not skinny_eligible(x, weight):
+        return F.linear(x, weight)
+    return skinny_matmul(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``x @ weight.T`` by the kernel for ``x`` of [rows <= 16, K] (any float dtype; the launcher does not
+    choose, :func:`skinny_linear` does)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if rows > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"skinny_matmul takes [<= {MAX_ROWS}, K] rows and a [N, K] weight with contiguous rows, "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)} (strides {weight.stride()})")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_n, block_k, warps, stages = config or config_for(n, k)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out
+
+
+def linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` through :func:`skinny_linear` when the layer has no bias (instance-scoped swap)."""
+    if self.bias is None:
+        return skinny_linear(x, self.weight)
+    return F.linear(x, self.weight, self.bias)
