@@ -28,7 +28,8 @@ MIN_WEIGHT_BYTES = 48 << 20
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
@@ -43,7 +44,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy="evict_first")
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -91,7 +92,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fp32 inputs: no tf32 rounding
     return out
 
 
