@@ -8,6 +8,19 @@ committed token, drafting runs each layer over the positions it has not seen yet
 entry at ``L-1`` yields draft ``j+1``. Entries that consumed a draft (``i+1+j > L``) are kept after the
 verify only if that draft was accepted, so every layer's K/V is refreshed over accepted positions and is
 never stale (REFERENCE §4).
+
+Fixed shapes. A verify that accepted a drafts leaves layer j valid below ``L_old + min(0, a - j)`` and the
+target at ``L = L_old + a + 1``, so the next round runs layer j over ``max(a + 1, j + 1) <= k + 1`` positions
+per row (fewer for a row that stopped inside its chunk, none once it stopped). Every round but the first
+therefore runs each layer over k + 1 right-aligned slots per row; a padding slot takes token 0 and state 0
+and has no K/V slot (the attention reads nothing for it and outputs 0), so real slots compute what a
+narrower forward computes. The first round catches up over the prompt, at its width. A layer's inputs are
+slices and gathers of device tensors kept between rounds:
+
+    tokens  t[L-k-1 .. L] per row: last round's, then its accepted drafts and the next token
+    states  layer 0: the verify's pre-norm states of the kept slots, right-aligned; layer j > 0: the outputs
+            of layer j-1 this round, and of its last round at the one position before them that layer j
+            refreshes further back (at most one: layer j lacks at most one position more than layer j-1)
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
+from hf_specdec.cache.paged_cache import ForwardMeta, to_device_async
 from hf_specdec.generation.drafter import DraftProposal
 
 
@@ -43,10 +57,16 @@ class Step3p5MTPDrafter:
                              f"pass num_speculative_tokens <= {available}.")
         self.target = target
         self.num_speculative_tokens = k
+        self.width = k + 1  # slots per row of each layer's forward after the first round
         self.layer_indices = target.mtp_layer_indices[:k]
         self.caches: list[PagedKVCache] = []
-        self.pending: list[torch.Tensor] = []  # per row: target pre-norm hidden of positions MTP layer 0 lacks
-        self.outputs: list[list[_RecentOutputs]] = []  # per MTP layer, per row
+        # between rounds, on the device (see the module docstring)
+        self.tokens: torch.Tensor | None = None  # [batch, width + 1] t[L-width .. L] of the last round
+        self.drafted: torch.Tensor | None = None  # [batch, k] the last round's drafts
+        self.accepted: torch.Tensor | None = None  # [batch] drafts the last verify accepted
+        self.kept: torch.Tensor | None = None  # [batch] tokens each row kept at the last verify (0: stopped)
+        self.hidden: torch.Tensor | None = None  # [batch, w, hidden] layer 0's states at L-w .. L-1
+        self.below: list[torch.Tensor | None] = []  # per layer j < k-1: its outputs at L-width .. L-1 of the last round
 
     @contextlib.contextmanager
     def capture(self, target):
@@ -72,47 +92,68 @@ class Step3p5MTPDrafter:
             self.caches.append(PagedKVCache.for_request(
                 layout, cache.cache_config, prompt_lens, cache.max_new_tokens, cache.lookahead,
                 dtype=cache.dtype, device=cache.device))
-        self.pending = [captured.pre_norm[b, captured.pre_norm.shape[1] - n:] for b, n in enumerate(prompt_lens)]
-        keep = 2 * (self.num_speculative_tokens + 1)
-        self.outputs = [[_RecentOutputs(keep) for _ in prompt_lens] for _ in self.layer_indices]
+        self.hidden = captured.pre_norm  # the prompt's states, right-aligned (left padding first)
+        self.tokens = self.drafted = self.accepted = self.kept = None
+        self.below = [None] * (self.num_speculative_tokens - 1)
 
     @torch.inference_mode()
     def propose(self, last_tokens, cache, selector) -> DraftProposal:
         lens = cache.seq_lens
-        drafted = last_tokens[:, None][:, :0]
-        probs = []
+        width, tokens, states, shift = self._round_inputs(last_tokens, lens, selector)
+        slots = torch.arange(width, device=tokens.device)
+        drafted, probs = tokens[:, :0], []
         for j, mtp_cache in enumerate(self.caches):
-            starts = mtp_cache.seq_lens  # each row's first position this layer has no valid entry for
-            tokens = [_tokens(prefix, drafted[b], s + 1 + j, n, j)
-                      for b, (prefix, s, n) in enumerate(zip(selector.prefixes, starts, lens))]
-            below = self.pending if j == 0 else [w.slice(s, n) for w, s, n in zip(self.outputs[j - 1], starts, lens)]
-            out = self._run_layer(j, mtp_cache, tokens, below)
-            for b, (s, n) in enumerate(zip(starts, lens)):
-                self.outputs[j][b].update(s, out.hidden_state[b, out.hidden_state.shape[1] - (n - s):])
-            token, q = selector.select(out.logits[:, -1], drafted)
+            meta = mtp_cache.begin_forward([n - s for s, n in zip(mtp_cache.seq_lens, lens)], width)
+            new = slots[None, :] >= (width - meta.q_lens)[:, None]  # [batch, width]: the row's new entries
+            ids = torch.cat([tokens, drafted], dim=1)[:, 1 + j: 1 + j + width]  # t[i+1+j] at position i
+            logits, outputs = self._run_layer(j, torch.where(new, ids, 0), torch.where(new[..., None], states, 0),
+                                              meta)
+            mtp_cache.commit(mtp_cache.seq_lens)
+            token, q = selector.select(logits, drafted)
             drafted = torch.cat([drafted, token[:, None]], dim=1)
             probs.append(q)
-        for window in (w for layer in self.outputs for w in layer):
-            window.trim()
+            if j + 1 < self.num_speculative_tokens:
+                states = self._below(j, outputs, new, shift)
+        self.tokens, self.drafted = _last_columns(tokens, self.width + 1), drafted
         return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
 
-    def _run_layer(self, j: int, mtp_cache: PagedKVCache, tokens: list[torch.Tensor], hidden: list[torch.Tensor]):
-        """MTP layer j over each row's new positions (right-aligned), appending their K/V to its cache."""
-        counts = [t.shape[0] for t in tokens]
-        width = max(counts)
-        ref = next(h for h in hidden if h.shape[0])
-        ids = torch.zeros(len(tokens), width, dtype=torch.long, device=ref.device)
-        states = ref.new_zeros(len(tokens), width, ref.shape[-1])
-        for b, (row_tokens, row_hidden, c) in enumerate(zip(tokens, hidden, counts)):
-            if c:
-                ids[b, width - c:] = row_tokens
-                states[b, width - c:] = row_hidden
-        meta = mtp_cache.begin_forward(counts, width)
-        stub = torch.ones(len(tokens), 1, 1, 1, dtype=torch.bool, device=ref.device)
+    def _round_inputs(self, last_tokens, lens, selector):
+        """(width, tokens t[L-width .. L] [batch, width + 1], layer 0's states [batch, width, hidden], and the slot
+        of last round's outputs at each of this round's slots [batch, width]) for a round at the fixed width;
+        the first round runs at the prompt's width, from the rows' ids, with no last round (None)."""
+        if self.tokens is None:
+            width = max(lens)
+            tokens = torch.stack([p[p.shape[0] - (width + 1):] for p in selector.prefixes])
+            return width, tokens, self.hidden[:, self.hidden.shape[1] - width:], None
+        slots = torch.arange(self.width, device=self.kept.device)
+        shift = (self.kept[:, None] + slots).clamp(max=self.width - 1)  # a row that kept n tokens moved n slots
+        return self.width, self._committed_tokens(last_tokens), self.hidden, shift
+
+    def _committed_tokens(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """t[L-width .. L] per row [batch, width + 1]: the last round's t[L_old-width .. L_old], its drafts with the
+        next token (recovered or bonus, at L_old + a + 1) over the first rejected one, shifted by the kept count."""
+        seq = torch.cat([self.tokens, self.drafted, last_tokens[:, None].to(self.tokens.dtype)], dim=1)
+        seq.scatter_(1, self.accepted[:, None].long() + self.width + 1, last_tokens[:, None].to(seq.dtype))
+        return seq.gather(1, self.kept[:, None] + torch.arange(self.width + 1, device=seq.device))
+
+    def _below(self, j: int, outputs: torch.Tensor, new: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+        """Layer j's outputs at this round's slots [batch, width, hidden], for layer j+1: this round's where layer j
+        ran, else the last round's (kept for the next round's one position further back)."""
+        if shift is not None:
+            last = self.below[j].gather(1, shift[..., None].expand(-1, -1, outputs.shape[-1]))
+            outputs = torch.where(new[..., None], outputs, last)
+        self.below[j] = _last_columns(outputs, self.width)
+        return outputs
+
+    def _run_layer(self, j: int, ids: torch.Tensor, states: torch.Tensor, meta: ForwardMeta):
+        """MTP layer j over ids [batch, width] and states [batch, width, hidden] (right-aligned), appending its new
+        entries' K/V to its cache -> (the last slot's logits [batch, vocab], outputs [batch, width, hidden])."""
+        mtp_cache = self.caches[j]
+        # a 4D mask passes transformers' mask builders untouched; the paged attention masks by positions
+        stub = torch.ones(ids.shape[0], 1, 1, 1, dtype=torch.bool, device=ids.device)
         out = self.target.mtp_step(j, ids, states, position_ids=meta.position_ids, past_key_values=mtp_cache,
                                    attention_mask=stub, paged_cache=mtp_cache, logits_to_keep=1)
-        mtp_cache.commit(mtp_cache.seq_lens)
-        return out
+        return out.logits[:, -1], out.hidden_state
 
     def commit(self, cache, captured, num_accepted, kept):
         accepted = num_accepted.tolist()
@@ -121,44 +162,20 @@ class Step3p5MTPDrafter:
             # entries at positions >= L_old + a - j consumed a rejected draft: roll them back
             mtp_cache.commit([min(o, o + a - j) if k else n for o, a, k, n
                               in zip(old, accepted, kept, mtp_cache.seq_lens)])
-        self.pending = [captured.pre_norm[b, :k] for b, k in enumerate(kept)]
+        # layer 0's next states: the verify's kept slots (positions L_old ..), right-aligned like a forward's
+        pre_norm = captured.pre_norm  # [batch, k+1, hidden]
+        self.kept = to_device_async([torch.tensor(kept)], pre_norm.device)[0]
+        self.accepted = num_accepted
+        slots = torch.arange(self.width, device=pre_norm.device)
+        index = (slots[None, :] + self.kept[:, None] - self.width).clamp(min=0)
+        self.hidden = pre_norm.gather(1, index[..., None].expand(-1, -1, pre_norm.shape[-1]))
 
 
-class _RecentOutputs:
-    """A layer's outputs at the last few positions of one row, for the layer above to refresh from."""
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self.start = 0
-        self.states: torch.Tensor | None = None  # [n, hidden] at positions start .. start+n-1
-
-    def update(self, start: int, new: torch.Tensor) -> None:
-        """New outputs for positions ``start ..``; older valid ones below ``start`` are kept."""
-        if self.states is not None and start > self.start:
-            new = torch.cat([self.states[: start - self.start], new])
-            start = self.start
-        self.start, self.states = start, new
-
-    def trim(self) -> None:
-        """Forget all but the last ``keep`` positions (a refresh never reaches further back)."""
-        if self.states is not None and self.states.shape[0] > self.keep:
-            drop = self.states.shape[0] - self.keep
-            self.start, self.states = self.start + drop, self.states[drop:]
-
-    def slice(self, first: int, stop: int) -> torch.Tensor:
-        """Outputs at positions [first, stop)."""
-        if first < self.start:
-            raise RuntimeError(f"MTP refresh needs position {first}, only {self.start}.. are kept")
-        return self.states[first - self.start: stop - self.start]
-
-
-def _tokens(prefix: torch.Tensor, drafts: torch.Tensor, first: int, length: int, j: int) -> torch.Tensor:
-    """Tokens ``t[first .. length + j]`` of a row, on its device: committed ones (index <= L = ``length``) from
-    the row's ids ``prefix`` (left padding first, ``t[L]`` last), then this round's ``j`` drafts. Slicing
-    only: nothing comes back to the host."""
-    if first > length:
-        return drafts[first - length - 1: j]
-    return torch.cat([prefix[prefix.shape[0] - (length + 1) + first:], drafts[:j]])
+def _last_columns(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The last ``n`` columns of ``x`` [batch, w, ...], with zero columns in front where w < n."""
+    if x.shape[1] >= n:
+        return x[:, x.shape[1] - n:]
+    return torch.cat([x.new_zeros(x.shape[0], n - x.shape[1], *x.shape[2:]), x], dim=1)
 
 
 def matches(target, assistant) -> bool:

@@ -1,0 +1,90 @@
+"""Fixed-shape Step 3.5 MTP drafting (k + 1 right-aligned slots per row and layer after the first round, inputs
+gathered on the device) against the per-row variable-width oracle, inside real generation on the bundled tiny
+Step 3.5: the same drafts every round, and the same q (sampling) and MTP K/V after every commit up to fp32
+rounding (a matmul over another width rounds differently), for a batch whose rows accept different numbers of
+drafts and stop inside their chunks at different steps."""
+
+import contextlib
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hf_specdec.assets import asset_path, held_out_snippets
+from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDrafter
+from tests.bundled import step
+from tests.models.step3p5.per_row_drafter import PerRowMTPDrafter
+
+
+class Twin:
+    """Drafts with the fixed-shape drafter and checks each round against the oracle on the same inputs (the oracle
+    draws its samples from the same random state)."""
+
+    spec_mode = "mtp"
+
+    def __init__(self, model, k):
+        self.drafter, self.oracle = Step3p5MTPDrafter(model, k), PerRowMTPDrafter(model, k)
+        self.num_speculative_tokens = k
+        self.layers = model.mtp_layer_indices[:k]
+        self.accepted_rows: list[list[int]] = []  # per round: accepted drafts of the rows that kept tokens
+
+    @contextlib.contextmanager
+    def capture(self, target):
+        with self.drafter.capture(target) as captured:
+            try:
+                yield captured
+            finally:
+                for cache in self.oracle.caches:
+                    cache.free()
+
+    def begin(self, cache, captured, prompt_lens):
+        self.oracle.begin(cache, captured, prompt_lens)
+        self.drafter.begin(cache, captured, prompt_lens)
+
+    def propose(self, last_tokens, cache, selector):
+        state = torch.get_rng_state()
+        expected = self.oracle.propose(last_tokens, cache, selector)
+        torch.set_rng_state(state)
+        got = self.drafter.propose(last_tokens, cache, selector)
+        assert torch.equal(got.tokens, expected.tokens)
+        if expected.probs is not None:
+            torch.testing.assert_close(got.probs, expected.probs)
+        self._assert_same_mtp_kv()
+        return got
+
+    def commit(self, cache, captured, num_accepted, kept):
+        self.oracle.commit(cache, captured, num_accepted, kept)
+        self.drafter.commit(cache, captured, num_accepted, kept)
+        self.accepted_rows.append([a for a, k in zip(num_accepted.tolist(), kept) if k])
+        self._assert_same_mtp_kv()
+
+    def _assert_same_mtp_kv(self):
+        for layer, ours, theirs in zip(self.layers, self.drafter.caches, self.oracle.caches):
+            assert ours.seq_lens == theirs.seq_lens
+            for row in range(ours.batch_size):
+                k, v, start = ours.gather(row, layer)
+                k_ref, v_ref, start_ref = theirs.gather(row, layer)
+                assert start == start_ref
+                torch.testing.assert_close(k, k_ref)
+                torch.testing.assert_close(v, v_ref)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tokenizer = AutoTokenizer.from_pretrained(asset_path("tiny-step3p5"))
+    tokenizer.padding_side = "left"
+    texts = [s["text"][:n] for s, n in zip(held_out_snippets(), (300, 80, 170))]
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_fixed_width_drafts_and_mtp_kv_equal_the_per_row_drafter(prompts, k, sampled):
+    model = step()[0]
+    twin = Twin(model, k)
+    sampling = dict(do_sample=True, temperature=0.8, top_k=50) if sampled else dict(do_sample=False)
+    torch.manual_seed(0)
+    model.generate(**prompts, assistant_model=twin, max_new_tokens=40, pad_token_id=0, **sampling)
+    assert len(twin.accepted_rows) > 5
+    assert any(len(set(rows)) > 1 for rows in twin.accepted_rows), "rows accepted the same counts every round"
+    assert any(len(rows) < len(twin.accepted_rows[0]) for rows in twin.accepted_rows), "no row stopped early"
