@@ -376,3 +376,19 @@ def pad_table(table: torch.Tensor, width: int) -> torch.Tensor:
     if table.shape[1] >= width:
         return table
     return torch.nn.functional.pad(table, (0, width - table.shape[1]), value=-1)
+
+
+def meta_inputs(meta: ForwardMeta, bucket: int, table_width: int) -> list[torch.Tensor]:
+    """``meta`` as a drafter graph's flat inputs, padded to ``bucket`` rows: padding rows have no query, no key,
+    no slot and no page, and block tables are padded to ``table_width``. :func:`meta_of_inputs` inverts it."""
+    return [pad_rows(meta.kv_lens, bucket), pad_rows(meta.q_pos0, bucket), pad_rows(meta.q_lens, bucket),
+            pad_rows(meta.position_ids, bucket), *[pad_rows(m, bucket * meta.q_len, -1) for m in meta.slot_mapping],
+            *[pad_rows(pad_table(t, table_width), bucket, -1) for t in meta.block_tables]]
+
+
+def meta_of_inputs(inputs, q_len: int) -> ForwardMeta:
+    """The ForwardMeta over a graph's flat inputs from :func:`meta_inputs` (its tensors, not copies)."""
+    kv_lens, q_pos0, q_lens, position_ids, *per_group = inputs
+    groups = len(per_group) // 2
+    return ForwardMeta(q_len=q_len, kv_lens=kv_lens, q_pos0=q_pos0, q_lens=q_lens, position_ids=position_ids,
+                       slot_mapping=list(per_group[:groups]), block_tables=list(per_group[groups:]))

@@ -21,17 +21,31 @@ slices and gathers of device tensors kept between rounds:
     states  layer 0: the verify's pre-norm states of the kept slots, right-aligned; layer j > 0: the outputs
             of layer j-1 this round, and of its last round at the one position before them that layer j
             refreshes further back (at most one: layer j lacks at most one position more than layer j-1)
+
+With CUDA graphs on (the target's request uses them), each layer's forward of those rounds replays a graph
+of the batch's bucket (kept in the target's GraphStore per layer and width, over the MTP caches' pooled
+storage: padding rows have no query, no key, no slot and no page); the drafts are selected eagerly from its
+outputs, so greedy and sampled drafting share the graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
 from hf_specdec.cache.paged_cache import ForwardMeta, to_device_async
+from hf_specdec.generation.cuda_graphs import (
+    batch_bucket,
+    call_graph,
+    drafter_graphs_on,
+    meta_inputs,
+    meta_of_inputs,
+    pad_rows,
+)
 from hf_specdec.generation.drafter import DraftProposal
 
 
@@ -84,14 +98,20 @@ class Step3p5MTPDrafter:
 
     def begin(self, cache, captured, prompt_lens):
         config = self.target.config
+        # graphs where the target's cache has them (CUDA, switched on): kept in the target model's GraphStore
+        self.graph_store = cache.graph_store if drafter_graphs_on(cache) else None
+        self.table_width = cache.graph_table_width
+        self._graph_failed = False
         self.caches = []
-        for layer in self.layer_indices:
+        for j, layer in enumerate(self.layer_indices):
             group = KVGroup(config.layer_num_kv_heads(layer), config.layer_head_dim(layer),
                             config.layer_sliding_window(layer), layers=(layer,))
             layout = KVLayout(groups=[group], layer_slot={layer: (0, 0)}, producer={layer: layer})
+            # pooled storage per layer: kept graphs write into it in later requests too
             self.caches.append(PagedKVCache.for_request(
                 layout, cache.cache_config, prompt_lens, cache.max_new_tokens, cache.lookahead,
-                dtype=cache.dtype, device=cache.device))
+                dtype=cache.dtype, device=cache.device, storage_pool=self.graph_store,
+                storage_owner=f"step3p5_mtp{j}"))
         self.hidden = captured.pre_norm  # the prompt's states, right-aligned (left padding first)
         self.tokens = self.drafted = self.accepted = self.kept = None
         self.below = [None] * (self.num_speculative_tokens - 1)
@@ -107,7 +127,7 @@ class Step3p5MTPDrafter:
             new = slots[None, :] >= (width - meta.q_lens)[:, None]  # [batch, width]: the row's new entries
             ids = torch.cat([tokens, drafted], dim=1)[:, 1 + j: 1 + j + width]  # t[i+1+j] at position i
             logits, outputs = self._run_layer(j, torch.where(new, ids, 0), torch.where(new[..., None], states, 0),
-                                              meta)
+                                              meta, graph=shift is not None)  # graphs at the fixed width only
             mtp_cache.commit(mtp_cache.seq_lens)
             token, q = selector.select(logits, drafted)
             drafted = torch.cat([drafted, token[:, None]], dim=1)
@@ -145,9 +165,36 @@ class Step3p5MTPDrafter:
         self.below[j] = _last_columns(outputs, self.width)
         return outputs
 
-    def _run_layer(self, j: int, ids: torch.Tensor, states: torch.Tensor, meta: ForwardMeta):
+    def _run_layer(self, j: int, ids: torch.Tensor, states: torch.Tensor, meta: ForwardMeta, graph: bool):
         """MTP layer j over ids [batch, width] and states [batch, width, hidden] (right-aligned), appending its new
-        entries' K/V to its cache -> (the last slot's logits [batch, vocab], outputs [batch, width, hidden])."""
+        entries' K/V to its cache -> (the last slot's logits [batch, vocab], outputs [batch, width, hidden]):
+        eagerly, or replayed from a CUDA graph of the batch's bucket (its outputs are the graph's buffers,
+        rewritten by the next replay: read them before)."""
+        store = self.graph_store
+        if not graph or store is None or store.disabled_reason is not None or self._graph_failed:
+            return self._layer_forward(j, ids, states, meta)
+        rows, width = ids.shape
+        bucket = batch_bucket(rows)
+        key = ("step3p5_mtp", store.generation, id(self.target), j, bucket, width, tuple(states.shape[2:]),
+               self.table_width)
+        # every call pads to the bucket (token and state 0, no query, key, slot or page), so rows a larger batch
+        # left behind never store K/V
+        inputs = [pad_rows(ids, bucket), pad_rows(states, bucket), *meta_inputs(meta, bucket, self.table_width)]
+        (logits, outputs), ok = call_graph(store, key, functools.partial(self._graph_body, j, width), inputs,
+                                           what=f"the forward of MTP layer {j}")
+        self._graph_failed = not ok
+        return logits[:rows], outputs[:rows]
+
+    def _graph_body(self, j: int, width: int, ids, states, *flat_meta):
+        """``_layer_forward`` over a graph's static inputs, their metadata set as the MTP cache's current forward."""
+        mtp_cache, meta = self.caches[j], meta_of_inputs(flat_meta, width)
+        live, mtp_cache.meta = mtp_cache.meta, meta
+        try:
+            return self._layer_forward(j, ids, states, meta)
+        finally:
+            mtp_cache.meta = live
+
+    def _layer_forward(self, j: int, ids: torch.Tensor, states: torch.Tensor, meta: ForwardMeta):
         mtp_cache = self.caches[j]
         # a 4D mask passes transformers' mask builders untouched; the paged attention masks by positions
         stub = torch.ones(ids.shape[0], 1, 1, 1, dtype=torch.bool, device=ids.device)

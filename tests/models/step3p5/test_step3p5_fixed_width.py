@@ -2,7 +2,9 @@
 gathered on the device) against the per-row variable-width oracle, inside real generation on the bundled tiny
 Step 3.5: the same drafts every round, and the same q (sampling) and MTP K/V after every commit up to fp32
 rounding (a matmul over another width rounds differently), for a batch whose rows accept different numbers of
-drafts and stop inside their chunks at different steps."""
+drafts and stop inside their chunks at different steps. With graphs, each layer's forward goes through the
+drafter's graph path (inputs padded to the batch's bucket, metadata rebuilt from the static inputs) with a CPU
+stand-in for the CUDA graph."""
 
 import contextlib
 
@@ -11,6 +13,8 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_specdec.assets import asset_path, held_out_snippets
+from hf_specdec.generation import cuda_graphs
+from hf_specdec.generation.cuda_graphs import GraphStore, table_width_bucket
 from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDrafter
 from tests.bundled import step
 from tests.models.step3p5.per_row_drafter import PerRowMTPDrafter
@@ -22,8 +26,9 @@ class Twin:
 
     spec_mode = "mtp"
 
-    def __init__(self, model, k):
+    def __init__(self, model, k, graphs=False):
         self.drafter, self.oracle = Step3p5MTPDrafter(model, k), PerRowMTPDrafter(model, k)
+        self.graphs = graphs
         self.num_speculative_tokens = k
         self.layers = model.mtp_layer_indices[:k]
         self.accepted_rows: list[list[int]] = []  # per round: accepted drafts of the rows that kept tokens
@@ -39,6 +44,9 @@ class Twin:
 
     def begin(self, cache, captured, prompt_lens):
         self.oracle.begin(cache, captured, prompt_lens)
+        if self.graphs:  # what the runner sets on CUDA (the target itself runs eagerly here)
+            blocks = -(-(max(prompt_lens) + cache.max_new_tokens + cache.lookahead) // cache.block_size) + 1
+            cache.graph_store, cache.graph_table_width = GraphStore(), table_width_bucket(blocks)
         self.drafter.begin(cache, captured, prompt_lens)
 
     def propose(self, last_tokens, cache, selector):
@@ -69,6 +77,22 @@ class Twin:
                 torch.testing.assert_close(v, v_ref)
 
 
+class ReplayedCall:
+    """A CPU stand-in for CallGraph: a call runs the function eagerly, over inputs of the captured shapes (the
+    torch attention caches its plan per metadata tensor, so a CPU replay cannot rewrite static inputs in place)."""
+
+    replays = 0
+
+    def __init__(self, fn, inputs):
+        self.fn, self.shapes = fn, [t.shape for t in inputs]
+        self.outputs = fn(*[t.clone() for t in inputs])  # the capture runs it again over the same inputs
+
+    def __call__(self, *inputs):
+        assert [t.shape for t in inputs] == self.shapes
+        ReplayedCall.replays += 1
+        return self.fn(*inputs)
+
+
 @pytest.fixture(scope="module")
 def prompts():
     tokenizer = AutoTokenizer.from_pretrained(asset_path("tiny-step3p5"))
@@ -77,14 +101,21 @@ def prompts():
     return tokenizer(texts, return_tensors="pt", padding=True)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph_path"])
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_fixed_width_drafts_and_mtp_kv_equal_the_per_row_drafter(prompts, k, sampled):
+def test_fixed_width_drafts_and_mtp_kv_equal_the_per_row_drafter(prompts, k, sampled, graphs, monkeypatch):
     model = step()[0]
-    twin = Twin(model, k)
+    twin = Twin(model, k, graphs)
+    monkeypatch.setattr(cuda_graphs, "CallGraph", ReplayedCall)
+    monkeypatch.setattr(ReplayedCall, "replays", 0)
     sampling = dict(do_sample=True, temperature=0.8, top_k=50) if sampled else dict(do_sample=False)
     torch.manual_seed(0)
     model.generate(**prompts, assistant_model=twin, max_new_tokens=40, pad_token_id=0, **sampling)
     assert len(twin.accepted_rows) > 5
     assert any(len(set(rows)) > 1 for rows in twin.accepted_rows), "rows accepted the same counts every round"
     assert any(len(rows) < len(twin.accepted_rows[0]) for rows in twin.accepted_rows), "no row stopped early"
+    if graphs:  # one graph per layer for the bucket of 4, replayed every round after the one that captured it
+        assert sorted(key[3] for key in twin.drafter.graph_store.calls) == list(range(k))
+        assert {key[4] for key in twin.drafter.graph_store.calls} == {4}
+        assert ReplayedCall.replays == k * (len(twin.accepted_rows) - 2)

@@ -1,0 +1,70 @@
+"""Step 3.5 MTP drafting on CUDA graphs (invariant 5): after the first round each MTP layer's forward has a fixed
+width (k + 1 slots per row) and replays a graph of the batch's bucket; greedy decoding gives the tokens and the
+target-forward counts of eager drafting, sampling the tokens of eager drafting with the same seed, and a later
+request replays the kept graphs. The replay tests need a CUDA device; on CPU only the graphs' metadata inputs
+are tested (the graph path itself runs on CPU in tests/models/step3p5/test_step3p5_fixed_width.py)."""
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec.generation.cuda_graphs import batch_bucket, meta_inputs, meta_of_inputs
+from tests.generation.test_cuda_graphs import _assert_graphs_give_eager_drafts, _bundled_on_cuda, _meta
+from tests.tiny_models import left_padded_batch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def test_meta_inputs_pad_rows_to_the_bucket_and_give_the_meta_back():
+    meta = _meta(3, q_len=2, width=3)
+    flat = meta_inputs(meta, bucket=4, table_width=8)
+    static = meta_of_inputs(flat, q_len=2)
+    assert static.q_len == 2 and static.block_tables[0].shape == (4, 8) and static.slot_mapping[0].shape == (8,)
+    assert torch.equal(static.kv_lens[:3], meta.kv_lens)
+    assert torch.equal(static.slot_mapping[0][:6], meta.slot_mapping[0])
+    assert torch.equal(static.block_tables[0][:3, :3], meta.block_tables[0])
+    assert (static.block_tables[0][:, 3:] == -1).all()
+    # the padding row: no query, no key, no slot, no page
+    assert static.kv_lens[3] == 0 and static.q_lens[3] == 0 and static.q_pos0[3] == 0
+    assert not static.position_ids[3].any()
+    assert (static.slot_mapping[0][6:] == -1).all() and (static.block_tables[0][3] == -1).all()
+    assert static.kv_lens is flat[0] and static.block_tables[0] is flat[-1]  # the graph's inputs themselves
+
+
+def _mtp_calls(store) -> set:
+    return {key for key in store.calls if key[0] == "step3p5_mtp"}
+
+
+@cuda
+@pytest.mark.parametrize("lengths", [[9], [12, 3, 7]], ids=["batch1", "batch3"])
+def test_step3p5_mtp_graphs_give_the_eager_tokens_and_later_requests_replay_them(lengths, monkeypatch):
+    """Batch 1, and 3 in the bucket of 4 (a padding row that stores no K/V), fp32 bundled tiny Step 3.5."""
+    (model,) = _bundled_on_cuda("tiny-step3p5")
+    store = model._hf_specdec.graph_store
+    kwargs = dict(spec_mode="mtp", num_speculative_tokens=3, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+    _assert_graphs_give_eager_drafts(model, lengths, 0, kwargs, monkeypatch)
+    calls = _mtp_calls(store)
+    assert {key[3] for key in calls} == {0, 1, 2}, "each MTP layer's forward was captured"
+    assert {(key[4], key[5]) for key in calls} == {(batch_bucket(len(lengths)), 4)}  # (bucket, k + 1 slots)
+    kept = (set(store.graphs), set(store.calls))
+    _assert_graphs_give_eager_drafts(model, lengths, 1, kwargs, monkeypatch)  # other prompts, the same shapes
+    assert (set(store.graphs), set(store.calls)) == kept  # replayed, nothing captured again
+
+
+@cuda
+def test_sampled_step3p5_mtp_replays_the_graphs_with_the_eager_tokens():
+    """Sampling selects eagerly from the graphs' outputs: the same seed gives the tokens of eager drafting."""
+    (model,) = _bundled_on_cuda("tiny-step3p5")
+    store = model._hf_specdec.graph_store
+    ids, mask = left_padded_batch([12, 3, 7], vocab=200)
+    kwargs = dict(attention_mask=mask.cuda(), spec_mode="mtp", num_speculative_tokens=3, max_new_tokens=24,
+                  do_sample=True, temperature=0.9, top_k=40, eos_token_id=None, pad_token_id=0)
+    runs = []
+    for graphs in (True, False):
+        hf_specdec.enable(model, cuda_graphs=graphs)
+        torch.manual_seed(0)
+        runs.append(model.generate(ids.cuda(), **kwargs))
+        if graphs:
+            assert _mtp_calls(store)
+    assert torch.equal(*runs)
