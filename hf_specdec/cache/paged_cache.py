@@ -5,8 +5,9 @@ head_dim]`` (K and V). Rows of a batch are independent sequences with their own 
 tokens occupy positions ``0 .. len-1`` (left padding is never stored). One forward goes:
 
     meta = cache.begin_forward(num_new_tokens_per_row, q_len)   # allocate + slot mapping, host side
-    model(..., past_key_values=cache, paged_cache=cache)         # update() stores K/V by slot mapping;
+    model(..., cache=cache, paged_cache=cache)                   # update() stores K/V by slot mapping;
                                                                   # the "hf_specdec" attention reads pages
+                                                                  # (past_key_values= before transformers 5.24)
     cache.commit(new_lengths)                                    # rollback rejected tokens, slide windows
 
 Query slots of a forward are right-aligned: slot ``i`` of row ``b`` is padding iff

@@ -36,12 +36,16 @@ def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states=None,
-                              past_key_values=None, **kwargs):
+                              cache=None, past_key_values=None, **kwargs):
     """transformers' ``Gemma4TextAttention.forward`` with q/k/v norms and rotary in one kernel
-    (:func:`qkv_norm_rope`); layers that reuse another layer's K/V, and the CPU, run the original."""
+    (:func:`qkv_norm_rope`); layers that reuse another layer's K/V, and the CPU, run the original.
+
+    The cache comes as ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier); it goes on to the
+    original forward by position, where both versions take it."""
+    cache = cache if cache is not None else past_key_values
     if self.is_kv_shared_layer or not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states,
-                                  past_key_values, **kwargs)
+                                  cache, **kwargs)
     hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
     projections = (self.q_proj, self.k_proj) if self.v_proj is None else (self.q_proj, self.k_proj, self.v_proj)
     query, key, *value = (p.view(hidden_shape) for p in stacked_projections(hidden_states, *projections))
@@ -50,8 +54,8 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
         query, key, value, (self.q_norm.weight, self.k_norm.weight, _norm_weight(self.v_norm)),
         (self.q_norm.eps, self.k_norm.eps, self.v_norm.eps), *position_embeddings)
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx)
     if self.store_full_length_kv:
         shared_kv_states[self.layer_type] = key, value
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -64,19 +68,19 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
 
 def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, shared_kv_states=None,
                                   position_embeddings=None, attention_mask=None, position_ids=None,
-                                  past_key_values=None, **kwargs):
+                                  cache=None, past_key_values=None, **kwargs):
     """transformers' ``Gemma4TextDecoderLayer.forward`` with its norm/residual seams fused (:func:`norm_add`):
     post-attention norm + residual add + pre-feedforward norm in one launch, post-feedforward norm + residual
-    add + layer scalar in another. MoE and per-layer-input blocks, and the CPU, run the original."""
+    add + layer scalar in another. MoE and per-layer-input blocks, and the CPU, run the original.
+
+    The cache comes as ``cache`` or ``past_key_values`` and goes on by position (see the attention above)."""
+    cache = cache if cache is not None else past_key_values
     if (self.enable_moe_block or self.hidden_size_per_layer_input or not use_triton(hidden_states)
             or needs_grad(hidden_states)):
-        return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states=shared_kv_states,
-                                  position_embeddings=position_embeddings, attention_mask=attention_mask,
-                                  position_ids=position_ids, past_key_values=past_key_values, **kwargs)
-    attn, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
-                             position_embeddings=position_embeddings, attention_mask=attention_mask,
-                             shared_kv_states=shared_kv_states, position_ids=position_ids,
-                             past_key_values=past_key_values, **kwargs)
+        return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states, position_embeddings,
+                                  attention_mask, position_ids, cache, **kwargs)
+    attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+                             shared_kv_states, cache, position_ids=position_ids, **kwargs)
     post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
     hidden_states, mlp_in = norm_add(attn, hidden_states, post.weight, post.eps, next_weight=_norm_weight(pre),
                                      next_eps=pre.eps)

@@ -102,8 +102,9 @@ def _paged_loop_unsupported(model, inputs, generation_config, kwargs) -> str | N
         return f"beam search (num_beams={num_beams})"
     if inputs is None and kwargs.get("input_ids") is None:
         return "inputs_embeds without input_ids"
-    if kwargs.get("past_key_values") is not None:
-        return "a user-supplied past_key_values"
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            return f"a user-supplied {name}"
     if kwargs.get("custom_generate") is not None:
         return "custom_generate"
     if _setting(model, generation_config, kwargs, "return_dict_in_generate"):

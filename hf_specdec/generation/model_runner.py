@@ -6,6 +6,8 @@ model forward with the right positions, slot mapping and block tables, and retur
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from hf_specdec.cache import KVLayout, PagedKVCache
@@ -14,9 +16,15 @@ from hf_specdec.generation.cuda_graphs import GraphRunner, GraphStore, HookedSta
 
 # Keys of HF's prepared model_kwargs that the runner replaces with its own.
 _RUNNER_KEYS = {
-    "attention_mask", "position_ids", "logits_to_keep", "use_cache", "past_key_values", "cache_position",
+    "attention_mask", "position_ids", "logits_to_keep", "use_cache", "cache", "past_key_values", "cache_position",
     "output_attentions", "output_hidden_states", "return_dict",
 }
+
+
+def cache_argument(model) -> str:
+    """The name ``model.forward`` takes its cache by: ``cache`` (transformers >= 5.24 models) or
+    ``past_key_values`` (earlier ones, and models written against them)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def real_token_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
@@ -57,6 +65,7 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None
         self.hooked = HookedState(None)
         self._mask_stub: torch.Tensor | None = None
+        self._cache_argument = cache_argument(model)
 
     def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0) -> PagedKVCache:
         dtype = self.model.get_input_embeddings().weight.dtype
@@ -112,8 +121,8 @@ class ModelRunner:
         return self.model(
             input_ids=input_ids, position_ids=position_ids,
             attention_mask=self._mask_stub.expand(input_ids.shape[0], -1, -1, -1),  # a graph's rows: its bucket
-            past_key_values=self.cache, paged_cache=self.cache, use_cache=True,
-            logits_to_keep=keep_logits, return_dict=True, **extra,
+            paged_cache=self.cache, use_cache=True, logits_to_keep=keep_logits, return_dict=True,
+            **{self._cache_argument: self.cache}, **extra,
         )
 
     def commit(self, new_lens: list[int]) -> None:

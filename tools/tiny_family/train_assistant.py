@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from hf_specdec.generation.model_runner import cache_argument
 from hf_specdec.models.gemma4 import DenseTargetKVSource, draft_sliding_window
 from hf_specdec.models.gemma4.centroid_head import softcap
 
@@ -67,7 +68,7 @@ class TargetView:
         config = target.config
         with torch.no_grad():
             cache = DynamicCache()  # no config: sliding layers keep every position (no cropping)
-            out = target.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = target.model(input_ids=ids, use_cache=True, **{cache_argument(target.model): cache})
             self.hidden = out.last_hidden_state  # [batch, seq, backbone_hidden], after the final norm
             logits = target.lm_head(self.hidden).float()
             self.logits = softcap(logits, config.final_logit_softcapping)  # [batch, seq, vocab], as the target's

@@ -11,7 +11,7 @@ Module tree = checkpoint layout (``stepfun-ai/Step-3.5-Flash``)::
                                           and its block's weights stored flat beside them
 
 Contracts the rest of hf_specdec relies on:
-- Attention goes through ``ALL_ATTENTION_FUNCTIONS`` and ``past_key_values.update(k, v, layer_idx)``;
+- Attention goes through ``ALL_ATTENTION_FUNCTIONS`` and ``cache.update(k, v, layer_idx)``;
   every extra kwarg of ``forward`` / ``mtp_step`` reaches the attention function. Masks are built with
   ``create_causal_mask`` / ``create_sliding_window_causal_mask``, or taken from a dict
   ``{layer_type: mask}``.
@@ -22,6 +22,8 @@ Contracts the rest of hf_specdec relies on:
   (from layer k's own ``shared_head``) and its pre-norm output, the ``previous_hidden_states`` of step k+1.
 - ``from_pretrained`` accepts ``shared_head.output`` for ``shared_head.head`` and drops MTP layers whose
   weights the checkpoint lacks (``has_mtp`` tells whether any remain).
+- The cache argument is ``cache`` or ``past_key_values`` (transformers renamed it in 5.24; both are taken with
+  every version); outputs carry it under the installed transformers' name (``CACHE_FIELD``).
 
 Not verified against a real checkpoint (none can be downloaded here):
 - Routed experts run in the activation dtype with fp32 accumulation; StepFun's reference code runs
@@ -63,6 +65,17 @@ logger = logging.get_logger(__name__)
 # spell the MTP head `shared_head.output`.
 CHECKPOINT_KEY_MAPPING = {r"\.shared_head\.output\.": ".shared_head.head."}
 
+# The name transformers' model outputs, mask builders and generate() give the cache: `cache` from 5.24 on,
+# `past_key_values` before.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _either_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The cache a caller passed, by its 5.24 name (``cache``) or the earlier one (``past_key_values``)."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("both cache= and past_key_values= were given; pass the cache once, as cache=.")
+    return cache if cache is not None else past_key_values
+
 
 @dataclass
 class Step3p5ModelOutputWithPast(BaseModelOutputWithPast):
@@ -85,7 +98,10 @@ class Step3p5MTPOutput(ModelOutput):
 
     logits: torch.FloatTensor | None = None
     hidden_state: torch.FloatTensor | None = None
-    past_key_values: Cache | None = None
+    if CACHE_FIELD == "cache":  # the field transformers' own outputs have (5.24 renames `past_key_values=`)
+        cache: Cache | None = None
+    else:
+        past_key_values: Cache | None = None
 
 
 class Step3p5DecoderLayer(GradientCheckpointingLayer):
@@ -173,7 +189,7 @@ class Step3p5PreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["Step3p5DecoderLayer", "Step3p5MTPLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -231,52 +247,54 @@ class Step3p5Model(Step3p5PreTrainedModel):
             out[i] = tables[kind]
         return out
 
-    def _mask(self, layer_type: str, inputs_embeds, attention_mask, past_key_values, position_ids, layer_idx=None):
+    def _mask(self, layer_type: str, inputs_embeds, attention_mask, cache, position_ids, layer_idx=None):
         if isinstance(attention_mask, dict):
             return attention_mask[layer_type]
         build = create_sliding_window_causal_mask if layer_type == SLIDING else create_causal_mask
         return build(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                     past_key_values=past_key_values, position_ids=position_ids, layer_idx=layer_idx)
+                     position_ids=position_ids, layer_idx=layer_idx, **{CACHE_FIELD: cache})
 
     @staticmethod
-    def _default_position_ids(inputs_embeds, past_key_values, layer_idx: int = 0) -> torch.Tensor:
-        past = past_key_values.get_seq_length(layer_idx) if past_key_values is not None else 0
+    def _default_position_ids(inputs_embeds, cache, layer_idx: int = 0) -> torch.Tensor:
+        past = cache.get_seq_length(layer_idx) if cache is not None else 0
         return (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past).unsqueeze(0)
 
     @merge_with_config_defaults
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask=None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
                 inputs_embeds: torch.FloatTensor | None = None, use_cache: bool | None = None,
-                output_pre_norm_hidden_states: bool = False, **kwargs) -> Step3p5ModelOutputWithPast:
+                output_pre_norm_hidden_states: bool = False, past_key_values: Cache | None = None,
+                **kwargs) -> Step3p5ModelOutputWithPast:
         """Main decoder stack only (MTP layers are not run). ``kwargs`` reach the attention function."""
+        cache = _either_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = self.new_cache()
+        if use_cache and cache is None:
+            cache = self.new_cache()
         if position_ids is None:
-            position_ids = self._default_position_ids(inputs_embeds, past_key_values)
+            position_ids = self._default_position_ids(inputs_embeds, cache)
 
         num_layers = self.config.num_hidden_layers
-        masks = {t: self._mask(t, inputs_embeds, attention_mask, past_key_values, position_ids)
+        masks = {t: self._mask(t, inputs_embeds, attention_mask, cache, position_ids)
                  for t in set(self.config.layer_types)}
         rope = self._position_embeddings(inputs_embeds, position_ids, range(num_layers))
         hidden_states = inputs_embeds
         for layer in self.layers[:num_layers]:
             hidden_states = layer(hidden_states, rope[layer.layer_idx], masks[layer.attention_type],
-                                  past_key_values=past_key_values, position_ids=position_ids, **kwargs)
+                                  past_key_values=cache, position_ids=position_ids, **kwargs)
         return Step3p5ModelOutputWithPast(
             last_hidden_state=self.norm(hidden_states),
-            past_key_values=past_key_values,
             pre_norm_hidden_state=hidden_states if output_pre_norm_hidden_states else None,
+            **{CACHE_FIELD: cache},
         )
 
     def mtp_forward(self, mtp_index: int, previous_hidden_states: torch.Tensor,
                     input_ids: torch.LongTensor | None = None, inputs_embeds: torch.FloatTensor | None = None,
-                    position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                    attention_mask=None, **kwargs) -> torch.Tensor:
+                    position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
+                    attention_mask=None, past_key_values: Cache | None = None, **kwargs) -> torch.Tensor:
         """Run MTP layer ``mtp_index`` once; returns its pre-norm output [batch, seq, hidden].
 
         input_ids [batch, seq] (or inputs_embeds): the tokens; previous_hidden_states [batch, seq, hidden]:
@@ -287,16 +305,17 @@ class Step3p5Model(Step3p5PreTrainedModel):
         if not 0 <= mtp_index < len(layers):
             raise ValueError(f"mtp_index {mtp_index} out of range: the model has {len(layers)} MTP layers")
         layer = layers[mtp_index]
+        cache = _either_cache(cache, past_key_values)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if isinstance(past_key_values, DynamicCache):
-            add_mtp_cache_layers(past_key_values, self.config)
+        if isinstance(cache, DynamicCache):
+            add_mtp_cache_layers(cache, self.config)
         if position_ids is None:
-            position_ids = self._default_position_ids(inputs_embeds, past_key_values, layer.layer_idx)
-        mask = self._mask(layer.attention_type, inputs_embeds, attention_mask, past_key_values, position_ids,
+            position_ids = self._default_position_ids(inputs_embeds, cache, layer.layer_idx)
+        mask = self._mask(layer.attention_type, inputs_embeds, attention_mask, cache, position_ids,
                           layer_idx=layer.layer_idx)
         rope = self._position_embeddings(inputs_embeds, position_ids, [layer.layer_idx])[layer.layer_idx]
-        return layer(inputs_embeds, previous_hidden_states, rope, mask, past_key_values=past_key_values,
+        return layer(inputs_embeds, previous_hidden_states, rope, mask, past_key_values=cache,
                      position_ids=position_ids, **kwargs)
 
 
@@ -342,40 +361,44 @@ class Step3p5ForCausalLM(Step3p5PreTrainedModel, GenerationMixin):
 
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask=None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
                 inputs_embeds: torch.FloatTensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-                output_pre_norm_hidden_states: bool = False, **kwargs) -> Step3p5CausalLMOutputWithPast:
+                output_pre_norm_hidden_states: bool = False, past_key_values: Cache | None = None,
+                **kwargs) -> Step3p5CausalLMOutputWithPast:
         """Target forward. input_ids [batch, seq] -> logits [batch, kept, vocab]; with
         ``output_pre_norm_hidden_states`` also ``pre_norm_hidden_state`` [batch, seq, hidden]."""
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             output_pre_norm_hidden_states=output_pre_norm_hidden_states, **kwargs)
+                             cache=_either_cache(cache, past_key_values), inputs_embeds=inputs_embeds,
+                             use_cache=use_cache, output_pre_norm_hidden_states=output_pre_norm_hidden_states,
+                             **kwargs)
         logits = self.lm_head(_keep_last(outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return Step3p5CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, pre_norm_hidden_state=outputs.pre_norm_hidden_state,
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            pre_norm_hidden_state=outputs.pre_norm_hidden_state, **{CACHE_FIELD: outputs[CACHE_FIELD]},
         )
 
     def mtp_step(self, mtp_index: int, input_ids: torch.LongTensor, previous_hidden_states: torch.Tensor,
-                 position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                 attention_mask=None, logits_to_keep: int | torch.Tensor = 0, **kwargs) -> Step3p5MTPOutput:
+                 position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
+                 attention_mask=None, logits_to_keep: int | torch.Tensor = 0,
+                 past_key_values: Cache | None = None, **kwargs) -> Step3p5MTPOutput:
         """One draft step with MTP layer ``mtp_index`` (REFERENCE §4).
 
         input_ids [batch, seq]: token(s) whose successor to predict; previous_hidden_states
         [batch, seq, hidden]: target pre-norm hidden state (step 0) or ``hidden_state`` of the previous
         step. Returns logits [batch, kept, vocab] from this layer's ``shared_head`` and ``hidden_state``.
-        K/V go to ``past_key_values`` at ``layer_idx = L + mtp_index``; kwargs reach the attention function.
+        K/V go to ``cache`` at ``layer_idx = L + mtp_index``; kwargs reach the attention function.
         """
+        cache = _either_cache(cache, past_key_values)
         hidden = self.model.mtp_forward(mtp_index, previous_hidden_states, input_ids=input_ids,
-                                        position_ids=position_ids, past_key_values=past_key_values,
-                                        attention_mask=attention_mask, **kwargs)
+                                        position_ids=position_ids, cache=cache, attention_mask=attention_mask,
+                                        **kwargs)
         head = self.model.mtp_layers[mtp_index].shared_head
         return Step3p5MTPOutput(logits=head(_keep_last(hidden, logits_to_keep)), hidden_state=hidden,
-                                past_key_values=past_key_values)
+                                **{CACHE_FIELD: cache})
 
     # ---- loading
 
@@ -423,5 +446,5 @@ class Step3p5ForCausalLM(Step3p5PreTrainedModel, GenerationMixin):
 __all__ = [
     "Step3p5ForCausalLM", "Step3p5Model", "Step3p5PreTrainedModel", "Step3p5DecoderLayer", "Step3p5MTPLayer",
     "Step3p5SharedHead", "Step3p5MTPOutput", "Step3p5CausalLMOutputWithPast", "Step3p5ModelOutputWithPast",
-    "CHECKPOINT_KEY_MAPPING", "add_mtp_cache_layers",
+    "CACHE_FIELD", "CHECKPOINT_KEY_MAPPING", "add_mtp_cache_layers",
 ]
