@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
 import hf_specdec
+from hf_specdec.generation.model_runner import cache_argument
 from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama, qwen3
 
 MODELS = {"gemma4_e2b": gemma4_e2b_style, "gemma4_31b": gemma4_31b_style, "llama": llama, "qwen3": qwen3}
@@ -136,6 +137,19 @@ def test_beam_search_runs_on_transformers_loop_with_the_original_attention():
     ids, mask = left_padded_batch([5, 7])
     kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, eos_token_id=None)
     assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+def test_a_user_cache_runs_on_transformers_loop_and_fills_that_cache():
+    """A cache the caller passes (``cache=`` from transformers 5.24, ``past_key_values=`` before) is theirs:
+    transformers' own loop decodes into it, and the tokens are transformers' tokens."""
+    ref, ours = _pair("gemma4_e2b")
+    ids, mask = left_padded_batch([9, 6])
+    name = cache_argument(ref)
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    cache_ref, cache_ours = DynamicCache(config=ref.config), DynamicCache(config=ours.config)
+    expected = ref.generate(ids, **kwargs, **{name: cache_ref})
+    assert torch.equal(ours.generate(ids, **kwargs, **{name: cache_ours}), expected)
+    assert cache_ours.get_seq_length() == cache_ref.get_seq_length() == ids.shape[1] + 4
 
 
 def test_plain_forwards_are_unchanged_by_enable():
