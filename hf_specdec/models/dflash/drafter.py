@@ -17,8 +17,8 @@ The context grows in `begin` (the prompt) and `commit` (the `kept` tokens of eac
 whose hidden states were captured by hooks during that same forward): rejected drafts never reach it, so
 the drafter's lengths always equal the target's.
 
-With CUDA graphs on, the greedy block forward (with its drafts' argmax) and each commit's context append run
-as graphs of the batch's bucket (kept in the target's GraphStore, over the drafter's pooled cache storage):
+With CUDA graphs on, the block forward (greedy: with its drafts' argmax; sampled: up to the logits, selected
+eagerly) and each commit's context append run as graphs of the batch's bucket (kept in the target's GraphStore, over the drafter's pooled cache storage):
 their inputs are the token or hidden-state tensors and the whole forward metadata, padding rows have no
 query, no key, no slot and no page.
 """
@@ -123,7 +123,10 @@ class PagedDFlashDrafter:
         try:
             if not selector.do_sample and not selector.scorer.processors:  # greedy: the argmax of every position
                 return DraftProposal(self._graphed("block", self._greedy_block, [last_tokens], meta), None)
-            logits = self._block_logits(last_tokens, meta)  # [batch, k, vocab]
+            # sampling or logits processors: the block forward (a graph replay on CUDA), then the selection on
+            # its logits [batch, k, vocab] (processors are host code); a graph's logits are its static buffer,
+            # read before the next replay
+            logits = self._graphed("block_logits", self._block_logits, [last_tokens], meta)
         finally:
             self.cache.commit(lens)  # drop the block: the context keeps accepted tokens only
         return DraftProposal(*selector.select_block(logits))
