@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR COMMIT [tests|quick|full-depth|all]
 #
-#   tests       pytest of the Triton kernels, CUDA graphs and Gemma 4 models on the GPU (~1.5 min)
+#   tests       pytest of the Triton kernels, CUDA graphs and the Gemma 4 / DFlash / Step 3.5 models on the GPU
 #   quick       python -m benchmarks.run_all --quick --skip soak (~7 min on an H100)
 #   full-depth  e2e_synthetic on all 60 layers of the Gemma-4-31B shape at batch 1, median of 3 (~4 min, 61 GB)
 #   all         tests, then quick (default)
@@ -19,9 +19,11 @@ mkdir -p "$out/results"
 status=0
 
 run_tests() {
-  python -m pytest -q -x tests/kernels tests/generation/test_cuda_graphs.py tests/models/gemma4 >"$out/gpu_tests.log" 2>&1
+  python -m pytest -q tests/kernels tests/generation/test_cuda_graphs.py tests/generation/test_step3p5_graphs.py \
+    tests/models/gemma4 tests/models/dflash tests/models/step3p5 tests/cache/test_cache_sizing.py \
+    -p no:cacheprovider >"$out/gpu_tests.log" 2>&1
   local rc=$?
-  tail -1 "$out/gpu_tests.log"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_tests.log" | tail -12
   return $rc
 }
 
