@@ -2,9 +2,11 @@
 (Gemma-4-31B shape cut to ``--layers``, the MTP assistant, synthetic acceptance alpha) timed per phase
 (draft, verify forward, scoring and acceptance, the host sync, bookkeeping; the device is synchronised
 at every boundary, so the phases add up to more than an unsynchronised step), then the device kernels
-(torch.profiler).
+(torch.profiler). With ``--bundled`` it profiles a drafter of the bundled tiny family instead, with its real
+acceptance: there the steps are bound by host work, so the table lists the ops by host time.
 
     PYTHONPATH=. python -m benchmarks.profile_spec [--batch 32] [--k 7] [--alpha 0.8] [--layers 12]
+    PYTHONPATH=. python -m benchmarks.profile_spec --bundled dflash|mtp|step3p5 [--batch 1] [--k 3]
 """
 
 from __future__ import annotations
@@ -28,27 +30,22 @@ def main() -> int:
     parser.add_argument("--alpha", type=float, default=0.8)
     parser.add_argument("--rows", type=int, default=22)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shape smoke-31b)")
+    parser.add_argument("--bundled", choices=["mtp", "dflash", "step3p5"], default=None,
+                        help="profile this drafter of the bundled tiny family (real acceptance) instead")
     args = parser.parse_args()
     import hf_specdec
-    from benchmarks.drafters import SyntheticAcceptance
-    from benchmarks.shapes import gemma4_assistant, gemma4_target, random_prompt
-    from hf_specdec.generation.registry import build_drafter
 
-    target = gemma4_target(args.shape, args.layers, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
-    assistant = gemma4_assistant(args.shape, target, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
-    hf_specdec.enable(target)
-    ids = random_prompt(args.batch, args.prompt, target.config.vocab_size, args.device)
-    inner = build_drafter(target, assistant, "mtp", args.k)
-    drafter = SyntheticAcceptance(inner, args.alpha)
+    target, ids, extra, inner = (_bundled if args.bundled else _synthetic)(args)
 
     def generate(n=args.new_tokens):
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              assistant_model=drafter)
+                              eos_token_id=None, **extra)
         _sync()
         return out
 
     def plain(n=args.new_tokens):
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              eos_token_id=None)
         _sync()
         return out
 
@@ -62,7 +59,8 @@ def main() -> int:
     spec_s = time.perf_counter() - start
     stats = hf_specdec.last_generation_stats(target)
     steps = stats.num_target_forwards - 1
-    print(f"batch {args.batch}, k {args.k}, alpha {args.alpha}: tau {stats.mean_accepted_length:.2f}, "
+    acceptance = f"{args.bundled} (bundled)" if args.bundled else f"alpha {args.alpha}"
+    print(f"batch {args.batch}, k {args.k}, {acceptance}: tau {stats.mean_accepted_length:.2f}, "
           f"{steps} spec steps, {spec_s * 1e3:.1f} ms/call, {spec_s * 1e3 / steps:.2f} ms/step incl. prefill "
           f"(plain: {plain_s * 1e3:.1f} ms/call, {plain_s * 1e3 / args.new_tokens:.2f} ms/step)")
 
@@ -77,8 +75,51 @@ def main() -> int:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])) as prof:
         generate()
     print("kernels of one call (prefill included):")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total", row_limit=args.rows, max_name_column_width=50))
+    by_device = args.device == "cuda" and not args.bundled
+    print(prof.key_averages().table(sort_by="self_cuda_time_total" if by_device else "cpu_time_total",
+                                    row_limit=args.rows, max_name_column_width=50))
     return 0
+
+
+def _synthetic(args):
+    """(target, ids, generate kwargs, drafter): the Gemma 4 shape with its MTP assistant, synthetic acceptance."""
+    import hf_specdec
+    from benchmarks.drafters import SyntheticAcceptance
+    from benchmarks.shapes import gemma4_assistant, gemma4_target, random_prompt
+    from hf_specdec.generation.registry import build_drafter
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    target = gemma4_target(args.shape, args.layers, args.device, dtype)
+    assistant = gemma4_assistant(args.shape, target, args.device, dtype)
+    ids = random_prompt(args.batch, args.prompt, target.config.vocab_size, args.device)
+    inner = build_drafter(hf_specdec.enable(target), assistant, "mtp", args.k)
+    return target, ids, dict(assistant_model=SyntheticAcceptance(inner, args.alpha)), inner
+
+
+def _bundled(args):
+    """(target, ids, generate kwargs, drafter) of the bundled tiny family in bf16 (fp32 on the CPU): batch rows of
+    the same code prompt, truncated to --prompt tokens."""
+    from transformers import AutoTokenizer
+
+    from hf_specdec import AutoModelForCausalLM
+    from hf_specdec.assets import asset_path
+    from hf_specdec.generation.registry import build_drafter
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    name = "tiny-step3p5" if args.bundled == "step3p5" else "tiny-gemma4"
+    target = AutoModelForCausalLM.from_pretrained(asset_path(name), dtype=dtype).to(args.device)  # enabled
+    text = "import os\n\n\ndef walk(root):\n    for name in sorted(os.listdir(root)):\n"
+    ids = AutoTokenizer.from_pretrained(asset_path(name))([text] * args.batch, return_tensors="pt").input_ids
+    ids = ids[:, -args.prompt:].to(args.device)
+    if args.bundled == "step3p5":
+        extra = dict(spec_mode="mtp", num_speculative_tokens=args.k)
+    else:
+        path = asset_path("tiny-gemma4-assistant" if args.bundled == "mtp" else "tiny-gemma4-dflash")
+        assistant = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
+        extra = dict(assistant_model=assistant, num_speculative_tokens=args.k)
+    inner = build_drafter(target, extra.get("assistant_model"), extra.get("spec_mode"), args.k)
+    return target, ids, extra, inner
+
 
 
 def _sync() -> None:
@@ -115,6 +156,7 @@ def _phase_times(generate, drafter_type) -> list[tuple[str, float, int]]:
         ("cache commit / rollback", ModelRunner, "commit"),
         ("scorer (logits processors)", PositionScorer, "score"),
         ("acceptance (synthetic)", SyntheticAcceptance, "synthetic_acceptance"),
+        ("acceptance (greedy)", loop, "greedy_accept_no_sync"),
         ("emit (stop checks, streamer)", loop, "_emit"),
         ("row ids to device", loop.RowIds, "extend"),
     ]
