@@ -5,11 +5,11 @@ tiny kernels in eager torch, the rotary embedding of q and k as ~10 more, and th
 more; those launches cost ~20% of a step even inside a CUDA graph. ``enable`` swaps the ``forward`` of
 such modules, on that model's instances only, for fused kernels with the same arithmetic: Gemma 4 norms
 (one kernel each), attention (q/k/v norms and rotary in one kernel), decoder layers (post-norm, residual
-add, layer scalar and the next pre-norm in one kernel), MLPs (activation and gate product in one), and
-bias-free linear layers (a GEMM for a few rows that streams the weights faster than cuBLAS does). Each
-fused forward checks at ``enable`` that the module has what it reads, and runs the module's own forward on
-CPU and for the variants it does not cover (KV-shared layers, MoE and per-layer-input blocks), and whenever
-autograd tracks the input (the kernels have no backward).
+add, layer scalar and the next pre-norm in one kernel; E2B/E4B's per-layer-input gate in two), MLPs
+(activation and gate product in one), and bias-free linear layers (a GEMM for a few rows that streams the
+weights faster than cuBLAS does). Each fused forward checks at ``enable`` that the module has what it reads,
+and runs the module's own forward on CPU and for the variants it does not cover (KV-shared attention, MoE
+blocks), and whenever autograd tracks the input (the kernels have no backward).
 """
 
 from __future__ import annotations
@@ -71,12 +71,15 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
                                   cache=None, past_key_values=None, **kwargs):
     """transformers' ``Gemma4TextDecoderLayer.forward`` with its norm/residual seams fused (:func:`norm_add`):
     post-attention norm + residual add + pre-feedforward norm in one launch, post-feedforward norm + residual
-    add + layer scalar in another. MoE and per-layer-input blocks, and the CPU, run the original.
+    add + layer scalar in another. A per-layer-input block (E2B, E4B) puts its gate between the last two:
+    gelu(gate(h)) * per_layer_input in one launch (:func:`gelu_tanh_mul`), then its projection's post-norm +
+    residual add + layer scalar in one. MoE blocks, and the CPU, run the original.
 
     The cache comes as ``cache`` or ``past_key_values`` and goes on by position (see the attention above)."""
     cache = cache if cache is not None else past_key_values
-    if (self.enable_moe_block or self.hidden_size_per_layer_input or not use_triton(hidden_states)
-            or needs_grad(hidden_states)):
+    per_layer = bool(self.hidden_size_per_layer_input)
+    if (self.enable_moe_block or not use_triton(hidden_states) or needs_grad(hidden_states)
+            or (per_layer and (per_layer_input is None or per_layer_input.dtype != hidden_states.dtype))):
         return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states, position_embeddings,
                                   attention_mask, position_ids, cache, **kwargs)
     attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
@@ -85,7 +88,13 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     hidden_states, mlp_in = norm_add(attn, hidden_states, post.weight, post.eps, next_weight=_norm_weight(pre),
                                      next_eps=pre.eps)
     post = self.post_feedforward_layernorm
-    hidden_states, _ = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps, scale=self.layer_scalar)
+    hidden_states, _ = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps,
+                                scale=None if per_layer else self.layer_scalar)
+    if per_layer:
+        gated = gelu_tanh_mul(self.per_layer_input_gate(hidden_states), per_layer_input)
+        post = self.post_per_layer_input_norm
+        hidden_states, _ = norm_add(self.per_layer_projection(gated), hidden_states, post.weight, post.eps,
+                                    scale=self.layer_scalar)
     return hidden_states
 
 
@@ -96,12 +105,16 @@ def gemma4_mlp_forward(self, x):
     return self.down_proj(gelu_tanh_mul(*stacked_projections(x, self.gate_proj, self.up_proj)))
 
 
-def _fusible_gemma4_mlp(module) -> bool:
-    act = getattr(module, "act_fn", None)
-    return (all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
-            and type(act).__name__ in ("GELUTanh", "PytorchGELUTanh")
+def _is_gelu_tanh(act) -> bool:
+    """Whether ``act`` is transformers' tanh-approximated GELU (what :func:`gelu_tanh_mul` computes)."""
+    return (type(act).__name__ in ("GELUTanh", "PytorchGELUTanh")
             and not getattr(act, "use_gelu_tanh_python", False)
             and getattr(getattr(act, "act", None), "keywords", {}).get("approximate") == "tanh")
+
+
+def _fusible_gemma4_mlp(module) -> bool:
+    return (all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
+            and _is_gelu_tanh(getattr(module, "act_fn", None)))
 
 
 def _fusible_gemma4_decoder_layer(module) -> bool:
@@ -109,7 +122,16 @@ def _fusible_gemma4_decoder_layer(module) -> bool:
              "post_feedforward_layernorm", "layer_scalar", "enable_moe_block", "hidden_size_per_layer_input")
     return (all(hasattr(module, n) for n in names)
             and all(type(getattr(module, n)).__name__ == "Gemma4RMSNorm" for n in names[2:6])
-            and module.post_attention_layernorm.with_scale and module.post_feedforward_layernorm.with_scale)
+            and module.post_attention_layernorm.with_scale and module.post_feedforward_layernorm.with_scale
+            and (not module.hidden_size_per_layer_input or _fusible_per_layer_input(module)))
+
+
+def _fusible_per_layer_input(module) -> bool:
+    """What the fused per-layer-input gate reads: its two projections, a tanh GELU and a scaled post-norm."""
+    norm = getattr(module, "post_per_layer_input_norm", None)
+    return (all(hasattr(module, n) for n in ("per_layer_input_gate", "per_layer_projection"))
+            and _is_gelu_tanh(getattr(module, "act_fn", None))
+            and type(norm).__name__ == "Gemma4RMSNorm" and norm.with_scale)
 
 
 def _norm_weight(norm):

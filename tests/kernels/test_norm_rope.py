@@ -6,6 +6,7 @@ import torch
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
 
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
+from hf_specdec.kernels.rms_norm import norm_add
 
 
 def _case(dtype, device="cpu", batch=2, seq=3, q_heads=4, kv_heads=2, dim=32, cos_batch=None, seed=0):
@@ -82,10 +83,12 @@ def test_bad_shapes_name_the_fix():
 
 
 @pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style"])
-def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, build):
+def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, build, monkeypatch):
     """enable's fused attention forward (one qkv_norm_rope launch per layer) and decoder-layer forward
-    (norm_add at the residual seams) and MLP forward (gelu_tanh_mul) inside a whole model: sliding and full layers, k_eq_v layers (v
-    normalised from the raw keys), KV-shared layers and per-layer-input blocks (original forwards)."""
+    (norm_add at the residual seams) and MLP forward (gelu_tanh_mul) inside a whole model: sliding and full
+    layers, k_eq_v layers (v normalised from the raw keys), KV-shared layers (original attention) and
+    per-layer-input blocks (their gate fused too: three norm_add seams per layer instead of two)."""
+    from hf_specdec.generation import fusion
     from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
     from hf_specdec.kernels.stacked_linear import stacked_weight
     from tests import tiny_models
@@ -101,12 +104,16 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
         layers = [m for m in model.modules() if type(m).__name__ in ("Gemma4TextDecoderLayer", "Gemma4TextMLP")]
         fuse_modules(model)
         assert sum("forward" in vars(m) for m in attentions) == len(attentions) - len(shared) > 0
-        assert all("forward" in vars(m) for m in layers)  # E2B style: per-layer inputs -> original at run time
+        assert all("forward" in vars(m) for m in layers)
         # q/k/v (gate/up) weights now share one storage each: the fused forwards run one GEMM for them
         assert all(stacked_weight(m.q_proj, m.k_proj, *([m.v_proj] if m.v_proj is not None else [])) is not None
                    for m in attentions if m not in shared)
         assert all(stacked_weight(m.gate_proj, m.up_proj) is not None for m in layers if hasattr(m, "gate_proj"))
+        seams = []
+        monkeypatch.setattr(fusion, "norm_add", lambda *a, **kw: seams.append(1) or norm_add(*a, **kw))
         got = model(ids).logits
+        per_layer = bool(model.config.get_text_config().hidden_size_per_layer_input)
+        assert len(seams) == (3 if per_layer else 2) * model.config.get_text_config().num_hidden_layers
         unfuse_modules(model)
     assert not any("forward" in vars(m) for m in attentions + layers)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
@@ -134,17 +141,20 @@ def test_triton_fused_forwards_leave_training_to_torch(triton_device):
         assert torch.equal(g, e)
 
 
-def test_triton_fused_gemma4_generate_gives_transformers_tokens(triton_device):
+@pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style"])
+def test_triton_fused_gemma4_generate_gives_transformers_tokens(triton_device, build):
     """Invariant 1 through every Triton kernel (paged attention, K/V store, norms, qkv_norm_rope, norm_add,
-    gelu_tanh_mul): an enabled 31B-style model's greedy tokens are transformers' own (fp32)."""
+    gelu_tanh_mul): an enabled 31B-style model's greedy tokens are transformers' own, and an E2B-style one's
+    (per-layer inputs, KV-shared layers) (fp32)."""
     import hf_specdec
-    from tests.tiny_models import gemma4_31b_style, left_padded_batch
+    from tests import tiny_models
+    from tests.tiny_models import left_padded_batch
 
     ids, mask = left_padded_batch([12, 3, 9, 6])
     kwargs = dict(attention_mask=mask.to(triton_device), max_new_tokens=8, do_sample=False, eos_token_id=None,
                   pad_token_id=0)
-    expected = gemma4_31b_style().to(triton_device).generate(ids.to(triton_device), **kwargs)
-    model = hf_specdec.enable(gemma4_31b_style().to(triton_device))
+    expected = getattr(tiny_models, build)().to(triton_device).generate(ids.to(triton_device), **kwargs)
+    model = hf_specdec.enable(getattr(tiny_models, build)().to(triton_device))
     assert torch.equal(model.generate(ids.to(triton_device), **kwargs), expected)
 
 
