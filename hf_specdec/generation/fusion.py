@@ -8,8 +8,7 @@ such modules, on that model's instances only, for fused kernels with the same ar
 add, layer scalar and the next pre-norm in one kernel; E2B/E4B's per-layer-input gate in two), MLPs
 (activation and gate product in one), and bias-free linear layers (a GEMM for a few rows that streams the
 weights faster than cuBLAS does). Each fused forward checks at ``enable`` that the module has what it reads,
-and runs the module's own forward on CPU and for the variants it does not cover (KV-shared attention, MoE
-blocks), and whenever autograd tracks the input (the kernels have no backward).
+and runs the module's own forward on CPU and for the variants it does not cover (MoE blocks), and whenever autograd tracks the input (the kernels have no backward).
 """
 
 from __future__ import annotations
@@ -38,24 +37,26 @@ def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states=None,
                               cache=None, past_key_values=None, **kwargs):
     """transformers' ``Gemma4TextAttention.forward`` with q/k/v norms and rotary in one kernel
-    (:func:`qkv_norm_rope`); layers that reuse another layer's K/V, and the CPU, run the original.
+    (:func:`qkv_norm_rope`); a KV-shared layer normalises and rotates its query alone and attends over its
+    producer layer's K/V, as transformers' does. The CPU runs the original.
 
     The cache comes as ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier); it goes on to the
     original forward by position, where both versions take it."""
     cache = cache if cache is not None else past_key_values
-    if self.is_kv_shared_layer or not use_triton(hidden_states) or needs_grad(hidden_states):
+    if not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states,
                                   cache, **kwargs)
     hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    projections = (self.q_proj, self.k_proj) if self.v_proj is None else (self.q_proj, self.k_proj, self.v_proj)
-    query, key, *value = (p.view(hidden_shape) for p in stacked_projections(hidden_states, *projections))
-    value = value[0] if value else key
-    query, key, value = qkv_norm_rope(
-        query, key, value, (self.q_norm.weight, self.k_norm.weight, _norm_weight(self.v_norm)),
-        (self.q_norm.eps, self.k_norm.eps, self.v_norm.eps), *position_embeddings)
-    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if cache is not None:
-        key, value = cache.update(key, value, self.layer_idx)
+    if self.is_kv_shared_layer:
+        query, _, _ = qkv_norm_rope(self.q_proj(hidden_states).view(hidden_shape), None, None,
+                                    (self.q_norm.weight, None, None), (self.q_norm.eps, 0.0, 0.0),
+                                    *position_embeddings)
+        query = query.transpose(1, 2)
+        key, value = (t.to(query.device) for t in shared_kv_states[self.layer_type])
+    else:
+        query, key, value = _gemma4_qkv(self, hidden_states, hidden_shape, position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
     if self.store_full_length_kv:
         shared_kv_states[self.layer_type] = key, value
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -64,6 +65,19 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
                              dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
                              sliding_window=self.sliding_window, **kwargs)
     return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+def _gemma4_qkv(self, hidden_states, hidden_shape, position_embeddings):
+    """Query, key and value [batch, heads, seq, head_dim] of a Gemma 4 attention that owns its K/V: one GEMM
+    for the projections when stacked, then norms and rotary in one kernel (v = k's raw projection where the
+    layer has no v_proj)."""
+    projections = (self.q_proj, self.k_proj) if self.v_proj is None else (self.q_proj, self.k_proj, self.v_proj)
+    query, key, *value = (p.view(hidden_shape) for p in stacked_projections(hidden_states, *projections))
+    value = value[0] if value else key
+    query, key, value = qkv_norm_rope(
+        query, key, value, (self.q_norm.weight, self.k_norm.weight, _norm_weight(self.v_norm)),
+        (self.q_norm.eps, self.k_norm.eps, self.v_norm.eps), *position_embeddings)
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
 
 def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, shared_kv_states=None,
@@ -139,14 +153,17 @@ def _norm_weight(norm):
 
 
 def _fusible_gemma4_attention(module) -> bool:
-    """The attributes the fused forward reads (transformers 5.17+); anything else keeps its own forward."""
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "v_norm", "head_dim", "layer_idx",
-             "layer_type", "scaling", "sliding_window", "is_kv_shared_layer", "store_full_length_kv", "config",
-             "attention_dropout")
-    return (all(hasattr(module, n) for n in names)
-            and all(type(getattr(module, n)).__name__ == "Gemma4RMSNorm" for n in ("q_norm", "k_norm", "v_norm"))
-            and module.q_norm.with_scale and module.k_norm.with_scale
-            and hasattr(sys.modules[type(module).__module__], "eager_attention_forward"))
+    """The attributes the fused forward reads (transformers 5.17+); anything else keeps its own forward. A
+    KV-shared layer has no k/v projections or norms of its own."""
+    names = ("q_proj", "o_proj", "q_norm", "head_dim", "layer_idx", "layer_type", "scaling", "sliding_window",
+             "is_kv_shared_layer", "store_full_length_kv", "config", "attention_dropout")
+    if not all(hasattr(module, n) for n in names):
+        return False
+    norms = ("q_norm",) if module.is_kv_shared_layer else ("q_norm", "k_norm", "v_norm")
+    return (all(hasattr(module, n) for n in ("k_proj", "v_proj")) or module.is_kv_shared_layer) and (
+        all(type(getattr(module, n, None)).__name__ == "Gemma4RMSNorm" for n in norms)
+        and all(getattr(module, n).with_scale for n in norms[:2])
+        and hasattr(sys.modules[type(module).__module__], "eager_attention_forward"))
 
 
 def _fusible_linear(module) -> bool:

@@ -86,8 +86,9 @@ def test_bad_shapes_name_the_fix():
 def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, build, monkeypatch):
     """enable's fused attention forward (one qkv_norm_rope launch per layer) and decoder-layer forward
     (norm_add at the residual seams) and MLP forward (gelu_tanh_mul) inside a whole model: sliding and full
-    layers, k_eq_v layers (v normalised from the raw keys), KV-shared layers (original attention) and
-    per-layer-input blocks (their gate fused too: three norm_add seams per layer instead of two)."""
+    layers, k_eq_v layers (v normalised from the raw keys), KV-shared layers (a query-only qkv_norm_rope over
+    the producer's K/V) and per-layer-input blocks (their gate fused too: three norm_add seams per layer
+    instead of two)."""
     from hf_specdec.generation import fusion
     from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
     from hf_specdec.kernels.stacked_linear import stacked_weight
@@ -103,17 +104,18 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
         shared = [m for m in attentions if m.is_kv_shared_layer]
         layers = [m for m in model.modules() if type(m).__name__ in ("Gemma4TextDecoderLayer", "Gemma4TextMLP")]
         fuse_modules(model)
-        assert sum("forward" in vars(m) for m in attentions) == len(attentions) - len(shared) > 0
+        assert all("forward" in vars(m) for m in attentions)
         assert all("forward" in vars(m) for m in layers)
         # q/k/v (gate/up) weights now share one storage each: the fused forwards run one GEMM for them
         assert all(stacked_weight(m.q_proj, m.k_proj, *([m.v_proj] if m.v_proj is not None else [])) is not None
                    for m in attentions if m not in shared)
         assert all(stacked_weight(m.gate_proj, m.up_proj) is not None for m in layers if hasattr(m, "gate_proj"))
-        seams = []
+        seams, ropes = [], []
         monkeypatch.setattr(fusion, "norm_add", lambda *a, **kw: seams.append(1) or norm_add(*a, **kw))
+        monkeypatch.setattr(fusion, "qkv_norm_rope", lambda *a, **kw: ropes.append(1) or qkv_norm_rope(*a, **kw))
         got = model(ids).logits
         per_layer = bool(model.config.get_text_config().hidden_size_per_layer_input)
-        assert len(seams) == (3 if per_layer else 2) * model.config.get_text_config().num_hidden_layers
+        assert len(seams) == (3 if per_layer else 2) * len(attentions) and len(ropes) == len(attentions)
         unfuse_modules(model)
     assert not any("forward" in vars(m) for m in attentions + layers)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
