@@ -46,8 +46,7 @@ def test_enable_fuses_gemma_norms_and_disable_restores_them():
         assert torch.equal(norms[0](x), Gemma4RMSNorm.forward(norms[0], x))
     hf_specdec.disable(model)
     assert not any("forward" in vars(m) for m in norms)
-    fused_attentions = [m for m in model.modules()
-                        if type(m).__name__ == "Gemma4TextAttention" and not m.is_kv_shared_layer]
+    fused_attentions = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]  # KV-shared too
     layers_and_mlps = [m for m in model.modules() if type(m).__name__ in ("Gemma4TextDecoderLayer", "Gemma4TextMLP")]
     # attentions, layers and MLPs: tests/kernels/test_norm_rope.py
     assert fuse_modules(model) == len(norms) + len(fused_attentions) + len(layers_and_mlps)
