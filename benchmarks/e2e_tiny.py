@@ -1,12 +1,14 @@
 """e2e_tiny: the bundled tiny trained family end to end, plain vs each speculative mode, real tau and speed-up.
 
-    python -m benchmarks.e2e_tiny [--batch 1 4] [--new-tokens 128] [--quick | --smoke]
+    python -m benchmarks.e2e_tiny [--batch 1 4] [--new-tokens 128] [--repeats 3] [--quick | --smoke]
 
 Prompts are the bundled held-out snippets (code no member was trained on). Rows per family member
 (float32): transformers ``generate`` (hf_dynamic), hf_specdec plain, and every bundled drafter (tiny Gemma 4:
 the MTP assistant at several k and DFlash when bundled; tiny Step 3.5: its own MTP layers, k = 1..3).
 Greedy, no early stop at EOS (every row decodes the full length); every hf_specdec row is checked token for
-token against transformers. tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)).
+token against transformers. tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)), the
+median of ``--repeats`` timed pairs (a call lasts tens of milliseconds: single pairs of the same row moved by
+up to 45% between two runs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from hf_specdec.assets import asset_path, available_assets, held_out_snippets
 NAME = "e2e_tiny"
 COLUMNS = ["model_shape", "backend", "batch", "k", "tokens_per_s", "tau", "speedup", "same_tokens"]
 PRESETS = {
-    "smoke": dict(batch=[2], new_tokens=8, mtp_k=[4]),
+    "smoke": dict(batch=[2], new_tokens=8, mtp_k=[4], repeats=1),
     "quick": dict(batch=[1, 4], new_tokens=64),
 }
 MEMBERS = ("tiny-gemma4", "tiny-step3p5")
@@ -30,6 +32,7 @@ MEMBERS = ("tiny-gemma4", "tiny-step3p5")
 def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
     parser.add_argument("--mtp-k", type=int, nargs="+", default=[2, 4, 7], help="k of the Gemma 4 MTP assistant rows")
     parser.add_argument("--members", nargs="+", default=list(MEMBERS), choices=MEMBERS)
 
@@ -66,7 +69,7 @@ def bench_member(name: str, batch: int, args) -> list[dict]:
 
     def speed(**extra):
         return decode_rate(lambda n: model.generate(**inputs, max_new_tokens=n, do_sample=False, **extra),
-                           batch, args.new_tokens)
+                           batch, args.new_tokens, repeats=args.repeats)
 
     plain = speed()
     reference, base = plain["output"], plain["tokens_per_s"]
