@@ -1,6 +1,7 @@
 """hf_native_assisted: transformers' own assisted decoding vs hf_specdec MTP, identical weights, batch 1.
 
-    python -m benchmarks.hf_native_assisted [--models tiny gemma4-e4b] [--layers N] [--k 4] [--quick | --smoke]
+    python -m benchmarks.hf_native_assisted [--models tiny gemma4-e4b] [--layers N] [--k 4] [--repeats 3]
+                                            [--quick | --smoke]
 
 Pairs: the bundled tiny Gemma 4 with its trained MTP assistant (float32), and a random Gemma 4 E4B-shaped
 target with a random assistant of the E2B assistant's shape (benchmark dtype; ``--layers`` cuts the target).
@@ -9,7 +10,8 @@ loads its own ``Gemma4AssistantForCausalLM`` from the same checkpoint folder. Ro
 ``generate``, the token reference), ``hf_native_assisted`` (``generate(assistant_model=...,
 num_assistant_tokens=k)`` on the stock model; where this transformers version cannot build or run it the
 row records why in ``skipped``) and ``hf_specdec_mtp``. Greedy; tokens are compared with ``hf_dynamic``.
-tokens/s is steady state, prefill excluded: (N-1) / (t(N) - t(1)).
+tokens/s is steady state, prefill excluded: (N-1) / (t(N) - t(1)), the median of ``--repeats`` timed pairs (one
+pair of 32 tokens once read 3990 tok/s for a row that reads ~1300 in e2e_tiny: a slow t(1) inflates it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ NAME = "hf_native_assisted"
 COLUMNS = ["model_shape", "backend", "batch", "k", "tokens_per_s", "tau", "speedup_vs_native", "same_tokens",
            "skipped"]
 PRESETS = {
-    "smoke": dict(models=["tiny", "smoke-e4b"], prompt=12, new_tokens=8),
+    "smoke": dict(models=["tiny", "smoke-e4b"], prompt=12, new_tokens=8, repeats=1),
     "quick": dict(layers=12, prompt=128, new_tokens=32),
 }
 
@@ -36,6 +38,7 @@ def add_arguments(parser) -> None:
                         help="'tiny' (the bundled family) and/or a Gemma 4 shape of benchmarks/shapes.py")
     parser.add_argument("--layers", type=int, default=None, help="cut the random target to this many layers")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens of the random pair")
     parser.add_argument("--new-tokens", type=int, default=64)
 
@@ -109,7 +112,7 @@ def _speed(target, ids, args, extra: dict) -> dict:
     def generate(n):
         return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **extra)
 
-    return decode_rate(generate, 1, args.new_tokens)
+    return decode_rate(generate, 1, args.new_tokens, repeats=args.repeats)
 
 
 def _compare(reference, output) -> dict:

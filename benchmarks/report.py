@@ -96,8 +96,8 @@ def plot(records: list[dict], path, k_benches=None, batch_benches=None) -> pathl
     _lines(by_batch, records, x="batch", where=lambda r: r["bench"] in (batch_benches or [r["bench"]]))
     by_batch.set(xlabel="batch", ylabel="tokens/s", title="tokens/s vs batch", xscale="log", yscale="log")
     gpu = next((r["gpu"] for r in records if r.get("gpu")), "")
-    commit = next((r["commit"] for r in records if r.get("commit")), "")
-    fig.suptitle(f"hf_specdec benchmarks on {gpu} ({commit})")
+    commits = ", ".join(sorted({r["commit"] for r in records if r.get("commit")}))
+    fig.suptitle(f"hf_specdec benchmarks on {gpu} ({commits})")
     for ax in (by_k, by_batch):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -111,7 +111,9 @@ def plot(records: list[dict], path, k_benches=None, batch_benches=None) -> pathl
 
 
 def _lines(ax, records, x: str, where) -> None:
-    series: dict[str, list[tuple]] = {}
+    """One line per series (bench, shape, backend, alpha, the other axis); where several runs measured the same
+    point, the latest run's."""
+    series: dict[str, dict] = {}
     for r in records:
         if not where(r) or not r.get("tokens_per_s"):
             continue
@@ -119,10 +121,12 @@ def _lines(ax, records, x: str, where) -> None:
         label = f"{r['bench']} {r['model_shape']} {r['backend']}"
         label += f" a={r['alpha']}" if r.get("alpha") is not None else ""
         label += f" {other}={r.get(other)}" if r.get(other) is not None else ""
-        series.setdefault(label, []).append((r[x], r["tokens_per_s"]))
+        points = series.setdefault(label, {})
+        if r[x] not in points or r.get("run_id", "") > points[r[x]].get("run_id", ""):
+            points[r[x]] = r
     for label, points in sorted(series.items()):
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        xs = sorted(points)
+        ax.plot(xs, [points[v]["tokens_per_s"] for v in xs], marker="o", label=label)
 
 
 def write_report(records: list[dict], readme=None, png=None, title: str = "") -> dict:
