@@ -341,9 +341,15 @@ def test_sampled_mtp_draft_steps_replay_graphs_with_the_eager_tokens(monkeypatch
     samples eagerly from its outputs: the same seed gives the tokens of eager drafting, at a full bucket (4
     rows) and a padded one (3 rows in the bucket of 4) (fp32, bundled tiny family)."""
     model, assistant = _bundled_on_cuda("tiny-gemma4", "tiny-gemma4-assistant")
-    store = model._hf_specdec.graph_store
     kwargs = dict(max_new_tokens=24, do_sample=True, temperature=0.9, top_k=40, eos_token_id=None, pad_token_id=0,
                   assistant_model=assistant, num_speculative_tokens=3)
+    _assert_sampled_graphs_give_eager_tokens(model, kwargs, lambda key: key[0] == "gemma4_mtp_step")
+
+
+def _assert_sampled_graphs_give_eager_tokens(model, kwargs, is_draft_graph):
+    """Seeded sampling with graphs, then eagerly, for a full bucket (4 rows) and a padded one (3 rows in the
+    bucket of 4): the same tokens, and the graphed run kept a draft graph (``is_draft_graph(key)``)."""
+    store = model._hf_specdec.graph_store
     for lengths in ([12, 3, 9, 6], [5, 10, 7]):
         ids, mask = left_padded_batch(lengths, vocab=200)
         runs = []
@@ -352,7 +358,7 @@ def test_sampled_mtp_draft_steps_replay_graphs_with_the_eager_tokens(monkeypatch
             torch.manual_seed(0)
             runs.append(model.generate(ids.cuda(), attention_mask=mask.cuda(), **kwargs))
             if graphs:
-                assert any(key[0] == "gemma4_mtp_step" for key in store.calls)
+                assert any(is_draft_graph(key) for key in store.calls)
         assert torch.equal(*runs)
 
 
@@ -362,16 +368,6 @@ def test_sampled_dflash_block_forward_replays_a_graph_with_the_eager_tokens():
     eagerly from them: the same seed gives the tokens of eager drafting, at a full bucket (4 rows) and a padded
     one (3 rows in the bucket of 4) (fp32, bundled tiny family)."""
     model, drafter = _bundled_on_cuda("tiny-gemma4", "tiny-gemma4-dflash")
-    store = model._hf_specdec.graph_store
     kwargs = dict(max_new_tokens=24, do_sample=True, temperature=0.9, top_p=0.9, eos_token_id=None, pad_token_id=0,
                   assistant_model=drafter, num_speculative_tokens=4)
-    for lengths in ([12, 3, 9, 6], [5, 10, 7]):
-        ids, mask = left_padded_batch(lengths, vocab=200)
-        runs = []
-        for graphs in (True, False):
-            hf_specdec.enable(model, cuda_graphs=graphs)
-            torch.manual_seed(0)
-            runs.append(model.generate(ids.cuda(), attention_mask=mask.cuda(), **kwargs))
-            if graphs:
-                assert ("dflash", "block_logits") in {key[:2] for key in store.calls}
-        assert torch.equal(*runs)
+    _assert_sampled_graphs_give_eager_tokens(model, kwargs, lambda key: key[:2] == ("dflash", "block_logits"))
