@@ -13,6 +13,8 @@ and runs the module's own forward on CPU and for the variants it does not cover 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import types
 
@@ -41,11 +43,11 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
     producer layer's K/V, as transformers' does. The CPU runs the original.
 
     The cache comes as ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier); it goes on to the
-    original forward by position, where both versions take it."""
+    original forward under the name that version takes."""
     cache = cache if cache is not None else past_key_values
     if not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states,
-                                  cache, **kwargs)
+                                  **{_cache_name(type(self)): cache}, **kwargs)
     hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
     if self.is_kv_shared_layer:
         query, _, _ = qkv_norm_rope(self.q_proj(hidden_states).view(hidden_shape), None, None,
@@ -55,8 +57,8 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
         key, value = (t.to(query.device) for t in shared_kv_states[self.layer_type])
     else:
         query, key, value = _gemma4_qkv(self, hidden_states, hidden_shape, position_embeddings)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+        if cache is not None:  # kwargs: transformers 5.24's paged caches fill in the attention's kwargs
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     if self.store_full_length_kv:
         shared_kv_states[self.layer_type] = key, value
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -65,6 +67,12 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
                              dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
                              sliding_window=self.sliding_window, **kwargs)
     return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+@functools.cache
+def _cache_name(cls) -> str:
+    """The name ``cls.forward`` takes the cache by: ``cache`` from transformers 5.24, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def _gemma4_qkv(self, hidden_states, hidden_shape, position_embeddings):
@@ -89,13 +97,14 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     gelu(gate(h)) * per_layer_input in one launch (:func:`gelu_tanh_mul`), then its projection's post-norm +
     residual add + layer scalar in one. MoE blocks, and the CPU, run the original.
 
-    The cache comes as ``cache`` or ``past_key_values`` and goes on by position (see the attention above)."""
+    The cache comes as ``cache`` or ``past_key_values`` and goes on by keyword, under the name the original
+    takes: transformers 5.24's gradient checkpointing drops a keyword cache before the recompute."""
     cache = cache if cache is not None else past_key_values
     per_layer = bool(self.hidden_size_per_layer_input)
     if (self.enable_moe_block or not use_triton(hidden_states) or needs_grad(hidden_states)
             or (per_layer and (per_layer_input is None or per_layer_input.dtype != hidden_states.dtype))):
         return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states, position_embeddings,
-                                  attention_mask, position_ids, cache, **kwargs)
+                                  attention_mask, position_ids, **{_cache_name(type(self)): cache}, **kwargs)
     attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
                              shared_kv_states, cache, position_ids=position_ids, **kwargs)
     post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm

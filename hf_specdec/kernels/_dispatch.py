@@ -32,7 +32,9 @@ FORCE_TRITON_ENV = "HF_SPECDEC_FORCE_TRITON"
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether kernels run their Triton body for `tensor` (else the torch reference).
 
-    Auto: Triton for CUDA tensors. ``HF_SPECDEC_FORCE_TRITON=1`` forces Triton on any device (tests
+    Auto: Triton for CUDA tensors on the current device (Triton launches there: a tensor on another GPU takes
+    the reference rather than a kernel reading the wrong device). ``HF_SPECDEC_FORCE_TRITON=1`` forces Triton
+    on any device (tests
     pair it with ``TRITON_INTERPRET=1``, set before the kernels are imported, to run the bodies on
     CPU); ``HF_SPECDEC_FORCE_TRITON=0`` forces the reference, e.g. to bisect a GPU mismatch.
     """
@@ -41,7 +43,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
     forced = os.environ.get(FORCE_TRITON_ENV)
     if forced in ("0", "1"):
         return forced == "1"
-    return tensor.is_cuda
+    return tensor.is_cuda and tensor.get_device() == torch.cuda.current_device()
 
 
 def needs_grad(x: torch.Tensor) -> bool:

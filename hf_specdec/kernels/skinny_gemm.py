@@ -7,7 +7,8 @@ columns, walks the whole K dimension in ``BLOCK_K`` tiles through a deep softwar
 the rows, padded to 16, on the tensor cores. No split-K, so no reduction kernel and no memset.
 
 Every row is computed by the same program with the same K order whatever the number of rows (1-16), so a
-row's result does not depend on the batch: a verify step's logits equal a decode step's, bit for bit. fp32
+row's result does not depend on the batch while a forward has at most 16 rows (a decode step's logits equal a
+1-row verify's, bit for bit; wider forwards take cuBLAS). fp32
 weights keep the torch GEMM (the tensor cores would round them to tf32), as do wide inputs (prefill) and
 anything autograd tracks.
 """
@@ -66,6 +67,7 @@ def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     rows = x.numel() // max(1, x.shape[-1])
     return (ENABLED and use_triton(x) and x.device == weight.device and x.dtype in (torch.bfloat16, torch.float16)
+            and type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.layout == torch.strided  # no subclass
             and weight.dtype == x.dtype and 0 < rows <= MAX_ROWS and weight.stride(1) == 1
             and weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
             and not needs_grad(x) and not needs_grad(weight))

@@ -152,6 +152,23 @@ def test_a_user_cache_runs_on_transformers_loop_and_fills_that_cache():
     assert cache_ours.get_seq_length() == cache_ref.get_seq_length() == ids.shape[1] + 4
 
 
+def test_checkpointed_training_with_a_cache_treats_the_cache_as_transformers_does():
+    """Gradient checkpointing with a user cache: the enabled model's fused forwards hand the cache to the
+    original forward the way transformers' checkpointing expects it (transformers 5.24 drops a keyword cache
+    before the recompute; a positional one would be updated twice), so the cache ends as the stock model's."""
+    ref, ours = _pair("gemma4_e2b")
+    ids, _ = left_padded_batch([9, 9])
+    lengths = []
+    for model in (ref, ours):
+        model.train()
+        model.gradient_checkpointing_enable()
+        cache = DynamicCache(config=model.config)
+        out = model(ids, use_cache=True, **{cache_argument(model): cache})
+        out.logits.float().square().mean().backward()
+        lengths.append(cache.get_seq_length())
+    assert lengths[0] == lengths[1]
+
+
 def test_plain_forwards_are_unchanged_by_enable():
     ref, ours = _pair("gemma4_e2b")
     ids, mask = left_padded_batch([9, 6])

@@ -70,6 +70,11 @@ def test_dispatch_keeps_torch_where_the_kernel_does_not_apply(monkeypatch):
     assert not skinny_eligible(torch.zeros(3, 32, dtype=torch.float16), w)  # mixed dtypes
     assert not skinny_eligible(torch.zeros(3, 32, dtype=torch.bfloat16), w.T.contiguous().T[:, :32])
     assert not skinny_eligible(torch.zeros(0, 32, dtype=torch.bfloat16), w)
+
+    class WrappedWeight(torch.Tensor):  # e.g. a quantised or sharded weight: F.linear dispatches it
+        pass
+
+    assert not skinny_eligible(torch.zeros(3, 32, dtype=torch.bfloat16), w.as_subclass(WrappedWeight))
     with torch.enable_grad():
         assert not skinny_eligible(torch.zeros(3, 32, dtype=torch.bfloat16, requires_grad=True), w)
     monkeypatch.setattr(skinny_gemm, "MIN_WEIGHT_BYTES", 1 << 30)

@@ -378,7 +378,8 @@ class Step3p5ForCausalLM(Step3p5PreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return Step3p5CausalLMOutputWithPast(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-            pre_norm_hidden_state=outputs.pre_norm_hidden_state, **{CACHE_FIELD: outputs[CACHE_FIELD]},
+            pre_norm_hidden_state=outputs.pre_norm_hidden_state,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},  # None without a cache (item access would raise)
         )
 
     def mtp_step(self, mtp_index: int, input_ids: torch.LongTensor, previous_hidden_states: torch.Tensor,

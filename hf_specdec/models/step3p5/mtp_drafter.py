@@ -206,8 +206,9 @@ class Step3p5MTPDrafter:
         accepted = num_accepted.tolist()
         old = [n - k for n, k in zip(cache.seq_lens, kept)]
         for j, mtp_cache in enumerate(self.caches):
-            # entries at positions >= L_old + a - j consumed a rejected draft: roll them back
-            mtp_cache.commit([min(o, o + a - j) if k else n for o, a, k, n
+            # entries at positions >= L_old + a - j consumed a rejected draft: roll them back (a short prompt
+            # may leave none)
+            mtp_cache.commit([max(0, min(o, o + a - j)) if k else n for o, a, k, n
                               in zip(old, accepted, kept, mtp_cache.seq_lens)])
         # layer 0's next states: the verify's kept slots (positions L_old ..), right-aligned like a forward's
         pre_norm = captured.pre_norm  # [batch, k+1, hidden]

@@ -9,6 +9,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from hf_specdec.models.step3p5 import Step3p5ForCausalLM
+from hf_specdec.models.step3p5.modeling import CACHE_FIELD
 
 from .tiny_step3p5 import (
     SEQ,
@@ -86,6 +87,20 @@ def test_cached_decoding_matches_full_forward_past_window():
         steps = [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(4, SEQ)]
     assert torch.allclose(torch.cat([prefill, *steps], dim=1), full, atol=1e-5)
     assert cache.get_seq_length() == SEQ
+
+
+def test_forward_without_a_cache_and_training_forwards():
+    """use_cache=False (and training with labels) returns no cache, under either transformers' field name."""
+    model = tiny_model()
+    ids = random_ids()
+    with torch.no_grad():
+        cached = model(ids).logits
+        out = model(ids, use_cache=False)
+    assert torch.allclose(out.logits, cached) and getattr(out, CACHE_FIELD) is None
+    assert torch.allclose(model(ids, use_cache=False, return_dict=False)[0], cached)
+    loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert torch.isfinite(loss) and model.lm_head.weight.grad is not None
 
 
 def test_generate_greedy_matches_argmax_loop():

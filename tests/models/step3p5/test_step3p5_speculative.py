@@ -27,6 +27,17 @@ def test_greedy_mtp_equals_plain_greedy(k):
     assert len(stats.acceptance_histogram) == k + 1
 
 
+def test_one_token_prompts_roll_back_no_further_than_the_prompt():
+    """A prompt of one token leaves MTP layer j >= 2 no entry to keep when the first verify rejects every draft
+    (L_old + a - j < 0): the rollback stops at an empty layer, and the output is still plain greedy's."""
+    ref, ours = tiny_model(), hf_specdec.enable(tiny_model())
+    ids, mask = left_padded_batch([1, 1, 6], vocab=64)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    got = ours.generate(ids, spec_mode="mtp", num_speculative_tokens=3, **kwargs)
+    assert torch.equal(got, ref.generate(ids, **kwargs))
+    assert hf_specdec.last_generation_stats(ours).acceptance_histogram[0] > 0  # some verify accepted nothing
+
+
 def test_mtp_layer_kv_after_a_partial_rejection_equals_a_fresh_run():
     """After a verify that keeps 2 of 4 tokens, each MTP layer's valid K/V equals that of a fresh run of
     the MTP stack over the committed tokens only."""
