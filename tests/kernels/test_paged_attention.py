@@ -299,6 +299,16 @@ def test_launcher_errors(mutate, message):
         paged_attention(*case.args(), scale=0.25)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_use_triton_only_on_the_current_cuda_device(monkeypatch):
+    """Triton launches on the current device: a tensor on another GPU takes the torch reference."""
+    monkeypatch.delenv("HF_SPECDEC_FORCE_TRITON", raising=False)
+    x = torch.zeros(1, device="cuda")
+    assert use_triton(x)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: x.get_device() + 1)
+    assert not use_triton(x)
+
+
 def test_use_triton_env_override(monkeypatch):
     cpu_tensor = torch.zeros(1)
     monkeypatch.setenv("HF_SPECDEC_FORCE_TRITON", "1")
