@@ -300,7 +300,7 @@ def test_launcher_errors(mutate, message):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_use_triton_only_on_the_current_cuda_device(monkeypatch):
+def test_kernels_run_only_for_tensors_on_the_current_cuda_device(monkeypatch):
     """Triton launches on the current device: a tensor on another GPU takes the torch reference."""
     monkeypatch.delenv("HF_SPECDEC_FORCE_TRITON", raising=False)
     x = torch.zeros(1, device="cuda")
