@@ -9,7 +9,7 @@ uncompiled and the row says ``compiled: false``; a failure is recorded as the ro
 ``hf_specdec`` (``hf_specdec.enable``). tokens/s is steady-state decoding, prefill excluded:
 batch*(N-1) / (t(N) - t(1)). ``floor_tokens_per_s`` = measured copy bandwidth / bytes streamed per step
 (weights once, K/V of the context per row). Tokens are compared with ``hf_dynamic``; a mismatch is reported
-with the reference's top-2 logit gap there (``near_tie`` when within 2 bf16 ulps, DESIGN.md §3).
+with the reference's top-2 logit gap there (``near_tie`` when within 2 bf16 ulps, docs/architecture.md, "Exactness").
 """
 
 from __future__ import annotations

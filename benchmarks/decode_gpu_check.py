@@ -6,7 +6,7 @@ Every layer has the real 31B shapes (hidden 5376, 32 q heads, sliding 16 kv x 25
 full 4 kv x 512 with attention_k_eq_v, intermediate 21504, vocab 262144); ``--layers`` keeps the
 [5 sliding, 1 full] pattern at a smaller depth so the model fits beside HF's cache (the bandwidth floor is
 computed for the depth that runs). Checks the greedy tokens agree (a mismatch is reported with the
-top-2 logit gap at that step: bf16 near-ties are expected to flip, DESIGN.md §3), times tokens/s at
+top-2 logit gap at that step: bf16 near-ties are expected to flip, docs/architecture.md, "Exactness"), times tokens/s at
 batch 1 and 8, and prints a table, then one JSON line.
 """
 

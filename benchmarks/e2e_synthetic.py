@@ -5,8 +5,8 @@
 
 Random weights accept almost no drafts, so the speculative rows run a real drafter — the Gemma 4 MTP
 assistant, and a DFlash drafter of an assumed shape (``--drafter``) — with its real draft cost, but accept
-each draft with probability alpha (``SyntheticAcceptance``, benchmarks/drafters.py, through the loop's
-benchmark-only ``synthetic_acceptance`` hook): the committed tokens are not the target's greedy tokens, and these rows say ``lossless: false``. This measures system
+each draft with probability alpha (``SyntheticAcceptance``, benchmarks/drafters.py, passed as
+``generate(acceptance=...)``): the committed tokens are not the target's greedy tokens, and these rows say ``lossless: false``. This measures system
 throughput at a given tau (expected tau = sum_{i<=k} alpha^i), as vLLM's synthetic acceptance mode does.
 Beside them: ``hf_dynamic`` (transformers ``generate``) and ``hf_specdec`` plain on the same shape.
 tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)). ``vs_floor_tau`` =
@@ -79,10 +79,10 @@ def run(args, progress) -> list[dict]:
                 for alpha in args.alpha:
                     inner = (build_drafter(target, assistant, "mtp", k) if kind == "mtp"
                              else _dflash_drafter(target, args, k))
-                    drafter = SyntheticAcceptance(inner, alpha)
+                    synthetic = dict(assistant_model=inner, acceptance=SyntheticAcceptance(alpha))
                     batch_rows.append(dict(common, backend=f"hf_specdec_{kind}_synthetic", k=k, alpha=alpha,
                                            lossless=False, expected_tau=expected_tau(alpha, k),
-                                           **_speed(target, ids, args, dict(assistant_model=drafter))))
+                                           **_speed(target, ids, args, synthetic)))
                     progress.step(f"b{batch} {kind} k {k} alpha {alpha}")
         hf_specdec.disable(target)
         plain = next(r["tokens_per_s"] for r in batch_rows if r["backend"] == "hf_specdec")

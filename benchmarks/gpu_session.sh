@@ -19,7 +19,7 @@ mkdir -p "$out/results"
 status=0
 
 run_tests() {
-  python -m pytest -q tests/kernels tests/generation/test_cuda_graphs.py tests/generation/test_step3p5_graphs.py \
+  python -m pytest -q tests/kernels tests/runtime \
     tests/models/gemma4 tests/models/dflash tests/models/step3p5 tests/cache/test_cache_sizing.py \
     -p no:cacheprovider >"$out/gpu_tests.log" 2>&1
   local rc=$?

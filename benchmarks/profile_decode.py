@@ -26,7 +26,7 @@ def main() -> int:
     args = parser.parse_args()
     import hf_specdec
     from benchmarks.decode_gpu_check import build_model
-    from hf_specdec.generation.model_runner import ModelRunner
+    from hf_specdec.runtime import ModelRunner
 
     model = hf_specdec.enable(build_model(args.layers), cuda_graphs=not args.eager)
     state = model._hf_specdec

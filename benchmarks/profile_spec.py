@@ -93,7 +93,7 @@ def _synthetic(args):
     assistant = gemma4_assistant(args.shape, target, args.device, dtype)
     ids = random_prompt(args.batch, args.prompt, target.config.vocab_size, args.device)
     inner = build_drafter(hf_specdec.enable(target), assistant, "mtp", args.k)
-    return target, ids, dict(assistant_model=SyntheticAcceptance(inner, args.alpha)), inner
+    return target, ids, dict(assistant_model=inner, acceptance=SyntheticAcceptance(args.alpha)), inner
 
 
 def _bundled(args):
@@ -130,9 +130,10 @@ def _sync() -> None:
 def _phase_times(generate, drafter_type) -> list[tuple[str, float, int]]:
     """Run ``generate`` once with the loop's phases wrapped in device syncs and timers."""
     from benchmarks.drafters import SyntheticAcceptance
-    from hf_specdec.cache.paged_cache import PagedKVCache
+    from hf_specdec.cache import PagedKVCache
     from hf_specdec.generation import speculative as loop
-    from hf_specdec.generation.model_runner import ModelRunner
+    from hf_specdec.generation.acceptance import GreedyAcceptance
+    from hf_specdec.runtime import ModelRunner
     from hf_specdec.generation.sampling import PositionScorer
 
     durations: dict[str, list[float]] = {}
@@ -155,9 +156,9 @@ def _phase_times(generate, drafter_type) -> list[tuple[str, float, int]]:
         ("  cache metadata (host; every cache, drafters' too)", PagedKVCache, "begin_forward"),
         ("cache commit / rollback", ModelRunner, "commit"),
         ("scorer (logits processors)", PositionScorer, "score"),
-        ("acceptance (synthetic)", SyntheticAcceptance, "synthetic_acceptance"),
-        ("acceptance (greedy)", loop, "greedy_accept_no_sync"),
-        ("emit (stop checks, streamer)", loop, "_emit"),
+        ("acceptance (synthetic)", SyntheticAcceptance, "__call__"),
+        ("acceptance (greedy)", GreedyAcceptance, "__call__"),
+        ("emit (stop checks, streamer)", loop.SpeculativeLoop, "_emit"),
         ("row ids to device", loop.RowIds, "extend"),
     ]
     with ExitStack() as stack:

@@ -1,6 +1,6 @@
 """Model shapes the benchmarks run: real public shapes with random weights, cut in depth on request.
 
-Targets (REFERENCE.md §1, §4):
+Targets (docs/models.md §1, §4):
 - ``gemma4-31b``: 60 layers, hidden 5376, intermediate 21504, 32 q heads; sliding 16 kv x 256 (window 1024),
   full 4 kv x 512 with attention_k_eq_v; vocab 262144; no KV sharing, no per-layer inputs.
 - ``gemma4-e4b``: 42 layers, hidden 2560, intermediate 10240, 8 q / 2 kv heads, 256 / 512 head dims,
@@ -13,7 +13,7 @@ Targets (REFERENCE.md §1, §4):
 Gemma 4 E4B keeps its shared fraction (18/42) of KV-shared layers. The depth is part of ``model_shape``
 (``gemma4-31b/L12``).
 
-Gemma 4 MTP assistants (REFERENCE.md §2): every layer reads its producer's K/V, so kv heads and head
+Gemma 4 MTP assistants (docs/models.md §2): every layer reads its producer's K/V, so kv heads and head
 dims follow the target; four layers [S, S, S, F], ordered embeddings (2048 centroids, top 32). Public
 facts fix the E2B assistant (hidden 256, 4 heads); its intermediate size (2048) is as read by third-party
 converters. No public config of the E4B or 31B assistant was at hand: E4B's is taken as E2B's; the 31B
@@ -214,15 +214,15 @@ def streamed_bytes_per_step(model, batch: int, context: int) -> dict:
 
 def _kv_layers(config):
     """(kv heads, head dim, window) of each layer that owns K/V."""
-    if hasattr(config, "per_layer_config"):  # Gemma 4
+    if hasattr(config, "layer_num_kv_heads"):  # Step 3.5 (main layers)
+        for i in range(config.num_hidden_layers):
+            yield config.layer_num_kv_heads(i), config.layer_head_dim(i), config.layer_sliding_window(i)
+    elif getattr(config, "model_type", None) == "gemma4_text":  # per-layer head dims and KV heads
         owners = config.num_hidden_layers - (config.num_kv_shared_layers or 0)
         for i in range(owners):
             layer = config.per_layer_config[i]
             window = config.sliding_window if config.layer_types[i] == S else None
             yield layer.num_key_value_heads, layer.head_dim, window
-    elif hasattr(config, "layer_num_kv_heads"):  # Step 3.5 (main layers)
-        for i in range(config.num_hidden_layers):
-            yield config.layer_num_kv_heads(i), config.layer_head_dim(i), config.layer_sliding_window(i)
     else:
         heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -30,7 +30,7 @@ import torch
 import hf_specdec
 from benchmarks.common import run_bench, synchronize
 from hf_specdec.assets import asset_path, available_assets, held_out_snippets
-from hf_specdec.cache import PagedKVCache
+from hf_specdec.cache import PagedKVCache, sizing
 
 NAME = "soak"
 COLUMNS = ["call", "backend", "batch", "k", "new_tokens", "sampled", "tokens_per_s", "allocated_mib", "peak_mib",
@@ -99,18 +99,18 @@ class _CacheRecorder:
 
     def __init__(self):
         self.caches: list[PagedKVCache] = []
-        self._build = PagedKVCache.for_request.__func__
+        self._build = sizing.cache_for_request
 
     def __enter__(self):
-        def record(cls, *a, **kw):
-            self.caches.append(self._build(cls, *a, **kw))
+        def record(*a, **kw):
+            self.caches.append(self._build(*a, **kw))
             return self.caches[-1]
 
-        PagedKVCache.for_request = classmethod(record)
+        sizing.cache_for_request = record
         return self
 
     def __exit__(self, *exc):
-        PagedKVCache.for_request = classmethod(self._build)
+        sizing.cache_for_request = self._build
 
     def leaked_blocks(self) -> int:
         leaked = sum(sum(c.num_used_blocks) for c in self.caches)

@@ -45,17 +45,17 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpecDecodingConfig:
-    """What a speculative ``generate`` call runs: the mode and the number of drafts per step (k)."""
+    """What a speculative ``generate`` call asked for: the mode (None: inferred from the assistant) and the number
+    of drafts per step, k (None: the drafter's default). The one place both are validated."""
 
-    spec_mode: str
-    num_speculative_tokens: int
+    spec_mode: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
-        if self.spec_mode not in SPEC_MODES:
-            raise ValueError(f"spec_mode must be one of {SPEC_MODES}, got {self.spec_mode!r}.")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}."
-            )
+        if self.spec_mode is not None and self.spec_mode not in SPEC_MODES:
+            raise ValueError(f"unknown spec_mode {self.spec_mode!r}; use one of {SPEC_MODES}.")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {k!r}.")

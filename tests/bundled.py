@@ -15,7 +15,7 @@ import transformers
 
 import hf_specdec
 from hf_specdec.assets import asset_path, available_assets
-from hf_specdec.cache import PagedKVCache
+from hf_specdec.cache import sizing
 from hf_specdec.generation import registry
 
 SPEC_MODES = ["gemma_mtp", "step_mtp", "gemma_dflash"]
@@ -89,14 +89,14 @@ def cache_config(model, config: hf_specdec.CacheConfig):
 def recorded_caches(monkeypatch):
     """Every PagedKVCache a request builds (the target's and a drafter's), for checking they were freed."""
     made = []
-    build = PagedKVCache.for_request.__func__
+    build = sizing.cache_for_request
 
-    def record(cls, *args, **kwargs):
-        made.append(build(cls, *args, **kwargs))
+    def record(*args, **kwargs):
+        made.append(build(*args, **kwargs))
         return made[-1]
 
     with monkeypatch.context() as patch:
-        patch.setattr(PagedKVCache, "for_request", classmethod(record))
+        patch.setattr(sizing, "cache_for_request", record)
         yield made
 
 

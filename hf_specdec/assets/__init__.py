@@ -1,4 +1,4 @@
-"""The bundled tiny model family (DESIGN.md §5): small checkpoints trained on Python source code.
+"""The bundled tiny model family (docs/architecture.md, "The bundled tiny family"): small checkpoints trained on Python source code.
 
 Each asset is a standard Hugging Face checkpoint folder, loadable with stock
 `transformers.AutoModelForCausalLM` / `AutoTokenizer`:

@@ -70,13 +70,15 @@ def text_config_of(config):
 
 
 def kv_layout_from_config(config) -> KVLayout:
-    """Derive the KV layout of a decoder-only HF model from its config (Gemma 4, Llama, Qwen3, ...)."""
+    """Derive the KV layout of a decoder-only HF model from its config: each layer's (kv heads, head_dim,
+    window) and its producer layer, from the config's attributes (per-layer accessors or ``per_layer_config``
+    where the model has heterogeneous layers; ``num_kv_shared_layers`` for layers that reuse K/V)."""
     config = text_config_of(config)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("hf_specdec supports decoder-only causal LMs; this model is an encoder-decoder.")
-    if config.model_type in ("gemma4_text", "gemma4"):
-        return _gemma4_layout(config)
-    return _generic_layout(config)
+    types = _layer_types(config)
+    specs = [(*layer_shape(config, i), config.sliding_window if t == SLIDING else None) for i, t in enumerate(types)]
+    return KVLayout.from_layers(specs, kv_producers(config))
 
 
 def _layer_types(config) -> list[str]:
@@ -92,33 +94,33 @@ def _layer_types(config) -> list[str]:
     return list(types)
 
 
-def _generic_layout(config) -> KVLayout:
-    if hasattr(config, "layer_num_kv_heads"):  # configs with per-layer accessors (Step 3.5)
-        specs = [(config.layer_num_kv_heads(i), config.layer_head_dim(i), config.layer_sliding_window(i))
-                 for i in range(config.num_hidden_layers)]
-        return KVLayout.from_layers(specs, {i: i for i in range(len(specs))})
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    window = getattr(config, "sliding_window", None)
-    specs = [(kv_heads, head_dim, window if t == SLIDING else None) for t in _layer_types(config)]
-    return KVLayout.from_layers(specs, {i: i for i in range(len(specs))})
-
-
-def gemma4_layer_shape(config, layer_idx: int) -> tuple[int, int]:
-    """(num_kv_heads, head_dim) of a Gemma 4 layer, on every supported transformers version."""
+def layer_shape(config, layer_idx: int) -> tuple[int, int]:
+    """(num_kv_heads, head_dim) of a layer, on every supported transformers version: per-layer accessors
+    (``layer_num_kv_heads``), else ``per_layer_config`` (transformers >= 5.2x folds heterogeneous shapes there),
+    else the global attributes, with ``global_head_dim`` / ``num_global_key_value_heads`` for full layers of
+    configs that give full layers their own shape."""
+    if hasattr(config, "layer_num_kv_heads"):
+        return config.layer_num_kv_heads(layer_idx), config.layer_head_dim(layer_idx)
     per_layer = getattr(config, "per_layer_config", None)
-    if per_layer is not None:  # transformers >= 5.2x folds heterogeneous shapes here
+    if per_layer is not None and getattr(config, "is_heterogeneous", True):  # 5.24 gives every config a view
         layer = per_layer[layer_idx]
-        return layer.num_key_value_heads, layer.head_dim
-    if config.layer_types[layer_idx] == SLIDING:
-        return config.num_key_value_heads, config.head_dim
+        return layer.num_key_value_heads or layer.num_attention_heads, _head_dim(layer)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = _head_dim(config)
+    if _layer_types(config)[layer_idx] == SLIDING:
+        return kv_heads, head_dim
     global_kv = getattr(config, "num_global_key_value_heads", None)
-    kv_heads = global_kv if (config.attention_k_eq_v and global_kv) else config.num_key_value_heads
-    return kv_heads, getattr(config, "global_head_dim", None) or config.head_dim
+    kv_heads = global_kv if (getattr(config, "attention_k_eq_v", False) and global_kv) else kv_heads
+    return kv_heads, getattr(config, "global_head_dim", None) or head_dim
 
 
-def gemma4_producers(config) -> dict[int, int]:
-    """Layer -> producer layer: the last ``num_kv_shared_layers`` reuse the last earlier layer of their type."""
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_producers(config) -> dict[int, int]:
+    """Layer -> producer layer: the last ``num_kv_shared_layers`` layers own no K/V and reuse the last earlier
+    layer of their attention type; every other layer produces its own."""
     types = _layer_types(config)
     first_shared = len(types) - (getattr(config, "num_kv_shared_layers", 0) or 0)
     producer = {}
@@ -128,15 +130,6 @@ def gemma4_producers(config) -> dict[int, int]:
         else:
             candidates = [i for i in range(first_shared) if types[i] == layer_type]
             if not candidates:
-                raise ValueError(f"Gemma 4 layer {layer} ({layer_type}) shares K/V but no earlier layer produces it.")
+                raise ValueError(f"layer {layer} ({layer_type}) shares K/V but no earlier layer produces it.")
             producer[layer] = candidates[-1]
     return producer
-
-
-def _gemma4_layout(config) -> KVLayout:
-    types = _layer_types(config)
-    specs = []
-    for layer, layer_type in enumerate(types):
-        kv_heads, head_dim = gemma4_layer_shape(config, layer)
-        specs.append((kv_heads, head_dim, config.sliding_window if layer_type == SLIDING else None))
-    return KVLayout.from_layers(specs, gemma4_producers(config))

@@ -9,6 +9,10 @@ probability ``min(1, p_j(x) / q_j(x))``; at the first rejection the next token i
 ``normalize(max(p_j - q_j, 0))``; after k acceptances the bonus is drawn from ``p_k``. ``p`` and ``q``
 are the target and draft distributions after the same logits processors. The committed tokens then
 follow ``p`` exactly, whatever the drafter proposes.
+
+The loop takes its acceptance as a strategy (:class:`Acceptance`): :func:`acceptance_for` gives the
+lossless one of a call; a benchmark may pass another (e.g. a fixed acceptance rate) to
+``generate(acceptance=...)``, and the call's stats then say it was not lossless.
 """
 
 from __future__ import annotations
@@ -45,3 +49,33 @@ def rejection_sample_no_sync(draft_tokens: torch.Tensor, draft_probs: torch.Tens
     next_dist = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
     next_token = torch.multinomial(next_dist, num_samples=1, generator=generator).squeeze(1)
     return num_accepted, next_token
+
+
+class Acceptance:
+    """How a verify step's drafts are accepted: ``(draft_tokens [batch, k], draft_probs [batch, k, vocab] or None,
+    scores [batch, k+1, vocab]) -> (num_accepted [batch], next_token [batch])`` on device, no host sync.
+    ``scores`` are the target's after the logits processors (its raw logits when greedy without processors)."""
+
+    lossless = True
+
+    def __call__(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, scores: torch.Tensor):
+        raise NotImplementedError
+
+
+class GreedyAcceptance(Acceptance):
+    """The longest prefix of drafts equal to the target's argmax, then the target's argmax."""
+
+    def __call__(self, draft_tokens, draft_probs, scores):
+        return greedy_accept_no_sync(draft_tokens, scores.argmax(dim=-1))
+
+
+class RejectionSampling(Acceptance):
+    """Rejection sampling with the drafter's q: the committed tokens follow the target's distribution."""
+
+    def __call__(self, draft_tokens, draft_probs, scores):
+        return rejection_sample_no_sync(draft_tokens, draft_probs, torch.softmax(scores, dim=-1))
+
+
+def acceptance_for(do_sample: bool) -> Acceptance:
+    """The lossless acceptance of a greedy or sampled call."""
+    return RejectionSampling() if do_sample else GreedyAcceptance()

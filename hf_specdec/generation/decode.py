@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_specdec.generation.cuda_graphs import graph_store_for
-from hf_specdec.generation.model_runner import ModelRunner, real_token_counts
 from hf_specdec.generation.sampling import mask_finished, select_tokens
 from hf_specdec.generation.stats import SpecStats
+from hf_specdec.runtime import ModelRunner, Readback, real_token_counts
 
 
 def paged_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -34,7 +33,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
-    runner = ModelRunner(model, state.layout, state.cache_config, graph_store_for(model))
+    runner = ModelRunner(model, state.layout, state.cache_config, state.graph_store_for(model.device))
     runner.start(prompt_lens, generation_config.max_length - input_ids.shape[1])
     try:
         # 1. prefill: every prompt token of every row, logits of the last one
@@ -83,27 +82,3 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             logits=tuple(logits_out) if keep_logits else None,
         )
     return input_ids
-
-
-class Readback:
-    """Device values the host needs, copied into pinned memory behind an event, so the host can queue more
-    work before waiting for them (on CUDA); elsewhere a plain copy."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def start(self, *tensors: torch.Tensor | None):
-        if not self.cuda:
-            return tensors
-        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                for t in tensors]
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    def wait(self, pending) -> list[torch.Tensor | None]:
-        if not self.cuda:
-            return [None if t is None else t.cpu() for t in pending]
-        host, event = pending
-        event.synchronize()
-        return host

@@ -1,34 +1,19 @@
-"""What the speculative loop asks of a drafter, and how draft tokens are chosen.
+"""What the speculative loop asks of a drafter (the :class:`Drafter` base), and how draft tokens are chosen.
 
-The loop never imports a specific model: a drafter (Gemma 4 MTP assistant, DFlash, Step 3.5 MTP) is
-an object with
-
-    capture(target)                 context manager: records what the drafter needs from each target
-                                    forward (hidden states of chosen layers) while it is open
-    begin(cache, captured, prompt_lens)   after the prefill forward
-    propose(last_tokens, cache, selector) -> DraftProposal     k drafts per row
-    commit(cache, captured, num_accepted, kept)   after the verify forward and the target cache's commit;
-                                    kept[b] = tokens row b kept (accepted + 1, or 0 for a row that stopped)
-
-and the attributes ``num_speculative_tokens`` (k) and ``spec_mode``. Optionally
-
-    propose_ahead(next_tokens, num_accepted, cache, captured, selector) -> DraftProposal | None
-                                    the next round's drafts, launched right after the acceptance and
-                                    before the step's host sync, from device tensors only (the cache not
-                                    yet committed): the device drafts while the host emits and commits.
-                                    None when it cannot (the loop then calls ``propose`` next step). Its
-                                    drafts must equal what ``propose`` would give after the commit, for
-                                    every row that keeps running (``kept[b] == num_accepted[b] + 1``).
+The loop never imports a specific model: a drafter (Gemma 4 MTP assistant, DFlash, Step 3.5 MTP) subclasses
+:class:`Drafter`, and its model package registers a builder for it (``generation/registry.py``). Every method
+the loop calls is declared here; the optional ones have defaults.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from hf_specdec.generation.sampling import PositionScorer
+from hf_specdec.runtime import RequestContext
 
 
 @dataclass
@@ -37,17 +22,51 @@ class DraftProposal:
     probs: torch.Tensor | None  # [batch, k, vocab]: q after the logits processors (sampling only)
 
 
-class Drafter(Protocol):
-    spec_mode: str
-    num_speculative_tokens: int
+class Drafter:
+    """A drafter as the speculative loop drives it, for one ``generate`` call at a time.
 
-    def capture(self, target): ...
+    Per request: :meth:`capture` is opened around the whole request, :meth:`begin` follows the prefill; each
+    step calls :meth:`propose` (or takes what :meth:`propose_ahead` queued the step before), the target
+    verifies, and :meth:`commit` follows the target cache's commit.
+    """
 
-    def begin(self, cache, captured, prompt_lens: list[int]) -> None: ...
+    spec_mode: str  # "mtp" or "dflash"
+    num_speculative_tokens: int  # k
 
-    def propose(self, last_tokens: torch.Tensor, cache, selector: "DraftSelector") -> DraftProposal: ...
+    @property
+    def capture_key(self) -> tuple:
+        """What :meth:`capture`'s hooks record (e.g. which target layers): target graphs captured while other
+        hooks recorded are not replayed for this drafter."""
+        return (type(self).__qualname__,)
 
-    def commit(self, cache, captured, num_accepted: torch.Tensor, kept: list[int]) -> None: ...
+    @contextlib.contextmanager
+    def capture(self, target):
+        """While open, record what the drafter needs from each target forward (e.g. hidden states of chosen
+        layers, through forward hooks); yields the holder the loop hands back to :meth:`begin` and
+        :meth:`commit`. Default: records nothing."""
+        yield None
+
+    def begin(self, context: RequestContext, captured) -> None:
+        """After the prefill forward (``context.prompt_lens`` tokens per row in the target's cache)."""
+        raise NotImplementedError
+
+    def propose(self, last_tokens: torch.Tensor, context: RequestContext, selector: "DraftSelector") -> DraftProposal:
+        """k drafts per row after ``last_tokens`` [batch] (each row's last committed token, not yet in the
+        target's cache), through ``selector`` (greedy or sampled, after the logits processors)."""
+        raise NotImplementedError
+
+    def propose_ahead(self, next_tokens: torch.Tensor, num_accepted: torch.Tensor, context: RequestContext,
+                      captured, selector: "DraftSelector") -> DraftProposal | None:
+        """The next round's drafts, launched right after the acceptance and before the step's host sync, from
+        device tensors only (the target's cache not yet committed): the device drafts while the host emits and
+        commits. Must equal what :meth:`propose` would give after the commit, for every row that keeps running
+        (``kept[b] == num_accepted[b] + 1``). Default None: the loop calls :meth:`propose` next step."""
+        return None
+
+    def commit(self, context: RequestContext, captured, num_accepted: torch.Tensor, kept: list[int]) -> None:
+        """After the verify forward and the target cache's commit: ``kept[b]`` tokens of row b's verify were kept
+        (accepted + 1, fewer where the row stopped inside its chunk, 0 for a row that had stopped)."""
+        raise NotImplementedError
 
 
 class DraftSelector:

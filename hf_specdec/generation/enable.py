@@ -6,15 +6,17 @@ import threading
 import types
 from dataclasses import dataclass, field
 
+import torch
 from transformers import PreTrainedModel
 
 from hf_specdec.attention import ATTENTION_NAME, register
 from hf_specdec.cache import KVLayout, kv_layout_from_config
 from hf_specdec.config import CacheConfig
-from hf_specdec.generation.cuda_graphs import GraphStore, check_max_graphs
 from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
 from hf_specdec.generation.generate import generate
 from hf_specdec.generation.stats import SpecStats
+from hf_specdec.runtime import GraphStore, cuda_graphs_wanted
+from hf_specdec.runtime.cuda_graphs import check_max_graphs
 
 
 @dataclass
@@ -29,6 +31,10 @@ class EnabledState:
     last_stats: SpecStats | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # one generate at a time per model
     owner: int | None = None  # thread id of the generate call holding the lock
+
+    def graph_store_for(self, device: torch.device) -> GraphStore | None:
+        """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off."""
+        return self.graph_store if cuda_graphs_wanted(self.cuda_graphs, device) else None
 
 
 def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool | None = None,

@@ -1,202 +1,47 @@
-"""Fused replacements for small modules of an enabled model (instance-scoped, undone by ``disable``).
+"""Fused forwards for small modules of an enabled model (instance-scoped, undone by ``disable``).
 
-A decode step of a big model is bound by weight bytes, but each of its ~10 norms per layer runs as ~8
-tiny kernels in eager torch, the rotary embedding of q and k as ~10 more, and the residual seams as a few
-more; those launches cost ~20% of a step even inside a CUDA graph. ``enable`` swaps the ``forward`` of
-such modules, on that model's instances only, for fused kernels with the same arithmetic: Gemma 4 norms
-(one kernel each), attention (q/k/v norms and rotary in one kernel), decoder layers (post-norm, residual
-add, layer scalar and the next pre-norm in one kernel; E2B/E4B's per-layer-input gate in two), MLPs
-(activation and gate product in one), and bias-free linear layers (a GEMM for a few rows that streams the
-weights faster than cuBLAS does). Each fused forward checks at ``enable`` that the module has what it reads,
-and runs the module's own forward on CPU and for the variants it does not cover (MoE blocks), and whenever autograd tracks the input (the kernels have no backward).
+A decode step of a big model is bound by weight bytes, but each of its norms, rotary embeddings and residual
+seams runs as several tiny kernels in eager torch; those launches cost ~20% of a step even inside a CUDA
+graph. ``enable`` swaps the ``forward`` of such modules, on that model's instances only, for forwards with the
+same arithmetic over fused kernels. Model packages register theirs (:func:`register_fused_forwards`, keyed by
+the module class); this module registers the one every model has: bias-free ``nn.Linear`` layers take a GEMM
+for a few rows that streams the weights faster than cuBLAS does. Each fused forward runs the module's own
+forward on CPU, for variants it does not cover, and whenever autograd tracks the input (the kernels have no
+backward).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import sys
 import types
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_specdec.kernels import use_triton
-from hf_specdec.kernels._dispatch import needs_grad
-from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
-from hf_specdec.kernels.norm_rope import qkv_norm_rope
-from hf_specdec.kernels.rms_norm import norm_add, rms_norm
 from hf_specdec.kernels.skinny_gemm import linear_forward
-from hf_specdec.kernels.stacked_linear import stack_weights, stacked_projections
+from hf_specdec.kernels.stacked_linear import stack_weights
 
 
-def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if not use_triton(hidden_states) or needs_grad(hidden_states):
-        return type(self).forward(self, hidden_states)  # the module's own ops: the same arithmetic, no wrapper
-    return rms_norm(hidden_states, self.weight if self.with_scale else None, self.eps)
+@dataclass(frozen=True)
+class FusedForward:
+    """The fused ``forward`` of a module class. ``fusible(module)`` says whether an instance has what the forward
+    reads; ``stacked`` lists groups of same-input projections (attribute names) that the forward runs as one
+    GEMM when their weights are stacked."""
+
+    module_type: type
+    forward: Callable
+    fusible: Callable[[torch.nn.Module], bool] = lambda module: True
+    stacked: tuple[tuple[str, ...], ...] = ()
 
 
-def _gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states=None,
-                              cache=None, past_key_values=None, **kwargs):
-    """transformers' ``Gemma4TextAttention.forward`` with q/k/v norms and rotary in one kernel
-    (:func:`qkv_norm_rope`); a KV-shared layer normalises and rotates its query alone and attends over its
-    producer layer's K/V, as transformers' does. The CPU runs the original.
-
-    The cache comes as ``cache`` (transformers >= 5.24) or ``past_key_values`` (earlier); it goes on to the
-    original forward under the name that version takes."""
-    cache = cache if cache is not None else past_key_values
-    if not use_triton(hidden_states) or needs_grad(hidden_states):
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, shared_kv_states,
-                                  **{_cache_name(type(self)): cache}, **kwargs)
-    hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    if self.is_kv_shared_layer:
-        query, _, _ = qkv_norm_rope(self.q_proj(hidden_states).view(hidden_shape), None, None,
-                                    (self.q_norm.weight, None, None), (self.q_norm.eps, 0.0, 0.0),
-                                    *position_embeddings)
-        query = query.transpose(1, 2)
-        key, value = (t.to(query.device) for t in shared_kv_states[self.layer_type])
-    else:
-        query, key, value = _gemma4_qkv(self, hidden_states, hidden_shape, position_embeddings)
-        if cache is not None:  # kwargs: transformers 5.24's paged caches fill in the attention's kwargs
-            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    if self.store_full_length_kv:
-        shared_kv_states[self.layer_type] = key, value
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, sys.modules[type(self).__module__].eager_attention_forward)
-    out, weights = attention(self, query, key, value, attention_mask,
-                             dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
-                             sliding_window=self.sliding_window, **kwargs)
-    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+_FUSED: dict[type, FusedForward] = {}
 
 
-@functools.cache
-def _cache_name(cls) -> str:
-    """The name ``cls.forward`` takes the cache by: ``cache`` from transformers 5.24, ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-def _gemma4_qkv(self, hidden_states, hidden_shape, position_embeddings):
-    """Query, key and value [batch, heads, seq, head_dim] of a Gemma 4 attention that owns its K/V: one GEMM
-    for the projections when stacked, then norms and rotary in one kernel (v = k's raw projection where the
-    layer has no v_proj)."""
-    projections = (self.q_proj, self.k_proj) if self.v_proj is None else (self.q_proj, self.k_proj, self.v_proj)
-    query, key, *value = (p.view(hidden_shape) for p in stacked_projections(hidden_states, *projections))
-    value = value[0] if value else key
-    query, key, value = qkv_norm_rope(
-        query, key, value, (self.q_norm.weight, self.k_norm.weight, _norm_weight(self.v_norm)),
-        (self.q_norm.eps, self.k_norm.eps, self.v_norm.eps), *position_embeddings)
-    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-
-
-def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, shared_kv_states=None,
-                                  position_embeddings=None, attention_mask=None, position_ids=None,
-                                  cache=None, past_key_values=None, **kwargs):
-    """transformers' ``Gemma4TextDecoderLayer.forward`` with its norm/residual seams fused (:func:`norm_add`):
-    post-attention norm + residual add + pre-feedforward norm in one launch, post-feedforward norm + residual
-    add + layer scalar in another. A per-layer-input block (E2B, E4B) puts its gate between the last two:
-    gelu(gate(h)) * per_layer_input in one launch (:func:`gelu_tanh_mul`), then its projection's post-norm +
-    residual add + layer scalar in one. MoE blocks, and the CPU, run the original.
-
-    The cache comes as ``cache`` or ``past_key_values`` and goes on by keyword, under the name the original
-    takes: transformers 5.24's gradient checkpointing drops a keyword cache before the recompute."""
-    cache = cache if cache is not None else past_key_values
-    per_layer = bool(self.hidden_size_per_layer_input)
-    if (self.enable_moe_block or not use_triton(hidden_states) or needs_grad(hidden_states)
-            or (per_layer and (per_layer_input is None or per_layer_input.dtype != hidden_states.dtype))):
-        return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states, position_embeddings,
-                                  attention_mask, position_ids, **{_cache_name(type(self)): cache}, **kwargs)
-    attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
-                             shared_kv_states, cache, position_ids=position_ids, **kwargs)
-    post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
-    hidden_states, mlp_in = norm_add(attn, hidden_states, post.weight, post.eps, next_weight=_norm_weight(pre),
-                                     next_eps=pre.eps)
-    post = self.post_feedforward_layernorm
-    hidden_states, _ = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps,
-                                scale=None if per_layer else self.layer_scalar)
-    if per_layer:
-        gated = gelu_tanh_mul(self.per_layer_input_gate(hidden_states), per_layer_input)
-        post = self.post_per_layer_input_norm
-        hidden_states, _ = norm_add(self.per_layer_projection(gated), hidden_states, post.weight, post.eps,
-                                    scale=self.layer_scalar)
-    return hidden_states
-
-
-def gemma4_mlp_forward(self, x):
-    """transformers' ``Gemma4TextMLP.forward`` with the activation and the product in one launch."""
-    if not use_triton(x) or needs_grad(x):
-        return type(self).forward(self, x)
-    return self.down_proj(gelu_tanh_mul(*stacked_projections(x, self.gate_proj, self.up_proj)))
-
-
-def _is_gelu_tanh(act) -> bool:
-    """Whether ``act`` is transformers' tanh-approximated GELU (what :func:`gelu_tanh_mul` computes)."""
-    return (type(act).__name__ in ("GELUTanh", "PytorchGELUTanh")
-            and not getattr(act, "use_gelu_tanh_python", False)
-            and getattr(getattr(act, "act", None), "keywords", {}).get("approximate") == "tanh")
-
-
-def _fusible_gemma4_mlp(module) -> bool:
-    return (all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
-            and _is_gelu_tanh(getattr(module, "act_fn", None)))
-
-
-def _fusible_gemma4_decoder_layer(module) -> bool:
-    names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-             "post_feedforward_layernorm", "layer_scalar", "enable_moe_block", "hidden_size_per_layer_input")
-    return (all(hasattr(module, n) for n in names)
-            and all(type(getattr(module, n)).__name__ == "Gemma4RMSNorm" for n in names[2:6])
-            and module.post_attention_layernorm.with_scale and module.post_feedforward_layernorm.with_scale
-            and (not module.hidden_size_per_layer_input or _fusible_per_layer_input(module)))
-
-
-def _fusible_per_layer_input(module) -> bool:
-    """What the fused per-layer-input gate reads: its two projections, a tanh GELU and a scaled post-norm."""
-    norm = getattr(module, "post_per_layer_input_norm", None)
-    return (all(hasattr(module, n) for n in ("per_layer_input_gate", "per_layer_projection"))
-            and _is_gelu_tanh(getattr(module, "act_fn", None))
-            and type(norm).__name__ == "Gemma4RMSNorm" and norm.with_scale)
-
-
-def _norm_weight(norm):
-    return norm.weight if norm.with_scale else None
-
-
-def _fusible_gemma4_attention(module) -> bool:
-    """The attributes the fused forward reads (transformers 5.17+); anything else keeps its own forward. A
-    KV-shared layer has no k/v projections or norms of its own."""
-    names = ("q_proj", "o_proj", "q_norm", "head_dim", "layer_idx", "layer_type", "scaling", "sliding_window",
-             "is_kv_shared_layer", "store_full_length_kv", "config", "attention_dropout")
-    if not all(hasattr(module, n) for n in names):
-        return False
-    norms = ("q_norm",) if module.is_kv_shared_layer else ("q_norm", "k_norm", "v_norm")
-    return (all(hasattr(module, n) for n in ("k_proj", "v_proj")) or module.is_kv_shared_layer) and (
-        all(type(getattr(module, n, None)).__name__ == "Gemma4RMSNorm" for n in norms)
-        and all(getattr(module, n).with_scale for n in norms[:2])
-        and hasattr(sys.modules[type(module).__module__], "eager_attention_forward"))
-
-
-def _fusible_linear(module) -> bool:
-    """Bias-free ``nn.Linear`` layers on a device where the kernels run take :func:`skinny_linear` for the few
-    rows of decode and verify steps (o_proj, down_proj, the LM head; stacked projections already do)."""
-    return (type(module) is torch.nn.Linear and module.bias is None and not getattr(module, "_hf_hook", None)
-            and isinstance(module.weight, torch.Tensor) and use_triton(module.weight))
-
-
-# class name -> (fused forward, test of the instance) (names, so that no model package is imported here)
-FUSED_FORWARDS = {
-    "Linear": (linear_forward, _fusible_linear),
-    "Gemma4RMSNorm": (_gemma_rms_norm_forward, lambda module: True),
-    "Gemma4TextAttention": (_gemma4_attention_forward, _fusible_gemma4_attention),
-    "Gemma4TextDecoderLayer": (_gemma4_decoder_layer_forward, _fusible_gemma4_decoder_layer),
-    "Gemma4TextMLP": (gemma4_mlp_forward, _fusible_gemma4_mlp),
-}
-
-
-# class name -> the groups of projections of one input that the fused forward runs as one GEMM when stacked
-STACKED_PROJECTIONS = {
-    "Gemma4TextAttention": (("q_proj", "k_proj", "v_proj"),),
-    "Gemma4TextMLP": (("gate_proj", "up_proj"),),
-}
+def register_fused_forwards(*fused: FusedForward) -> None:
+    """Make ``enable`` give instances of each ``fused.module_type`` its fused forward (idempotent)."""
+    for entry in fused:
+        _FUSED[entry.module_type] = entry
 
 
 def fuse_modules(model: torch.nn.Module) -> int:
@@ -205,27 +50,44 @@ def fuse_modules(model: torch.nn.Module) -> int:
     (:func:`stack_projections`), so that the fused forward runs them as one GEMM."""
     count = 0
     for module in model.modules():
-        fused, fusible = FUSED_FORWARDS.get(type(module).__name__, (None, None))
-        if fused is not None and "forward" not in vars(module) and fusible(module):
-            module.forward = types.MethodType(fused, module)
+        fused = _FUSED.get(type(module))
+        if fused is not None and "forward" not in vars(module) and fused.fusible(module):
+            module.forward = types.MethodType(fused.forward, module)
             stack_projections(module)
             count += 1
     return count
 
 
+def unfuse_modules(model: torch.nn.Module) -> None:
+    """Undo :func:`fuse_modules`."""
+    forwards = {entry.forward for entry in _FUSED.values()}
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if forward is not None and getattr(forward, "__func__", None) in forwards:
+            del module.forward
+
+
+def stacked_groups(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The groups of same-input projections of ``module`` that its fused forward runs as one GEMM each."""
+    fused = _FUSED.get(type(module))
+    return fused.stacked if fused is not None else ()
+
+
 def stack_projections(module: torch.nn.Module) -> None:
-    """Stack the weights of ``module``'s same-input projections (``STACKED_PROJECTIONS``) when the kernels run
-    on their device: same parameters and values, one storage (see :mod:`hf_specdec.kernels.stacked_linear`)."""
-    for names in STACKED_PROJECTIONS.get(type(module).__name__, ()):
+    """Stack the weights of ``module``'s same-input projections (:func:`stacked_groups`) when the kernels run on
+    their device: same parameters and values, one storage (see :mod:`hf_specdec.kernels.stacked_linear`)."""
+    for names in stacked_groups(module):
         linears = [getattr(module, n) for n in names if getattr(module, n, None) is not None]
         weight = getattr(linears[0], "weight", None) if linears else None
         if isinstance(weight, torch.Tensor) and use_triton(weight):
             stack_weights(*linears)
 
 
-def unfuse_modules(model: torch.nn.Module) -> None:
-    """Undo :func:`fuse_modules`."""
-    for module in model.modules():
-        forward = vars(module).get("forward")
-        if forward is not None and getattr(forward, "__func__", None) in {f for f, _ in FUSED_FORWARDS.values()}:
-            del module.forward
+def _fusible_linear(module) -> bool:
+    """Bias-free ``nn.Linear`` layers on a device where the kernels run take :func:`skinny_linear` for the few
+    rows of decode and verify steps (o_proj, down_proj, the LM head; stacked projections already do)."""
+    return (module.bias is None and not getattr(module, "_hf_hook", None)
+            and isinstance(module.weight, torch.Tensor) and use_triton(module.weight))
+
+
+register_fused_forwards(FusedForward(torch.nn.Linear, linear_forward, _fusible_linear))

@@ -26,15 +26,20 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
+from hf_specdec.generation.acceptance import Acceptance
 from hf_specdec.generation.decode import paged_decode
 from hf_specdec.generation.registry import build_drafter
 from hf_specdec.generation.speculative import speculative_decode
+from hf_specdec.runtime import check_mask_shape
 
 
 def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, *,
              assistant_model=None, streamer=None, spec_mode: str | None = None,
-             num_speculative_tokens: int | None = None, num_assistant_tokens: int | None = None, **kwargs):
-    """``model.generate`` of an enabled model: paged, batched, and speculative when asked."""
+             num_speculative_tokens: int | None = None, num_assistant_tokens: int | None = None,
+             acceptance: Acceptance | None = None, **kwargs):
+    """``model.generate`` of an enabled model: paged, batched, and speculative when asked. ``acceptance``
+    replaces the lossless acceptance of a speculative call (benchmarks pass a fixed acceptance rate; the call's
+    stats then say ``lossless=False``)."""
     state = self._hf_specdec
     if num_speculative_tokens is None:
         num_speculative_tokens = num_assistant_tokens
@@ -44,9 +49,11 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
             f"num_speculative_tokens={num_speculative_tokens} without a drafter: pass assistant_model=... (a Gemma 4 "
             "MTP assistant or a DFlash drafter) or spec_mode='mtp' (Step 3.5's own MTP layers), or drop it."
         )
+    if acceptance is not None and not speculative:
+        raise ValueError("acceptance= without a drafter: pass assistant_model=... or spec_mode=..., or drop it.")
     if speculative:
         drafter = build_drafter(self, assistant_model, spec_mode, num_speculative_tokens)
-        decode = functools.partial(speculative_decode, streamer=streamer, drafter=drafter)
+        decode = functools.partial(speculative_decode, streamer=streamer, drafter=drafter, acceptance=acceptance)
     else:
         decode = functools.partial(paged_decode, streamer=streamer)
     unsupported = _paged_loop_unsupported(self, inputs, generation_config, kwargs)
@@ -137,11 +144,7 @@ def _check_input_shapes(input_ids, attention_mask) -> None:
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids has no tokens; give every prompt at least one token (for example the "
                          "tokenizer's BOS token: tokenize with add_special_tokens=True).")
-    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; "
-            "pass the 2D mask the tokenizer returned with the ids (one row per prompt)."
-        )
+    check_mask_shape(input_ids, attention_mask)
 
 
 def _stop_strings_to_criteria(model, generation_config, stopping_criteria, kwargs):

@@ -1,8 +1,11 @@
-"""Which drafter serves a ``generate(assistant_model=..., spec_mode=...)`` call.
+"""What model packages register with generation: drafters and fused forwards.
 
-Model packages register a builder per speculative mode; the loop only sees the Drafter protocol.
-A builder's ``matches(target, assistant)`` says whether it recognises the pair (assistant may be None
-for models that draft with their own layers, such as Step 3.5 MTP).
+- Drafters: a builder per speculative mode says which drafter serves a ``generate(assistant_model=...,
+  spec_mode=...)`` call; the loop only sees the :class:`Drafter` base. A builder's ``matches(target,
+  assistant)`` says whether it recognises the pair (assistant may be None for models that draft with their
+  own layers, such as Step 3.5 MTP).
+- Fused forwards (:func:`register_fused_forwards`, see ``generation/fusion.py``): the module classes whose
+  forwards ``enable`` swaps for fused kernels.
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ from typing import Callable
 
 import torch
 
-from hf_specdec.config import SPEC_MODES
+from hf_specdec.config import SpecDecodingConfig
+from hf_specdec.generation.drafter import Drafter
+from hf_specdec.generation.fusion import FusedForward, register_fused_forwards
+
+__all__ = ["DrafterBuilder", "FusedForward", "build_drafter", "register_drafter", "register_fused_forwards"]
 
 
 @dataclass(frozen=True)
@@ -31,19 +38,12 @@ def register_drafter(builder: DrafterBuilder) -> None:
         _BUILDERS.append(builder)
 
 
-def _is_drafter(obj) -> bool:
-    return all(hasattr(obj, name) for name in ("propose", "begin", "commit", "capture", "num_speculative_tokens"))
-
-
-def build_drafter(target, assistant, spec_mode: str | None, num_speculative_tokens: int | None):
-    """The drafter for this call, with ``spec_mode`` inferred from the assistant when omitted."""
-    if spec_mode is not None and spec_mode not in SPEC_MODES:
-        raise ValueError(f"unknown spec_mode {spec_mode!r}; use one of {SPEC_MODES}.")
-    if num_speculative_tokens is not None and (not isinstance(num_speculative_tokens, int)
-                                               or isinstance(num_speculative_tokens, bool)
-                                               or num_speculative_tokens < 1):
-        raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}.")
-    if _is_drafter(assistant):
+def build_drafter(target, assistant, spec_mode: str | None = None,
+                  num_speculative_tokens: int | None = None) -> Drafter:
+    """The drafter for this call, with ``spec_mode`` inferred from the assistant when omitted. A
+    :class:`Drafter` passed as the assistant is used as it is."""
+    SpecDecodingConfig(spec_mode, num_speculative_tokens)  # validates both
+    if isinstance(assistant, Drafter):
         return assistant
     _check_placement(target, assistant)
     candidates = [b for b in _BUILDERS if spec_mode in (None, b.spec_mode)]

@@ -6,9 +6,10 @@ prepares the generation config, logits processors and stopping criteria. One ste
 1. the drafter proposes k tokens per row (and q when sampling);
 2. the target verifies ``[last token, k drafts]`` of every row in one forward through the paged cache;
 3. acceptance on device gives each row its accepted count and one recovered/bonus token;
-4. one host sync brings the counts over; rows emit their tokens one by one so EOS, max length, stop
-   strings and custom criteria cut inside the accepted chunk; the cache keeps ``len + accepted + 1``
-   tokens per row (rollback of the rest is only a shorter length) and the drafter commits.
+4. one host sync brings the counts over (the drafter may queue the next round's drafts before it);
+5. rows emit their tokens one by one so EOS, max length, stop strings and custom criteria cut inside the
+   accepted chunk; the cache keeps ``len + accepted + 1`` tokens per row (rollback of the rest is only a
+   shorter length) and the drafter commits.
 
 Greedy output equals plain greedy decoding token for token; sampled output follows the target
 distribution (rejection sampling), whatever the drafter proposes.
@@ -22,12 +23,11 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_specdec.generation.acceptance import greedy_accept_no_sync, rejection_sample_no_sync
-from hf_specdec.generation.drafter import DraftSelector
-from hf_specdec.generation.cuda_graphs import graph_store_for
-from hf_specdec.generation.model_runner import ModelRunner, real_token_counts
+from hf_specdec.generation.acceptance import Acceptance, acceptance_for
+from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector
 from hf_specdec.generation.sampling import PositionScorer, select_tokens
 from hf_specdec.generation.stats import SpecStats
+from hf_specdec.runtime import ModelRunner, Readback, real_token_counts
 
 
 class RowStopper:
@@ -51,111 +51,136 @@ class RowStopper:
 
 
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                       streamer=None, *, drafter=None, **model_kwargs):
+                       streamer=None, *, drafter: Drafter, acceptance: Acceptance | None = None, **model_kwargs):
     """Speculative decoding of ``input_ids`` [batch, prompt_len] (left-padded) with ``drafter``."""
-    state = model._hf_specdec
-    k = drafter.num_speculative_tokens
-    stats = SpecStats(spec_mode=drafter.spec_mode, num_speculative_tokens=k)
-    prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
-    batch, width = input_ids.shape
-    device = input_ids.device
-    scorer = PositionScorer(logits_processor)
-    stopper = RowStopper(stopping_criteria, generation_config)
-    rows = [input_ids[b].tolist() for b in range(batch)]
-    row_ids = RowIds(input_ids, generation_config.max_length + k + 1)
-    running = [True] * batch
-    runner = ModelRunner(model, state.layout, state.cache_config, graph_store_for(model))
-    cache = runner.start(prompt_lens, generation_config.max_length - width, lookahead=k + 1)
-    try:
-        with drafter.capture(model) as captured:
-            # graphs captured while other hooks recorded into another kind of holder are not replayed for these
-            runner.record_hooks_of(captured, (type(drafter).__qualname__, type(captured).__qualname__,
-                                              getattr(drafter, "capture_key", None)))
-            # 1. prefill: the prompt, its last logits, and the first token (a plain step)
-            outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, prefill=True, **model_kwargs)
-            runner.commit(prompt_lens)
-            drafter.begin(cache, captured, prompt_lens)
-            logits = outputs.logits[:, -1].to(dtype=torch.float32)
-            next_tokens = select_tokens(logits_processor(input_ids, logits), generation_config.do_sample)
-            emitted = _emit(rows, running, next_tokens.tolist(), [[]] * batch, stopper, streamer)
-            stats.record_step(emitted)
-            ahead = None
-            while any(running):
-                # each running row's last token, already on the device (a stopped row's input is never used);
-                # the rows' ids go to the device only if a drafter or logits processor reads them this step
-                next_tokens, ahead = _speculative_step(model, runner, drafter, captured, scorer, stopper,
-                                                       generation_config, rows, LazyPrefixes(row_ids, rows),
-                                                       running, next_tokens, stats, streamer, ahead)
-    finally:
-        runner.finish()
-    if streamer is not None:
-        streamer.end()
-    state.last_stats = stats.finish()
-    sequences = _pad_rows(rows, generation_config._pad_token_tensor, device)
+    loop = SpeculativeLoop(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+                           streamer, acceptance or acceptance_for(generation_config.do_sample))
+    sequences = loop.run(input_ids, model_kwargs)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
 
 
-def _speculative_step(model, runner, drafter, captured, scorer, stopper, generation_config, rows, prefixes,
-                      running, last_tokens, stats, streamer, ahead=None):
-    """One step; returns (each row's next token on the device, the next round's drafts if already launched)."""
-    cache = runner.cache
-    k = drafter.num_speculative_tokens
-    selector = DraftSelector(generation_config.do_sample, scorer, model.config.get_text_config().vocab_size,
-                             prefixes)
-    # 1. draft (unless the previous step launched this round's drafts before its host sync)
-    proposal = ahead if ahead is not None else drafter.propose(last_tokens, cache, selector)
-    # 2. verify [last token, drafts] in one target forward
-    verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
-    logits = runner.forward(verify_ids, [k + 1] * len(rows), keep_logits=0).logits
-    if generation_config.do_sample or scorer.processors:
-        scores = scorer.score(prefixes, proposal.tokens, logits.float())
-    else:
-        # greedy, no processors: only argmax reads the scores, and it is the same on the model's dtype (the
-        # cast to fp32 is exact and keeps the order), so the [batch, k+1, vocab] fp32 copy is skipped
-        scores = logits
-    # 3. accept on device
-    if getattr(drafter, "synthetic_acceptance", None) is not None:
-        # benchmark-only (benchmarks/e2e_synthetic.py): a fixed acceptance rate, output NOT lossless
-        num_accepted, next_token = drafter.synthetic_acceptance(proposal.tokens, scores.argmax(dim=-1))
-    elif generation_config.do_sample:
-        num_accepted, next_token = rejection_sample_no_sync(proposal.tokens, proposal.probs,
-                                                            torch.softmax(scores, dim=-1))
-    else:
-        num_accepted, next_token = greedy_accept_no_sync(proposal.tokens, scores.argmax(dim=-1))
-    # 4. the one host sync of the step; emit, commit, let the drafter catch up
-    host = torch.cat([num_accepted[:, None].to(proposal.tokens.dtype), next_token[:, None].to(proposal.tokens.dtype),
-                      proposal.tokens], dim=1)  # one copy to the host instead of three
-    propose_ahead = getattr(drafter, "propose_ahead", None)
-    ahead = None
-    if propose_ahead is not None and not all(len(row) + 1 >= stopper.max_length
-                                             for row, run in zip(rows, running) if run):
-        # the next round's drafts depend only on device tensors: queue them behind this copy, so the device
-        # drafts while the host emits and commits below (a row that stops now wastes its drafts)
-        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=host.is_cuda)
-        pinned.copy_(host, non_blocking=True)
-        copied = torch.cuda.Event() if host.is_cuda else None
-        if copied is not None:
-            copied.record()
-        ahead = propose_ahead(next_token, num_accepted, cache, captured, selector)
-        if copied is not None:
-            copied.synchronize()
-        host = pinned.tolist()
-    else:
-        host = host.tolist()
-    accepted, nxt, drafts = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
-    was_running = list(running)
-    chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(rows))]
-    emitted = _emit(rows, running, [c[-1] for c in chunks], [c[:-1] for c in chunks], stopper, streamer)
-    stats.record_step([e for e, r in zip(emitted, was_running) if r],
-                      [a for a, r in zip(accepted, was_running) if r], k)
-    # a running row keeps its input token and the drafts it emitted (all accepted ones unless it stopped
-    # inside the chunk), so the cache always holds one token less than the row; a stopped row stops growing
-    kept = [e if r else 0 for e, r in zip(emitted, was_running)]
-    runner.commit([n - (k + 1) + keep for n, keep in zip(cache.seq_lens, kept)])
-    drafter.commit(cache, captured, num_accepted, kept)
-    return next_token, ahead
+class SpeculativeLoop:
+    """One speculative ``generate`` call: the request's state lives here, a step is :meth:`step`."""
+
+    def __init__(self, model, drafter: Drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+                 streamer, acceptance: Acceptance):
+        state = model._hf_specdec
+        self.model, self.drafter, self.acceptance, self.streamer = model, drafter, acceptance, streamer
+        self.k = drafter.num_speculative_tokens
+        self.config = generation_config
+        self.logits_processor = logits_processor
+        self.scorer = PositionScorer(logits_processor)
+        self.stopper = RowStopper(stopping_criteria, generation_config)
+        self.stats = SpecStats(spec_mode=drafter.spec_mode, num_speculative_tokens=self.k,
+                               lossless=acceptance.lossless)
+        batch = input_ids.shape[0]
+        self.rows = [input_ids[b].tolist() for b in range(batch)]
+        self.row_ids = RowIds(input_ids, generation_config.max_length + self.k + 1)
+        self.running = [True] * batch
+        self.runner = ModelRunner(model, state.layout, state.cache_config, state.graph_store_for(model.device))
+        self.readback = Readback(input_ids.device)
+        self.vocab_size = model.config.get_text_config().vocab_size
+        self.context = self.captured = None
+        self.ahead: DraftProposal | None = None  # this round's drafts, queued by the last step
+
+    def run(self, input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+        """Decode until every row stops; returns the rows padded to one width [batch, length]."""
+        prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
+        self.context = self.runner.start(prompt_lens, self.config.max_length - input_ids.shape[1],
+                                         lookahead=self.k + 1)
+        try:
+            with self.drafter.capture(self.model) as self.captured:
+                # graphs captured while other hooks recorded into another kind of holder are not replayed here
+                self.runner.record_hooks_of(self.captured, (self.drafter.capture_key,
+                                                            type(self.captured).__qualname__))
+                last_tokens = self.prefill(input_ids, prompt_lens, model_kwargs)
+                while any(self.running):
+                    last_tokens = self.step(last_tokens)
+        finally:
+            self.runner.finish()
+        if self.streamer is not None:
+            self.streamer.end()
+        self.model._hf_specdec.last_stats = self.stats.finish()
+        return _pad_rows(self.rows, self.config._pad_token_tensor, input_ids.device)
+
+    def prefill(self, input_ids, prompt_lens, model_kwargs) -> torch.Tensor:
+        """The prompt, its last logits, and the first token (a plain step); returns each row's first token."""
+        outputs = self.runner.forward(input_ids, prompt_lens, keep_logits=1, prefill=True, **model_kwargs)
+        self.runner.commit(prompt_lens)
+        self.drafter.begin(self.context, self.captured)
+        logits = outputs.logits[:, -1].to(dtype=torch.float32)
+        next_tokens = select_tokens(self.logits_processor(input_ids, logits), self.config.do_sample)
+        emitted = self._emit(next_tokens.tolist(), [[]] * len(self.rows))
+        self.stats.record_step(emitted)
+        return next_tokens
+
+    def step(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """One draft -> verify -> accept -> commit round from each row's last token (on the device; a stopped
+        row's is never used); returns each row's next token."""
+        # the rows' ids go to the device only if a drafter or logits processor reads them this step
+        selector = DraftSelector(self.config.do_sample, self.scorer, self.vocab_size,
+                                 LazyPrefixes(self.row_ids, self.rows))
+        # 1. draft (unless the previous step queued this round's drafts before its host sync)
+        proposal = self.ahead if self.ahead is not None else self.drafter.propose(last_tokens, self.context, selector)
+        # 2. verify [last token, drafts] in one target forward
+        verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
+        logits = self.runner.forward(verify_ids, [self.k + 1] * len(self.rows), keep_logits=0).logits
+        if self.config.do_sample or self.scorer.processors:
+            scores = self.scorer.score(selector.prefixes, proposal.tokens, logits.float())
+        else:
+            # greedy, no processors: only argmax reads the scores, and it is the same on the model's dtype (the
+            # cast to fp32 is exact and keeps the order), so the [batch, k+1, vocab] fp32 copy is skipped
+            scores = logits
+        # 3. accept on device
+        num_accepted, next_token = self.acceptance(proposal.tokens, proposal.probs, scores)
+        # 4. the one host sync of the step, with the next round's drafts queued before it where the drafter can
+        accepted, nxt, drafts = self._read_back(proposal, num_accepted, next_token, selector)
+        # 5. emit (stopping inside the chunk), commit, let the drafter catch up
+        was_running = list(self.running)
+        chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(self.rows))]
+        emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks])
+        self.stats.record_step([e for e, r in zip(emitted, was_running) if r],
+                               [a for a, r in zip(accepted, was_running) if r], self.k)
+        # a running row keeps its input token and the drafts it emitted (all accepted ones unless it stopped
+        # inside the chunk), so the cache always holds one token less than the row; a stopped row stops growing
+        kept = [e if r else 0 for e, r in zip(emitted, was_running)]
+        self.runner.commit([n - (self.k + 1) + keep for n, keep in zip(self.context.cache.seq_lens, kept)])
+        self.drafter.commit(self.context, self.captured, num_accepted, kept)
+        return next_token
+
+    def _read_back(self, proposal, num_accepted, next_token, selector):
+        """(accepted, next token, drafts) per row on the host. Unless every running row is about to reach its
+        max length, the drafter may queue the next round's drafts first (they depend only on device tensors):
+        the device then drafts while the host emits and commits (a row that stops now wastes its drafts)."""
+        tokens = proposal.tokens
+        host = torch.cat([num_accepted[:, None].to(tokens.dtype), next_token[:, None].to(tokens.dtype), tokens],
+                         dim=1)  # one copy to the host instead of three
+        pending = self.readback.start(host)
+        self.ahead = None
+        if not all(len(row) + 1 >= self.stopper.max_length for row, run in zip(self.rows, self.running) if run):
+            self.ahead = self.drafter.propose_ahead(next_token, num_accepted, self.context, self.captured, selector)
+        host = self.readback.wait(pending)[0].tolist()
+        return [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
+
+    def _emit(self, last: list[int], accepted_drafts: list[list[int]]) -> list[int]:
+        """Append each running row's accepted drafts then its next token, stopping inside the chunk; returns the
+        tokens each row emitted."""
+        emitted = []
+        for b, row in enumerate(self.rows):
+            count = 0
+            if self.running[b]:
+                for token in accepted_drafts[b] + [last[b]]:
+                    row.append(token)
+                    count += 1
+                    if self.stopper.stops(row):
+                        self.running[b] = False
+                        break
+            emitted.append(count)
+            if self.streamer is not None and count:
+                self.streamer.put(torch.tensor(row[-count:])[None, :])
+        return emitted
 
 
 class RowIds:
@@ -207,24 +232,6 @@ class LazyPrefixes(Sequence):
 
     def __len__(self) -> int:
         return len(self._rows)
-
-
-def _emit(rows, running, last, accepted_drafts, stopper, streamer) -> list[int]:
-    """Append each running row's accepted drafts then its next token, stopping inside the chunk."""
-    emitted = []
-    for b, row in enumerate(rows):
-        count = 0
-        if running[b]:
-            for token in accepted_drafts[b] + [last[b]]:
-                row.append(token)
-                count += 1
-                if stopper.stops(row):
-                    running[b] = False
-                    break
-        emitted.append(count)
-        if streamer is not None and count:
-            streamer.put(torch.tensor(row[-count:])[None, :])
-    return emitted
 
 
 def _pad_rows(rows: list[list[int]], pad_token: torch.Tensor | None, device) -> torch.Tensor:

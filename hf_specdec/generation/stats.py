@@ -13,6 +13,7 @@ class SpecStats:
     mean_accepted_length (tau) is tokens committed per target forward per row, bonus included: 1.0 for
     plain decoding, up to k+1 for speculative decoding with k drafts.
     acceptance_histogram[i] counts (row, step) pairs that accepted exactly i drafts.
+    lossless is False only when the call ran a non-lossless acceptance (a benchmark's fixed acceptance rate).
     """
 
     num_target_forwards: int = 0
@@ -25,6 +26,7 @@ class SpecStats:
     tokens_per_s: float = 0.0
     spec_mode: str | None = None
     num_speculative_tokens: int = 0
+    lossless: bool = True
     _row_forwards: int = field(default=0, repr=False)
     _t0: float = field(default_factory=time.perf_counter, repr=False)
 

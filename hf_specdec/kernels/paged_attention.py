@@ -205,7 +205,7 @@ class _Tiles:
 
 def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = None) -> _Tiles:
     """Tile sizes from head_dim: K, V and q tiles (x num_stages) must fit shared memory, and
-    head_dim 512 leaves room only for 16 x 32 tiles. Tuned later on H100/H200."""
+    head_dim 512 leaves room only for 16 x 32 tiles."""
     block_d = max(16, next_power_of_2(head_dim))
     max_m, default_n, num_warps = {16: (64, 64, 4), 32: (64, 64, 4), 64: (64, 64, 4),
                                    128: (64, 64, 4), 256: (32, 32, 8), 512: (16, 32, 8)}[block_d]
@@ -310,21 +310,11 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
     return out
 
 
-def paged_attention_reference(
-    q: torch.Tensor,  # [batch, q_len, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [batch, max_blocks_per_row] int32
-    kv_lens: torch.Tensor,  # [batch] int32
-    q_pos0: torch.Tensor,  # [batch] int32
-    q_lens: torch.Tensor,  # [batch] int32
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    causal: bool = True,
-    out: torch.Tensor | None = None,  # [batch, q_len, num_heads, head_dim]
-) -> torch.Tensor:
-    """Torch version of paged_attention: the CPU path and the test oracle.
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, kv_lens: torch.Tensor, q_pos0: torch.Tensor,
+                              q_lens: torch.Tensor, *, scale: float, sliding_window: int | None = None,
+                              causal: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch version of paged_attention (the same arguments and shapes): the CPU path and the test oracle.
 
     Gathers each row's visible pages into dense fp32 [batch, num_kv_heads, L, head_dim] keys/values
     and runs one masked fp32 SDPA for the whole batch. Reads L from the device (one sync).

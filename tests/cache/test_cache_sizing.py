@@ -4,7 +4,7 @@ CacheCapacityError before anything is allocated; the used-block counts read back
 import pytest
 import torch
 
-from hf_specdec.cache import CacheCapacityError, KVLayout, PagedKVCache, paged_cache
+from hf_specdec.cache import CacheCapacityError, KVLayout, sizing
 from hf_specdec.config import CacheConfig
 
 # one full group (2 layers, 2 kv heads x 8) and one sliding group (window 6, 1 layer, 1 kv head x 16)
@@ -12,7 +12,7 @@ LAYOUT = KVLayout.from_layers([(2, 8, None), (1, 16, 6), (2, 8, None)], producer
 
 
 def _request(config, prompt_lens=(20, 9), max_new_tokens=30, lookahead=4):
-    return PagedKVCache.for_request(LAYOUT, config, list(prompt_lens), max_new_tokens, lookahead,
+    return sizing.cache_for_request(LAYOUT, config, list(prompt_lens), max_new_tokens, lookahead,
                                     dtype=torch.float32, device="cpu")
 
 
@@ -39,19 +39,19 @@ def test_a_pooled_storage_serves_requests_with_a_fixed_num_blocks():
     """CUDA graphs write into the storage they were captured over, so requests of a model with graphs take
     their K/V storage from its pool; with num_blocks set the pool allocates exactly that many blocks (no
     power-of-two rounding past the user's bound) and every request uses num_blocks of them."""
-    from hf_specdec.generation.cuda_graphs import GraphStore
+    from hf_specdec.runtime.cuda_graphs import GraphStore
 
     store = GraphStore()
     config = CacheConfig(block_size=4, num_blocks=27)
-    first = PagedKVCache.for_request(LAYOUT, config, [20, 9], 30, 4, dtype=torch.float32, device="cpu",
+    first = sizing.cache_for_request(LAYOUT, config, [20, 9], 30, 4, dtype=torch.float32, device="cpu",
                                      storage_pool=store)
     assert [k.shape[1] for k in first.k_storage] == [27, 27] and first.manager.pools[0].num_blocks == 27
     first.free()
-    second = PagedKVCache.for_request(LAYOUT, config, [5], 10, 4, dtype=torch.float32, device="cpu",
+    second = sizing.cache_for_request(LAYOUT, config, [5], 10, 4, dtype=torch.float32, device="cpu",
                                       storage_pool=store)
     assert all(a is b for a, b in zip(second.k_storage, first.k_storage))  # the same tensors: graphs stay valid
     assert second.manager.pools[0].num_blocks == 27
-    unfixed = PagedKVCache.for_request(LAYOUT, CacheConfig(block_size=4), [5], 10, 4, dtype=torch.float32,
+    unfixed = sizing.cache_for_request(LAYOUT, CacheConfig(block_size=4), [5], 10, 4, dtype=torch.float32,
                                        device="cpu", storage_pool=store)
     assert all(a is b for a, b in zip(unfixed.k_storage, first.k_storage))  # fits: reused, all 27 blocks usable
     assert unfixed.manager.pools[0].num_blocks == 27
@@ -60,8 +60,8 @@ def test_a_pooled_storage_serves_requests_with_a_fixed_num_blocks():
 def test_cuda_memory_budget_bounds_a_request(monkeypatch):
     """gpu_memory_fraction applies where free_device_memory knows the device (CUDA); here it is faked."""
     sized = _request(CacheConfig(block_size=4))
-    need = paged_cache.kv_bytes(LAYOUT, [p.num_blocks for p in sized.manager.pools], 4, torch.float32)
-    monkeypatch.setattr(paged_cache, "free_device_memory", lambda device: need)
+    need = sizing.kv_bytes(LAYOUT, [p.num_blocks for p in sized.manager.pools], 4, torch.float32)
+    monkeypatch.setattr(sizing, "free_device_memory", lambda device: need)
     _request(CacheConfig(block_size=4, gpu_memory_fraction=1.0))
     with pytest.raises(CacheCapacityError, match=r"CacheConfig.gpu_memory_fraction=0.5 .* raise gpu_memory_fraction"):
         _request(CacheConfig(block_size=4, gpu_memory_fraction=0.5))
@@ -70,11 +70,11 @@ def test_cuda_memory_budget_bounds_a_request(monkeypatch):
 
 
 def test_cpu_caches_have_no_memory_budget():
-    assert paged_cache.free_device_memory(torch.device("cpu")) is None
+    assert sizing.free_device_memory(torch.device("cpu")) is None
 
 
 def test_kv_bytes_counts_k_and_v_of_every_layer():
-    assert paged_cache.kv_bytes(LAYOUT, [3, 2], 4, torch.bfloat16) == 2 * 2 * (2 * 3 * 4 * 2 * 8 + 1 * 2 * 4 * 1 * 16)
+    assert sizing.kv_bytes(LAYOUT, [3, 2], 4, torch.bfloat16) == 2 * 2 * (2 * 3 * 4 * 2 * 8 + 1 * 2 * 4 * 1 * 16)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.5])

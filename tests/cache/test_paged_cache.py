@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from hf_specdec.cache import CacheCapacityError, KVLayout, PagedKVCache
+from hf_specdec.cache import CacheCapacityError, KVLayout, PagedKVCache, sizing
 from hf_specdec.cache.block_manager import OutOfBlocksError
 from hf_specdec.config import CacheConfig
 
@@ -81,7 +81,7 @@ def test_out_of_blocks_raises_before_touching_state():
 def test_request_over_max_cache_tokens_names_the_knob():
     config = CacheConfig(block_size=4, max_cache_tokens=32)
     with pytest.raises(CacheCapacityError, match="max_cache_tokens"):
-        PagedKVCache.for_request(LAYOUT, config, [20, 20], 10, 0, dtype=torch.float32, device="cpu")
+        sizing.cache_for_request(LAYOUT, config, [20, 20], 10, 0, dtype=torch.float32, device="cpu")
 
 
 def test_update_outside_a_paged_forward_says_what_to_use():

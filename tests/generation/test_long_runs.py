@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.cache import PagedKVCache
+from hf_specdec.cache import PagedKVCache, sizing
 from tests.models.gemma4.helpers import assistant_config_dict, random_state_dict, released_layout, write_checkpoint
 from tests.models.step3p5.tiny_step3p5 import tiny_model
 from tests.tiny_models import gemma4_e2b_style, left_padded_batch
@@ -58,10 +58,13 @@ def test_far_past_the_window_sliding_groups_stay_bounded_and_blocks_come_back(mo
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
     peaks: dict[int, list[int]] = {}  # id(cache) -> peak used blocks per group after a commit
     made = []
-    build, commit = PagedKVCache.for_request.__func__, PagedKVCache.commit
+    build, commit = sizing.cache_for_request, PagedKVCache.commit
 
-    def record_build(cls, *args, **kw):
-        made.append(build(cls, *args, **kw))
+    lookaheads = {}  # id(cache) -> the lookahead it was sized for
+
+    def record_build(*args, **kw):
+        made.append(build(*args, **kw))
+        lookaheads[id(made[-1])] = args[4]
         return made[-1]
 
     def record_commit(cache, new_lens):
@@ -69,7 +72,7 @@ def test_far_past_the_window_sliding_groups_stay_bounded_and_blocks_come_back(mo
         old = peaks.get(id(cache), [0] * len(cache.num_used_blocks))
         peaks[id(cache)] = [max(a, b) for a, b in zip(old, cache.num_used_blocks)]
 
-    monkeypatch.setattr(PagedKVCache, "for_request", classmethod(record_build))
+    monkeypatch.setattr(sizing, "cache_for_request", record_build)
     monkeypatch.setattr(PagedKVCache, "commit", record_commit)
     out = model.generate(ids, **kwargs, **extra)
     assert torch.equal(out, reference.generate(ids, **kwargs))  # lossless many windows past the window
@@ -78,7 +81,7 @@ def test_far_past_the_window_sliding_groups_stay_bounded_and_blocks_come_back(mo
         assert cache.num_used_blocks == [0] * len(cache.num_used_blocks) and not cache.seq_ids
         for group, peak in zip(cache.layout.groups, peaks[id(cache)]):
             if group.is_sliding:  # about a window per row, however long the rows grew
-                assert peak <= 3 * (-(-(group.sliding_window + 2 + cache.lookahead) // BLOCK) + 2)
+                assert peak <= 3 * (-(-(group.sliding_window + 2 + lookaheads[id(cache)]) // BLOCK) + 2)
     target_full = [p for g, p in zip(made[0].layout.groups, peaks[id(made[0])]) if not g.is_sliding]
     assert min(target_full) >= 3 * NEW_TOKENS // BLOCK  # while full-attention groups hold every position
 

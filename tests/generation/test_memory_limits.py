@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.cache import CacheCapacityError, paged_cache
+from hf_specdec.cache import CacheCapacityError, sizing
 from tests import bundled
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -41,12 +41,12 @@ def test_a_drafter_cache_that_does_not_fit_frees_the_target_cache(mode, monkeypa
     kwargs = dict(attention_mask=mask, max_new_tokens=16, **GREEDY, **extra)
     before = model.generate(ids, **kwargs)
     budgets = iter([2**40])  # the first request (the target's cache) fits, every later one gets no memory
-    monkeypatch.setattr(paged_cache, "free_device_memory", lambda device: next(budgets, 0))
+    monkeypatch.setattr(sizing, "free_device_memory", lambda device: next(budgets, 0))
     with bundled.recorded_caches(monkeypatch) as made:
         with pytest.raises(CacheCapacityError, match=r"gpu_memory_fraction"):
             model.generate(ids, **kwargs)
     assert len(made) == 1 and made[0].num_used_blocks == [0] * len(made[0].num_used_blocks) and not made[0].seq_ids
-    monkeypatch.setattr(paged_cache, "free_device_memory", lambda device: None)
+    monkeypatch.setattr(sizing, "free_device_memory", lambda device: None)
     assert torch.equal(model.generate(ids, **kwargs), before)
 
 

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
 import hf_specdec
-from hf_specdec.generation.model_runner import cache_argument
+from hf_specdec.compat import cache_argument
 from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama, qwen3
 
 MODELS = {"gemma4_e2b": gemma4_e2b_style, "gemma4_31b": gemma4_31b_style, "llama": llama, "qwen3": qwen3}

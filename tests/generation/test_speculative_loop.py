@@ -114,9 +114,9 @@ def test_history_processors_in_a_batch_match_plain_and_reach_the_drafts():
 def test_graph_replays_are_keyed_by_what_the_drafter_hooks_record(monkeypatch):
     """A CUDA graph of the target's forward replays the records its capture-time hooks made; a drafter whose
     hooks record something else (another holder, other target layers) must not get those graphs, even
-    behind a wrapper that does not say which hooks it uses."""
-    from benchmarks.drafters import SyntheticAcceptance
-    from hf_specdec.generation.model_runner import ModelRunner
+    behind a wrapper (a timing drafter) or with a benchmark's acceptance."""
+    from benchmarks.drafters import SyntheticAcceptance, TimedDrafter
+    from hf_specdec.runtime import ModelRunner
     from hf_specdec.generation.registry import build_drafter
     from tests import bundled
 
@@ -128,9 +128,11 @@ def test_graph_replays_are_keyed_by_what_the_drafter_hooks_record(monkeypatch):
                                                               original(self, holder, signature))[1])
     ids = torch.tensor([[2, 5, 9, 11]])
     for inner in (build_drafter(target, assistant, "mtp", 2), build_drafter(target, bundled.dflash(), "dflash", 2)):
-        target.generate(ids, max_new_tokens=3, do_sample=False, assistant_model=SyntheticAcceptance(inner, 0.5))
+        target.generate(ids, max_new_tokens=3, do_sample=False, assistant_model=TimedDrafter(inner),
+                        acceptance=SyntheticAcceptance(0.5))
     mtp, dflash = signatures
     assert mtp != dflash
+    assert not hf_specdec.last_generation_stats(target).lossless
 
 
 def test_row_prefixes_reach_the_device_only_when_read(monkeypatch):

@@ -7,14 +7,12 @@ different numbers of drafts. With ``do_sample`` it samples drafts from the proce
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from hf_specdec.generation.drafter import DraftProposal
+from hf_specdec.generation.drafter import Drafter, DraftProposal
 
 
-class CopyDrafter:
+class CopyDrafter(Drafter):
     spec_mode = "mtp"
 
     def __init__(self, copy_model, k: int, noise: float = 0.0, seed: int = 0):
@@ -23,17 +21,13 @@ class CopyDrafter:
         self.noise = noise
         self.gen = torch.Generator().manual_seed(seed)
 
-    @contextlib.contextmanager
-    def capture(self, target):
-        yield None
-
-    def begin(self, cache, captured, prompt_lens):
+    def begin(self, context, captured):
         pass
 
-    def propose(self, last_tokens, cache, selector):
+    def propose(self, last_tokens, context, selector):
         tokens, probs = [], []
         drafted = last_tokens.new_zeros(len(last_tokens), 0)
-        real_lens = [n + 1 for n in cache.seq_lens]  # the cache holds all but the last token
+        real_lens = [n + 1 for n in context.cache.seq_lens]  # the cache holds all but the last token
         prefixes = [p[-n:] for p, n in zip(selector.prefixes, real_lens)]
         for _ in range(self.num_speculative_tokens):
             logits = self._next_logits([torch.cat([p, d]) for p, d in zip(prefixes, drafted)])
@@ -58,5 +52,5 @@ class CopyDrafter:
         with torch.no_grad():
             return self.model(ids, attention_mask=mask).logits[:, -1].float()
 
-    def commit(self, cache, captured, num_accepted, kept):
+    def commit(self, context, captured, num_accepted, kept):
         pass

@@ -89,7 +89,7 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
     layers, k_eq_v layers (v normalised from the raw keys), KV-shared layers (a query-only qkv_norm_rope over
     the producer's K/V) and per-layer-input blocks (their gate fused too: three norm_add seams per layer
     instead of two)."""
-    from hf_specdec.generation import fusion
+    from hf_specdec.models.gemma4 import fusion
     from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
     from hf_specdec.kernels.stacked_linear import stacked_weight
     from tests import tiny_models

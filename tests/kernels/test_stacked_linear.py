@@ -83,14 +83,14 @@ def test_a_model_with_stacked_projections_saves_and_loads_its_own_weights(tmp_pa
     """save_pretrained writes each projection under its own key; loading gives the same weights back."""
     import transformers
 
-    from hf_specdec.generation.fusion import STACKED_PROJECTIONS
+    from hf_specdec.generation.fusion import stacked_groups
     from tests.tiny_models import gemma4_31b_style
 
     model = gemma4_31b_style()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     stacked = 0
     for module in model.modules():
-        for names in STACKED_PROJECTIONS.get(type(module).__name__, ()):
+        for names in stacked_groups(module):
             linears = [getattr(module, n) for n in names if getattr(module, n, None) is not None]
             stacked += stack_weights(*linears)
     assert stacked >= 2 * len(model.model.layers)

@@ -14,7 +14,7 @@ from hf_specdec.assets import ASSETS_DIR, asset_path, held_out_snippets
 from hf_specdec.models.dflash import DFlashDrafter, check_compatible, is_dflash_checkpoint
 from tests.models.dflash.helpers import released_layout
 
-FAMILY_MAX_BYTES = 30_000_000  # DESIGN.md §5: the whole bundled family
+FAMILY_MAX_BYTES = 30_000_000  # docs/architecture.md: the whole bundled family
 DRAFTER_MAX_BYTES = 5_000_000
 PROMPTS = (0, 3)  # held-out snippets: asyncio/taskgroups.py, idlelib/format.py
 PROMPT_CHARS, NEW_TOKENS = 400, 96

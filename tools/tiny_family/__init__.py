@@ -1,4 +1,4 @@
-"""Training tooling for the bundled tiny model family (DESIGN.md §5); never imported by `hf_specdec`.
+"""Training tooling for the bundled tiny model family (docs/architecture.md, "The bundled tiny family"); never imported by `hf_specdec`.
 
 Every member is trained from the same pieces, so a new member adds one recipe module (its config and
 `build_model`) and one CLI (`train_<member>.py`, taking at least `--steps --out --report`):

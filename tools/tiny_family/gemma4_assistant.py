@@ -1,7 +1,7 @@
 """The tiny Gemma 4 MTP assistant: `hf_specdec`'s `Gemma4MTPAssistant` in the released checkpoint layout,
 built for the bundled target `tiny-gemma4`.
 
-Shape (REFERENCE.md §2), kept small so that one draft step costs a fraction of a target step on CPU:
+Shape (docs/models.md §2), kept small so that one draft step costs a fraction of a target step on CPU:
 - 2 Q-only layers `[sliding, full]` (the released ones have `[S, S, S, F]`) of hidden 128; each reads the
   K/V of the target's producer layer of its type (layers 5 and 3), so head dims (64 / 128), KV heads
   (2 / 1) and RoPE follow the target's;

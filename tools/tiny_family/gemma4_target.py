@@ -1,6 +1,6 @@
 """The tiny Gemma 4 target: stock `Gemma4ForCausalLM` keeping every structural quirk of the real models.
 
-Quirks kept (REFERENCE.md §1), at ~5.5 M parameters:
+Quirks kept (docs/models.md §1), at ~5.5 M parameters:
 - layer types `[S, S, S, F] × 2`, the last layer full; sliding window 64 tokens;
 - sliding layers: 2 KV heads of head_dim 64; full layers: `global_head_dim` 128 with
   `attention_k_eq_v` (no v_proj) and a single KV head (`num_global_key_value_heads` < `num_key_value_heads`);

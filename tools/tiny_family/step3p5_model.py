@@ -1,6 +1,6 @@
 """The tiny Step 3.5: hf_specdec's `Step3p5ForCausalLM` with 3 MTP layers, trained jointly with them.
 
-Quirks kept (REFERENCE.md §4), at ~5.3 M parameters:
+Quirks kept (docs/models.md §4), at ~5.3 M parameters:
 - 5 main layers `[F, S, S, S, F]` (full layers at 0, 4 as in the real 0, 4, ..., 44) + 3 MTP layers,
   all sliding; sliding window 128 (the training windows are 512 tokens);
 - full layers 4 query heads, sliding layers (MTP blocks included) 6, through `attention_other_setting`;
@@ -18,7 +18,7 @@ layers, `rope_scaling` rather than the parsed `layer_rope_scaling`.
 Training objective (DeepSeek-V3 §2.2 style, as Step 3.5's MTP layers are used at decode time): the
 main model's next-token loss plus `mtp_weight` × each MTP layer's loss, where MTP layer j at position i
 reads token t[i+1+j] and the layer below's output at i (the main model's pre-final-norm hidden state for
-j = 0) and predicts t[i+2+j] — exactly how `Step3p5MTPDrafter` runs the layers when drafting. The router
+j = 0) and predicts t[i+2+j] — exactly how `Step3p5MTPDraftRunner` runs the layers when drafting. The router
 bias is learned without gradients (auxiliary-loss-free balancing, DeepSeek-V3 §2.1.2): after every step
 each bias moves by `rate` towards equal expert loads.
 """

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from hf_specdec.generation.model_runner import cache_argument
+from hf_specdec.compat import cache_argument
 from hf_specdec.models.gemma4 import DenseTargetKVSource, draft_sliding_window
 from hf_specdec.models.gemma4.centroid_head import softcap
 

@@ -5,7 +5,7 @@ z-lab checkpoints say model_type `qwen3` with `architectures=["DFlashDraftModel"
 `load_dflash_drafter` loads ours. Importing this package maps `DFlashConfig` to `DFlashDrafter` for
 `transformers.AutoModelForCausalLM.from_config` / `from_pretrained(path, config=DFlashConfig...)`, and
 registers the "dflash" speculative mode: `target.generate(assistant_model=drafter)` drafts with
-`PagedDFlashDrafter`.
+`DFlashDraftRunner`.
 """
 
 from transformers import AutoModelForCausalLM
@@ -15,7 +15,7 @@ from hf_specdec.generation.registry import DrafterBuilder, register_drafter
 from . import drafter
 from .configuration import DFlashConfig, DFlashSettings, build_target_layer_ids, is_dflash_checkpoint
 from .context import DenseDFlashContext, DFlashContextSource, block_attention_mask, dense_block_attention
-from .drafter import PagedDFlashContext, PagedDFlashDrafter
+from .drafter import DFlashDraftRunner, PagedDFlashContext
 from .modeling import CHECKPOINT_KEY_MAPPING, DFlashDrafter, DraftLayerSpec, load_dflash_drafter
 from .target import (
     capture_hidden_states,
@@ -40,27 +40,9 @@ register_drafter(DrafterBuilder("dflash", drafter.matches, drafter.build,
                                 "a DFlash drafter (DFlashDraftModel, z-lab format) trained for this target"))
 
 __all__ = [
-    "CHECKPOINT_KEY_MAPPING",
-    "DFlashConfig",
-    "DFlashContextSource",
-    "DFlashDrafter",
-    "DFlashSettings",
-    "DenseDFlashContext",
-    "DraftLayerSpec",
-    "PagedDFlashContext",
-    "PagedDFlashDrafter",
-    "block_attention_mask",
-    "build_target_layer_ids",
-    "capture_hidden_states",
-    "check_compatible",
-    "dense_block_attention",
-    "head_logits",
-    "is_dflash_checkpoint",
-    "load_dflash_drafter",
-    "register_auto_classes",
-    "target_block_embeddings",
-    "target_final_softcap",
-    "target_head_logits",
-    "target_layer_hidden_modules",
-    "text_decoder",
+    "CHECKPOINT_KEY_MAPPING", "DFlashConfig", "DFlashContextSource", "DFlashDraftRunner", "DFlashDrafter",
+    "DFlashSettings", "DenseDFlashContext", "DraftLayerSpec", "PagedDFlashContext", "block_attention_mask",
+    "build_target_layer_ids", "capture_hidden_states", "check_compatible", "dense_block_attention", "head_logits",
+    "is_dflash_checkpoint", "load_dflash_drafter", "register_auto_classes", "target_block_embeddings",
+    "target_final_softcap", "target_head_logits", "target_layer_hidden_modules", "text_decoder",
 ]

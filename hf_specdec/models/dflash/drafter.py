@@ -1,4 +1,4 @@
-"""DFlash drafting over a paged context cache: the Drafter the speculative loop drives for spec_mode="dflash".
+"""DFlash drafting over a paged context cache: the draft runner the speculative loop drives for spec_mode="dflash".
 
 Per round, with p the number of tokens the target has cached for a row (its last committed token t[p] is
 not in the target's cache yet):
@@ -26,21 +26,11 @@ query, no key, no slot and no page.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
-from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
-from hf_specdec.cache.paged_cache import ForwardMeta
-from hf_specdec.generation.cuda_graphs import (
-    MAX_GRAPH_QUERY_LEN,
-    batch_bucket,
-    call_graph,
-    drafter_graphs_on,
-    pad_rows,
-    pad_table,
-)
-from hf_specdec.generation.drafter import DraftProposal
+from hf_specdec.cache import ForwardMeta, KVGroup, KVLayout, PagedKVCache
+from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.kernels import paged_attention, store_kv
 
 from .modeling import DFlashDrafter
@@ -77,7 +67,9 @@ def context_layout(drafter: DFlashDrafter) -> KVLayout:
                     producer={s.layer_idx: s.layer_idx for s in specs})
 
 
-class PagedDFlashDrafter:
+class DFlashDraftRunner(Drafter):
+    """Drives a :class:`DFlashDrafter` for the speculative loop (spec_mode="dflash")."""
+
     spec_mode = "dflash"
 
     def __init__(self, target, drafter: DFlashDrafter, num_speculative_tokens: int | None = None):
@@ -87,9 +79,12 @@ class PagedDFlashDrafter:
         self.drafter = drafter.to(device=target.device)
         self.layout = context_layout(drafter)
         self.cache: PagedKVCache | None = None
-        # which target layers the capture hooks record: graphs of target forwards captured with other hooks
-        # (another drafter's layers) must not be replayed for this one
-        self.capture_key = ("target_layer_ids", *self.drafter.target_layer_ids)
+
+    @property
+    def capture_key(self) -> tuple:
+        """The target layers the capture hooks record: target graphs captured with other hooks (another
+        drafter's layers) must not be replayed for this one."""
+        return ("target_layer_ids", *self.drafter.target_layer_ids)
 
     @contextlib.contextmanager
     def capture(self, target):
@@ -103,30 +98,26 @@ class PagedDFlashDrafter:
                     self.cache.free()
                 self.cache = None
 
-    def begin(self, cache, captured, prompt_lens):
-        # graphs where the target's cache has them (CUDA, switched on): kept in the target model's GraphStore
-        self.graph_store = cache.graph_store if drafter_graphs_on(cache) else None
-        self.table_width = cache.graph_table_width
-        self._graph_failed = False
-        self.cache = PagedKVCache.for_request(
-            self.layout, cache.cache_config, prompt_lens, cache.max_new_tokens, self.num_speculative_tokens + 1,
-            dtype=self.drafter.fc.weight.dtype, device=cache.device, storage_pool=self.graph_store,
-            storage_owner="dflash")
+    def begin(self, context, captured):
+        self.graphs = context.drafter_graphs("dflash", id(self.drafter), id(self.target), self.num_speculative_tokens)
+        self.cache = context.new_cache(self.layout, "dflash", dtype=self.drafter.fc.weight.dtype,
+                                       lookahead=self.num_speculative_tokens + 1)
         # prefill slots are right-aligned already; a prompt's width varies per request: no graph
-        self._append_context(list(captured), prompt_lens, graph=False)
+        self._append_context(list(captured), context.prompt_lens, graph=False)
 
     @torch.inference_mode()
-    def propose(self, last_tokens, cache, selector) -> DraftProposal:
+    def propose(self, last_tokens, context, selector) -> DraftProposal:
         k = self.num_speculative_tokens
         lens = self.cache.seq_lens
         meta = self.cache.begin_forward([k + 1] * len(lens), k + 1)  # block positions p .. p + k
         try:
             if not selector.do_sample and not selector.scorer.processors:  # greedy: the argmax of every position
-                return DraftProposal(self._graphed("block", self._greedy_block, [last_tokens], meta), None)
+                return DraftProposal(self.graphs.run("block", self._greedy_block, [last_tokens], meta=meta,
+                                                     cache=self.cache), None)
             # sampling or logits processors: the block forward (a graph replay on CUDA), then the selection on
             # its logits [batch, k, vocab] (processors are host code); a graph's logits are its static buffer,
             # read before the next replay
-            logits = self._graphed("block_logits", self._block_logits, [last_tokens], meta)
+            logits = self.graphs.run("block_logits", self._block_logits, [last_tokens], meta=meta, cache=self.cache)
         finally:
             self.cache.commit(lens)  # drop the block: the context keeps accepted tokens only
         return DraftProposal(*selector.select_block(logits))
@@ -141,51 +132,16 @@ class PagedDFlashDrafter:
     def _greedy_block(self, last_tokens, meta) -> torch.Tensor:
         return self._block_logits(last_tokens, meta).argmax(dim=-1)  # [batch, k]
 
-    def _graphed(self, name: str, fn, tensors: list[torch.Tensor], meta: ForwardMeta):
-        """``fn(*tensors, meta)`` (tensors [batch, ...]; it must not sync with the host), replayed from a CUDA
-        graph of the batch's bucket when graphs are on: captured at its first call (after an eager run of the
-        same inputs), keyed by what fixes its shapes. A failed capture leaves the request eager."""
-        store = self.graph_store
-        if store is None or store.disabled_reason is not None or self._graph_failed or meta.q_len > MAX_GRAPH_QUERY_LEN:
-            return fn(*tensors, meta)
-        rows = meta.kv_lens.shape[0]
-        bucket = batch_bucket(rows)
-        key = ("dflash", name, store.generation, id(self.drafter), id(self.target), self.num_speculative_tokens,
-               bucket, meta.q_len, tuple(tuple(t.shape[1:]) for t in tensors), self.table_width)
-        # every call pads to the bucket (padding rows: token or state 0, no query, key, slot or page), so rows a
-        # larger batch left behind never store K/V
-        flat = [pad_rows(t, bucket) for t in tensors] + [
-            pad_rows(meta.kv_lens, bucket), pad_rows(meta.q_pos0, bucket), pad_rows(meta.q_lens, bucket),
-            pad_rows(meta.position_ids, bucket), *[pad_rows(m, bucket * meta.q_len, -1) for m in meta.slot_mapping],
-            *[pad_rows(pad_table(t, self.table_width), bucket, -1) for t in meta.block_tables]]
-        run = functools.partial(self._with_meta, fn, len(tensors), meta.q_len, len(meta.slot_mapping))
-        out, ok = call_graph(store, key, run, flat, what=f"the DFlash {name}")
-        self._graph_failed = not ok
-        return None if out is None else out[:rows]
-
-    def _with_meta(self, fn, num_tensors, q_len, groups, *flat):
-        """``fn(*tensors, meta)`` with the metadata rebuilt from ``flat`` (a graph's static inputs) and set as the
-        drafter cache's current forward (its pages are the ones the layers read)."""
-        tensors, (kv_lens, q_pos0, q_lens, position_ids), rest = (
-            flat[:num_tensors], flat[num_tensors:num_tensors + 4], flat[num_tensors + 4:])
-        meta = ForwardMeta(q_len=q_len, kv_lens=kv_lens, q_pos0=q_pos0, q_lens=q_lens, position_ids=position_ids,
-                           slot_mapping=list(rest[:groups]), block_tables=list(rest[groups:]))
-        live, self.cache.meta = self.cache.meta, meta
-        try:
-            return fn(*tensors, meta)
-        finally:
-            self.cache.meta = live
-
-    def commit(self, cache, captured, num_accepted, kept):
+    def commit(self, context, captured, num_accepted, kept):
         # the verify forward's first kept[b] slots are row b's accepted tokens; right-align them as a forward's
         q_len = captured[0].shape[1]
         shift = torch.tensor([q_len - n for n in kept], device=captured[0].device)
         index = (torch.arange(q_len, device=shift.device)[None, :] - shift[:, None]).clamp(min=0)
         aligned = [h.gather(1, index[:, :, None].expand(-1, -1, h.shape[-1])) for h in captured]
         self._append_context(aligned, kept)
-        if self.cache.seq_lens != cache.seq_lens:
+        if self.cache.seq_lens != context.cache.seq_lens:
             raise RuntimeError(f"DFlash context lengths {self.cache.seq_lens} drifted from the target's "
-                               f"{cache.seq_lens}; commit must follow the target cache's commit.")
+                               f"{context.cache.seq_lens}; commit must follow the target cache's commit.")
 
     @torch.inference_mode()
     def _append_context(self, hidden: list[torch.Tensor], num_new: list[int], graph: bool = True) -> None:
@@ -193,7 +149,7 @@ class PagedDFlashDrafter:
         per target layer id) to every draft layer's group."""
         meta = self.cache.begin_forward(num_new, hidden[0].shape[1])
         if graph:
-            self._graphed("context", self._store_context, hidden, meta)
+            self.graphs.run("context", self._store_context, hidden, meta=meta, cache=self.cache)
         else:
             self._store_context(*hidden, meta)
         self.cache.commit(self.cache.seq_lens)  # begin_forward grew the lengths; keep every new token
@@ -253,4 +209,4 @@ def matches(target, assistant) -> bool:
 
 
 def build(target, assistant, num_speculative_tokens):
-    return PagedDFlashDrafter(target, assistant, num_speculative_tokens)
+    return DFlashDraftRunner(target, assistant, num_speculative_tokens)

@@ -26,6 +26,8 @@ import torch.nn as nn
 from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from hf_specdec.models.loading import check_checkpoint_keys
+
 from .configuration import DFlashConfig
 from .context import DFlashContextSource
 from .target import head_logits, target_block_embeddings, target_final_softcap
@@ -233,17 +235,8 @@ class DFlashDrafter(PreTrainedModel):
         report = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if not report:
-            _raise_on_bad_keys(info)
+            check_checkpoint_keys(info, "DFlash")
         return (model, info) if report else model
-
-
-def _raise_on_bad_keys(info: dict) -> None:
-    missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
-    if missing or unexpected:
-        raise ValueError(
-            f"DFlash checkpoint does not match the expected layout: missing keys {missing}, unexpected keys "
-            f"{unexpected}. Pass output_loading_info=True to load anyway and inspect them."
-        )
 
 
 def load_dflash_drafter(pretrained_model_name_or_path, *args, **kwargs) -> DFlashDrafter:

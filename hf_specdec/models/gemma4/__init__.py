@@ -1,6 +1,7 @@
-"""Gemma 4: the MTP assistant drafter and how it attaches to a Gemma 4 target.
+"""Gemma 4: the MTP assistant, its draft runner, and Gemma 4's fused forwards.
 
-Importing this package registers `HFSpecGemma4AssistantConfig` / `Gemma4MTPAssistant` for model_type
+Importing this package registers the fused forwards of Gemma 4 targets with ``enable`` (``fusion.py``), the
+"mtp" drafter for a Gemma 4 MTP assistant, and `HFSpecGemma4AssistantConfig` / `Gemma4MTPAssistant` for model_type
 `gemma4_assistant` with transformers' `AutoConfig` / `AutoModelForCausalLM` (over transformers' own
 classes, which cannot be built in 5.2x), so `from_pretrained` on an assistant directory returns ours.
 """
@@ -9,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_specdec.generation.registry import DrafterBuilder, register_drafter
 
-from . import mtp_drafter
+from . import fusion, mtp_drafter
 
 from .assistant import (
     AssistantStepOutput,
@@ -26,7 +27,7 @@ from .assistant_config import (
     producer_layer_for,
     target_text_config,
 )
-from .mtp_drafter import Gemma4MTPDrafter, PagedTargetKVSource
+from .mtp_drafter import Gemma4MTPDraftRunner, PagedTargetKVSource
 from .centroid_head import (
     CandidateLogits,
     DenseLogits,
@@ -44,28 +45,13 @@ def register_auto_classes() -> None:
 
 
 register_auto_classes()
+fusion.register()
 register_drafter(DrafterBuilder("mtp", mtp_drafter.matches, mtp_drafter.build,
                                 "a Gemma 4 MTP assistant (gemma4_assistant) for a Gemma 4 target"))
 
 __all__ = [
-    "AssistantStepOutput",
-    "CandidateLogits",
-    "DenseLogits",
-    "DenseTargetKVSource",
-    "DraftLogits",
-    "Gemma4MTPAssistant",
-    "Gemma4MTPDrafter",
-    "PagedTargetKVSource",
-    "HFSpecGemma4AssistantConfig",
-    "TargetKVSource",
-    "argmax_no_sync",
-    "check_compatible",
-    "dense_attention",
-    "draft_sliding_window",
-    "probs",
-    "producer_layer_for",
-    "register_auto_classes",
-    "sample_no_sync",
-    "target_embedding",
-    "target_text_config",
+    "AssistantStepOutput", "CandidateLogits", "DenseLogits", "DenseTargetKVSource", "DraftLogits",
+    "Gemma4MTPAssistant", "Gemma4MTPDraftRunner", "PagedTargetKVSource", "HFSpecGemma4AssistantConfig",
+    "TargetKVSource", "argmax_no_sync", "check_compatible", "dense_attention", "draft_sliding_window", "probs",
+    "producer_layer_for", "register_auto_classes", "sample_no_sync", "target_embedding", "target_text_config",
 ]

@@ -39,6 +39,7 @@ from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
 from hf_specdec.kernels.stacked_linear import stacked_projections
+from hf_specdec.models.loading import check_checkpoint_keys
 
 from .assistant_config import (
     LAYER_TYPES,
@@ -343,7 +344,7 @@ class Gemma4MTPAssistant(PreTrainedModel):
         report = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if not report:
-            _raise_on_bad_keys(info)
+            check_checkpoint_keys(info, "gemma4_assistant")
         model._check_token_ordering()
         return (model, info) if report else model
 
@@ -361,15 +362,6 @@ def _init_rope_buffers(module: Gemma4TextRotaryEmbedding) -> None:
         inv_freq, _ = rope_init_fn(module.config.per_layer_config[layer_type], layer_type=layer_type)
         init.copy_(getattr(module, f"{layer_type}_inv_freq"), inv_freq)
         init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
-
-
-def _raise_on_bad_keys(info: dict) -> None:
-    missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
-    if missing or unexpected:
-        raise ValueError(
-            f"gemma4_assistant checkpoint does not match the expected layout: missing keys {missing}, "
-            f"unexpected keys {unexpected}. Pass output_loading_info=True to load anyway and inspect them."
-        )
 
 
 def fused_embedding_scale(target_embed: nn.Module, dtype: torch.dtype) -> float | None:

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
-from hf_specdec.generation.cuda_graphs import batch_bucket, call_graph, drafter_graphs_on, pad_rows, pad_table
+from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.generation.fusion import stack_projections
-from hf_specdec.generation.drafter import DraftProposal
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels.stacked_linear import stack_weights
 from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, fused_embedding_scale, target_embedding
 from hf_specdec.models.gemma4.assistant_config import check_compatible, producer_layer_for, target_text_config
+from hf_specdec.runtime.cuda_graphs import pad_table
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
@@ -51,24 +52,25 @@ class PagedTargetKVSource:
                                      sliding_window=sliding_window, block_tables=self.tables.get(layer))
 
 
-class Gemma4MTPDrafter:
+class Gemma4MTPDraftRunner(Drafter):
+    """Drives a :class:`Gemma4MTPAssistant` for the speculative loop (spec_mode="mtp")."""
+
     spec_mode = "mtp"
 
     def __init__(self, target, assistant: Gemma4MTPAssistant, num_speculative_tokens: int | None = None):
         check_compatible(assistant, target)
         self.target = target
         self.assistant = assistant.to(device=target.device)
-        for module in self.assistant.modules():  # gate/up as one GEMM while drafting on a GPU
-            stack_projections(module)
-        head = self.assistant.masked_embedding
-        if head is not None and use_triton(head.centroids.weight):  # post_projection and the centroid scores too
-            stack_weights(self.assistant.post_projection, head.centroids)
+        stack_assistant_weights(self.assistant)
         self.num_speculative_tokens = num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         self.embed = target_embedding(target)
         self.embed_scale = fused_embedding_scale(self.embed, self.assistant.pre_projection.weight.dtype)
         text_config = target_text_config(target)
-        layer_types = set(assistant.config.text_config.layer_types)
-        self.producers = {t: producer_layer_for(text_config, t) for t in layer_types}
+        self.producers = {t: producer_layer_for(text_config, t) for t in set(assistant.config.text_config.layer_types)}
+        self.layers = sorted(set(self.producers.values()))  # the producer layers whose pages the drafts read
+        # a draft graph's inputs are tokens, hidden states, positions, then a block table per producer layer;
+        # padding rows draft token 0 at position 0 over no pages: they only read, and their drafts are dropped
+        self.pad_values = (0, 0, 0) + (-1,) * len(self.layers)
         self.hidden: torch.Tensor | None = None  # [batch, backbone_hidden] for the next round's step 0
 
     @contextlib.contextmanager
@@ -82,93 +84,65 @@ class Gemma4MTPDrafter:
         finally:
             handle.remove()
 
-    def begin(self, cache, captured, prompt_lens):
+    def begin(self, context, captured):
         self.hidden = captured.hidden[:, -1]  # the last slot is each row's last prompt token
-        self._graph_failed = False
+        self.graphs = context.drafter_graphs("gemma4_mtp", id(self.assistant), id(self.embed))
         self._ahead = False  # propose_ahead already took the next round's hidden states
 
     @torch.inference_mode()
-    def propose(self, last_tokens, cache, selector) -> DraftProposal:
+    def propose(self, last_tokens, context, selector) -> DraftProposal:
+        cache = context.cache
         positions = torch.tensor(cache.seq_lens, device=last_tokens.device)
         if not selector.do_sample and not selector.scorer.processors:
             return DraftProposal(self._greedy(last_tokens, positions, cache), None)
         # sampling or logits processors: each step's forward (one graph replay on CUDA), then the selection
         # (processors are arbitrary host code, and q is needed per step)
-        layers = sorted(set(self.producers.values()))
-        tables = [cache.context_pages(layer)[2] for layer in layers]
-        if drafter_graphs_on(cache):  # the graphs' width, once for the k steps (-1 columns: no page)
-            tables = [pad_table(t, cache.graph_table_width) for t in tables]
+        tables = self._tables(cache)
         tokens, hidden, drafted, probs = last_tokens, self.hidden, last_tokens[:, None][:, :0], []
         for _ in range(self.num_speculative_tokens):
-            hidden, head = self._step(cache, layers, tokens, hidden, positions, tables)
+            hidden, head = self.graphs.run("step", functools.partial(self._one_step, cache),
+                                           [tokens, hidden, positions, *tables], pad_values=self.pad_values)
             tokens, q = selector.select(head, drafted)
             drafted = torch.cat([drafted, tokens[:, None]], dim=1)
             probs.append(q)
         return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
 
-    def _step(self, cache, layers, tokens, hidden, positions, tables):
-        """One draft step -> (hidden_next, head): eagerly, or replayed from a CUDA graph of the batch's bucket
-        (its outputs are the graph's buffers, rewritten by the next replay: read them before it)."""
-        if not drafter_graphs_on(cache) or self._graph_failed:
-            return self._one_step(cache, layers, tokens, hidden, positions, *tables)
-        inputs = [tokens, hidden, positions, *tables]  # tables padded to the graphs' width by propose
-        rows = tokens.shape[0]
-        bucket = batch_bucket(rows)
-        store = cache.graph_store
-        key = ("gemma4_mtp_step", store.generation, id(self.assistant), id(self.embed), bucket,
-               tuple(hidden.shape[1:]), cache.graph_table_width)
-        (hidden_next, head), ok = call_graph(store, key, functools.partial(self._one_step, cache, layers), inputs,
-                                             functools.partial(_padded, bucket), "an MTP draft step")
-        self._graph_failed = not ok
-        return hidden_next[:rows], head.rows(rows)
+    def _tables(self, cache) -> list[torch.Tensor]:
+        """The producer layers' block tables between forwards, padded to the graphs' width when graphs are on
+        (-1 columns: no page), once for the round's k steps."""
+        tables = [cache.context_pages(layer)[2] for layer in self.layers]
+        return [pad_table(t, self.graphs.table_width) for t in tables] if self.graphs.on else tables
 
-    def _one_step(self, cache, layers, tokens, hidden, positions, *tables):
-        kv_source = PagedTargetKVSource(cache, self.producers, positions, dict(zip(layers, tables)))
+    def _one_step(self, cache, tokens, hidden, positions, *tables):
+        """One draft step -> (hidden_next, head)."""
+        kv_source = PagedTargetKVSource(cache, self.producers, positions, dict(zip(self.layers, tables)))
         step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source,
                                          self.assistant.draft_rope(positions), self.embed_scale)
         return step.hidden_next, step.logits
 
     @torch.inference_mode()
-    def propose_ahead(self, next_tokens, num_accepted, cache, captured, selector) -> DraftProposal | None:
+    def propose_ahead(self, next_tokens, num_accepted, context, captured, selector) -> DraftProposal | None:
         """Greedy drafts of the next round before the cache commits: a row that keeps running commits
         ``num_accepted + 1`` tokens, so it drafts at ``p + num_accepted + 1`` from the verify's hidden state at
         its last accepted slot, over pages the verify already holds (the Q-only attention reads positions below
         the draft position only). Sampling and logits processors draft after the commit (``propose``)."""
-        if selector.do_sample or selector.scorer.processors or cache.meta is None:
+        if selector.do_sample or selector.scorer.processors or context.forward_meta is None:
             return None
         self._take_hidden(captured, num_accepted)
         self._ahead = True
         # the verify's first query position is each row's committed length before it (stopped rows included)
-        positions = cache.meta.q_pos0.to(torch.int64) + num_accepted.to(torch.int64) + 1
-        return DraftProposal(self._greedy(next_tokens, positions, cache), None)
+        positions = context.forward_meta.q_pos0.to(torch.int64) + num_accepted.to(torch.int64) + 1
+        return DraftProposal(self._greedy(next_tokens, positions, context.cache), None)
 
     def _greedy(self, last_tokens, positions, cache) -> torch.Tensor:
-        if drafter_graphs_on(cache) and not self._graph_failed:
-            return self._graphed_greedy_drafts(last_tokens, positions, cache)
-        layers = sorted(set(self.producers.values()))
-        return self._greedy_drafts(cache, layers, last_tokens, self.hidden, positions,
-                                   *[cache.context_pages(layer)[2] for layer in layers])
+        """Greedy drafts [batch, k] of all k steps: on CUDA one graph replay, kept for later requests of the same
+        batch bucket and k."""
+        return self.graphs.run("greedy", functools.partial(self._greedy_drafts, cache),
+                               [last_tokens, self.hidden, positions, *self._tables(cache)], pad_values=self.pad_values,
+                               key=(self.num_speculative_tokens,))
 
-    def _graphed_greedy_drafts(self, last_tokens, positions, cache) -> torch.Tensor:
-        """Greedy drafts [batch, k] of all k steps in one CUDA-graph replay, captured for the batch's bucket
-        (at the first round, after an eager run of the same function; a failed capture leaves the request
-        eager); see ``_padded`` for the padding rows."""
-        layers = sorted(set(self.producers.values()))
-        tables = [pad_table(cache.context_pages(layer)[2], cache.graph_table_width) for layer in layers]
-        inputs = [last_tokens, self.hidden, positions, *tables]
-        rows = last_tokens.shape[0]
-        bucket = batch_bucket(rows)
-        store = cache.graph_store
-        # kept in the model's GraphStore: later requests of the same batch bucket and k replay it too
-        key = ("gemma4_mtp", store.generation, id(self.assistant), id(self.embed), self.num_speculative_tokens,
-               bucket, tuple(self.hidden.shape[1:]), cache.graph_table_width)
-        drafts, ok = call_graph(store, key, functools.partial(self._greedy_drafts, cache, layers), inputs,
-                                functools.partial(_padded, bucket), "the MTP draft steps")
-        self._graph_failed = not ok
-        return drafts[:rows]
-
-    def _greedy_drafts(self, cache, layers, tokens, hidden, positions, *tables) -> torch.Tensor:
-        kv_source = PagedTargetKVSource(cache, self.producers, positions, dict(zip(layers, tables)))
+    def _greedy_drafts(self, cache, tokens, hidden, positions, *tables) -> torch.Tensor:
+        kv_source = PagedTargetKVSource(cache, self.producers, positions, dict(zip(self.layers, tables)))
         drafted = []
         rope = self.assistant.draft_rope(positions)
         for _ in range(self.num_speculative_tokens):
@@ -179,7 +153,7 @@ class Gemma4MTPDrafter:
             hidden = step.hidden_next
         return torch.stack(drafted, dim=1)
 
-    def commit(self, cache, captured, num_accepted, kept):
+    def commit(self, context, captured, num_accepted, kept):
         if self._ahead:  # propose_ahead took them already (and drafted from them)
             self._ahead = False
         else:
@@ -191,12 +165,27 @@ class Gemma4MTPDrafter:
         self.hidden = captured.hidden.gather(1, index).squeeze(1)
 
 
-def _padded(bucket: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A draft graph's inputs (tokens, hidden, positions, block tables...) padded to ``bucket`` rows: padding rows
-    draft token 0 at position 0 over no pages (they only read, and their drafts are dropped). A smaller batch
-    replaying the graph later fills the first rows; the rows past it keep an earlier call's inputs, which are
-    only read too."""
-    return [pad_rows(t, bucket, -1 if i >= 3 else 0) for i, t in enumerate(inputs)]
+_STACKED: "weakref.WeakKeyDictionary[Gemma4MTPAssistant, tuple]" = weakref.WeakKeyDictionary()
+
+
+def stack_assistant_weights(assistant: Gemma4MTPAssistant) -> None:
+    """Where the kernels run, gate/up of every assistant block as one GEMM, and post_projection with the centroid
+    scores as another (stacked storage, same parameters and values). Done once per assistant: again only after
+    its weights were moved, cast or replaced."""
+    if _STACKED.get(assistant) == _weights_signature(assistant):
+        return
+    for module in assistant.modules():
+        stack_projections(module)
+    head = assistant.masked_embedding
+    if head is not None and use_triton(head.centroids.weight):
+        stack_weights(assistant.post_projection, head.centroids)
+    _STACKED[assistant] = _weights_signature(assistant)
+
+
+def _weights_signature(assistant: Gemma4MTPAssistant) -> tuple:
+    """Where the assistant's weights are (and whether the kernels run there): stacking changes the pointers."""
+    params = list(assistant.parameters())
+    return (bool(params) and use_triton(params[0]), *((p.data_ptr(), p.dtype) for p in params))
 
 
 def _final_norm(target) -> torch.nn.Module:
@@ -211,4 +200,4 @@ def matches(target, assistant) -> bool:
 
 
 def build(target, assistant, num_speculative_tokens):
-    return Gemma4MTPDrafter(target, assistant, num_speculative_tokens)
+    return Gemma4MTPDraftRunner(target, assistant, num_speculative_tokens)

@@ -23,7 +23,7 @@ Uncertain points about the real format (public sources: StepFun's remote code, v
 - ``yarn_only_types`` missing or empty: ``rope_scaling`` applies to every layer (as in vLLM).
 - Per-layer lists shorter than ``L + M`` (configs without MTP entries): an MTP layer takes the values
   of the first main layer of the same attention type; its swiglu limits are "no clamp".
-- ``mtp_layer_types`` missing: MTP blocks are ``"sliding_attention"`` (REFERENCE §4).
+- ``mtp_layer_types`` missing: MTP blocks are ``"sliding_attention"`` (docs/models.md §4).
 - Only the released routing (sigmoid scores + ``router_bias`` for selection) is implemented;
   other ``moe_router_activation`` / ``use_moe_router_bias`` values raise.
 """

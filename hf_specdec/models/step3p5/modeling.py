@@ -48,6 +48,7 @@ from transformers.utils import can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from hf_specdec.compat import CACHE_FIELD, either_cache
 from hf_specdec.models.step3p5.configuration import SLIDING, Step3p5Config
 from hf_specdec.models.step3p5.layers import (
     Step3p5Attention,
@@ -64,18 +65,6 @@ logger = logging.get_logger(__name__)
 # Load-time key renames (applied by `from_pretrained`, never on save): some Step 3.5 checkpoints
 # spell the MTP head `shared_head.output`.
 CHECKPOINT_KEY_MAPPING = {r"\.shared_head\.output\.": ".shared_head.head."}
-
-# The name transformers' model outputs, mask builders and generate() give the cache: `cache` from 5.24 on,
-# `past_key_values` before.
-CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _either_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
-    """The cache a caller passed, by its 5.24 name (``cache``) or the earlier one (``past_key_values``)."""
-    if cache is not None and past_key_values is not None and cache is not past_key_values:
-        raise ValueError("both cache= and past_key_values= were given; pass the cache once, as cache=.")
-    return cache if cache is not None else past_key_values
-
 
 @dataclass
 class Step3p5ModelOutputWithPast(BaseModelOutputWithPast):
@@ -267,7 +256,7 @@ class Step3p5Model(Step3p5PreTrainedModel):
                 output_pre_norm_hidden_states: bool = False, past_key_values: Cache | None = None,
                 **kwargs) -> Step3p5ModelOutputWithPast:
         """Main decoder stack only (MTP layers are not run). ``kwargs`` reach the attention function."""
-        cache = _either_cache(cache, past_key_values)
+        cache = either_cache(cache, past_key_values)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -305,7 +294,7 @@ class Step3p5Model(Step3p5PreTrainedModel):
         if not 0 <= mtp_index < len(layers):
             raise ValueError(f"mtp_index {mtp_index} out of range: the model has {len(layers)} MTP layers")
         layer = layers[mtp_index]
-        cache = _either_cache(cache, past_key_values)
+        cache = either_cache(cache, past_key_values)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if isinstance(cache, DynamicCache):
@@ -369,7 +358,7 @@ class Step3p5ForCausalLM(Step3p5PreTrainedModel, GenerationMixin):
         """Target forward. input_ids [batch, seq] -> logits [batch, kept, vocab]; with
         ``output_pre_norm_hidden_states`` also ``pre_norm_hidden_state`` [batch, seq, hidden]."""
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=_either_cache(cache, past_key_values), inputs_embeds=inputs_embeds,
+                             cache=either_cache(cache, past_key_values), inputs_embeds=inputs_embeds,
                              use_cache=use_cache, output_pre_norm_hidden_states=output_pre_norm_hidden_states,
                              **kwargs)
         logits = self.lm_head(_keep_last(outputs.last_hidden_state, logits_to_keep))
@@ -386,14 +375,14 @@ class Step3p5ForCausalLM(Step3p5PreTrainedModel, GenerationMixin):
                  position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
                  attention_mask=None, logits_to_keep: int | torch.Tensor = 0,
                  past_key_values: Cache | None = None, **kwargs) -> Step3p5MTPOutput:
-        """One draft step with MTP layer ``mtp_index`` (REFERENCE §4).
+        """One draft step with MTP layer ``mtp_index`` (docs/models.md §4).
 
         input_ids [batch, seq]: token(s) whose successor to predict; previous_hidden_states
         [batch, seq, hidden]: target pre-norm hidden state (step 0) or ``hidden_state`` of the previous
         step. Returns logits [batch, kept, vocab] from this layer's ``shared_head`` and ``hidden_state``.
         K/V go to ``cache`` at ``layer_idx = L + mtp_index``; kwargs reach the attention function.
         """
-        cache = _either_cache(cache, past_key_values)
+        cache = either_cache(cache, past_key_values)
         hidden = self.model.mtp_forward(mtp_index, previous_hidden_states, input_ids=input_ids,
                                         position_ids=position_ids, cache=cache, attention_mask=attention_mask,
                                         **kwargs)

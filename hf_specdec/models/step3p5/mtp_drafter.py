@@ -1,4 +1,4 @@
-"""Step 3.5 drafting with its own MTP layers: the Drafter the loop drives for ``step_model.generate(spec_mode="mtp")``.
+"""Step 3.5 drafting with its own MTP layers: the draft runner the loop drives for ``step_model.generate(spec_mode="mtp")``.
 
 Draft step j uses MTP layer j and its own head. MTP layer j is a sequence model aligned with the target:
 its entry at position i reads token ``t[i+1+j]`` and the layer below's output at i (for j = 0, the
@@ -7,7 +7,7 @@ target's pre-final-norm hidden state ``h[i]``), and writes K/V for position i in
 committed token, drafting runs each layer over the positions it has not seen yet up to ``L-1``; the
 entry at ``L-1`` yields draft ``j+1``. Entries that consumed a draft (``i+1+j > L``) are kept after the
 verify only if that draft was accepted, so every layer's K/V is refreshed over accepted positions and is
-never stale (REFERENCE §4).
+never stale (docs/models.md §4).
 
 Fixed shapes. A verify that accepted a drafts leaves layer j valid below ``L_old + min(0, a - j)`` and the
 target at ``L = L_old + a + 1``, so the next round runs layer j over ``max(a + 1, j + 1) <= k + 1`` positions
@@ -36,17 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
-from hf_specdec.cache.paged_cache import ForwardMeta, to_device_async
-from hf_specdec.generation.cuda_graphs import (
-    batch_bucket,
-    call_graph,
-    drafter_graphs_on,
-    meta_inputs,
-    meta_of_inputs,
-    pad_rows,
-)
-from hf_specdec.generation.drafter import DraftProposal
+from hf_specdec.cache import ForwardMeta, KVGroup, KVLayout, PagedKVCache, to_device_async
+from hf_specdec.generation.drafter import Drafter, DraftProposal
 
 
 @dataclass
@@ -54,7 +45,9 @@ class _Captured:
     pre_norm: torch.Tensor | None = None  # [batch, q_len, hidden] of the last target forward
 
 
-class Step3p5MTPDrafter:
+class Step3p5MTPDraftRunner(Drafter):
+    """Drives a Step 3.5 model's own MTP layers for the speculative loop (``spec_mode="mtp"``)."""
+
     spec_mode = "mtp"
 
     def __init__(self, target, num_speculative_tokens: int | None = None):
@@ -96,29 +89,23 @@ class Step3p5MTPDrafter:
                 cache.free()
             self.caches = []
 
-    def begin(self, cache, captured, prompt_lens):
+    def begin(self, context, captured):
         config = self.target.config
-        # graphs where the target's cache has them (CUDA, switched on): kept in the target model's GraphStore
-        self.graph_store = cache.graph_store if drafter_graphs_on(cache) else None
-        self.table_width = cache.graph_table_width
-        self._graph_failed = False
+        self.graphs = context.drafter_graphs("step3p5_mtp", id(self.target))
         self.caches = []
         for j, layer in enumerate(self.layer_indices):
             group = KVGroup(config.layer_num_kv_heads(layer), config.layer_head_dim(layer),
                             config.layer_sliding_window(layer), layers=(layer,))
             layout = KVLayout(groups=[group], layer_slot={layer: (0, 0)}, producer={layer: layer})
             # pooled storage per layer: kept graphs write into it in later requests too
-            self.caches.append(PagedKVCache.for_request(
-                layout, cache.cache_config, prompt_lens, cache.max_new_tokens, cache.lookahead,
-                dtype=cache.dtype, device=cache.device, storage_pool=self.graph_store,
-                storage_owner=f"step3p5_mtp{j}"))
+            self.caches.append(context.new_cache(layout, f"step3p5_mtp{j}", dtype=context.cache.dtype))
         self.hidden = captured.pre_norm  # the prompt's states, right-aligned (left padding first)
         self.tokens = self.drafted = self.accepted = self.kept = None
         self.below = [None] * (self.num_speculative_tokens - 1)
 
     @torch.inference_mode()
-    def propose(self, last_tokens, cache, selector) -> DraftProposal:
-        lens = cache.seq_lens
+    def propose(self, last_tokens, context, selector) -> DraftProposal:
+        lens = context.cache.seq_lens
         width, tokens, states, shift = self._round_inputs(last_tokens, lens, selector)
         slots = torch.arange(width, device=tokens.device)
         drafted, probs = tokens[:, :0], []
@@ -170,31 +157,13 @@ class Step3p5MTPDrafter:
         entries' K/V to its cache -> (the last slot's logits [batch, vocab], outputs [batch, width, hidden]):
         eagerly, or replayed from a CUDA graph of the batch's bucket (its outputs are the graph's buffers,
         rewritten by the next replay: read them before)."""
-        store = self.graph_store
-        if not graph or store is None or store.disabled_reason is not None or self._graph_failed:
+        if not graph:
             return self._layer_forward(j, ids, states, meta)
-        rows, width = ids.shape
-        bucket = batch_bucket(rows)
-        key = ("step3p5_mtp", store.generation, id(self.target), j, bucket, width, tuple(states.shape[2:]),
-               self.table_width)
-        # every call pads to the bucket (token and state 0, no query, key, slot or page), so rows a larger batch
-        # left behind never store K/V
-        inputs = [pad_rows(ids, bucket), pad_rows(states, bucket), *meta_inputs(meta, bucket, self.table_width)]
-        (logits, outputs), ok = call_graph(store, key, functools.partial(self._graph_body, j, width), inputs,
-                                           what=f"the forward of MTP layer {j}")
-        self._graph_failed = not ok
-        return logits[:rows], outputs[:rows]
-
-    def _graph_body(self, j: int, width: int, ids, states, *flat_meta):
-        """``_layer_forward`` over a graph's static inputs, their metadata set as the MTP cache's current forward."""
-        mtp_cache, meta = self.caches[j], meta_of_inputs(flat_meta, width)
-        live, mtp_cache.meta = mtp_cache.meta, meta
-        try:
-            return self._layer_forward(j, ids, states, meta)
-        finally:
-            mtp_cache.meta = live
+        return self.graphs.run(f"layer{j}", functools.partial(self._layer_forward, j), [ids, states], meta=meta,
+                               cache=self.caches[j])
 
     def _layer_forward(self, j: int, ids: torch.Tensor, states: torch.Tensor, meta: ForwardMeta):
+        """MTP layer j's forward over ``meta`` (its cache's current forward)."""
         mtp_cache = self.caches[j]
         # a 4D mask passes transformers' mask builders untouched; the paged attention masks by positions
         stub = torch.ones(ids.shape[0], 1, 1, 1, dtype=torch.bool, device=ids.device)
@@ -202,9 +171,9 @@ class Step3p5MTPDrafter:
                                    attention_mask=stub, paged_cache=mtp_cache, logits_to_keep=1)
         return out.logits[:, -1], out.hidden_state
 
-    def commit(self, cache, captured, num_accepted, kept):
+    def commit(self, context, captured, num_accepted, kept):
         accepted = num_accepted.tolist()
-        old = [n - k for n, k in zip(cache.seq_lens, kept)]
+        old = [n - k for n, k in zip(context.cache.seq_lens, kept)]
         for j, mtp_cache in enumerate(self.caches):
             # entries at positions >= L_old + a - j consumed a rejected draft: roll them back (a short prompt
             # may leave none)
@@ -231,4 +200,4 @@ def matches(target, assistant) -> bool:
 
 
 def build(target, assistant, num_speculative_tokens):
-    return Step3p5MTPDrafter(target, num_speculative_tokens)
+    return Step3p5MTPDraftRunner(target, num_speculative_tokens)

@@ -66,7 +66,7 @@ def random_drafter(target, seed: int = 0, **kwargs) -> DFlashDrafter:
 
 
 def released_layout(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every key and shape of a z-lab DFlash checkpoint (REFERENCE.md §3), from config.json alone."""
+    """Every key and shape of a z-lab DFlash checkpoint (docs/models.md §3), from config.json alone."""
     hidden, heads, kv_heads, head_dim = (config[k] for k in ("hidden_size", "num_attention_heads",
                                                             "num_key_value_heads", "head_dim"))
     layout = {"fc.weight": (hidden, hidden * len(config["dflash_config"]["target_layer_ids"])),

@@ -1,4 +1,4 @@
-"""DFlash speculative decoding end to end through the shared loop (`PagedDFlashDrafter`): greedy losslessness
+"""DFlash speculative decoding end to end through the shared loop (`DFlashDraftRunner`): greedy losslessness
 (invariant 1), the drafter's paged context after a partial rejection (invariant 3 for the drafter), the sampled
 distribution (invariant 4), seeded determinism (5), and the acceptance sequence of the reference loop.
 
@@ -13,9 +13,9 @@ from transformers import LogitsProcessorList
 
 import hf_specdec
 from hf_specdec.generation.drafter import DraftSelector
-from hf_specdec.generation.model_runner import ModelRunner
+from hf_specdec.runtime import ModelRunner
 from hf_specdec.generation.sampling import PositionScorer
-from hf_specdec.models.dflash import DenseDFlashContext, DFlashDrafter, PagedDFlashContext, PagedDFlashDrafter
+from hf_specdec.models.dflash import DenseDFlashContext, DFlashDrafter, PagedDFlashContext, DFlashDraftRunner
 from tests.distribution import assert_follows, second_token_marginal
 from tests.models.dflash.helpers import (
     F,
@@ -65,16 +65,16 @@ def trained_pair(name: str, block_size: int):
     return _PAIRS[name, block_size]
 
 
-class RecordingDrafter(PagedDFlashDrafter):
+class RecordingDrafter(DFlashDraftRunner):
     """Records each round's accepted counts (one list per verify step)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.accepted: list[list[int]] = []
 
-    def commit(self, cache, captured, num_accepted, kept):
+    def commit(self, context, captured, num_accepted, kept):
         self.accepted.append(num_accepted.tolist())
-        super().commit(cache, captured, num_accepted, kept)
+        super().commit(context, captured, num_accepted, kept)
 
 
 @pytest.mark.parametrize("name,block_size,k", [("gemma4_e2b", 8, None), ("gemma4_31b", 4, None), ("llama", 2, None),
@@ -142,25 +142,25 @@ def test_drafter_context_after_a_partial_rejection_equals_a_fresh_run(name, bloc
 def run_drafter(target, drafter, ids, lens, cache_config, verify=None, kept=None) -> dict:
     """Prefill `ids` through the paged runner with the drafter capturing; optionally one verify forward of
     `verify` [batch, q] keeping `kept[b]` tokens per row; then the drafter's context and its next drafts."""
-    paged = PagedDFlashDrafter(target, drafter)
+    paged = DFlashDraftRunner(target, drafter)
     runner = ModelRunner(target, target._hf_specdec.layout, cache_config)
     runner.start(lens, 10, lookahead=5)
     try:
         with torch.no_grad(), paged.capture(target) as captured:
             runner.forward(ids, lens, keep_logits=1)
             runner.commit(lens)
-            paged.begin(runner.cache, captured, lens)
+            paged.begin(runner.context, captured)
             if verify is not None:
                 runner.forward(verify, [verify.shape[1]] * len(lens))
                 runner.commit([n + k for n, k in zip(lens, kept)])
-                paged.commit(runner.cache, captured, torch.tensor(kept) - 1, kept)
+                paged.commit(runner.context, captured, torch.tensor(kept) - 1, kept)
             rows = range(len(lens))
             layers = range(len(drafter.layers))
             kv = [paged.cache.gather(b, layer)[:2] for layer in layers for b in rows]
             starts = [[paged.cache.gather(b, layer)[2] for b in rows] for layer in layers]
             selector = DraftSelector(False, PositionScorer(LogitsProcessorList()), 97, [])
             last = torch.tensor([5, 9])
-            drafts = paged.propose(last, runner.cache, selector).tokens
+            drafts = paged.propose(last, runner.context, selector).tokens
             assert paged.cache.seq_lens == runner.cache.seq_lens  # the block was dropped again
             return {"lens": paged.cache.seq_lens, "kv": kv, "starts": starts, "drafts": drafts}
     finally:
@@ -214,9 +214,9 @@ def test_capture_key_names_the_hooked_target_layers():
     """Target forwards replayed from CUDA graphs restore what the hooks recorded at capture: the key keeps a
     drafter reading other layers from reusing them."""
     target = llama(num_hidden_layers=4)
-    first = PagedDFlashDrafter(target, random_drafter(target, target_layer_ids=[0, 2]))
-    same = PagedDFlashDrafter(target, random_drafter(target, seed=1, target_layer_ids=[0, 2]))
-    other = PagedDFlashDrafter(target, random_drafter(target, target_layer_ids=[1, 3]))
+    first = DFlashDraftRunner(target, random_drafter(target, target_layer_ids=[0, 2]))
+    same = DFlashDraftRunner(target, random_drafter(target, seed=1, target_layer_ids=[0, 2]))
+    other = DFlashDraftRunner(target, random_drafter(target, target_layer_ids=[1, 3]))
     assert first.capture_key == same.capture_key != other.capture_key
 
 
@@ -224,9 +224,9 @@ def test_bidirectional_sliding_layers_need_blocks_within_their_window():
     target = gemma4_31b_style()
     drafter = random_drafter(target, block_size=8, layer_types=[S, S], use_sliding_window=True, sliding_window=4,
                              is_causal=False)
-    assert PagedDFlashDrafter(target, drafter, 3).num_speculative_tokens == 3
+    assert DFlashDraftRunner(target, drafter, 3).num_speculative_tokens == 3
     with pytest.raises(ValueError, match="pass num_speculative_tokens <= 3"):
-        PagedDFlashDrafter(target, drafter)
+        DFlashDraftRunner(target, drafter)
 
 
 def test_auto_model_loads_a_dflash_checkpoint(tmp_path):
@@ -253,14 +253,14 @@ def test_paged_block_forward_equals_the_dense_context(variant):
     drafter = random_drafter(target, block_size=6, **variant)
     lens = [13, 4, 9]
     ids, mask = left_padded_batch(lens, seed=4)
-    paged = PagedDFlashDrafter(target, drafter)
+    paged = DFlashDraftRunner(target, drafter)
     runner = ModelRunner(target, target._hf_specdec.layout, hf_specdec.CacheConfig(block_size=2))
     runner.start(lens, 4, lookahead=6)
     try:
         with torch.no_grad(), paged.capture(target) as captured:
             runner.forward(ids, lens, keep_logits=1)
             runner.commit(lens)
-            paged.begin(runner.cache, captured, lens)
+            paged.begin(runner.context, captured)
             features = drafter.context_features(list(captured))
             embeds = drafter.embed_block(target, drafter.block_input_ids(torch.tensor([5, 7, 11])))
             meta = paged.cache.begin_forward([6] * 3, 6)

@@ -56,7 +56,7 @@ def assistant_config(target_config, ordered: bool, **kwargs) -> HFSpecGemma4Assi
 
 
 def released_layout(config_dict: dict) -> dict[str, tuple[int, ...]]:
-    """Every key and shape of a released assistant checkpoint (REFERENCE.md §2), from the config alone."""
+    """Every key and shape of a released assistant checkpoint (docs/models.md §2), from the config alone."""
     text, backbone = config_dict["text_config"], config_dict["backbone_hidden_size"]
     h, vocab, heads = text["hidden_size"], text["vocab_size"], text["num_attention_heads"]
     layout = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.generation.model_runner import ModelRunner
-from hf_specdec.models.gemma4 import DenseTargetKVSource, Gemma4MTPAssistant, Gemma4MTPDrafter, PagedTargetKVSource
+from hf_specdec.runtime import ModelRunner
+from hf_specdec.models.gemma4 import DenseTargetKVSource, Gemma4MTPAssistant, Gemma4MTPDraftRunner, PagedTargetKVSource
 from tests.distribution import assert_follows, second_token_marginal
 from tests.models.gemma4.helpers import assistant_config_dict, random_state_dict, released_layout, write_checkpoint
 from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch
@@ -59,7 +59,7 @@ def test_drafter_context_after_a_partial_rejection_equals_a_fresh_run(tmp_path, 
     target = hf_specdec.enable(TARGETS[style](vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB),
                                hf_specdec.CacheConfig(block_size=1))  # one-token blocks: exact releases
     assistant = _assistant(tmp_path, target, True)
-    drafter = Gemma4MTPDrafter(target, assistant, 3)
+    drafter = Gemma4MTPDraftRunner(target, assistant, 3)
     ids, mask = left_padded_batch([21, 7], vocab=VOCAB)
     runner = ModelRunner(target, target._hf_specdec.layout, target._hf_specdec.cache_config)
     runner.start([21, 7], 10, lookahead=4)
@@ -149,29 +149,29 @@ def test_drafts_queued_before_the_sync_are_the_drafts_after_the_commit(monkeypat
     import transformers
 
     from hf_specdec.assets import asset_path, held_out_snippets
-    from hf_specdec.generation import speculative
+    from hf_specdec.generation.acceptance import GreedyAcceptance
 
     target = transformers.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4"), dtype=torch.float32)
     assistant = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-assistant"),
                                                                 dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(asset_path("tiny-gemma4"))
     hf_specdec.enable(target)
-    accept = speculative.greedy_accept_no_sync
+    accept = GreedyAcceptance.__call__
     runs = {}
     for ahead in (True, False):
         if not ahead:
-            monkeypatch.setattr(Gemma4MTPDrafter, "propose_ahead", lambda self, *args: None)
+            monkeypatch.setattr(Gemma4MTPDraftRunner, "propose_ahead", lambda self, *args: None)
         calls = {"ahead": 0}
-        original = Gemma4MTPDrafter.propose_ahead
+        original = Gemma4MTPDraftRunner.propose_ahead
 
         def counted(self, *args, _original=original, _calls=calls):
             _calls["ahead"] += 1
             return _original(self, *args)
 
-        monkeypatch.setattr(Gemma4MTPDrafter, "propose_ahead", counted)
+        monkeypatch.setattr(Gemma4MTPDraftRunner, "propose_ahead", counted)
         drafts = []
-        monkeypatch.setattr(speculative, "greedy_accept_no_sync",
-                            lambda d, t: (drafts.append(d.clone()), accept(d, t))[1])
+        monkeypatch.setattr(GreedyAcceptance, "__call__",
+                            lambda self, d, q, scores: (drafts.append(d.clone()), accept(self, d, q, scores))[1])
         outs, taus = [], []
         for snippet in held_out_snippets()[:2]:
             ids = tokenizer(snippet["text"][:160], return_tensors="pt").input_ids
@@ -210,3 +210,22 @@ def test_hooks_on_assistant_layers_see_every_draft_step():
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1] < 20
     # every draft step of every round: one round per verify (and maybe one queued ahead after the last)
     assert len(calls) % 3 == 0 and 3 * (runs[1][1] - 1) <= len(calls) <= 3 * runs[1][1]
+
+
+def test_the_assistant_is_stacked_once_until_its_weights_change(tmp_path, monkeypatch):
+    """Every generate call builds a draft runner; the assistant's projections are stacked by the first only,
+    and again after its weights were replaced (a cast gives new tensors)."""
+    from hf_specdec.models.gemma4 import mtp_drafter
+
+    target = hf_specdec.enable(TARGETS["31b"](vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB))
+    assistant = _assistant(tmp_path, target, True)
+    calls = []
+    monkeypatch.setattr(mtp_drafter, "stack_projections", lambda module: calls.append(module))
+    Gemma4MTPDraftRunner(target, assistant, 2)
+    first = len(calls)
+    assert first == len(list(assistant.modules()))
+    Gemma4MTPDraftRunner(target, assistant, 3)
+    assert len(calls) == first
+    assistant.to(torch.float64).to(torch.float32)
+    Gemma4MTPDraftRunner(target, assistant, 2)
+    assert len(calls) == 2 * first

@@ -9,19 +9,20 @@ from __future__ import annotations
 import torch
 
 from hf_specdec.generation.drafter import DraftProposal
-from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDrafter
+from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDraftRunner
 
 
-class PerRowMTPDrafter(Step3p5MTPDrafter):
-    def begin(self, cache, captured, prompt_lens):
-        super().begin(cache, captured, prompt_lens)
+class PerRowMTPDrafter(Step3p5MTPDraftRunner):
+    def begin(self, context, captured):
+        super().begin(context, captured)
+        prompt_lens = context.prompt_lens
         self.pending = [captured.pre_norm[b, captured.pre_norm.shape[1] - n:] for b, n in enumerate(prompt_lens)]
         keep = 2 * (self.num_speculative_tokens + 1)
         self.outputs = [[_RecentOutputs(keep) for _ in prompt_lens] for _ in self.layer_indices]
 
     @torch.inference_mode()
-    def propose(self, last_tokens, cache, selector) -> DraftProposal:
-        lens = cache.seq_lens
+    def propose(self, last_tokens, context, selector) -> DraftProposal:
+        lens = context.cache.seq_lens
         drafted = last_tokens[:, None][:, :0]
         probs = []
         for j, mtp_cache in enumerate(self.caches):
@@ -56,9 +57,9 @@ class PerRowMTPDrafter(Step3p5MTPDrafter):
         mtp_cache.commit(mtp_cache.seq_lens)
         return out
 
-    def commit(self, cache, captured, num_accepted, kept):
+    def commit(self, context, captured, num_accepted, kept):
         accepted = num_accepted.tolist()
-        old = [n - k for n, k in zip(cache.seq_lens, kept)]
+        old = [n - k for n, k in zip(context.cache.seq_lens, kept)]
         for j, mtp_cache in enumerate(self.caches):
             mtp_cache.commit([min(o, o + a - j) if k else n for o, a, k, n
                               in zip(old, accepted, kept, mtp_cache.seq_lens)])

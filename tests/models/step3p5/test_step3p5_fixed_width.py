@@ -13,21 +13,22 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_specdec.assets import asset_path, held_out_snippets
-from hf_specdec.generation import cuda_graphs
-from hf_specdec.generation.cuda_graphs import GraphStore, table_width_bucket
-from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDrafter
+from hf_specdec.generation.drafter import Drafter
+from hf_specdec.runtime import drafter_graphs
+from hf_specdec.runtime.cuda_graphs import GraphStore, table_width_bucket
+from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDraftRunner
 from tests.bundled import step
 from tests.models.step3p5.per_row_drafter import PerRowMTPDrafter
 
 
-class Twin:
+class Twin(Drafter):
     """Drafts with the fixed-shape drafter and checks each round against the oracle on the same inputs (the oracle
     draws its samples from the same random state)."""
 
     spec_mode = "mtp"
 
     def __init__(self, model, k, graphs=False):
-        self.drafter, self.oracle = Step3p5MTPDrafter(model, k), PerRowMTPDrafter(model, k)
+        self.drafter, self.oracle = Step3p5MTPDraftRunner(model, k), PerRowMTPDrafter(model, k)
         self.graphs = graphs
         self.num_speculative_tokens = k
         self.layers = model.mtp_layer_indices[:k]
@@ -42,27 +43,28 @@ class Twin:
                 for cache in self.oracle.caches:
                     cache.free()
 
-    def begin(self, cache, captured, prompt_lens):
-        self.oracle.begin(cache, captured, prompt_lens)
+    def begin(self, context, captured):
+        self.oracle.begin(context, captured)
         if self.graphs:  # what the runner sets on CUDA (the target itself runs eagerly here)
-            blocks = -(-(max(prompt_lens) + cache.max_new_tokens + cache.lookahead) // cache.block_size) + 1
-            cache.graph_store, cache.graph_table_width = GraphStore(), table_width_bucket(blocks)
-        self.drafter.begin(cache, captured, prompt_lens)
+            blocks = -(-(max(context.prompt_lens) + context.max_new_tokens + context.lookahead)
+                       // context.cache.block_size) + 1
+            context.graph_store, context.graph_table_width = GraphStore(), table_width_bucket(blocks)
+        self.drafter.begin(context, captured)
 
-    def propose(self, last_tokens, cache, selector):
+    def propose(self, last_tokens, context, selector):
         state = torch.get_rng_state()
-        expected = self.oracle.propose(last_tokens, cache, selector)
+        expected = self.oracle.propose(last_tokens, context, selector)
         torch.set_rng_state(state)
-        got = self.drafter.propose(last_tokens, cache, selector)
+        got = self.drafter.propose(last_tokens, context, selector)
         assert torch.equal(got.tokens, expected.tokens)
         if expected.probs is not None:
             torch.testing.assert_close(got.probs, expected.probs)
         self._assert_same_mtp_kv()
         return got
 
-    def commit(self, cache, captured, num_accepted, kept):
-        self.oracle.commit(cache, captured, num_accepted, kept)
-        self.drafter.commit(cache, captured, num_accepted, kept)
+    def commit(self, context, captured, num_accepted, kept):
+        self.oracle.commit(context, captured, num_accepted, kept)
+        self.drafter.commit(context, captured, num_accepted, kept)
         self.accepted_rows.append([a for a, k in zip(num_accepted.tolist(), kept) if k])
         self._assert_same_mtp_kv()
 
@@ -107,7 +109,7 @@ def prompts():
 def test_fixed_width_drafts_and_mtp_kv_equal_the_per_row_drafter(prompts, k, sampled, graphs, monkeypatch):
     model = step()[0]
     twin = Twin(model, k, graphs)
-    monkeypatch.setattr(cuda_graphs, "CallGraph", ReplayedCall)
+    monkeypatch.setattr(drafter_graphs, "CallGraph", ReplayedCall)
     monkeypatch.setattr(ReplayedCall, "replays", 0)
     sampling = dict(do_sample=True, temperature=0.8, top_k=50) if sampled else dict(do_sample=False)
     torch.manual_seed(0)
@@ -116,6 +118,7 @@ def test_fixed_width_drafts_and_mtp_kv_equal_the_per_row_drafter(prompts, k, sam
     assert any(len(set(rows)) > 1 for rows in twin.accepted_rows), "rows accepted the same counts every round"
     assert any(len(rows) < len(twin.accepted_rows[0]) for rows in twin.accepted_rows), "no row stopped early"
     if graphs:  # one graph per layer for the bucket of 4, replayed every round after the one that captured it
-        assert sorted(key[3] for key in twin.drafter.graph_store.calls) == list(range(k))
-        assert {key[4] for key in twin.drafter.graph_store.calls} == {4}
+        calls = twin.drafter.graphs.store.calls
+        assert sorted(key[2] for key in calls) == [f"layer{j}" for j in range(k)]
+        assert {key[4] for key in calls} == {4}
         assert ReplayedCall.replays == k * (len(twin.accepted_rows) - 2)

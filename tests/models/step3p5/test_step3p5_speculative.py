@@ -6,10 +6,10 @@ import torch
 from transformers import DynamicCache
 
 import hf_specdec
-from hf_specdec.generation.model_runner import ModelRunner
+from hf_specdec.runtime import ModelRunner
 from hf_specdec.generation.drafter import DraftSelector
 from hf_specdec.generation.sampling import PositionScorer
-from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDrafter, _Captured
+from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDraftRunner, _Captured
 from tests.models.step3p5.tiny_step3p5 import tiny_model
 from tests.tiny_models import left_padded_batch
 
@@ -42,22 +42,22 @@ def test_mtp_layer_kv_after_a_partial_rejection_equals_a_fresh_run():
     """After a verify that keeps 2 of 4 tokens, each MTP layer's valid K/V equals that of a fresh run of
     the MTP stack over the committed tokens only."""
     model = hf_specdec.enable(tiny_model())
-    drafter = Step3p5MTPDrafter(model, 3)
+    drafter = Step3p5MTPDraftRunner(model, 3)
     ids, _ = left_padded_batch([9], vocab=64)
     runner = ModelRunner(model, model._hf_specdec.layout, model._hf_specdec.cache_config)
-    cache = runner.start([9], 12, lookahead=4)
+    context = runner.start([9], 12, lookahead=4)
     with drafter.capture(model) as captured:
         runner.forward(ids, [9], keep_logits=1)
         runner.commit([9])
-        drafter.begin(cache, captured, [9])
+        drafter.begin(context, captured)
         first = torch.tensor([7])
         selector = DraftSelector(False, PositionScorer([]), 64, [torch.cat([ids[0], first])])
-        proposal = drafter.propose(first, cache, selector)
+        proposal = drafter.propose(first, context, selector)
         verify = torch.cat([first, proposal.tokens[0]])[None]
         verify[0, 2] = 5 if verify[0, 2] != 5 else 6  # the target "accepts" draft 1 only
         runner.forward(verify, [4])
         runner.commit([9 + 2])
-        drafter.commit(cache, captured, torch.tensor([1]), [2])
+        drafter.commit(context, captured, torch.tensor([1]), [2])
         committed = torch.cat([ids[0], verify[0, :2], torch.tensor([verify[0, 2]])])  # t[0..L], L = 11
         fresh = _fresh_mtp_kv(model, committed)
         for j, mtp_cache in enumerate(drafter.caches):

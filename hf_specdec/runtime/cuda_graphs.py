@@ -7,7 +7,7 @@ widest table the request can reach, key lengths). Each later step copies the new
 those buffers and replays the graph: one launch instead of the model's hundreds of kernel launches and
 Python calls. The Triton kernels read every length from device memory and size their grids from shapes
 alone, and ``PagedKVCache.update`` writes K/V by slot mapping, so a replay does exactly what an eager
-forward with the same inputs does (invariant 5: same tokens as eager).
+forward with the same inputs does (same tokens as eager, with and without graphs).
 
 Forward hooks (a drafter recording hidden states) run only while capturing; what they recorded then are
 tensors inside the graph's memory, rewritten by each replay, so after a replay the runner puts them back
@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hf_specdec.cache.paged_cache import ForwardMeta
+from hf_specdec.cache import ForwardMeta
 
 CUDA_GRAPHS_ENV = "HF_SPECDEC_CUDA_GRAPHS"
 MAX_GRAPH_QUERY_LEN = 32  # decode and verify forwards; prefills run eagerly
@@ -49,12 +49,6 @@ def cuda_graphs_wanted(requested: bool, device: torch.device) -> bool:
     if os.environ.get(CUDA_GRAPHS_ENV) == "0":
         return False
     return requested and device.type == "cuda"
-
-
-def graph_store_for(model) -> "GraphStore | None":
-    """An enabled model's GraphStore when its calls use CUDA graphs (asked for, on CUDA, not switched off)."""
-    state = model._hf_specdec
-    return state.graph_store if cuda_graphs_wanted(state.cuda_graphs, model.device) else None
 
 
 class HookedState:
@@ -240,18 +234,10 @@ class GraphRunner:
         rows, bucket = input_ids.shape[0], key[1][0]
         static_ids = torch.nn.functional.pad(input_ids, (0, 0, 0, bucket - rows))  # padding rows: token 0
         static_meta = _static_meta(meta, self.table_width, bucket)
-        live_meta = self.cache.meta
         recorded = self.hooked.snapshot()  # the eager forward's records: what the caller reads next
-        self.cache.meta = static_meta
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                forward(static_ids)  # warm-up outside the graph (lazy inits must not be captured)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):  # own memory pool: a shared one could overlay live outputs
-                out = forward(static_ids)
+            with self.cache.forward_with(static_meta):
+                graph, out = capture_graph(forward, static_ids)
             self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot(),
                                                   rows))
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
@@ -262,8 +248,22 @@ class GraphRunner:
                 "to skip the attempt.", RuntimeWarning, stacklevel=3,
             )
         finally:
-            self.cache.meta = live_meta
             self.hooked.restore(recorded)
+
+
+def capture_graph(fn, *inputs):
+    """(graph, outputs) of ``fn(*inputs)`` captured as a CUDA graph with its own memory pool (a pool shared
+    with other graphs could overlay their live outputs), after one warm-up run on a side stream (lazy
+    initialisations must not be captured)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*inputs)
+    return graph, outputs
 
 
 def table_width_bucket(blocks: int) -> int:
@@ -318,14 +318,7 @@ class CallGraph:
 
     def __init__(self, fn, inputs: list[torch.Tensor]):
         self.inputs = [t.clone() for t in inputs]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn(*self.inputs)  # warm-up outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = fn(*self.inputs)
+        self.graph, self.outputs = capture_graph(fn, *self.inputs)
 
     def __call__(self, *inputs: torch.Tensor):
         """Replay with ``inputs``; inputs with fewer rows than the captured ones (a smaller batch of the same
@@ -334,33 +327,6 @@ class CallGraph:
             (static if new.shape == static.shape else static[:new.shape[0]]).copy_(new)
         self.graph.replay()
         return self.outputs
-
-
-def call_graph(store: GraphStore, key: tuple, fn, inputs: list[torch.Tensor], capture_inputs=None,
-               what: str = "a drafter call"):
-    """``(fn(*inputs), ok)``: replayed from the kept :class:`CallGraph` ``key`` of ``store`` (its static outputs:
-    for a padded batch the caller reads its first rows), else run eagerly and captured over
-    ``capture_inputs(inputs)`` (default: ``inputs``; e.g. padded to the batch's bucket, built only when
-    capturing) for the next call. ``ok`` is False when the capture failed (with one warning): the caller then
-    runs ``fn`` eagerly for the rest of the request."""
-    graph = store.get("calls", key)
-    if graph is not None:
-        return graph(*inputs), True
-    out = fn(*inputs)
-    try:
-        store.keep("calls", key, CallGraph(fn, inputs if capture_inputs is None else capture_inputs(inputs)))
-    except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
-        warnings.warn(f"hf_specdec could not capture {what} as a CUDA graph ({error}); running it eagerly.",
-                      RuntimeWarning, stacklevel=3)
-        return out, False
-    return out, True
-
-
-def drafter_graphs_on(cache) -> bool:
-    """Whether a drafter reading ``cache`` replays CUDA graphs: the target's request uses them and the model's
-    graphs were not switched off by a failed capture."""
-    store = getattr(cache, "graph_store", None)
-    return cache.graph_table_width is not None and store is not None and store.disabled_reason is None
 
 
 def pad_rows(tensor: torch.Tensor, rows: int, value=0) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.generation.cuda_graphs import CUDA_GRAPHS_ENV, HookedState, cuda_graphs_wanted
+from hf_specdec.runtime.cuda_graphs import CUDA_GRAPHS_ENV, HookedState, cuda_graphs_wanted
 from tests.generation.toy_drafters import CopyDrafter
 from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama
 
@@ -43,7 +43,7 @@ def test_hooked_state_puts_back_what_hooks_recorded():
 
 
 def test_batch_buckets():
-    from hf_specdec.generation.cuda_graphs import batch_bucket
+    from hf_specdec.runtime.cuda_graphs import batch_bucket
 
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 4, 8, 8, 16, 16, 24, 40]
     with pytest.raises(ValueError, match="batch must be >= 1"):
@@ -69,7 +69,7 @@ def _assert_padding(meta, start):
 def test_a_graph_of_a_bucket_pads_its_rows_and_resets_the_rows_a_larger_batch_left():
     """A batch of 3 in the graph of bucket 4: the 4th row has no queries, keys, slots or pages. A later batch
     of 2 leaves the 3rd row's slots of the batch of 3 behind unless reset: a replay would store K/V there."""
-    from hf_specdec.generation.cuda_graphs import _copy_meta, _static_meta
+    from hf_specdec.runtime.cuda_graphs import _copy_meta, _static_meta
 
     static = _static_meta(_meta(3), table_width=8, bucket=4)
     assert static.block_tables[0].shape == (4, 8) and static.slot_mapping[0].shape == (8,)
@@ -133,7 +133,7 @@ def test_graph_replay_equals_eager_sampled():
 
 
 def test_graph_store_pools_storage_and_drops_graphs_when_it_grows():
-    from hf_specdec.generation.cuda_graphs import GraphStore
+    from hf_specdec.runtime.cuda_graphs import GraphStore
 
     store, made = GraphStore(), []
 
@@ -201,7 +201,7 @@ def test_plain_decode_on_cuda_stops_at_eos_and_streams_like_transformers():
 
 
 def test_graph_store_keeps_the_most_recently_used_graphs_within_its_bound():
-    from hf_specdec.generation.cuda_graphs import GraphStore
+    from hf_specdec.runtime.cuda_graphs import GraphStore
 
     store = GraphStore(max_graphs=3)
     store.keep("graphs", ("decode", 1), "d1")
@@ -252,11 +252,13 @@ def _bundled_on_cuda(*names):
     return [hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path(n), dtype=torch.float32).cuda() for n in names]
 
 
-def test_call_graph_replays_a_kept_graph_or_runs_eagerly_and_captures(monkeypatch):
-    """The drafters' graph calls: a kept graph replays with the call's inputs; otherwise ``fn`` runs eagerly,
-    and a graph is captured over the capture inputs; a failed capture warns and says so."""
-    from hf_specdec.generation import cuda_graphs
-    from hf_specdec.generation.cuda_graphs import GraphStore, call_graph
+def test_drafter_graphs_replay_a_kept_graph_or_run_eagerly_and_capture(monkeypatch):
+    """A drafter's read-only call: the first runs eagerly and captures over inputs padded to the batch's bucket;
+    later calls of the bucket replay with their own rows and get the real rows back; a failed capture warns
+    once, and the rest of the request runs eagerly."""
+    from hf_specdec.runtime import drafter_graphs
+    from hf_specdec.runtime.cuda_graphs import GraphStore
+    from hf_specdec.runtime.drafter_graphs import DrafterGraphs
 
     store, seen = GraphStore(), []
 
@@ -266,22 +268,81 @@ def test_call_graph_replays_a_kept_graph_or_runs_eagerly_and_captures(monkeypatc
 
         def __call__(self, *inputs):
             seen.append(("replay", [t.tolist() for t in inputs]))
-            return "replayed"
+            return torch.tensor([[7], [8], [9]])
 
-    monkeypatch.setattr(cuda_graphs, "CallGraph", FakeGraph)
+    monkeypatch.setattr(drafter_graphs, "CallGraph", FakeGraph)
     fn = lambda x: x * 2  # noqa: E731
-    out, ok = call_graph(store, ("k",), fn, [torch.tensor([1])], lambda inputs: [torch.cat([*inputs, inputs[0] * 0])])
-    assert ok and torch.equal(out, torch.tensor([2])) and seen == [("capture", [[1, 0]])]
-    assert call_graph(store, ("k",), fn, [torch.tensor([3])]) == ("replayed", True)
-    assert seen[-1] == ("replay", [[3]])
+    graphs = DrafterGraphs(store, 8, ("owner",))
+    out = graphs.run("double", fn, [torch.tensor([[1], [2], [3]])], pad_values=(-1,))
+    assert torch.equal(out, torch.tensor([[2], [4], [6]])) and seen == [("capture", [[[1], [2], [3], [-1]]])]
+    assert torch.equal(graphs.run("double", fn, [torch.tensor([[3], [4]])]), torch.tensor([[6], [8]]))
+    assert seen[-1] == ("capture", [[[3], [4]]])  # bucket 2: a graph of its own
+    assert torch.equal(graphs.run("double", fn, [torch.tensor([[5], [6], [7]])]), torch.tensor([[7], [8], [9]]))
+    assert seen[-1] == ("replay", [[[5], [6], [7]]])
 
     def broken(fn, inputs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(cuda_graphs, "CallGraph", broken)
-    with pytest.warns(RuntimeWarning, match="could not capture the thing"):
-        out, ok = call_graph(store, ("other",), fn, [torch.tensor([5])], what="the thing")
-    assert not ok and torch.equal(out, torch.tensor([10])) and ("calls", ("other",)) not in store._recency
+    monkeypatch.setattr(drafter_graphs, "CallGraph", broken)
+    other = DrafterGraphs(store, 8, ("other",))
+    with pytest.warns(RuntimeWarning, match="could not capture the thing of other"):
+        out = other.run("the thing", fn, [torch.tensor([5])])
+    assert torch.equal(out, torch.tensor([10])) and other.failed and not other.on
+    assert not any(key[0] == "other" for _, key in store._recency)
+    assert torch.equal(other.run("the thing", fn, [torch.tensor([6])]), torch.tensor([12]))  # eager, no warning
+
+
+def test_drafter_graphs_pad_every_call_that_writes_kv_and_set_its_metadata(monkeypatch):
+    """A call that writes K/V by slot (``meta=``) pads every call to the bucket, metadata included (padding
+    rows: no query, no slot, no page), and runs with that metadata as the cache's forward."""
+    from hf_specdec.cache import ForwardMeta
+    from hf_specdec.runtime import drafter_graphs
+    from hf_specdec.runtime.drafter_graphs import DrafterGraphs
+    from hf_specdec.runtime.cuda_graphs import GraphStore
+
+    class Cache:
+        meta = "live"
+
+        def forward_with(self, meta):
+            import contextlib
+
+            @contextlib.contextmanager
+            def scope():
+                live, self.meta = self.meta, meta
+                try:
+                    yield meta
+                finally:
+                    self.meta = live
+            return scope()
+
+    class Captured:
+        def __init__(self, fn, inputs):
+            self.fn = fn
+            self.outputs = fn(*inputs)
+
+        def __call__(self, *inputs):
+            return self.fn(*inputs)
+
+    monkeypatch.setattr(drafter_graphs, "CallGraph", Captured)
+    cache, seen = Cache(), []
+
+    def body(ids, meta):
+        seen.append((cache.meta is meta, ids.shape[0], meta.slot_mapping[0].tolist(), meta.block_tables[0].tolist()))
+        return ids + 1
+
+    meta = ForwardMeta(q_len=1, kv_lens=torch.tensor([3, 4], dtype=torch.int32),
+                       q_pos0=torch.tensor([2, 3], dtype=torch.int32), q_lens=torch.tensor([1, 1], dtype=torch.int32),
+                       position_ids=torch.tensor([[2], [3]]), slot_mapping=[torch.tensor([2, 7])],
+                       block_tables=[torch.tensor([[0], [1]], dtype=torch.int32)])
+    graphs = DrafterGraphs(GraphStore(), 2, ("owner",))
+    out = graphs.run("write", body, [torch.tensor([[5], [6]])], meta=meta, cache=cache)
+    assert torch.equal(out, torch.tensor([[6], [7]])) and cache.meta == "live"
+    assert seen[0] == (True, 2, [2, 7], [[0, -1], [1, -1]])  # tables padded to the graphs' width
+    one = ForwardMeta(q_len=1, kv_lens=meta.kv_lens[:1], q_pos0=meta.q_pos0[:1], q_lens=meta.q_lens[:1],
+                      position_ids=meta.position_ids[:1], slot_mapping=[meta.slot_mapping[0][:1]],
+                      block_tables=[meta.block_tables[0][:1]])
+    graphs.run("write", body, [torch.tensor([[5], [6], [7]])[:1]], meta=one, cache=cache)  # bucket 1: own graph
+    assert seen[-1][1:] == (1, [2], [[0, -1]])
 
 
 @cuda

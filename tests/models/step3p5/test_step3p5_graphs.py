@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.generation.cuda_graphs import batch_bucket, meta_inputs, meta_of_inputs
-from tests.generation.test_cuda_graphs import _assert_graphs_give_eager_drafts, _bundled_on_cuda, _meta
+from hf_specdec.runtime.cuda_graphs import batch_bucket, meta_inputs, meta_of_inputs
+from tests.runtime.test_cuda_graphs import _assert_graphs_give_eager_drafts, _bundled_on_cuda, _meta
 from tests.tiny_models import left_padded_batch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -1,18 +1,20 @@
 """ModelRunner: runs an HF causal LM forward through a PagedKVCache.
 
 The runner knows nothing about sampling or drafting: it turns "these tokens per row" into one
-model forward with the right positions, slot mapping and block tables, and returns logits.
+model forward with the right positions, slot mapping and block tables, and returns logits. It builds
+the request's cache and its :class:`RequestContext`, and replays decode and verify forwards from CUDA
+graphs where they apply.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from hf_specdec.cache import KVLayout, PagedKVCache
+from hf_specdec.cache import KVLayout, PagedKVCache, sizing
+from hf_specdec.compat import cache_argument
 from hf_specdec.config import CacheConfig
-from hf_specdec.generation.cuda_graphs import GraphRunner, GraphStore, HookedState, table_width_bucket
+from hf_specdec.runtime.context import RequestContext
+from hf_specdec.runtime.cuda_graphs import GraphRunner, GraphStore, HookedState, table_width_bucket
 
 # Keys of HF's prepared model_kwargs that the runner replaces with its own.
 _RUNNER_KEYS = {
@@ -21,22 +23,12 @@ _RUNNER_KEYS = {
 }
 
 
-def cache_argument(model) -> str:
-    """The name ``model.forward`` takes its cache by: ``cache`` (transformers >= 5.24 models) or
-    ``past_key_values`` (earlier ones, and models written against them)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def real_token_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int]:
     """Real tokens per row of a left-padded batch; raises on right padding or empty rows."""
     batch, length = input_ids.shape
     if attention_mask is None:
         return [length] * batch
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; "
-            "pass the 2D mask the tokenizer returned with the ids."
-        )
+    check_mask_shape(input_ids, attention_mask)
     mask = attention_mask.to(torch.bool)
     counts = mask.sum(dim=1)
     # Left padding means the real tokens are exactly the last `count` positions of each row.
@@ -52,6 +44,16 @@ def real_token_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     return counts
 
 
+def check_mask_shape(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """A mask that is not the ids' [batch, sequence] shape, rejected with the fix (transformers would broadcast
+    it or fail obscurely)."""
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; "
+            "pass the 2D mask the tokenizer returned with the ids (one row per prompt)."
+        )
+
+
 class ModelRunner:
     """One paged forward at a time for ``model`` (an HF causal LM enabled by hf_specdec)."""
 
@@ -62,17 +64,21 @@ class ModelRunner:
         self.cache_config = cache_config
         self.graph_store = graph_store
         self.cache: PagedKVCache | None = None
+        self.context: RequestContext | None = None
         self.graphs: GraphRunner | None = None
         self.hooked = HookedState(None)
         self._mask_stub: torch.Tensor | None = None
-        self._cache_argument = cache_argument(model)
+        self._cache_argument = cache_argument(model.forward)
 
-    def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0) -> PagedKVCache:
+    def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0) -> RequestContext:
+        """Build the request's cache (raises ``CacheCapacityError`` before anything runs when it does not fit)
+        and its context."""
         dtype = self.model.get_input_embeddings().weight.dtype
         device = self.model.device
         store = self.graph_store if self.graph_store is not None and device.type == "cuda" else None
-        self.cache = PagedKVCache.for_request(self.layout, self.cache_config, prompt_lens, max_new_tokens,
-                                              lookahead, dtype=dtype, device=device, storage_pool=store)
+        self.cache = sizing.cache_for_request(self.layout, self.cache_config, prompt_lens, max_new_tokens, lookahead,
+                                              dtype=dtype, device=device, storage_pool=store)
+        self.context = RequestContext(self.cache, self.cache_config, list(prompt_lens), max_new_tokens, lookahead)
         # A 4D mask is passed through transformers' mask builders untouched; the paged attention ignores it.
         self._mask_stub = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         if store is not None:
@@ -80,9 +86,8 @@ class ModelRunner:
             width = table_width_bucket(
                 -(-(max(prompt_lens) + max_new_tokens + lookahead) // self.cache_config.block_size) + 1)
             self.graphs = GraphRunner(self.model, store, self.cache, width, self.hooked)
-            self.cache.graph_table_width = width  # drafters reading this cache capture their own graphs
-            self.cache.graph_store = store
-        return self.cache
+            self.context.graph_store, self.context.graph_table_width = store, width  # drafters capture theirs too
+        return self.context
 
     def record_hooks_of(self, holder, signature=None) -> None:
         """``holder`` (an object or a list) is where a drafter's forward hooks put what they record, and
@@ -94,7 +99,7 @@ class ModelRunner:
         self.graphs = None
         if self.cache is not None:
             self.cache.free()
-        self.cache = None
+        self.cache = self.context = None
 
     def forward(self, input_ids: torch.Tensor, num_new: list[int], keep_logits: int = 0, *, prefill: bool = False,
                 **model_kwargs):
@@ -105,7 +110,7 @@ class ModelRunner:
 
         Decode and verify forwards replay a CUDA graph of the batch's bucket from their second step on (see
         cuda_graphs); the logits they return live in the graph's memory until the next forward."""
-        meta = self.cache.begin_forward(num_new, input_ids.shape[1])
+        meta = self.context.forward_meta = self.cache.begin_forward(num_new, input_ids.shape[1])
         extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
         if prefill or self.graphs is None or not self.graphs.can_run(input_ids, extra):
             return self._eager(input_ids, meta.position_ids, keep_logits, extra)
@@ -126,4 +131,6 @@ class ModelRunner:
         )
 
     def commit(self, new_lens: list[int]) -> None:
+        """Keep ``new_lens[b]`` tokens of each row (the rest is rolled back)."""
         self.cache.commit(new_lens)
+        self.context.forward_meta = None

@@ -1,0 +1,13 @@
+"""The engine under the generation loop: the model runner, the request context handed to drafters, CUDA
+graphs (target forwards and drafter calls), and asynchronous read-back of device results. Knows no model."""
+
+from hf_specdec.runtime.context import RequestContext
+from hf_specdec.runtime.cuda_graphs import GraphStore, cuda_graphs_wanted
+from hf_specdec.runtime.drafter_graphs import DrafterGraphs
+from hf_specdec.runtime.model_runner import ModelRunner, check_mask_shape, real_token_counts
+from hf_specdec.runtime.readback import Readback
+
+__all__ = [
+    "DrafterGraphs", "GraphStore", "ModelRunner", "Readback", "RequestContext", "check_mask_shape",
+    "cuda_graphs_wanted", "real_token_counts",
+]
