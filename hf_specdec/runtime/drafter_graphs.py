@@ -61,8 +61,9 @@ class DrafterGraphs:
             return fn(*tensors) if meta is None else fn(*tensors, meta)
         rows = tensors[0].shape[0]
         bucket = batch_bucket(rows)
-        graph_key = (*self.owner, name, self.store.generation, bucket, tuple(tuple(t.shape[1:]) for t in tensors),
-                     self.table_width, *key)
+        # (owner kind, call name, owner ids..., store generation, bucket, input shapes, table width, extra key)
+        graph_key = (self.owner[0], name, *self.owner[1:], self.store.generation, bucket,
+                     tuple(tuple(t.shape[1:]) for t in tensors), self.table_width, *key)
         padded = functools.partial(_pad_all, tensors, bucket, pad_values)
         if meta is None:
             inputs, body, capture_inputs = tensors, fn, padded

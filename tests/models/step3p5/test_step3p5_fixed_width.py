@@ -119,6 +119,6 @@ def test_fixed_width_drafts_and_mtp_kv_equal_the_per_row_drafter(prompts, k, sam
     assert any(len(rows) < len(twin.accepted_rows[0]) for rows in twin.accepted_rows), "no row stopped early"
     if graphs:  # one graph per layer for the bucket of 4, replayed every round after the one that captured it
         calls = twin.drafter.graphs.store.calls
-        assert sorted(key[2] for key in calls) == [f"layer{j}" for j in range(k)]
+        assert sorted(key[1] for key in calls) == [f"layer{j}" for j in range(k)]
         assert {key[4] for key in calls} == {4}
         assert ReplayedCall.replays == k * (len(twin.accepted_rows) - 2)

@@ -45,8 +45,9 @@ def test_step3p5_mtp_graphs_give_the_eager_tokens_and_later_requests_replay_them
                   pad_token_id=0)
     _assert_graphs_give_eager_drafts(model, lengths, 0, kwargs, monkeypatch)
     calls = _mtp_calls(store)
-    assert {key[3] for key in calls} == {0, 1, 2}, "each MTP layer's forward was captured"
-    assert {(key[4], key[5]) for key in calls} == {(batch_bucket(len(lengths)), 4)}  # (bucket, k + 1 slots)
+    assert {key[1] for key in calls} == {"layer0", "layer1", "layer2"}, "each MTP layer's forward was captured"
+    # (bucket, k + 1 slots: the width of the ids input)
+    assert {(key[4], key[5][0][0]) for key in calls} == {(batch_bucket(len(lengths)), 4)}
     kept = (set(store.graphs), set(store.calls))
     _assert_graphs_give_eager_drafts(model, lengths, 1, kwargs, monkeypatch)  # other prompts, the same shapes
     assert (set(store.graphs), set(store.calls)) == kept  # replayed, nothing captured again
