@@ -3,7 +3,7 @@ harness every bench runs under (size presets, progress, records, the last JSON l
 
 A bench is a module with
 
-    NAME        the ``bench`` field of its records and the name of benchmarks/results/<NAME>.jsonl
+    NAME        the ``bench`` field of its records and the name of <results dir>/<NAME>.jsonl
     COLUMNS     the columns of its printed table
     PRESETS     {"smoke": {...}, "quick": {...}}: argument defaults of the two reduced sizes
     add_arguments(parser)
@@ -11,6 +11,12 @@ A bench is a module with
 
 and ``main = bench_main(module)``. ``--smoke`` runs on the CPU at a tiny size in seconds (what
 tests/test_benchmarks_smoke.py runs); ``--quick`` is the size ``run_all`` uses on a GPU.
+
+Records go to ``--results-dir`` (default ``./hf_specdec_bench_results``, outside the checkout's committed
+results); the committed ``benchmarks/results/`` changes only with ``--update-committed``. Before it builds
+anything, a bench estimates the memory of the largest model shape it would build (weights in the bench dtype
+plus the KV cache of its largest batch, from benchmarks/shapes.py) and stops with exit status 2 when the
+device does not have that much available, naming the fix (``--smoke``, ``--layers N``, a larger GPU).
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ import time
 
 import torch
 
+# The committed results (benchmarks/results/): written only with --update-committed.
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+# Where records go by default: a folder of the current directory, outside the committed results.
+DEFAULT_RESULTS_DIR = pathlib.Path("hf_specdec_bench_results")
 # Fields every record carries (issue #5); a bench adds its own.
 RECORD_FIELDS = ("bench", "gpu", "commit", "torch", "transformers", "model_shape", "backend", "batch", "k",
                  "tokens_per_s")
@@ -52,8 +61,8 @@ def environment() -> dict:
 
 
 def append_records(bench: str, records: list[dict], results_dir: pathlib.Path | None = None) -> pathlib.Path:
-    """Append one JSON line per record to <results_dir>/<bench>.jsonl (default benchmarks/results/)."""
-    results_dir = pathlib.Path(results_dir) if results_dir is not None else RESULTS_DIR
+    """Append one JSON line per record to <results_dir>/<bench>.jsonl (default ./hf_specdec_bench_results/)."""
+    results_dir = pathlib.Path(results_dir) if results_dir is not None else DEFAULT_RESULTS_DIR
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{bench}.jsonl"
     with path.open("a") as f:
@@ -135,7 +144,8 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
 
 def first_mismatch(reference: torch.Tensor, other: torch.Tensor, logits=None):
     """None if the token tensors agree, else {"step", "top2_gap"} of the first differing new token
-    (top-2 gap of the reference logits there when given: bf16 near-ties may flip, DESIGN.md §3)."""
+    (top-2 gap of the reference logits there when given: bf16 near-ties may flip, docs/architecture.md,
+    "Exactness")."""
     if reference.shape == other.shape and torch.equal(reference, other):
         return None
     width = min(reference.shape[1], other.shape[1])
@@ -186,22 +196,29 @@ class Progress:
             self.bar = None
 
 
-def build_parser(module) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{module.NAME}",
+def build_parser(module, prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog or f"python -m benchmarks.{module.NAME}",
                                      description=(module.__doc__ or "").strip().splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds (what the tests run)")
     size.add_argument("--quick", action="store_true", help="the reduced GPU size run_all uses")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present; --smoke: cpu)")
-    parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/")
-    parser.add_argument("--results-dir", default=None, help="where <bench>.jsonl goes (default benchmarks/results)")
+    parser.add_argument("--no-record", action="store_true", help="do not write the records (<bench>.jsonl)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--results-dir", default=None, type=pathlib.Path,
+                       help=f"where <bench>.jsonl (and the plot of `hf-specdec bench`) go (default "
+                            f"./{DEFAULT_RESULTS_DIR})")
+    where.add_argument("--update-committed", action="store_true",
+                       help="append the records to the checkout's committed benchmarks/results/ instead")
+    parser.add_argument("--skip-memory-check", action="store_true",
+                        help="build the shapes even where the memory estimate says they do not fit")
     parser.add_argument("--run-id", default=None, help="tag the records with this id (run_all sets one per run)")
     module.add_arguments(parser)
     return parser
 
 
-def parse_args(module, argv: list[str] | None):
-    parser = build_parser(module)
+def parse_args(module, argv: list[str] | None, prog: str | None = None):
+    parser = build_parser(module, prog)
     first, _ = parser.parse_known_args(argv)
     preset = "smoke" if first.smoke else "quick" if first.quick else None
     if preset:
@@ -211,12 +228,164 @@ def parse_args(module, argv: list[str] | None):
     if args.device is None:
         args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    if args.update_committed:
+        args.results_dir = RESULTS_DIR
+    elif args.results_dir is None:
+        args.results_dir = DEFAULT_RESULTS_DIR
     return args
 
 
-def run_bench(module, argv: list[str] | None = None, progress: bool = False, quiet: bool = False) -> list[dict]:
-    """Run one bench: rows -> records (environment + command), table, results file, one JSON line last."""
-    args = parse_args(module, argv)
+# ---------------------------------------------------------------------------------------------- does it fit
+
+
+class DoesNotFit(SystemExit):
+    """A bench asked for a device or a shape this machine cannot hold: exit status 2, like an argparse error.
+    ``message`` names the fix; it has been printed to stderr when this is raised."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _meta_model(model_class, config, dtype: torch.dtype):
+    """``model_class(config)`` on the meta device in ``dtype``: the real parameter shapes, no memory, no init."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            return model_class(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def shape_memory(args) -> list[dict]:
+    """What each benchmark shape (benchmarks/shapes.py) the arguments name needs at least: its weights in the
+    bench dtype plus the KV cache of the largest batch at prompt + new tokens + drafts, one dict per shape.
+
+    Read from the arguments the benches share: ``--shapes`` / ``--shape`` / ``--models`` (the bundled tiny
+    models are not shapes and need no check), ``--layers`` (``--step-layers`` for Step 3.5), ``--batch``,
+    ``--prompt``, ``--new-tokens``, ``--k``. The models are built on the meta device, so this takes no memory."""
+    from benchmarks import shapes
+
+    names = _as_list(getattr(args, "shapes", None)) + _as_list(getattr(args, "shape", None))
+    names += _as_list(getattr(args, "models", None))
+    batch = max(_as_list(getattr(args, "batch", None)) or [1])
+    context = sum(max(_as_list(getattr(args, name, None)) or [0]) for name in ("prompt", "new_tokens", "k"))
+    needs = []
+    for name in dict.fromkeys(names):
+        if name in shapes.GEMMA4_TARGETS:
+            from transformers import Gemma4ForCausalLM
+
+            layers = getattr(args, "layers", None)
+            config = shapes.gemma4_config(name, layers)
+            model = _meta_model(Gemma4ForCausalLM, config, args.dtype)
+        elif name in shapes.STEP3P5:
+            from hf_specdec.models.step3p5 import Step3p5ForCausalLM
+
+            layers = getattr(args, "step_layers", None) or getattr(args, "layers", None)
+            config = shapes.step3p5_config(name, layers)
+            model = _meta_model(Step3p5ForCausalLM, config, args.dtype)
+        else:
+            continue
+        weights = sum(t.numel() * t.element_size()
+                      for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+        kv = _kv_bytes(config, batch, max(context, 1), torch.empty((), dtype=args.dtype).element_size())
+        needs.append(dict(shape=shapes.shape_name(name, layers), layers=config.num_hidden_layers, weight_bytes=weights,
+                          kv_bytes=kv, bytes=weights + kv, batch=batch, context=context))
+        del model
+    return needs
+
+
+def _kv_bytes(config, batch: int, context: int, element: int) -> int:
+    """Bytes of K and V for ``context`` tokens per row (a window on sliding layers) in each layer owning K/V."""
+    from benchmarks import shapes
+
+    if hasattr(config, "layer_num_kv_heads"):  # Step 3.5 (its main layers; the MTP layers are a few more)
+        layers = [(config.layer_num_kv_heads(i), config.layer_head_dim(i), config.layer_sliding_window(i))
+                  for i in range(config.num_hidden_layers)]
+    else:
+        layers = list(shapes._kv_layers(config))
+    return sum(2 * batch * min(context, window or context) * heads * dim * element for heads, dim, window in layers)
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes free on ``device``: the GPU's free memory, or the machine's available RAM for the CPU; None where
+    it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
+    if device.type != "cpu":
+        return None
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def fit_problem(module, args) -> str | None:
+    """Why this bench cannot run here as asked (an absent device, a shape larger than the memory available),
+    naming the fix; None when it can (or when ``--skip-memory-check`` was given)."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return (f"--device {args.device}, but this torch ({torch.__version__}) sees no CUDA device. Leave --device "
+                f"out (cuda when present, else cpu), or run --smoke: tiny shapes on the CPU, seconds.")
+    if args.skip_memory_check:
+        return None
+    needs = shape_memory(args)
+    free = available_memory(args.device) if needs else None
+    if free is None:
+        return None
+    worst = max(needs, key=lambda n: n["bytes"])
+    if worst["bytes"] <= free:
+        return None
+    dtype = str(args.dtype).replace("torch.", "")
+    where = "RAM available" if device.type == "cpu" else f"free on {args.device}"
+    return (f"{module.NAME} would build {worst['shape']} ({worst['layers']} layers) in {dtype} on {args.device}: "
+            f"{worst['weight_bytes'] / 1e9:.1f} GB of weights + {worst['kv_bytes'] / 1e9:.1f} GB of KV cache "
+            f"(batch {worst['batch']}, {worst['context']} tokens) = at least {worst['bytes'] / 1e9:.1f} GB, but "
+            f"this machine has {free / 1e9:.1f} GB {where}. Run it with --smoke (tiny shapes on the CPU, seconds), "
+            f"cut the depth with --layers N, or run it on a GPU that holds the shape (--quick fits one 80 GB "
+            f"H100); --skip-memory-check builds it anyway.")
+
+
+def check_fits(module, args, prog: str | None = None) -> None:
+    """Raise DoesNotFit (exit status 2), after printing why, when ``fit_problem`` finds one."""
+    problem = fit_problem(module, args)
+    if problem:
+        print(f"{prog or 'python -m benchmarks.' + module.NAME}: error: {problem}", file=sys.stderr)
+        raise DoesNotFit(problem)
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def run_bench(module, argv: list[str] | None = None, progress: bool = False, quiet: bool = False,
+              prog: str | None = None) -> list[dict]:
+    """Run one bench: rows -> records (environment + command), table, results file, one JSON line last.
+
+    First checks that the device exists and holds the shapes asked for (``check_fits``): DoesNotFit
+    (SystemExit 2) with the fix printed, before anything is built. ``prog`` names the command in messages."""
+    args = parse_args(module, argv, prog)
+    check_fits(module, args, prog)
     if args.device == "cpu":
         torch.set_num_threads(1)  # tiny shapes: threads cost more than they give
     bar = Progress(progress, desc=module.NAME)
@@ -235,20 +404,25 @@ def run_bench(module, argv: list[str] | None = None, progress: bool = False, qui
     if not quiet:
         print_table(records, module.COLUMNS)
     if not args.no_record:
-        append_records(module.NAME, records, args.results_dir)
+        path = append_records(module.NAME, records, args.results_dir)
+        print(f"[{module.NAME}] records appended to {path}", file=sys.stderr)
     print(json.dumps({"bench": module.NAME, **env, "command": command, "rows": rows}, default=str))
     return records
 
 
+_WHERE_FLAGS = ("--no-record", "--update-committed", "--skip-memory-check")
+
+
 def _reproducing(argv: list[str]) -> list[str]:
-    """argv without the options that only say where records go (they do not change what is measured)."""
+    """argv without the options that only say where records go or skip a check (they do not change what is
+    measured)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
         elif a in ("--run-id", "--results-dir"):
             skip = True
-        elif a != "--no-record" and not a.startswith(("--run-id=", "--results-dir=")):
+        elif a not in _WHERE_FLAGS and not a.startswith(("--run-id=", "--results-dir=")):
             out.append(a)
     return out
 

@@ -15,24 +15,15 @@ DEMO_PROMPTS = [
 ]
 
 
-# The benchmarks live in benchmarks/ beside the package (not installed with it); the names are listed here so
-# that `bench --help` works without them.
-BENCHES = {
-    "decode": "plain decoding: transformers dynamic / static+compile vs hf_specdec, beside the bandwidth floor",
-    "verify_cost": "one verify step (k+1 tokens per row) / one decode step",
-    "draft_cost": "one draft step (Gemma 4 MTP, Step 3.5 MTP, DFlash) / one target step",
-    "e2e_synthetic": "MTP and DFlash end to end at a fixed acceptance rate (not lossless) beside plain decoding",
-    "hf_native_assisted": "transformers' assisted decoding vs hf_specdec MTP on identical weights",
-    "e2e_tiny": "the bundled tiny family: plain vs every speculative mode, real tau",
-    "soak": "many generate calls on the bundled family: device memory, leaked blocks, repeat answers per call",
-    "all": "every benchmark above at one size (run_all), then benchmarks/README.md and the plot",
-}
-BENCH_DESCRIPTION = (
-    "Run one benchmark of benchmarks/ with a progress bar. It prints a table and one JSON line, appends its\n"
-    "records to benchmarks/results/<name>.jsonl and writes benchmarks/results/<name>.png. Sizes: --smoke (CPU,\n"
-    "seconds), --quick (the GPU size of run_all), or the full default. Needs a source checkout: run it from the\n"
-    "repository root.\n\nbenchmarks:\n" + "\n".join(f"  {name:<20}{text}" for name, text in BENCHES.items())
-)
+BENCH_DESCRIPTION = """\
+Run one benchmark of a source checkout's benchmarks/ folder with a progress bar. It prints a table and one
+JSON line, appends its records to <results dir>/<name>.jsonl and writes <results dir>/<name>.png. The
+results dir is --results-dir DIR (default ./hf_specdec_bench_results); --update-committed appends to the
+checkout's committed benchmarks/results/ instead (with `all`: also rewrites benchmarks/README.md and its
+plot). Sizes: --smoke (CPU, seconds), --quick (the GPU size of run_all), or the full default; a size the
+device cannot hold is refused up front (exit status 2). Needs a source checkout: run it from the repository
+root.
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,15 +32,33 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="complete a few Python prompts with the bundled tiny model on CPU")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     add_generate_parser(commands)
-    bench = commands.add_parser(
-        "bench", help="run a benchmark of the source checkout's benchmarks/ folder (progress bar, JSON record, plot)",
-        description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_argument("name", choices=sorted(BENCHES), help="the benchmark to run (listed above)")
-    bench.add_argument("options", nargs=argparse.REMAINDER,
-                       help="the benchmark's own options, e.g. --smoke, --quick, --batch 1 8 "
-                            "(`bench NAME --help` lists them)")
+    add_bench_parser(commands)
     args = parser.parse_args(argv)
     return {"demo": run_demo, "generate": run_generate, "bench": run_bench}[args.command](args)
+
+
+def add_bench_parser(commands) -> None:
+    """``bench NAME [options]``: NAME is one of the benchmarks package's registry (benchmarks/__init__.py),
+    or ``all``; without a benchmarks folder the help says where they come from."""
+    package = _import_benchmarks()
+    if package is not None:
+        described = {**package.BENCHES, "all": getattr(package, "RUN_ALL", "every benchmark above (run_all)")}
+        listing = "\n".join(f"  {name:<20}{text}" for name, text in described.items())
+        names = list(described)
+    else:
+        listing = ("  (none here: this install has no benchmarks/ folder. The benchmarks come with a source\n"
+                   "  checkout of hf_specdec: clone the repository, `pip install -e '.[dev]'` in it, and run\n"
+                   "  `hf-specdec bench NAME` from its root.)")
+        names = None
+    bench = commands.add_parser(
+        "bench", help="run a benchmark of the source checkout's benchmarks/ folder (progress bar, JSON record, plot)",
+        description=BENCH_DESCRIPTION + "\nbenchmarks:\n" + listing,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("name", choices=names, metavar=None if names else "NAME",
+                       help="the benchmark to run (listed above)" if names else "the benchmark to run")
+    bench.add_argument("options", nargs=argparse.REMAINDER,
+                       help="the benchmark's own options, e.g. --smoke, --quick, --batch 1 8, --results-dir DIR "
+                            "(`bench NAME --help` lists them)")
 
 
 def load_demo_model():
@@ -228,11 +237,67 @@ def add_generate_parser(commands) -> None:
     run.add_argument("--no-stream", action="store_true", help="print the completion at the end instead of streaming")
 
 
+# device_map strategies accelerate takes besides a device
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def generate_argument_error(args) -> str | None:
+    """What is wrong with the options of `generate`, naming the fix, or None: checked before any model loads.
+    (Arguments only generate() can judge, such as -k against the drafter, come back as its ValueError.)"""
+    if args.threads is not None and args.threads < 1:
+        return f"--threads must be an integer >= 1, got {args.threads}; leave it out for the default"
+    problem = _device_error(args.device)
+    if problem:
+        return problem
+    if args.temperature is not None and args.temperature <= 0:
+        return (f"--temperature must be > 0, got {args.temperature}; for greedy decoding leave out --do-sample "
+                f"and --temperature")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        return f"--top-p must be in (0, 1], got {args.top_p}; leave it out to sample from every token"
+    if args.top_k is not None and args.top_k < 0:
+        return f"--top-k must be >= 0 (0: no top-k), got {args.top_k}"
+    if args.repetition_penalty is not None and args.repetition_penalty <= 0:
+        return f"--repetition-penalty must be > 0 (1: none), got {args.repetition_penalty}"
+    if args.stop and "" in args.stop:
+        return "--stop needs a non-empty STRING (an empty one would stop at once)"
+    return None
+
+
+def _device_error(device: str | None) -> str | None:
+    """Why ``--device`` cannot be used with this torch, naming the fix, or None."""
+    if device is None or device in DEVICE_MAPS:
+        return None
+    fix = "use --device cpu, or leave --device out (cuda when present, else cpu)"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        return f"--device {device!r} is not a device: {fix}, or name one as cuda, cuda:1, mps, auto"
+    if parsed.type == "cpu":
+        return None
+    if parsed.type == "meta":
+        return f"--device meta holds no weights to generate with: {fix}"
+    backend = getattr(torch, parsed.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        build = " (a CPU-only build)" if parsed.type == "cuda" and torch.version.cuda is None else ""
+        return (f"--device {device}: this torch {torch.__version__}{build} has no usable {parsed.type} device; {fix}, "
+                f"or install the torch build for your accelerator")
+    count = getattr(backend, "device_count", None)
+    if parsed.index is not None and count is not None and parsed.index >= count():
+        return (f"--device {device}: there is no {parsed.type} device {parsed.index} (this machine has {count()}: "
+                f"{parsed.type}:0 to {parsed.type}:{count() - 1})")
+    return None
+
+
 def run_generate(args) -> int:
     from transformers import AutoTokenizer, TextStreamer
 
     import hf_specdec
 
+    problem = generate_argument_error(args)
+    if problem:  # before any model loads
+        print(f"hf-specdec generate: error: {problem}", file=sys.stderr)
+        return 2
     try:
         prompt = _read_prompt(args)
         model = hf_specdec.AutoModelForCausalLM.from_pretrained(_model_path(args.model), dtype=_dtype(args.dtype),
@@ -321,36 +386,44 @@ def _tokenize(tokenizer, prompt: str, chat: bool):
 
 
 def _import_benchmarks():
-    """The source checkout's ``benchmarks`` package, or None when this install has none."""
+    """The ``benchmarks`` package of the source checkout (the one beside this hf_specdec, else one importable from
+    here), recognised by its registry ``BENCHES``; None when this install has none (a wheel has no benchmarks)."""
     import importlib
     import pathlib
 
     checkout = pathlib.Path(__file__).resolve().parents[1]
-    if (checkout / "benchmarks" / "common.py").exists() and str(checkout) not in sys.path:
+    if (checkout / "benchmarks" / "__init__.py").is_file() and str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
     try:
-        common = importlib.import_module("benchmarks.common")
+        package = importlib.import_module("benchmarks")
     except ImportError:
         return None
-    return common if hasattr(common, "run_bench") else None
+    return package if isinstance(getattr(package, "BENCHES", None), dict) else None
+
+
+NO_BENCHMARKS = ("hf-specdec bench: error: this install has no benchmarks/ folder: the benchmarks come with a "
+                 "source checkout of hf_specdec, not with the installed package. Clone the repository, run "
+                 "`pip install -e '.[dev]'` in it, and run `hf-specdec bench NAME` from its root.")
 
 
 def run_bench(args) -> int:
     """``hf-specdec bench NAME [options]``: the bench with a progress bar, its records and a plot."""
     import importlib
 
-    common = _import_benchmarks()
-    if common is None:
-        print("hf-specdec bench needs the benchmarks/ folder of a source checkout of hf_specdec; this install has "
-              "none (the benchmarks live outside the package). Clone the repository, run `pip install -e '.[dev]'` "
-              "in it, and run `python -m hf_specdec bench NAME` from its root.", file=sys.stderr)
+    if _import_benchmarks() is None:
+        print(NO_BENCHMARKS, file=sys.stderr)
         return 2
-    if args.name == "all":
-        return importlib.import_module("benchmarks.run_all").main(args.options)
-    module = importlib.import_module(f"benchmarks.{args.name}")
-    records = common.run_bench(module, args.options, progress=True)
+    common = importlib.import_module("benchmarks.common")
+    prog = f"hf-specdec bench {args.name}"
+    try:
+        if args.name == "all":
+            return importlib.import_module("benchmarks.run_all").main(args.options, prog=prog)
+        module = importlib.import_module(f"benchmarks.{args.name}")
+        records = common.run_bench(module, args.options, progress=True, prog=prog)
+    except common.DoesNotFit:  # already said why, naming the fix
+        return 2
     if records:
-        results_dir = common.parse_args(module, args.options).results_dir or common.RESULTS_DIR
+        results_dir = common.parse_args(module, args.options, prog).results_dir
         plot = importlib.import_module("benchmarks.report").plot(records, f"{results_dir}/{args.name}.png")
         if plot is not None:
             print(f"[hf-specdec bench] plot: {plot}", file=sys.stderr)

@@ -121,3 +121,48 @@ def test_help_lists_every_option(capsys):
                    "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p", "--repetition-penalty",
                    "--stop", "--seed", "--dtype", "--device", "--threads", "--no-stream"):
         assert option in text
+
+
+def _unavailable_devices() -> list[str]:
+    devices = ["meta", "foo", "0"]
+    if not torch.cuda.is_available():
+        devices += ["cuda", "cuda:1"]
+    else:
+        devices += [f"cuda:{torch.cuda.device_count()}"]  # one past the last GPU
+    if not torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--threads", "0"], "--threads must be an integer >= 1, got 0"),
+    (["--threads", "-3"], "--threads must be an integer >= 1, got -3"),
+    *[(["--device", device], f"--device {device}" if device not in ("foo", "0") else f"--device {device!r}")
+      for device in _unavailable_devices()],
+    (["--do-sample", "--temperature", "0"], "--temperature must be > 0"),
+    (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--do-sample", "--top-k", "-1"], "--top-k must be >= 0"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--stop", ""], "--stop needs a non-empty STRING"),
+])
+def test_a_bad_option_exits_2_with_one_line_before_any_model_loads(capsys, monkeypatch, options, message):
+    import hf_specdec
+
+    monkeypatch.setattr(hf_specdec.AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
+    code, out, err = _cli(capsys, "tiny-gemma4", "--prompt", PROMPT, *options)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"hf-specdec generate: error: {message}")
+
+
+@pytest.mark.parametrize("options", [["--threads", "0"], ["--device", "cuda:999"]])
+def test_the_reported_commands_exit_2_without_a_traceback(options):
+    """`hf-specdec generate tiny-gemma4 --prompt x --threads 0` (or a device this torch has not) printed a
+    traceback and exited 1."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "hf_specdec", "generate", "tiny-gemma4", "--prompt", "x",
+                             *options], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "Traceback" not in result.stderr and result.stderr.startswith("hf-specdec generate: error: ")
+    assert len(result.stderr.strip().splitlines()) == 1
