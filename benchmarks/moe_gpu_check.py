@@ -1,0 +1,251 @@
+"""Fused MoE (``hf_specdec.kernels.fused_moe``) vs its torch reference at the real expert shapes, on one CUDA GPU.
+
+    python -m benchmarks.moe_gpu_check [--shapes gemma4-26b-a4b step3p5] [--tokens 1 4 8 32 512] [--sweep | --profile]
+
+Shapes (bf16, random weights of std 1/sqrt(fan_in)): Gemma 4 26B-A4B experts (128 experts, top-8, hidden 2816,
+intermediate 704, gelu-tanh, gate/up as the two halves of one stacked ``gate_up_proj``) and Step 3.5's
+(288 experts, top-8, hidden 4096, intermediate 1280, SwiGLU clamped at 7.0 (illustrative), separate weights),
+routed by the models' routers (``softmax_topk_route`` / ``sigmoid_bias_topk_route``) on random logits. Tokens 1
+(decode), 4 (verify, k=3), 8, 32 and 512 (prefill).
+
+Per case: the max error relative to the output's scale, ``max|out - ref| / max|ref|`` (pass < 2e-2); whether the
+whole layer captures in a CUDA graph and a replay on a new routing equals the eager call; the graph-replayed
+time (median of 100 replays, each on a fresh routing so the selected experts are not already in L2), the eager
+times of fused_moe and of the reference (triton.testing.do_bench), the graph time of the expert grouping alone,
+and the bytes of the union of the selected experts (``distinct * 3 * I * H * 2``) over the graph time as GB/s
+(an H100's copy bandwidth is ~3.0 TB/s).
+
+``--sweep`` times (BLOCK_N, BLOCK_K, num_warps, num_stages) of each kernel (gate/up, then down with the best
+gate/up) at tokens 1 and 4 (or the given ``--tokens``, e.g. ``--sweep --tokens 512``) by graph replay and prints the best ``MoeConfig`` per shape; ``--profile`` prints the
+CUDA time of each kernel. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from itertools import product
+
+import torch
+
+from benchmarks.shapes import STEP3P5
+from hf_specdec.kernels import fused_moe as fm
+
+SHAPES = {
+    "gemma4-26b-a4b": dict(experts=128, top_k=8, hidden=2816, inter=704, activation="gelu_tanh", limit=None,
+                           stacked=True),
+    "step3p5": dict(experts=STEP3P5["step3p5"]["experts"], top_k=STEP3P5["step3p5"]["top_k"],
+                    hidden=STEP3P5["step3p5"]["hidden_size"], inter=STEP3P5["step3p5"]["expert_size"],
+                    activation="silu", limit=7.0, stacked=False),
+}
+TOKENS = (1, 4, 8, 32, 512)
+PASS_REL_ERROR = 2e-2
+REPLAYS = 100
+
+
+@dataclass
+class Result:
+    shape: str
+    tokens: int
+    rel_error: float
+    graph_ok: bool
+    graph_us: float
+    eager_us: float
+    reference_us: float
+    group_us: float
+    distinct_experts: float
+    gb_per_s: float
+    passed: bool
+
+
+class Layer:
+    """One shape's weights on the GPU and the routings its cases draw from."""
+
+    def __init__(self, name: str):
+        self.name, self.shape = name, SHAPES[name]
+        e, h, i = self.shape["experts"], self.shape["hidden"], self.shape["inter"]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        bf16 = dict(dtype=torch.bfloat16, device="cuda", generator=gen)
+        gate_up = torch.randn(e, 2 * i, h, **bf16).mul_(h ** -0.5)
+        if self.shape["stacked"]:  # Gemma 4's gate_up_proj: two strided views, nothing copied
+            self.w_gate, self.w_up = gate_up[:, :i], gate_up[:, i:]
+        else:
+            self.w_gate, self.w_up = gate_up[:, :i].contiguous(), gate_up[:, i:].contiguous()
+            del gate_up
+        self.w_down = torch.randn(e, h, i, **bf16).mul_(i ** -0.5)
+        self.bias = torch.randn(e, device="cuda", generator=gen) * 0.1
+        self.scale = torch.rand(e, device="cuda", generator=gen) + 0.5
+        self.gen = gen
+
+    def routing(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.randn(tokens, self.shape["experts"], device="cuda", generator=self.gen)
+        if self.shape["activation"] == "gelu_tanh":
+            return fm.softmax_topk_route(logits, self.shape["top_k"], self.scale)
+        return fm.sigmoid_bias_topk_route(logits, self.bias, self.shape["top_k"], True, 1.0)
+
+    def inputs(self, tokens: int):
+        x = torch.randn(tokens, self.shape["hidden"], device="cuda", generator=self.gen).bfloat16()
+        weights, index = self.routing(tokens)
+        return x, self.w_gate, self.w_up, self.w_down, index, weights
+
+    def kwargs(self, config=None) -> dict:
+        return dict(activation=self.shape["activation"], limit=self.shape["limit"], config=config)
+
+    def expert_bytes(self, distinct: float) -> float:
+        return distinct * 3 * self.shape["inter"] * self.shape["hidden"] * 2
+
+
+def graph_time(layer: Layer, args, fn, replays: int = REPLAYS) -> tuple[list[float], list[int]]:
+    """Capture ``fn()`` over the static ``args`` and replay it on fresh routings: (microseconds per replay,
+    distinct experts per replay)."""
+    index, weights = args[4], args[5]
+    routings = [layer.routing(index.shape[0]) for _ in range(replays)]
+    fn()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in routings]
+    for (w, i), (start, end) in zip(routings, events):
+        index.copy_(i)
+        weights.copy_(w)
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in events], [int(i.unique().numel()) for _, i in routings]
+
+
+def check_graph(layer: Layer, args) -> bool:
+    """The layer captures (no host sync inside) and a replay on a new routing equals the eager call."""
+    index, weights = args[4], args[5]
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fm.fused_moe(*args, **layer.kwargs())
+    except RuntimeError as error:
+        print(f"capture failed: {error}")
+        return False
+    w, i = layer.routing(index.shape[0])
+    index.copy_(i)
+    weights.copy_(w)
+    graph.replay()
+    return torch.equal(out, fm.fused_moe(*args, **layer.kwargs()))
+
+
+def check_case(layer: Layer, tokens: int) -> Result:
+    import triton.testing
+
+    args = layer.inputs(tokens)
+    kwargs = layer.kwargs()
+    out = fm.fused_moe(*args, **kwargs)
+    ref = fm.fused_moe_reference(*args, activation=kwargs["activation"], limit=kwargs["limit"])
+    rel_error = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    graph_ok = check_graph(layer, args)
+    times, distinct = graph_time(layer, args, lambda: fm.fused_moe(*args, **kwargs))
+    group_times, _ = graph_time(layer, args, lambda: fm.group_pairs(args[4], layer.shape["experts"],
+                                                                    fm.config_for(tokens).block_m))
+    eager_us = triton.testing.do_bench(lambda: fm.fused_moe(*args, **kwargs)) * 1e3
+    reference_us = triton.testing.do_bench(
+        lambda: fm.fused_moe_reference(*args, activation=kwargs["activation"], limit=kwargs["limit"])) * 1e3
+    gb_per_s = statistics.median(layer.expert_bytes(d) / (t * 1e-6) / 1e9 for t, d in zip(times, distinct))
+    return Result(layer.name, tokens, rel_error, graph_ok, statistics.median(times), eager_us, reference_us,
+                  statistics.median(group_times), statistics.mean(distinct), gb_per_s,
+                  rel_error < PASS_REL_ERROR and graph_ok)
+
+
+# ---------------------------------------------------------------- --sweep
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) grids: decode / verify (16-row blocks), prefill (taller blocks)
+SWEEP_GRID = {16: ((16, 32, 64), (64, 128, 256), (2, 4), (3, 4, 5)),
+              64: ((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))}
+
+
+def sweep(layer: Layer, tokens_list=(1, 4)) -> dict:
+    """Graph-timed medians (summed over ``tokens_list``) of each gate/up config with the default down config, then
+    of each down config with the best gate/up: the best MoeConfig (block_m: the default for tokens_list[0])."""
+    cases = [layer.inputs(t) for t in tokens_list]
+    default = fm.config_for(tokens_list[0])
+
+    def total_us(config: fm.MoeConfig) -> float:
+        try:
+            us = sum(statistics.median(graph_time(layer, args, lambda: fm.fused_moe(*args, **layer.kwargs(config)),
+                                                  replays=30)[0]) for args in cases)
+        except Exception as error:  # e.g. out of shared memory for the deepest pipelines
+            print(f"  {config}: {type(error).__name__}", flush=True)
+            return float("inf")
+        print(f"  {config}: {us:.1f} us", flush=True)
+        return us
+
+    grid = list(product(*SWEEP_GRID[16 if default.block_m <= 32 else 64]))
+    gate_up = {c: total_us(fm.MoeConfig(default.block_m, c, default.down)) for c in grid}
+    best_gate_up = min(gate_up, key=gate_up.get)
+    down = {c: total_us(fm.MoeConfig(default.block_m, best_gate_up, c)) for c in grid}
+    best_down = min(down, key=down.get)
+    baseline = total_us(default)
+    for name, table in (("gate_up", gate_up), ("down", down)):
+        top = sorted(table.items(), key=lambda kv: kv[1])[:5]
+        print(f"{layer.name} {name} best 5 (us, tokens {tokens_list} summed): "
+              + ", ".join(f"{c}={us:.1f}" for c, us in top))
+    best = fm.MoeConfig(default.block_m, best_gate_up, best_down)
+    print(f"{layer.name}: best {best} {down[best_down]:.1f} us vs default {default} {baseline:.1f} us")
+    return dict(shape=layer.name, best=asdict(best), best_us=down[best_down], default_us=baseline)
+
+
+def profile(layer: Layer, tokens: int) -> None:
+    """CUDA time per kernel of eager fused_moe calls (the same kernels a graph replays)."""
+    args = layer.inputs(tokens)
+    fm.fused_moe(*args, **layer.kwargs())
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fm.fused_moe(*args, **layer.kwargs())
+        torch.cuda.synchronize()
+    print(f"{layer.name}, {tokens} tokens, 20 calls:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--sweep", action="store_true",
+                        help="tune the launch configs at tokens 1 and 4 (or the --tokens given) instead")
+    parser.add_argument("--profile", action="store_true", help="CUDA time per kernel at each --tokens instead")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 0
+    import triton
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results, sweeps = [], []
+    for name in args.shapes:
+        layer = Layer(name)
+        if args.sweep:
+            sweeps.append(sweep(layer, tuple(args.tokens) if args.tokens != list(TOKENS) else (1, 4)))
+        elif args.profile:
+            for t in args.tokens:
+                profile(layer, t)
+        else:
+            results += [check_case(layer, t) for t in args.tokens]
+        del layer
+        torch.cuda.empty_cache()
+    if results:
+        print(f"{'shape':15} {'T':>4} {'rel_err':>8} {'graph':>5} {'graph_us':>8} {'eager_us':>8} {'ref_us':>8} "
+              f"{'group_us':>8} {'experts':>7} {'GB/s':>6}  ok")
+        for r in results:
+            print(f"{r.shape:15} {r.tokens:4d} {r.rel_error:8.1e} {'yes' if r.graph_ok else 'NO':>5} "
+                  f"{r.graph_us:8.1f} {r.eager_us:8.1f} {r.reference_us:8.0f} {r.group_us:8.1f} "
+                  f"{r.distinct_experts:7.1f} {r.gb_per_s:6.0f}  {'yes' if r.passed else 'NO'}")
+    all_pass = all(r.passed for r in results)
+    print(json.dumps({"benchmark": "moe_gpu_check", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": triton.__version__, "all_pass": all_pass, "results": [asdict(r) for r in results],
+                      "sweeps": sweeps}))
+    return 0 if all_pass else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

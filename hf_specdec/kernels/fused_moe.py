@@ -1,0 +1,513 @@
+"""fused_moe: a mixture-of-experts layer that reads only the experts the forward's tokens selected.
+
+Contract. ``fused_moe(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation=..., limit=...)`` is,
+for every token t, ``sum_k weight[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t))`` with ``e = index[t, k]``,
+for Gemma 4 (``activation="gelu_tanh"``: ``gelu(gate, approximate="tanh") * up``) and Step 3.5
+(``activation="silu"``: ``silu(gate) * up``; with ``limit`` silu(gate) is clamped above and up on both sides).
+The weights are ``[E, I, H]`` gate / up and ``[E, H, I]`` down tensors; gate and up may be views of one
+stacked ``[E, 2I, H]`` parameter (Gemma 4's ``gate_up_proj[:, :I]`` / ``[:, I:]``): strides go to the
+kernels, no weight is copied.
+
+Numerics follow the CPU branch of ``Step3p5MoE.forward`` (the reference, :func:`fused_moe_reference`): per
+selected expert ``F.linear`` in the model dtype (fp32 accumulation, the result rounded to the dtype), the
+activation rounded to the dtype, ``F.linear`` again, the result cast to fp32 times the routing weight, the
+k contributions summed in fp32 and cast back once. (transformers' ``Gemma4TextExperts.forward`` does the same
+per expert but rounds each weighted contribution to the model dtype and sums in the model dtype; the fp32 sum
+here is at least as accurate.) The kernels round at the same points; only the summation order inside the
+GEMMs and over the k contributions differs, so fp32 agrees to ~1e-6 relative and bf16 to a bf16 rounding
+or two (the tests use 1e-5 and 2e-2).
+
+GPU design, no host sync (CUDA-graph capturable):
+1. Group the ``tokens * top_k`` (token, slot) pairs by expert (``group_pairs``): per-expert counts, each
+   expert's group padded to a multiple of ``BLOCK_M`` rows, each pair's row (its rank among its expert's pairs:
+   a stable sort), each block's expert. Up to ``ALIGN_MAX_PAIRS`` pairs (decode, verify) one Triton program
+   does it all (``_moe_align_kernel``); beyond, device torch ops do (``_group_pairs``: sort, ``scatter_add_``,
+   cumsums, ``searchsorted``; no bincount / unique / nonzero). The host knows only an upper bound on the number
+   of blocks, ``pairs // BLOCK_M + min(E, pairs)``; the grids take that bound and the programs past the real
+   count (read from device memory) exit at once.
+2. ``_moe_gate_up_kernel``, one program per (block, ``BLOCK_N`` columns of I): gathers the block's token rows,
+   computes gate and up with ``tl.dot`` against that expert's weight tiles over H, applies the activation and
+   writes the intermediate ``[blocks * BLOCK_M, I]``.
+3. ``_moe_down_kernel``, one program per (block, ``BLOCK_N`` columns of H): intermediate @ ``w_down[e].T``,
+   times each pair's routing weight, written in fp32 to row ``pair`` of ``[tokens * top_k, H]``.
+4. ``_moe_sum_kernel``: each token's top_k rows summed in fp32 in slot order and cast to the model dtype, one
+   launch. Not atomics into the output: the sum stays deterministic, needs no memset, and every row of the
+   ``[pairs, H]`` buffer is written exactly once.
+A one-token forward (decode) skips step 1: block b is pair b alone, its expert read straight from the routing.
+
+Each selected expert's weights are read once per forward however many of its tokens picked it as long as its
+pairs fit in one block: a decode or verify forward has at most 16 tokens and ``BLOCK_M`` is 16 there, so
+that always holds (unless ``top_k_index`` names one expert twice for a token). Prefill takes the same
+kernels with more (and taller) blocks per expert. The bytes a decode step reads are the distinct selected
+experts' weights, ``distinct * 3 * I * H * itemsize``; the many programs over I and H keep them streaming.
+
+Not checked (it would need a host sync): every ``top_k_index`` entry lies in ``[0, E)``. Out of range, the
+reference raises an IndexError; the kernels give that token an undefined output (up to ``ALIGN_MAX_PAIRS``
+pairs the pair gets no row, so no weight outside ``w_*`` is read) or trip ``scatter_add_``'s device assert
+(beyond: the torch grouping).
+
+Unsupported arguments (more than ``MAX_EXPERTS`` experts or ``MAX_TOP_K`` slots, a dtype other than
+fp32 / bf16 / fp16) take the torch reference, with one warning per reason. Autograd and CPU tensors take the
+reference silently (the kernels have no backward).
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import check, check_same_device, interpreting, needs_grad, next_power_of_2, tl, triton, use_triton
+from .gelu_mul import gelu_tanh_mul_reference
+
+logger = logging.getLogger(__name__)
+
+ACTIVATIONS = ("gelu_tanh", "silu")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Bounds of the kernel path (tested up to 288 experts and top-8): larger routings take the reference.
+MAX_EXPERTS = 1024
+MAX_TOP_K = 32
+# up to this many (token, slot) pairs one Triton program groups them by expert; torch ops beyond (prefill)
+ALIGN_MAX_PAIRS = 256
+SUM_BLOCK = 1024
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch parameters: ``block_m`` pair rows per block (a power of two >= 16: tl.dot's minimum), and
+    ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the gate/up kernel (N over I, K over H) and of the down
+    kernel (N over H, K over I)."""
+
+    block_m: int
+    gate_up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+
+
+# Decode / verify (<= 16 tokens): memory bound; narrow N tiles make many programs so the weights stream at full
+# bandwidth (Gemma 4 decode: 8 experts x 22 I tiles, 8 x 44 H tiles). From `python -m benchmarks.moe_gpu_check
+# --sweep` on an H100 (graph-timed, tokens 1 + 4): the best of 54 configs per kernel is within 1-3% of these for
+# both Gemma 4 26B-A4B and Step 3.5; the spread over the whole grid is ~10%.
+DECODE_CONFIG = MoeConfig(block_m=16, gate_up=(32, 128, 4, 4), down=(64, 128, 4, 4))
+# Prefill: taller blocks share each weight tile among more rows. `--sweep --tokens 512` (H100): Step 3.5 2.85 ->
+# ~2.5 ms over the first guess (64, 64, 4, 3) for both; Gemma 4 26B-A4B unchanged (~0.71 ms).
+PREFILL_CONFIG = MoeConfig(block_m=64, gate_up=(64, 128, 4, 2), down=(128, 64, 4, 2))
+
+
+def config_for(tokens: int) -> MoeConfig:
+    """Default launch parameters for a forward of ``tokens`` rows: a decode / verify forward's pairs of one
+    expert fit in one 16-row block; 17-32 tokens take 32-row blocks; wider forwards the prefill config."""
+    if tokens <= 16:
+        return DECODE_CONFIG
+    if tokens <= 32:
+        return MoeConfig(32, DECODE_CONFIG.gate_up, DECODE_CONFIG.down)
+    return PREFILL_CONFIG
+
+
+# ---------------------------------------------------------------- routing
+
+
+def softmax_topk_route(router_logits: torch.Tensor,  # [tokens, num_experts]
+                       top_k: int, per_expert_scale: torch.Tensor | None = None,  # [num_experts]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 4's router after its projection (transformers' ``Gemma4TextRouter``, same arithmetic): softmax over
+    all experts in fp32, top-k, the k weights renormalised to sum 1, times ``per_expert_scale[index]``.
+    -> (weights [tokens, top_k] fp32, index [tokens, top_k] int64). No host sync."""
+    check(router_logits.dim() == 2 and 0 < top_k <= router_logits.shape[-1],
+          f"router_logits must be [tokens, num_experts] with num_experts >= top_k={top_k}, "
+          f"got {tuple(router_logits.shape)}")
+    probabilities = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, index = torch.topk(probabilities, k=top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if per_expert_scale is not None:
+        weights = weights * per_expert_scale[index]
+    return weights, index
+
+
+def sigmoid_bias_topk_route(router_logits: torch.Tensor,  # [tokens, num_experts]
+                            bias: torch.Tensor,  # [num_experts]
+                            top_k: int, renormalize: bool, scaling_factor: float,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3.5's router (``route_tokens`` of ``models/step3p5/layers.py``, same arithmetic): experts selected by
+    ``sigmoid(logits) + bias``, weighted by the selected ``sigmoid(logits)``, optionally renormalised (sum +
+    1e-20), times ``scaling_factor``. -> (weights [tokens, top_k] fp32, index [tokens, top_k] int64)."""
+    check(router_logits.dim() == 2 and 0 < top_k <= router_logits.shape[-1],
+          f"router_logits must be [tokens, num_experts] with num_experts >= top_k={top_k}, "
+          f"got {tuple(router_logits.shape)}")
+    check(bias.shape == router_logits.shape[-1:],
+          f"bias must be [num_experts={router_logits.shape[-1]}], got {tuple(bias.shape)}")
+    scores = torch.sigmoid(router_logits.float())
+    index = torch.topk(scores + bias.float(), top_k, dim=-1).indices
+    weights = scores.gather(-1, index)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, index
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """fp32 `x` rounded to DTYPE (to nearest even), as fp32. EMULATE_BF16: by integer ops, for Triton's CPU
+    interpreter (3.9), whose fp32 -> bf16 cast truncates."""
+    if EMULATE_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _gated_activation(gate, up, limit, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                      EMULATE_BF16: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr):
+    """act(gate) * up of fp32 tiles holding DTYPE values, rounded to DTYPE after each op as torch does (fp32)."""
+    if ACTIVATION == "gelu_tanh":
+        inner = K_BETA * (gate + K_KAPPA * (gate * gate * gate))
+        # |2 * inner| > 80: tanh is +-1 in fp32 already; the clamp keeps exp finite
+        tanh = 1.0 - 2.0 / (tl.exp(tl.minimum(tl.maximum(2.0 * inner, -80.0), 80.0)) + 1.0)
+        act = _round(0.5 * gate * (1.0 + tanh), DTYPE, EMULATE_BF16)
+    else:
+        act = _round(gate / (1.0 + tl.exp(-gate)), DTYPE, EMULATE_BF16)
+        if HAS_LIMIT:
+            act = _round(tl.minimum(act, limit), DTYPE, EMULATE_BF16)
+            up = _round(tl.minimum(tl.maximum(up, -limit), limit), DTYPE, EMULATE_BF16)
+    return _round(act * up, DTYPE, EMULATE_BF16)
+
+
+@triton.jit
+def _moe_align_kernel(index_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr, row_start_ptr,
+                      num_pairs, num_experts, num_rows,
+                      BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr):
+    """One program: `_group_pairs` in one launch (same outputs) for at most PAIRS pairs."""
+    p = tl.arange(0, PAIRS)
+    p_ok = p < num_pairs
+    expert_of = tl.load(index_ptr + p, mask=p_ok, other=num_experts).to(tl.int32)
+    # padding, and ids out of range (never read past the weights), go to bin num_experts: no row
+    expert_of = tl.where((expert_of >= 0) & (expert_of < num_experts), expert_of, num_experts)
+    p_ok = p_ok & (expert_of < num_experts)
+    e = tl.arange(0, EXPERTS)
+    e_ok = e < num_experts
+    counts = tl.where(e_ok, tl.histogram(expert_of, EXPERTS), 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_start = tl.cumsum(blocks, 0) - blocks
+    tl.store(row_start_ptr + e, block_start * BLOCK_M, mask=e_ok)
+    tl.store(num_blocks_ptr, tl.sum(blocks, 0))
+    for b in range(0, tl.cdiv(num_pairs, BLOCK_M)):  # each expert's b-th block
+        tl.store(block_expert_ptr + block_start + b, e, mask=e_ok & (b < blocks))
+    for r0 in range(0, num_rows, FILL):
+        rows = r0 + tl.arange(0, FILL)
+        tl.store(row_pair_ptr + rows, tl.full([FILL], 0, tl.int32) + num_pairs, mask=rows < num_rows)
+    # a pair's rank among the earlier pairs of its expert (the stable sort's order)
+    earlier_same = (expert_of[:, None] == expert_of[None, :]) & (p[None, :] < p[:, None])
+    rank = tl.sum(earlier_same.to(tl.int32), 1)
+    tl.debug_barrier()  # the row starts and the padding fill are visible to every thread
+    dest = tl.load(row_start_ptr + expert_of, mask=p_ok, other=0) + rank
+    tl.store(row_pair_ptr + dest, p, mask=p_ok)
+
+
+@triton.jit
+def _block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr,
+                 ONE_TOKEN: tl.constexpr):
+    """(expert, rows, pair): a block's expert, its rows of the intermediate and each row's pair (``num_pairs`` on
+    padding rows). ONE_TOKEN: block b is pair b alone and block_expert_ptr the routing itself (no grouping); a
+    pair whose expert is out of range gets no row (and no weight outside the tensors is read)."""
+    rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if ONE_TOKEN:
+        in_range = (expert >= 0) & (expert < num_experts)
+        pair = tl.where((tl.arange(0, BLOCK_M) == 0) & in_range, block.to(tl.int64), num_pairs)
+        expert = tl.where(in_range, expert, 0)
+    else:
+        pair = tl.load(row_pair_ptr + rows).to(tl.int64)
+    return expert, rows, pair
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, wg_ptr, wu_ptr, inter_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
+    num_pairs, num_experts, top_k, hidden, inter_size, limit,
+    stride_xt, stride_xh, stride_ge, stride_gn, stride_gk, stride_ue, stride_un, stride_uk,
+    ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
+):
+    block = tl.program_id(0)
+    if not ONE_TOKEN:
+        if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
+            return
+    expert, rows, pair = _block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
+                                      ONE_TOKEN)
+    row_ok = pair < num_pairs
+    token = tl.where(row_ok, pair // top_k, 0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter_size
+    x_rows = x_ptr + token[:, None] * stride_xt
+    g_rows = wg_ptr + expert * stride_ge + cols.to(tl.int64)[:, None] * stride_gn
+    u_rows = wu_ptr + expert * stride_ue + cols.to(tl.int64)[:, None] * stride_un
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_rows + ks[None, :] * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        # the weights are read once: keep them from evicting the token rows from L2
+        g = tl.load(g_rows + ks[None, :] * stride_gk, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(u_rows + ks[None, :] * stride_uk, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        if EMULATE_BF16:  # the interpreter multiplies bf16 tiles as their raw bits: upcast
+            x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g += tl.dot(x, tl.trans(g), input_precision=PRECISION)
+        acc_u += tl.dot(x, tl.trans(u), input_precision=PRECISION)
+    dtype: tl.constexpr = inter_ptr.dtype.element_ty
+    # F.linear rounds gate and up to the model dtype before the activation
+    h = _gated_activation(_round(acc_g, dtype, EMULATE_BF16), _round(acc_u, dtype, EMULATE_BF16), limit, dtype,
+                          ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
+    tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :], h, mask=col_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    inter_ptr, wd_ptr, out_ptr, weights_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
+    num_pairs, num_experts, hidden, inter_size, stride_de, stride_dn, stride_dk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr,
+):
+    block = tl.program_id(0)
+    if not ONE_TOKEN:
+        if block >= tl.load(num_blocks_ptr):
+            return
+    expert, rows, pair = _block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
+                                      ONE_TOKEN)
+    row_ok = pair < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    a_rows = inter_ptr + rows[:, None] * inter_size
+    w_rows = wd_ptr + expert * stride_de + cols.to(tl.int64)[:, None] * stride_dn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter_size
+        a = tl.load(a_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :] * stride_dk, mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        if EMULATE_BF16:  # the interpreter multiplies bf16 tiles as their raw bits: upcast
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+    # F.linear's output in the model dtype, then .float() * the routing weight
+    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    y = _round(acc, wd_ptr.dtype.element_ty, EMULATE_BF16) * weight[:, None]
+    tl.store(out_ptr + pair[:, None] * hidden + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(parts_ptr, out_ptr, top_k, hidden, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """out[t] = sum over k of parts[t * top_k + k] in fp32 (slot order), rounded to out's dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, top_k):
+        acc += tl.load(parts_ptr + (token * top_k + k) * hidden + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + token * hidden + cols, _round(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,  # [tokens, hidden]
+    w_gate: torch.Tensor,  # [num_experts, inter, hidden]
+    w_up: torch.Tensor,  # [num_experts, inter, hidden]
+    w_down: torch.Tensor,  # [num_experts, hidden, inter]
+    top_k_index: torch.Tensor,  # [tokens, top_k] int
+    top_k_weights: torch.Tensor,  # [tokens, top_k] float
+    *,
+    activation: str,
+    limit: float | None = None,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:  # [tokens, hidden] in hidden_states' dtype
+    """The routed experts' weighted sum per token (see the module docstring); ``config`` overrides the launch
+    parameters (:func:`config_for`), e.g. for a tuning sweep."""
+    _check_args(hidden_states, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit)
+    args = (hidden_states, w_gate, w_up, w_down, top_k_index, top_k_weights)
+    if (not use_triton(hidden_states) or hidden_states.shape[0] == 0
+            or any(needs_grad(t) for t in (hidden_states, w_gate, w_up, w_down, top_k_weights))):
+        return fused_moe_reference(*args, activation=activation, limit=limit)
+    reason = _unsupported(hidden_states, w_gate, top_k_index)
+    if reason is not None:
+        _warn_once(reason)
+        return fused_moe_reference(*args, activation=activation, limit=limit)
+    config = config or config_for(hidden_states.shape[0])
+    check(config.block_m >= 16 and config.block_m == next_power_of_2(config.block_m),
+          f"config.block_m must be a power of two >= 16, got {config.block_m}")
+    return _launch(*args, activation, limit, config)
+
+
+def _check_args(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit) -> None:
+    check(x.dim() == 2, f"hidden_states must be [tokens, hidden] (reshape(-1, hidden)), got {tuple(x.shape)}")
+    tokens, hidden = x.shape
+    check(w_gate.dim() == 3 and w_gate.shape[2] == hidden,
+          f"w_gate must be [num_experts, inter, hidden={hidden}], got {tuple(w_gate.shape)}")
+    experts, inter, _ = w_gate.shape
+    check(w_up.shape == w_gate.shape, f"w_up must be [num_experts, inter, hidden] like w_gate "
+          f"{tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+    check(w_down.shape == (experts, hidden, inter),
+          f"w_down must be [num_experts={experts}, hidden={hidden}, inter={inter}], got {tuple(w_down.shape)}")
+    check(w_gate.dtype == w_up.dtype == w_down.dtype == x.dtype,
+          f"the expert weights must share hidden_states' dtype {x.dtype}, got {w_gate.dtype}, {w_up.dtype}, "
+          f"{w_down.dtype}")
+    check(top_k_index.dim() == 2 and top_k_index.shape[0] == tokens and top_k_weights.shape == top_k_index.shape,
+          f"top_k_index and top_k_weights must both be [tokens={tokens}, top_k], got {tuple(top_k_index.shape)} "
+          f"and {tuple(top_k_weights.shape)}")
+    check(not top_k_index.is_floating_point() and not top_k_index.is_complex() and top_k_index.dtype != torch.bool,
+          f"top_k_index must hold integer expert ids, got {top_k_index.dtype}")
+    check(top_k_weights.is_floating_point(), f"top_k_weights must be floating point, got {top_k_weights.dtype}")
+    check(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check(limit is None or (activation == "silu" and limit > 0),
+          f"limit clamps the silu activation only and must be > 0 (None for no clamp), got {limit!r} "
+          f"with {activation!r}")
+    check_same_device(hidden_states=x, w_gate=w_gate, w_up=w_up, w_down=w_down, top_k_index=top_k_index,
+                      top_k_weights=top_k_weights)
+
+
+def _unsupported(x: torch.Tensor, w_gate: torch.Tensor, top_k_index: torch.Tensor) -> str | None:
+    """Why the kernels do not take these arguments (None: they do)."""
+    if x.dtype not in KERNEL_DTYPES:
+        return f"dtype {x.dtype} (the kernels take fp32, bf16 and fp16)"
+    if w_gate.shape[0] > MAX_EXPERTS:
+        return f"more than MAX_EXPERTS={MAX_EXPERTS} experts"
+    if top_k_index.shape[1] > MAX_TOP_K:
+        return f"top_k above MAX_TOP_K={MAX_TOP_K}"
+    return None
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("fused_moe: %s: running the torch reference", reason)
+
+
+def group_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+    """`_group_pairs` by one Triton launch (`_moe_align_kernel`) up to ALIGN_MAX_PAIRS pairs (decode, verify: the
+    ~20 small torch launches cost as much as reading the experts there), by torch ops beyond."""
+    pairs = top_k_index.numel()
+    if pairs > ALIGN_MAX_PAIRS:
+        return _group_pairs(top_k_index, num_experts, block_m)
+    device = top_k_index.device
+    max_blocks = pairs // block_m + min(num_experts, pairs)
+    row_pair = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=device)
+    row_start = torch.empty(num_experts, dtype=torch.int32, device=device)
+    _moe_align_kernel[(1,)](
+        top_k_index.reshape(-1), row_pair, block_expert, num_blocks, row_start, pairs, num_experts,
+        row_pair.numel(), BLOCK_M=block_m, PAIRS=max(16, next_power_of_2(pairs)),
+        EXPERTS=next_power_of_2(num_experts + 1), FILL=1024, num_warps=4)
+    return row_pair, block_expert, num_blocks, max_blocks
+
+
+def _group_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+    """Group the (token, slot) pairs by expert into ``block_m``-row blocks, on the device and without a host sync.
+
+    -> (row_pair [max_blocks * block_m]: the pair (``token * top_k + slot``) of each block row, ``pairs`` on
+    padding rows; block_expert [max_blocks]: each block's expert; num_blocks [1]: the real block count;
+    max_blocks: the host-side bound the grids take). An expert's rows keep their pairs' order (stable sort).
+    """
+    flat = top_k_index.reshape(-1).long()
+    pairs, device = flat.numel(), flat.device
+    max_blocks = pairs // block_m + min(num_experts, pairs)
+    sorted_expert, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    row_start = (block_end - blocks) * block_m  # first padded row of each expert
+    pair_start = counts.cumsum(0) - counts  # first sorted position of each expert
+    position = torch.arange(pairs, device=device)
+    dest = row_start[sorted_expert] + position - pair_start[sorted_expert]
+    row_pair = torch.full((max_blocks * block_m,), pairs, dtype=torch.long, device=device).scatter_(0, dest, order)
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=device), right=True)
+    return row_pair, block_expert, block_end[-1:], max_blocks
+
+
+def _tile(config: tuple[int, int, int, int], n: int, k: int) -> tuple[int, int, int, int]:
+    """A kernel's (BLOCK_N, BLOCK_K, warps, stages) with the tiles no wider than the (padded) dimensions."""
+    block_n, block_k, warps, stages = config
+    return min(block_n, max(16, next_power_of_2(n))), min(block_k, max(16, next_power_of_2(k))), warps, stages
+
+
+def _launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit, config: MoeConfig):
+    tokens, hidden = x.shape
+    experts, inter, _ = w_gate.shape
+    top_k = top_k_index.shape[1]
+    pairs = tokens * top_k
+    one_token = tokens == 1  # decode: each pair is its own block, no grouping launch
+    if one_token:
+        row_pair = block_expert = num_blocks = top_k_index.reshape(-1)
+        max_blocks = top_k
+    else:
+        row_pair, block_expert, num_blocks, max_blocks = group_pairs(top_k_index, experts, config.block_m)
+    # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits and truncates fp32 -> bf16
+    # casts: there the kernels upcast the tiles and round by integer ops
+    emulate = x.dtype == torch.bfloat16 and interpreting(_moe_gate_up_kernel)
+    precision = "ieee" if x.dtype == torch.float32 or emulate else "tf32"  # fp32 stays fp32 (no tf32 rounding)
+    intermediate = torch.empty(max_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = _tile(config.gate_up, inter, hidden)
+    _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n))](
+        x, w_gate, w_up, intermediate, row_pair, block_expert, num_blocks,
+        pairs, experts, top_k, hidden, inter, float(limit or 0.0),
+        *x.stride(), *w_gate.stride(), *w_up.stride(),
+        ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate, ONE_TOKEN=one_token,
+        K_BETA=0.7978845608028654, K_KAPPA=0.044715, num_warps=warps, num_stages=stages)
+    weights = top_k_weights.reshape(-1).float()
+    parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    block_n, block_k, warps, stages = _tile(config.down, hidden, inter)
+    _moe_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
+        intermediate, w_down, parts, weights, row_pair, block_expert, num_blocks,
+        pairs, experts, hidden, inter, *w_down.stride(),
+        BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate,
+        ONE_TOKEN=one_token, num_warps=warps, num_stages=stages)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    block = min(SUM_BLOCK, next_power_of_2(hidden))
+    _moe_sum_kernel[(tokens, triton.cdiv(hidden, block))](parts, out, top_k, hidden, BLOCK=block,
+                                                         EMULATE_BF16=emulate, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------- reference
+
+
+def gated_activation_reference(gate: torch.Tensor, up: torch.Tensor, activation: str,
+                               limit: float | None = None) -> torch.Tensor:
+    """Gemma 4's ``gelu_tanh(gate) * up`` or Step 3.5's ``clamped_swiglu(gate, up, limit)``, in the inputs' dtype."""
+    if activation == "gelu_tanh":
+        return gelu_tanh_mul_reference(gate, up)
+    act = F.silu(gate)
+    if limit is not None:
+        act = act.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return act * up
+
+
+def fused_moe_reference(
+    hidden_states: torch.Tensor,  # [tokens, hidden]
+    w_gate: torch.Tensor,  # [num_experts, inter, hidden]
+    w_up: torch.Tensor,  # [num_experts, inter, hidden]
+    w_down: torch.Tensor,  # [num_experts, hidden, inter]
+    top_k_index: torch.Tensor,  # [tokens, top_k] int
+    top_k_weights: torch.Tensor,  # [tokens, top_k] float
+    *,
+    activation: str,
+    limit: float | None = None,
+) -> torch.Tensor:  # [tokens, hidden] in hidden_states' dtype
+    """Torch version: the CPU path and the test oracle. ``Step3p5MoE.forward``'s CPU branch: one pass per selected
+    expert (``unique`` is a host sync), each contribution in fp32, summed in fp32, cast back once."""
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    for e in top_k_index.unique().tolist():
+        token, slot = torch.where(top_k_index == e)
+        x = hidden_states[token]
+        h = gated_activation_reference(F.linear(x, w_gate[e]), F.linear(x, w_up[e]), activation, limit)
+        out.index_add_(0, token, F.linear(h, w_down[e]).float() * top_k_weights[token, slot, None].float())
+    return out.to(hidden_states.dtype)

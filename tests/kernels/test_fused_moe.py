@@ -1,0 +1,332 @@
+"""fused_moe: the reference equals a per-token loop over the models' own activations and Step 3.5's MoE forward,
+the routers equal Step 3.5's ``route_tokens`` and transformers' ``Gemma4TextRouter`` exactly, and the Triton
+kernels match the reference (fp32 to 1e-5; bf16 / fp16 to a rounding: only the summation order differs)."""
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from hf_specdec.kernels import fused_moe as fused_moe_module
+from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON
+from hf_specdec.kernels.fused_moe import (
+    MoeConfig,
+    _group_pairs,
+    fused_moe,
+    group_pairs,
+    fused_moe_reference,
+    sigmoid_bias_topk_route,
+    softmax_topk_route,
+)
+from hf_specdec.models.step3p5.configuration import Step3p5Config
+from hf_specdec.models.step3p5.layers import Step3p5MoE, clamped_swiglu, route_tokens
+
+from .conftest import REPO_ROOT, interpreter_active
+
+ACTIVATIONS = [("gelu_tanh", None), ("silu", None), ("silu", 0.5)]
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+             torch.float16: dict(atol=2e-3, rtol=2e-3)}
+SMALL = MoeConfig(block_m=16, gate_up=(16, 16, 4, 2), down=(16, 16, 4, 2))  # several N and K tiles at test sizes
+
+
+def make_moe(tokens, experts, top_k, hidden=32, inter=32, dtype=torch.float32, routing="random", stacked=True,
+             seed=0, device="cpu"):
+    """(x, w_gate, w_up, w_down, index, weights). stacked: gate / up are the halves of one [E, 2I, H] parameter
+    (Gemma 4's gate_up_proj), else separate tensors (Step 3.5). routing "same": every token picks the same
+    experts (their pairs need several blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5 * 2
+    w_down = torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5
+    if routing == "same":
+        index = torch.randperm(experts, generator=gen)[:top_k].expand(tokens, top_k)
+    else:
+        index = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, generator=gen)
+    x, gate_up, w_down = (t.to(dtype).to(device) for t in (x, gate_up, w_down))
+    if stacked:
+        w_gate, w_up = gate_up[:, :inter], gate_up[:, inter:]
+    else:
+        w_gate, w_up = gate_up[:, :inter].contiguous(), gate_up[:, inter:].contiguous()
+    return x, w_gate, w_up, w_down, index.to(device), weights.to(device)
+
+
+def per_token_loop(x, w_gate, w_up, w_down, index, weights, activation, limit):
+    """One token and one slot at a time, with the models' activations (transformers' gelu_pytorch_tanh, Step
+    3.5's clamped_swiglu); fp32 sum in slot order."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for k, e in enumerate(index[t].tolist()):
+            gate, up = F.linear(x[t:t + 1], w_gate[e]), F.linear(x[t:t + 1], w_up[e])
+            h = ACT2FN["gelu_pytorch_tanh"](gate) * up if activation == "gelu_tanh" else clamped_swiglu(gate, up, limit)
+            out[t] += F.linear(h, w_down[e])[0].float() * weights[t, k].float()
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- reference (CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation,limit", ACTIVATIONS)
+@pytest.mark.parametrize("experts,top_k", [(8, 1), (8, 2), (8, 8), (288, 8)])
+@pytest.mark.parametrize("tokens,routing", [(1, "random"), (17, "random"), (17, "same")])
+def test_reference_equals_a_per_token_loop(dtype, activation, limit, experts, top_k, tokens, routing):
+    args = make_moe(tokens, experts, top_k, hidden=16, inter=32, dtype=dtype, routing=routing, seed=top_k + tokens)
+    got = fused_moe_reference(*args, activation=activation, limit=limit)
+    assert got.shape == args[0].shape and got.dtype == dtype
+    torch.testing.assert_close(got, per_token_loop(*args, activation, limit), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_step3p5_moe_forward_bit_for_bit(dtype):
+    config = Step3p5Config(hidden_size=32, moe_num_experts=8, moe_top_k=2, moe_intermediate_size=16,
+                           moe_router_scaling_factor=2.5)
+    torch.manual_seed(0)
+    moe = Step3p5MoE(config, limit=0.5)
+    for p in (moe.gate.weight, moe.router_bias, moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight):
+        torch.nn.init.normal_(p, 0, 0.3)
+    moe = moe.to(dtype)
+    x = torch.randn(5, 32).to(dtype)
+    with torch.no_grad():
+        weights, experts = moe.route(x)
+        got = fused_moe_reference(x, moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight, experts, weights,
+                                  activation="silu", limit=0.5)
+        assert torch.equal(got, moe(x))
+
+
+def test_reference_matches_gemma4_text_experts():
+    """fp32 (transformers sums the experts in the model dtype; the reference in fp32, as Step 3.5 does)."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+    experts = Gemma4TextExperts(_gemma4_config(num_experts=8, top_k=2))
+    torch.nn.init.normal_(experts.gate_up_proj, 0, 0.3)
+    torch.nn.init.normal_(experts.down_proj, 0, 0.3)
+    x, inter = torch.randn(6, 32), experts.intermediate_dim
+    logits = torch.randn(6, 8)
+    weights, index = softmax_topk_route(logits, 2)
+    with torch.no_grad():
+        expected = experts(x, index, weights)
+    got = fused_moe_reference(x, experts.gate_up_proj[:, :inter], experts.gate_up_proj[:, inter:], experts.down_proj,
+                              index, weights, activation="gelu_tanh")
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_group_pairs_blocks_hold_one_expert_each():
+    """Every pair lands in exactly one row; a block's rows all belong to its expert; the bound holds."""
+    gen = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 6, (37, 3), generator=gen)
+    index[:20, 0] = 4  # one expert with 20+ pairs: several blocks
+    row_pair, block_expert, num_blocks, max_blocks = _group_pairs(index, 6, 16)
+    pairs = index.numel()
+    counts = torch.bincount(index.flatten(), minlength=6)
+    assert int(num_blocks) == int(((counts + 15) // 16).sum()) <= max_blocks
+    real = row_pair.view(max_blocks, 16)[: int(num_blocks)]
+    assert sorted(real[real < pairs].tolist()) == list(range(pairs)) and (row_pair[16 * int(num_blocks):] == pairs).all()
+    for b in range(int(num_blocks)):
+        rows = real[b][real[b] < pairs]
+        assert len(rows) > 0 and (index.flatten()[rows] == block_expert[b]).all()
+        assert rows.tolist() == sorted(rows.tolist())  # stable: an expert's pairs keep their order
+
+
+def test_bad_arguments_name_the_fix():
+    x, w_gate, w_up, w_down, index, weights = make_moe(2, 8, 2, hidden=32, inter=16)
+    cases = [
+        ((x[:, :16], w_gate, w_up, w_down, index, weights), {}, "w_gate must be"),
+        ((x, w_gate, w_up[:, :8], w_down, index, weights), {}, "w_up must be"),
+        ((x, w_gate, w_up, w_down.transpose(1, 2), index, weights), {}, "w_down must be"),
+        ((x[None], w_gate, w_up, w_down, index, weights), {}, r"reshape\(-1, hidden\)"),
+        ((x, w_gate, w_up, w_down.double(), index, weights), {}, "share hidden_states' dtype"),
+        ((x, w_gate, w_up, w_down, index[:1], weights[:1]), {}, "tokens=2"),
+        ((x, w_gate, w_up, w_down, index.float(), weights), {}, "integer expert ids"),
+        ((x, w_gate, w_up, w_down, index, weights), dict(activation="relu"), "activation must be"),
+        ((x, w_gate, w_up, w_down, index, weights), dict(activation="gelu_tanh", limit=7.0), "silu activation only"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fused_moe(*args, **{"activation": "silu", **kwargs})
+
+
+# ---------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize("renormalize,scaling_factor", [(True, 2.5), (False, 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_bias_topk_route_is_step3p5_route_tokens(renormalize, scaling_factor, dtype):
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(9, 288, generator=gen) * 3).to(dtype)
+    logits[:, 100:110] = logits[:, 50:51]  # tied scores
+    bias = torch.randn(288, generator=gen) * 0.1
+    bias[100:110] = bias[50]
+    got = sigmoid_bias_topk_route(logits, bias, 8, renormalize, scaling_factor)
+    expected = route_tokens(logits, bias, 8, renormalize, scaling_factor)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def _gemma4_config(num_experts, top_k, hidden=32):
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    return Gemma4TextConfig(hidden_size=hidden, enable_moe_block=True, num_experts=num_experts, top_k_experts=top_k,
+                            moe_intermediate_size=16, intermediate_size=64, num_hidden_layers=1,
+                            layer_types=["full_attention"], num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            vocab_size=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_topk_route_is_gemma4_text_router(dtype):
+    """Same logits (the router's projection output) -> same weights and experts, tied scores included."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
+
+    torch.manual_seed(0)
+    router = Gemma4TextRouter(_gemma4_config(num_experts=128, top_k=8))
+    with torch.no_grad():
+        router.proj.weight[60:70] = router.proj.weight[3]  # experts 3 and 60-69 tie for every token
+        router.per_expert_scale.uniform_(0.5, 2.0)
+    router = router.to(dtype)
+    logits = []
+    router.proj.register_forward_hook(lambda module, inputs, output: logits.append(output))
+    with torch.no_grad():
+        _, expected_weights, expected_index = router(torch.randn(7, 32).to(dtype))
+        weights, index = softmax_topk_route(logits[0], 8, router.per_expert_scale)
+    assert weights.dtype == torch.float32 and index.dtype == torch.int64
+    assert torch.equal(weights, expected_weights) and torch.equal(index, expected_index)
+
+
+# ---------------------------------------------------------------- Triton (GPU, or the interpreter on CPU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("experts,top_k", [(8, 1), (8, 2), (8, 8), (288, 1), (288, 2), (288, 8)])
+def test_triton_fused_moe(triton_device, dtype, experts, top_k, tokens):
+    """Default launch config; the activations take turns; gelu cases on views of one stacked gate_up parameter
+    (Gemma 4), silu cases on separate weights (Step 3.5)."""
+    activation, limit = ACTIVATIONS[(top_k + tokens) % 3]
+    args = make_moe(tokens, experts, top_k, dtype=dtype, stacked=activation == "gelu_tanh", seed=tokens + experts,
+                    device=triton_device)
+    assert args[1].is_contiguous() != (activation == "gelu_tanh")
+    _check_against_reference(args, activation, limit)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_fused_moe_several_tiles_and_blocks(triton_device, dtype):
+    """H and I not multiples of the tiles; all 17 tokens on the same 2 experts: 2 blocks of 16 rows each."""
+    args = make_moe(17, 8, 2, hidden=40, inter=24, dtype=dtype, routing="same", device=triton_device)
+    _check_against_reference(args, "silu", 0.5, SMALL)
+    _check_against_reference(args, "gelu_tanh", None, SMALL)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_triton_fused_moe_expert_repeated_in_a_row(triton_device, tokens):
+    """A routing that names one expert twice for a token (top-k never does) still sums both slots."""
+    args = make_moe(tokens, 8, 4, device=triton_device)
+    args[4][:, 2] = args[4][:, 0]
+    _check_against_reference(args, "silu", None)
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 1 << 20])
+def test_triton_out_of_range_expert_spoils_only_its_token(triton_device, bad):
+    """Not checked (a host sync): an expert id outside [0, E) leaves its token undefined, reads no weight out of
+    bounds, and the other tokens are right."""
+    for tokens in (1, 3):
+        args = make_moe(tokens, 8, 2, device=triton_device, seed=bad % 7)
+        args[4][0, 1] = bad
+        got = fused_moe(*args, activation="silu")
+        assert got.shape == (tokens, 32)
+        if tokens > 1:
+            rest = [a[1:] if i in (0, 4, 5) else a for i, a in enumerate(args)]
+            torch.testing.assert_close(got[1:].cpu(), fused_moe_reference(*rest, activation="silu").cpu(),
+                                       **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_triton_fused_moe_prefill(triton_device, top_k):
+    """Wider forwards take taller blocks (config_for), and past ALIGN_MAX_PAIRS pairs the torch grouping."""
+    args = make_moe(40, 8, top_k, hidden=32, inter=48, device=triton_device, seed=top_k)
+    assert fused_moe_module.config_for(40).block_m > 16
+    assert (40 * top_k > fused_moe_module.ALIGN_MAX_PAIRS) == (top_k == 8)
+    _check_against_reference(args, "gelu_tanh", None)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (3, 288, 8, 16), (17, 8, 8, 32),
+                                                           (32, 288, 8, 32), (32, 8, 8, 16)])
+def test_triton_align_kernel_groups_like_the_torch_ops(triton_device, tokens, experts, top_k, block_m):
+    """One Triton program (<= ALIGN_MAX_PAIRS pairs) gives the torch grouping's blocks, rows and count exactly."""
+    gen = torch.Generator().manual_seed(tokens)
+    index = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    index[: tokens // 2, 0] = 3  # one popular expert: several blocks when tokens > block_m
+    index = index.to(triton_device)
+    assert index.numel() <= fused_moe_module.ALIGN_MAX_PAIRS
+    row_pair, block_expert, num_blocks, max_blocks = group_pairs(index, experts, block_m)
+    expected = _group_pairs(index, experts, block_m)
+    assert max_blocks == expected[3] and int(num_blocks) == int(expected[2])
+    assert torch.equal(row_pair.long().cpu(), expected[0].cpu())
+    assert torch.equal(block_expert[: int(num_blocks)].long().cpu(), expected[1][: int(num_blocks)].cpu())
+
+
+def test_triton_fused_moe_falls_back_when_unsupported(triton_device, monkeypatch, caplog):
+    """Too many experts for the kernel path, or fp64: the reference's answer, and one warning per reason."""
+    monkeypatch.setattr(fused_moe_module, "MAX_EXPERTS", 4)
+    monkeypatch.setattr(fused_moe_module, "_warned", set())
+    args = make_moe(3, 8, 2, device=triton_device)
+    with caplog.at_level(logging.WARNING, logger=fused_moe_module.__name__):
+        for _ in range(2):
+            got = fused_moe(*args, activation="silu")
+            assert torch.equal(got, fused_moe_reference(*args, activation="silu"))
+        args64 = make_moe(3, 2, 2, dtype=torch.float64, device=triton_device)
+        assert torch.equal(fused_moe(*args64, activation="gelu_tanh"),
+                           fused_moe_reference(*args64, activation="gelu_tanh"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "MAX_EXPERTS=4" in messages[0] and "float64" in messages[1]
+
+
+def _check_against_reference(args, activation, limit, config=None):
+    got = fused_moe(*args, activation=activation, limit=limit, config=config)
+    expected = fused_moe_reference(*args, activation=activation, limit=limit)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **TOLERANCE[args[0].dtype])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_fused_moe_captures_in_a_cuda_graph():
+    """No host sync: the whole layer captures, and a replay on new routings gives the eager answer."""
+    args = make_moe(4, 128, 8, hidden=256, inter=64, dtype=torch.bfloat16, device="cuda")
+    x, w_gate, w_up, w_down, index, weights = args
+    fused_moe(*args, activation="gelu_tanh")  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(*args, activation="gelu_tanh")
+    index.copy_(torch.rand(4, 128, device="cuda").topk(8, dim=-1).indices)
+    graph.replay()
+    torch.testing.assert_close(out, fused_moe(*args, activation="gelu_tanh"), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- this file alone, in the interpreter
+
+
+def test_fused_moe_cases_in_interpreter(request):
+    """Running this file by itself on CPU: its ``triton_`` tests in a TRITON_INTERPRET=1 child (all must pass,
+    none skip). In a run that collects test_paged_attention's ``test_triton_cases_in_interpreter``, that test
+    re-runs every ``triton_`` test of tests/kernels, this file's included, so this one stands down."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available() or interpreter_active():
+        pytest.skip("the triton tests run directly in this process")
+    if any(item.name == "test_triton_cases_in_interpreter" for item in request.session.items):
+        pytest.skip("test_triton_cases_in_interpreter re-runs this file's triton_ tests in this session")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{FORCE_TRITON_ENV: "1"},
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_ and not in_interpreter",
+           str(Path(__file__))]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"interpreter run failed:\n{output[-6000:]}"
+    passed = re.search(r"(\d+) passed", output)
+    assert passed and int(passed.group(1)) >= 20 and "skipped" not in output, output[-3000:]
