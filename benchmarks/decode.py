@@ -1,6 +1,6 @@
 """decode: plain greedy decoding, transformers (dynamic cache; static cache + torch.compile) vs hf_specdec, beside the bandwidth floor.
 
-    python -m benchmarks.decode [--shapes gemma4-31b gemma4-e4b] [--layers N] [--batch 1 8] [--quick | --smoke]
+    python -m benchmarks.decode [--shapes gemma4-31b gemma4-e4b gemma4-26b-a4b step3p5] [--layers N] [--batch 1 8] [--quick | --smoke]
 
 Gemma 4 31B and E4B shapes with random bf16 weights (benchmarks/shapes.py; ``--layers`` cuts the depth and
 is recorded in model_shape). Backends: ``hf_dynamic`` (``generate``, DynamicCache), ``hf_static_compile``
@@ -20,7 +20,7 @@ import torch
 
 import hf_specdec
 from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, first_mismatch, free_device_memory
-from benchmarks.shapes import floor_tokens_per_s, gemma4_target, random_prompt, shape_name
+from benchmarks.shapes import floor_tokens_per_s, random_prompt, shape_name, target_for
 
 NAME = "decode"
 BACKENDS = ("hf_dynamic", "hf_static_compile", "hf_specdec")
@@ -50,7 +50,7 @@ def run(args, progress) -> list[dict]:
     progress.total(len(args.shapes) * len(args.batch) * len(args.backends))
     rows = []
     for shape in args.shapes:
-        model = gemma4_target(shape, args.layers, args.device, args.dtype)
+        model = target_for(shape, args.layers, args.device, args.dtype)
         for batch in args.batch:
             rows += bench_batch(model, shape_name(shape, args.layers), batch, bandwidth, args, progress)
         del model

@@ -5,6 +5,8 @@ Targets (docs/models.md §1, §4):
   full 4 kv x 512 with attention_k_eq_v; vocab 262144; no KV sharing, no per-layer inputs.
 - ``gemma4-e4b``: 42 layers, hidden 2560, intermediate 10240, 8 q / 2 kv heads, 256 / 512 head dims,
   window 512, the last 18 layers KV-shared, per-layer inputs (PLE) of 256.
+- ``gemma4-26b-a4b``: 30 layers, hidden 2816, 16 q heads; sliding 8 kv x 256 (window 1024), full 2 kv x 512 with
+  attention_k_eq_v; a dense MLP (2112) beside 128 experts (top-8, 704) in every layer; vocab 262144.
 - ``step3p5``: hidden 4096, vocab 128896; full layers 64 q heads, sliding 96, 8 kv, d128, window 512;
   layers 0-2 dense (11264), later layers MoE (288 experts top-8, 1280, one shared expert); 3 sliding MTP layers.
 - ``smoke-*``: the same structure at toy sizes, for CPU runs in seconds.
@@ -41,6 +43,18 @@ GEMMA4_TARGETS = {
         num_key_value_heads=2, head_dim=256, global_head_dim=512, sliding_window=512, num_kv_shared_layers=18,
         hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
     ),
+    "gemma4-26b-a4b": dict(
+        vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+        attention_k_eq_v=True, sliding_window=1024, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
+        enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+    ),
+    "smoke-26b-a4b": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=16, num_kv_shared_layers=0, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+    ),
     "smoke-31b": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
@@ -57,6 +71,8 @@ GEMMA4_TARGETS = {
 GEMMA4_ASSISTANTS = {
     "gemma4-31b": (dict(hidden_size=1024, intermediate_size=8192, num_attention_heads=32), "inferred"),
     "gemma4-e4b": (dict(hidden_size=256, intermediate_size=2048, num_attention_heads=4), "e2b-assistant"),
+    "gemma4-26b-a4b": (dict(hidden_size=1024, intermediate_size=8192, num_attention_heads=32), "inferred"),
+    "smoke-26b-a4b": (dict(hidden_size=32, intermediate_size=64, num_attention_heads=4), "toy"),
     "smoke-31b": (dict(hidden_size=32, intermediate_size=64, num_attention_heads=4), "toy"),
     "smoke-e4b": (dict(hidden_size=32, intermediate_size=64, num_attention_heads=4), "toy"),
 }
@@ -114,8 +130,10 @@ def gemma4_assistant_config(shape: str, target_config):
     if target_config.attention_k_eq_v:
         text["num_global_key_value_heads"] = full.num_key_value_heads
     centroids = 2048 if vocab % 2048 == 0 and vocab >= 2048 * 32 else 16
+    # the 26B-A4B assistant has a tied dense head (no centroids)
+    ordered = not getattr(target_config, "enable_moe_block", False)
     return HFSpecGemma4AssistantConfig(text_config=text, backbone_hidden_size=target_config.hidden_size,
-                                       use_ordered_embeddings=True, num_centroids=centroids,
+                                       use_ordered_embeddings=ordered, num_centroids=centroids,
                                        centroid_intermediate_top_k=32 if centroids == 2048 else 4,
                                        tie_word_embeddings=True)
 
@@ -174,6 +192,8 @@ def gemma4_assistant(shape: str, target, device: str, dtype: torch.dtype):
 
     config = gemma4_assistant_config(shape, target.config)
     assistant = build_on_device(Gemma4MTPAssistant, config, device, dtype, seed=1)
+    if assistant.masked_embedding is None:  # a dense head
+        return assistant
     with torch.no_grad():  # a shuffled ordering, as trained checkpoints have (the identity would be a special case)
         ordering = assistant.masked_embedding.token_ordering
         ordering.copy_(torch.randperm(ordering.numel(), generator=torch.Generator().manual_seed(1)).to(ordering.device))
@@ -186,23 +206,45 @@ def step3p5_target(shape: str, layers: int | None, device: str, dtype: torch.dty
     return build_on_device(Step3p5ForCausalLM, step3p5_config(shape, layers), device, dtype)
 
 
+def target_for(shape: str, layers: int | None, device: str, dtype: torch.dtype):
+    """The target of any shape above (Gemma 4 or Step 3.5)."""
+    build = step3p5_target if shape in STEP3P5 else gemma4_target
+    return build(shape, layers, device, dtype)
+
+
 def random_prompt(batch: int, length: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
     """[batch, length] token ids, avoiding the special ids 0-2."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=gen).to(device)
 
 
-def streamed_bytes_per_step(model, batch: int, context: int) -> dict:
-    """Bytes a decode step must read: every weight once (lookup tables: one row per token), plus the K/V of
-    ``context`` tokens (the window on sliding layers) per row in each layer that owns K/V."""
+# packed expert weights [num_experts, ...] of the MoE shapes (Gemma 4 experts, Step 3.5 routed experts)
+EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj", "moe.gate_proj.weight", "moe.up_proj.weight",
+                  "moe.down_proj.weight")
+
+
+def expected_active_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Experts a forward of ``tokens`` tokens reads, in expectation, when each token picks ``top_k`` of
+    ``num_experts`` uniformly (random weights route close to that): ``E * (1 - (1 - k/E)^tokens)``; top_k for
+    one token, the union of the tokens' experts for a batch or a verify step."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def streamed_bytes_per_step(model, batch: int, context: int, tokens_per_row: int = 1) -> dict:
+    """Bytes a decode step must read: every weight once (lookup tables: one row per token), of an MoE layer's
+    experts only those the step's ``batch * tokens_per_row`` tokens select (:func:`expected_active_experts`),
+    plus the K/V of ``context`` tokens (the window on sliding layers) per row in each layer that owns K/V."""
     config = model.config.get_text_config()
     lookups = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     head = model.get_output_embeddings()
     head_weight = head.weight if head is not None else None
     weight_bytes = 0
-    for p in {id(p): p for p in model.parameters()}.values():
+    for name, p in {id(p): (n, p) for n, p in model.named_parameters()}.values():
         if any(p is w for w in lookups) and p is not head_weight:
             weight_bytes += batch * p.shape[-1] * p.element_size()
+        elif name.endswith(EXPERT_WEIGHTS):
+            active = expected_active_experts(p.shape[0], _top_k(config), batch * tokens_per_row)
+            weight_bytes += round(p.numel() * p.element_size() * active / p.shape[0])
         else:
             weight_bytes += p.numel() * p.element_size()
     kv_bytes = 0
@@ -210,6 +252,10 @@ def streamed_bytes_per_step(model, batch: int, context: int) -> dict:
     for heads, dim, window in _kv_layers(config):
         kv_bytes += 2 * batch * min(context, window or context) * heads * dim * element
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bytes_per_step": weight_bytes + kv_bytes}
+
+
+def _top_k(config) -> int:
+    return getattr(config, "top_k_experts", None) or getattr(config, "moe_top_k")
 
 
 def _kv_layers(config):

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import torch
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 S, F = "sliding_attention", "full_attention"
 
@@ -32,11 +41,26 @@ def gemma4_31b_style(**overrides) -> Gemma4ForCausalLM:
     return _build(Gemma4ForCausalLM, Gemma4TextConfig(**config))
 
 
+def gemma4_26b_style(**overrides) -> Gemma4ForCausalLM:
+    """26B-A4B-like: the 31B-style attention, and a mixture of experts (8 experts, top-2) beside each dense MLP."""
+    config = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16)
+    config.update(overrides)
+    return gemma4_31b_style(**config)
+
+
 def llama(**overrides) -> LlamaForCausalLM:
     config = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     config.update(overrides)
     return _build(LlamaForCausalLM, LlamaConfig(**config))
+
+
+def mistral(**overrides) -> MistralForCausalLM:
+    """Mistral-style: a ``sliding_window`` on every layer and no ``layer_types``."""
+    config = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=8, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config.update(overrides)
+    return _build(MistralForCausalLM, MistralConfig(**config))
 
 
 def qwen3(**overrides) -> Qwen3ForCausalLM:
@@ -51,8 +75,8 @@ def _build(cls, config):
     model = cls(config).eval()
     # Random init gives near-uniform logits; a larger scale makes greedy choices decisive.
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 p.normal_(0, 0.3)
     return model
 

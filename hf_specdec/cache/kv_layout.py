@@ -82,9 +82,14 @@ def kv_layout_from_config(config) -> KVLayout:
 
 
 def _layer_types(config) -> list[str]:
+    """Each layer's attention type: the config's ``layer_types``, else every layer sliding when the config has a
+    ``sliding_window`` (Mistral-style configs apply it to every layer) unless ``use_sliding_window`` is False,
+    else every layer full."""
     types = getattr(config, "layer_types", None)
     if types is None:
-        return [FULL] * config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+        return [SLIDING if sliding else FULL] * config.num_hidden_layers
     unknown = sorted(set(types) - {SLIDING, FULL})
     if unknown:
         raise ValueError(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +14,7 @@ from transformers import PreTrainedModel
 from hf_specdec.attention import ATTENTION_NAME, register
 from hf_specdec.cache import KVLayout, kv_layout_from_config
 from hf_specdec.config import CacheConfig
+from hf_specdec.generation.experts import restore_experts, select_experts
 from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
 from hf_specdec.generation.generate import generate
 from hf_specdec.generation.stats import SpecStats
@@ -31,6 +34,16 @@ class EnabledState:
     last_stats: SpecStats | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # one generate at a time per model
     owner: int | None = None  # thread id of the generate call holding the lock
+    original_experts: dict | None = None  # the MoE experts implementation before enable (None: no such experts)
+
+    def __deepcopy__(self, memo):
+        """A copied model gets its own state: a fresh lock and an empty graph store (graphs and pooled storage
+        point at the original's memory), the same settings."""
+        copied = EnabledState(copy.deepcopy(self.layout, memo), copy.deepcopy(self.cache_config, memo),
+                              self.original_attention, self.cuda_graphs,
+                              GraphStore(self.graph_store.max_graphs), copy.deepcopy(self.last_stats, memo))
+        copied.original_experts = copy.deepcopy(self.original_experts, memo)
+        return copied
 
     def graph_store_for(self, device: torch.device) -> GraphStore | None:
         """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off."""
@@ -48,8 +61,12 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
     logits; one is kept per batch bucket, k and context bucket): beyond it the least recently used is dropped."""
     if max_cuda_graphs is not None:
         check_max_graphs(max_cuda_graphs)
+    cache_config = _cache_config(cache_config)
     state = getattr(model, "_hf_specdec", None)
     if state is not None:
+        if model.config._attn_implementation != ATTENTION_NAME:  # set_attn_implementation was called since
+            state.original_attention = model.config._attn_implementation
+            model.set_attn_implementation(ATTENTION_NAME)
         if cache_config is not None:
             state.cache_config = cache_config
         if cuda_graphs is not None:
@@ -71,20 +88,31 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
         model._hf_specdec.graph_store.max_graphs = max_cuda_graphs
     model.generate = types.MethodType(generate, model)
     fuse_modules(model)
+    model._hf_specdec.original_experts = select_experts(model)
     return model
 
 
 def disable(model):
-    """Undo :func:`enable` on ``model``; returns the same object."""
+    """Undo :func:`enable` on ``model``; returns the same object. A ``generate`` call running in another thread
+    finishes first (disable waits for it); from inside a call on the same model it raises."""
     state = getattr(model, "_hf_specdec", None)
     if state is None:
         return model
+    if state.owner == threading.get_ident():
+        raise RuntimeError("hf_specdec.disable(model) was called from inside a generate call on the same model "
+                           "(a streamer, logits processor or stopping criterion?); call it after the call returns.")
+    with state.lock:
+        _undo(model, state)
+    return model
+
+
+def _undo(model, state: EnabledState) -> None:
     model.set_attn_implementation(state.original_attention)
     state.graph_store.release()
     unfuse_modules(model)
+    restore_experts(model, state.original_experts)
     del model.generate
     del model._hf_specdec
-    return model
 
 
 def last_generation_stats(model) -> SpecStats | None:
@@ -93,6 +121,20 @@ def last_generation_stats(model) -> SpecStats | None:
     if state is None:
         raise ValueError("this model is not enabled; call hf_specdec.enable(model) first.")
     return state.last_stats
+
+
+def _cache_config(value) -> CacheConfig | None:
+    """``enable``'s cache config: a CacheConfig, a mapping of its fields, or None."""
+    if value is None or isinstance(value, CacheConfig):
+        return value
+    if isinstance(value, Mapping):
+        fields = set(CacheConfig.__dataclass_fields__)
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise TypeError(f"unknown CacheConfig field(s) {unknown}; the fields are {sorted(fields)}.")
+        return CacheConfig(**value)
+    raise TypeError(f"cache_config must be a hf_specdec.CacheConfig (or a dict of its fields), got "
+                    f"{type(value).__name__}: pass hf_specdec.CacheConfig(block_size=..., ...).")
 
 
 def _check_supported(model) -> None:

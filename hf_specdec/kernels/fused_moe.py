@@ -8,7 +8,7 @@ The weights are ``[E, I, H]`` gate / up and ``[E, H, I]`` down tensors; gate and
 stacked ``[E, 2I, H]`` parameter (Gemma 4's ``gate_up_proj[:, :I]`` / ``[:, I:]``): strides go to the
 kernels, no weight is copied.
 
-Numerics follow the CPU branch of ``Step3p5MoE.forward`` (the reference, :func:`fused_moe_reference`): per
+Numerics follow the reference (:func:`fused_moe_reference`, Step 3.5's MoE by its definition): per
 selected expert ``F.linear`` in the model dtype (fp32 accumulation, the result rounded to the dtype), the
 activation rounded to the dtype, ``F.linear`` again, the result cast to fp32 times the routing weight, the
 k contributions summed in fp32 and cast back once. (transformers' ``Gemma4TextExperts.forward`` does the same
@@ -491,19 +491,11 @@ def gated_activation_reference(gate: torch.Tensor, up: torch.Tensor, activation:
     return act * up
 
 
-def fused_moe_reference(
-    hidden_states: torch.Tensor,  # [tokens, hidden]
-    w_gate: torch.Tensor,  # [num_experts, inter, hidden]
-    w_up: torch.Tensor,  # [num_experts, inter, hidden]
-    w_down: torch.Tensor,  # [num_experts, hidden, inter]
-    top_k_index: torch.Tensor,  # [tokens, top_k] int
-    top_k_weights: torch.Tensor,  # [tokens, top_k] float
-    *,
-    activation: str,
-    limit: float | None = None,
-) -> torch.Tensor:  # [tokens, hidden] in hidden_states' dtype
-    """Torch version: the CPU path and the test oracle. ``Step3p5MoE.forward``'s CPU branch: one pass per selected
-    expert (``unique`` is a host sync), each contribution in fp32, summed in fp32, cast back once."""
+def fused_moe_reference(hidden_states: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, activation: str,
+                        limit: float | None = None) -> torch.Tensor:
+    """Torch version of :func:`fused_moe` (the same arguments and shapes): the CPU path and the test oracle. One
+    pass per selected expert (``unique`` is a host sync), each contribution in fp32, summed in fp32, cast back."""
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     for e in top_k_index.unique().tolist():
         token, slot = torch.where(top_k_index == e)

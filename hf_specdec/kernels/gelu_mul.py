@@ -61,3 +61,11 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 def gelu_tanh_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Torch version: the CPU path and the test oracle (transformers' ``act_fn(gate_proj(x)) * up_proj(x)``)."""
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def is_gelu_tanh(act) -> bool:
+    """Whether the activation module ``act`` is transformers' tanh-approximated GELU (what :func:`gelu_tanh_mul`
+    computes; its python-formula variant rounds differently and is not)."""
+    return (type(act).__name__ in ("GELUTanh", "PytorchGELUTanh")
+            and not getattr(act, "use_gelu_tanh_python", False)
+            and getattr(getattr(act, "act", None), "keywords", {}).get("approximate") == "tanh")

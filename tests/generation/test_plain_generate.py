@@ -8,9 +8,18 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Sto
 
 import hf_specdec
 from hf_specdec.compat import cache_argument
-from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama, qwen3
+from tests.tiny_models import (
+    gemma4_26b_style,
+    gemma4_31b_style,
+    gemma4_e2b_style,
+    left_padded_batch,
+    llama,
+    mistral,
+    qwen3,
+)
 
-MODELS = {"gemma4_e2b": gemma4_e2b_style, "gemma4_31b": gemma4_31b_style, "llama": llama, "qwen3": qwen3}
+MODELS = {"gemma4_e2b": gemma4_e2b_style, "gemma4_31b": gemma4_31b_style, "gemma4_26b": gemma4_26b_style, "llama": llama,
+          "qwen3": qwen3, "mistral": mistral}  # mistral: a sliding window on every layer, without layer_types
 
 
 def _pair(name):
@@ -104,9 +113,11 @@ def test_custom_stopping_criteria_are_honoured():
     assert out.shape == (2, 9)
 
 
-def test_sampling_is_seeded_and_follows_the_processed_distribution():
-    """Invariant 5 for plain sampling: the same seed gives the same tokens; top_k=1 sampling is greedy."""
-    ref, ours = _pair("gemma4_e2b")
+@pytest.mark.parametrize("name", ["gemma4_e2b", "gemma4_26b"])
+def test_sampling_is_seeded_and_follows_the_processed_distribution(name):
+    """Invariant 5 for plain sampling: the same seed gives the same tokens (transformers' own, so the same
+    distribution); top_k=1 sampling is greedy. gemma4_26b: an MoE target."""
+    ref, ours = _pair(name)
     ids, mask = left_padded_batch([6, 9, 3, 12])
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9,
                   eos_token_id=None)

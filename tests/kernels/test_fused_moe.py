@@ -26,7 +26,7 @@ from hf_specdec.kernels.fused_moe import (
     softmax_topk_route,
 )
 from hf_specdec.models.step3p5.configuration import Step3p5Config
-from hf_specdec.models.step3p5.layers import Step3p5MoE, clamped_swiglu, route_tokens
+from hf_specdec.models.step3p5.layers import Step3p5MoE, clamped_swiglu
 
 from .conftest import REPO_ROOT, interpreter_active
 
@@ -98,7 +98,18 @@ def test_reference_is_step3p5_moe_forward_bit_for_bit(dtype):
         weights, experts = moe.route(x)
         got = fused_moe_reference(x, moe.gate_proj.weight, moe.up_proj.weight, moe.down_proj.weight, experts, weights,
                                   activation="silu", limit=0.5)
-        assert torch.equal(got, moe(x))
+        assert torch.equal(got, _step3p5_moe_oracle(moe, x, weights, experts))
+        assert torch.equal(moe(x), got)  # the module's forward takes this path on CPU
+
+
+def _step3p5_moe_oracle(moe, x, weights, experts):
+    """Step 3.5's MoE by its definition: one pass per selected expert (the module's own projections and clamped
+    SwiGLU), each contribution times its weight in fp32, summed in fp32, cast back."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in experts.unique().tolist():
+        token, slot = torch.where(experts == e)
+        out.index_add_(0, token, moe.expert(x[token], e).float() * weights[token, slot, None])
+    return out.to(x.dtype)
 
 
 def test_reference_matches_gemma4_text_experts():
@@ -158,16 +169,26 @@ def test_bad_arguments_name_the_fix():
 
 @pytest.mark.parametrize("renormalize,scaling_factor", [(True, 2.5), (False, 1.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sigmoid_bias_topk_route_is_step3p5_route_tokens(renormalize, scaling_factor, dtype):
+def test_sigmoid_bias_topk_route_is_step3p5s_router(renormalize, scaling_factor, dtype):
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(9, 288, generator=gen) * 3).to(dtype)
     logits[:, 100:110] = logits[:, 50:51]  # tied scores
     bias = torch.randn(288, generator=gen) * 0.1
     bias[100:110] = bias[50]
     got = sigmoid_bias_topk_route(logits, bias, 8, renormalize, scaling_factor)
-    expected = route_tokens(logits, bias, 8, renormalize, scaling_factor)
+    expected = _step3p5_route_oracle(logits, bias, 8, renormalize, scaling_factor)
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def _step3p5_route_oracle(logits, bias, top_k, renormalize, scaling_factor):
+    """Step 3.5's router by its definition (docs/models.md §4): chosen by sigmoid + bias, weighted by sigmoid."""
+    scores = torch.sigmoid(logits.float())
+    index = torch.topk(scores + bias.float(), top_k, dim=-1).indices
+    weights = scores.gather(-1, index)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, index
 
 
 def _gemma4_config(num_experts, top_k, hidden=32):
@@ -330,3 +351,30 @@ def test_fused_moe_cases_in_interpreter(request):
     assert result.returncode == 0, f"interpreter run failed:\n{output[-6000:]}"
     passed = re.search(r"(\d+) passed", output)
     assert passed and int(passed.group(1)) >= 20 and "skipped" not in output, output[-3000:]
+
+
+def test_triton_gemma4_moe_model_through_the_experts_interface(triton_device):
+    """A whole tiny Gemma 4 MoE model (26B-A4B style) after enable: its experts run fused_moe through
+    transformers' experts interface (and the fused decoder layer around them), with the un-enabled model's
+    logits and greedy tokens (fp32)."""
+    import hf_specdec
+    from hf_specdec.generation import experts as experts_module
+    from tests.tiny_models import gemma4_26b_style, left_padded_batch
+
+    ref = gemma4_26b_style().to(triton_device)
+    model = hf_specdec.enable(gemma4_26b_style().to(triton_device), cuda_graphs=False)
+    ids, mask = (t.to(triton_device) for t in left_padded_batch([9, 4, 7]))
+    calls = []
+    original = experts_module.fused_moe
+    experts_module.fused_moe = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        with torch.inference_mode():
+            expected, got = ref(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        tokens = model.generate(ids, **kwargs)
+    finally:
+        experts_module.fused_moe = original
+    assert len(calls) >= model.config.num_hidden_layers
+    assert all("forward" in vars(layer) for layer in model.model.layers)  # the fused decoder layer, MoE branch
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(tokens, ref.generate(ids, **kwargs))

@@ -1,10 +1,11 @@
 """Gemma 4's fused forwards, registered with ``enable`` (``generation/fusion.py``).
 
 Norms (one kernel each), attention (q/k/v norms and rotary in one kernel), decoder layers (post-norm, residual
-add, layer scalar and the next pre-norm in one kernel; E2B/E4B's per-layer-input gate in two) and MLPs
-(activation and gate product in one), with transformers' arithmetic. Each checks at ``enable`` that the module
-has what it reads, and runs the module's own forward on CPU, for the variants it does not cover (MoE blocks),
-and whenever autograd tracks the input (the kernels have no backward).
+add, layer scalar and the next pre-norm in one kernel; E2B/E4B's per-layer-input gate in two; a 26B-A4B MoE
+block's experts branch beside the dense MLP, its experts through the experts interface, see
+``generation/experts.py``) and MLPs (activation and gate product in one), with transformers' arithmetic. Each
+checks at ``enable`` that the module has what it reads, and runs the module's own forward on CPU, for the
+variants it does not cover, and whenever autograd tracks the input (the kernels have no backward).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hf_specdec.compat import cache_argument
 from hf_specdec.generation.registry import FusedForward, register_fused_forwards
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
-from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
+from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, is_gelu_tanh
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
 from hf_specdec.kernels.stacked_linear import stacked_projections
@@ -89,13 +90,14 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     post-attention norm + residual add + pre-feedforward norm in one launch, post-feedforward norm + residual
     add + layer scalar in another. A per-layer-input block (E2B, E4B) puts its gate between the last two:
     gelu(gate(h)) * per_layer_input in one launch (:func:`gelu_tanh_mul`), then its projection's post-norm +
-    residual add + layer scalar in one. MoE blocks, and the CPU, run the original.
+    residual add + layer scalar in one. An MoE block (26B-A4B) adds its experts' branch to the dense MLP's output
+    before that last seam (:func:`_dense_plus_experts`). The CPU runs the original.
 
     The cache comes as ``cache`` or ``past_key_values`` and goes on by keyword, under the name the original
     takes: transformers 5.24's gradient checkpointing drops a keyword cache before the recompute."""
     cache = cache if cache is not None else past_key_values
     per_layer = bool(self.hidden_size_per_layer_input)
-    if (self.enable_moe_block or not use_triton(hidden_states) or needs_grad(hidden_states)
+    if (not use_triton(hidden_states) or needs_grad(hidden_states)
             or (per_layer and (per_layer_input is None or per_layer_input.dtype != hidden_states.dtype))):
         return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states, position_embeddings,
                                   attention_mask, position_ids, **{cache_argument(type(self)): cache}, **kwargs)
@@ -104,8 +106,11 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
     hidden_states, mlp_in = norm_add(attn, hidden_states, post.weight, post.eps, next_weight=_norm_weight(pre),
                                      next_eps=pre.eps)
+    mlp_out = self.mlp(mlp_in)
+    if self.enable_moe_block:
+        mlp_out = _dense_plus_experts(self, mlp_out, hidden_states)
     post = self.post_feedforward_layernorm
-    hidden_states, _ = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps,
+    hidden_states, _ = norm_add(mlp_out, hidden_states, post.weight, post.eps,
                                 scale=None if per_layer else self.layer_scalar)
     if per_layer:
         gated = gelu_tanh_mul(self.per_layer_input_gate(hidden_states), per_layer_input)
@@ -115,6 +120,18 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     return hidden_states
 
 
+def _dense_plus_experts(self, mlp_out, residual):
+    """An MoE block's feed-forward output: ``post_norm_1(dense MLP) + post_norm_2(experts(pre_norm_2(residual)))``
+    with the experts routed from the residual (transformers' order), the second norm and the sum in one launch
+    (:func:`norm_add`); the experts go through the model's experts implementation (on CUDA, fused_moe)."""
+    flat = residual.reshape(-1, residual.shape[-1])
+    _, top_k_weights, top_k_index = self.router(flat)
+    routed = self.experts(self.pre_feedforward_layernorm_2(flat), top_k_index, top_k_weights).reshape(residual.shape)
+    dense = self.post_feedforward_layernorm_1(mlp_out)
+    post = self.post_feedforward_layernorm_2
+    return norm_add(routed, dense, post.weight, post.eps)[0]
+
+
 def gemma4_mlp_forward(self, x):
     """transformers' ``Gemma4TextMLP.forward`` with the activation and the product in one launch."""
     if not use_triton(x) or needs_grad(x):
@@ -122,16 +139,9 @@ def gemma4_mlp_forward(self, x):
     return self.down_proj(gelu_tanh_mul(*stacked_projections(x, self.gate_proj, self.up_proj)))
 
 
-def _is_gelu_tanh(act) -> bool:
-    """Whether ``act`` is transformers' tanh-approximated GELU (what :func:`gelu_tanh_mul` computes)."""
-    return (type(act).__name__ in ("GELUTanh", "PytorchGELUTanh")
-            and not getattr(act, "use_gelu_tanh_python", False)
-            and getattr(getattr(act, "act", None), "keywords", {}).get("approximate") == "tanh")
-
-
 def _fusible_gemma4_mlp(module) -> bool:
     return (all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
-            and _is_gelu_tanh(getattr(module, "act_fn", None)))
+            and is_gelu_tanh(getattr(module, "act_fn", None)))
 
 
 def _fusible_gemma4_decoder_layer(module) -> bool:
@@ -140,14 +150,23 @@ def _fusible_gemma4_decoder_layer(module) -> bool:
     return (all(hasattr(module, n) for n in names)
             and all(type(getattr(module, n)) is Gemma4RMSNorm for n in names[2:6])
             and module.post_attention_layernorm.with_scale and module.post_feedforward_layernorm.with_scale
-            and (not module.hidden_size_per_layer_input or _fusible_per_layer_input(module)))
+            and (not module.hidden_size_per_layer_input or _fusible_per_layer_input(module))
+            and (not module.enable_moe_block or _fusible_moe_block(module)))
+
+
+def _fusible_moe_block(module) -> bool:
+    """What the fused MoE branch reads: the router, the experts and three norms (the last one scaled)."""
+    norms = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
+    return (all(hasattr(module, n) for n in ("router", "experts", *norms))
+            and all(type(getattr(module, n)) is Gemma4RMSNorm for n in norms)
+            and module.post_feedforward_layernorm_2.with_scale)
 
 
 def _fusible_per_layer_input(module) -> bool:
     """What the fused per-layer-input gate reads: its two projections, a tanh GELU and a scaled post-norm."""
     norm = getattr(module, "post_per_layer_input_norm", None)
     return (all(hasattr(module, n) for n in ("per_layer_input_gate", "per_layer_projection"))
-            and _is_gelu_tanh(getattr(module, "act_fn", None))
+            and is_gelu_tanh(getattr(module, "act_fn", None))
             and type(norm) is Gemma4RMSNorm and norm.with_scale)
 
 

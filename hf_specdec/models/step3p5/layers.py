@@ -23,6 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import eager_attention_forward, rotate_half
 
+from hf_specdec.kernels.fused_moe import fused_moe, gated_activation_reference, sigmoid_bias_topk_route
 from hf_specdec.models.step3p5.configuration import Step3p5Config
 
 
@@ -115,11 +116,7 @@ def apply_partial_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
     """``silu(gate) * up``; with a limit, silu(gate) is clamped above and up on both sides."""
-    act = F.silu(gate)
-    if limit is not None:
-        act = act.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return act * up
+    return gated_activation_reference(gate, up, "silu", limit)
 
 
 class Step3p5MLP(nn.Module):
@@ -152,14 +149,8 @@ def route_tokens(router_logits: torch.Tensor, router_bias: torch.Tensor, top_k: 
     """Select experts by ``sigmoid(logits) + bias``, weight them by ``sigmoid(logits)`` only.
 
     router_logits [tokens, num_experts] (fp32), router_bias [num_experts]
-    -> (weights [tokens, top_k] fp32, experts [tokens, top_k] int64). No host sync.
-    """
-    scores = torch.sigmoid(router_logits.float())
-    experts = torch.topk(scores + router_bias.float(), top_k, dim=-1).indices
-    weights = scores.gather(-1, experts)
-    if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling_factor, experts
+    -> (weights [tokens, top_k] fp32, experts [tokens, top_k] int64). No host sync."""
+    return sigmoid_bias_topk_route(router_logits, router_bias, top_k, renormalize, scaling_factor)
 
 
 class Step3p5MoE(nn.Module):
@@ -187,23 +178,14 @@ class Step3p5MoE(nn.Module):
         return self.down_proj(clamped_swiglu(self.gate_proj(x, e), self.up_proj(x, e), self.limit), e)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [..., hidden]
+        """Only the experts the tokens selected run: on CUDA the fused kernel reads each selected expert once per
+        forward with no host sync (CUDA-graph capturable); elsewhere, and under autograd, its torch reference
+        runs one pass per selected expert."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         weights, experts = self.route(x)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if x.is_cuda:
-            # No host sync (CUDA-graph capturable): every expert runs on every token, and a token's weight for
-            # an expert it did not select is 0. Decode and verify forwards are memory-bound, so reading every
-            # expert once is what they cost anyway at batch sizes where most experts get picked.
-            dense = torch.zeros(x.shape[0], self.gate_proj.weight.shape[0], dtype=torch.float32, device=x.device)
-            dense.scatter_(1, experts, weights)
-            for e in range(dense.shape[1]):
-                out += self.expert(x, e).float() * dense[:, e, None]
-            return out.to(hidden_states.dtype).reshape(hidden_states.shape)
-        # One pass per expert that any token selected (the unique() is a host sync; fine on CPU).
-        for e in experts.unique().tolist():
-            token, slot = torch.where(experts == e)
-            out.index_add_(0, token, self.expert(x[token], e).float() * weights[token, slot, None])
-        return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+        out = fused_moe(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, experts, weights,
+                        activation="silu", limit=self.limit)
+        return out.reshape(hidden_states.shape)
 
 
 # ---------------------------------------------------------------- attention

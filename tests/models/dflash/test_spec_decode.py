@@ -30,14 +30,16 @@ from tests.models.dflash.helpers import (
     write_checkpoint,
 )
 from tests.models.dflash.reference_loop import reference_dflash_generate
-from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama
+from tests.tiny_models import gemma4_26b_style, gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama, mistral
 
 GEMMA_DRAFTER = dict(layer_types=[S, F], use_sliding_window=True, sliding_window=6)  # as Gemma 4 DFlash drafters
 TARGETS = {
     "gemma4_e2b": (gemma4_e2b_style, GEMMA_DRAFTER),  # drafter reads layer 5: KV-shared, skipped by an int keep
     "gemma4_31b": (gemma4_31b_style, GEMMA_DRAFTER),
+    "gemma4_26b": (gemma4_26b_style, GEMMA_DRAFTER),  # an MoE target
     "gemma4_multimodal": (gemma4_conditional_generation, GEMMA_DRAFTER),
     "llama": (llama, {}),
+    "mistral": (mistral, {}),  # a sliding window on every layer, without layer_types
 }
 NEW_TOKENS = 22
 REFERENCE_SEEDS = (0, 3)  # single prompts of the reference-loop comparison
@@ -78,7 +80,8 @@ class RecordingDrafter(DFlashDraftRunner):
 
 
 @pytest.mark.parametrize("name,block_size,k", [("gemma4_e2b", 8, None), ("gemma4_31b", 4, None), ("llama", 2, None),
-                                               ("gemma4_e2b", 5, 2), ("gemma4_multimodal", 4, None)])
+                                               ("gemma4_e2b", 5, 2), ("gemma4_multimodal", 4, None),
+                                               ("gemma4_26b", 4, None), ("mistral", 4, None)])
 def test_greedy_dflash_equals_plain_greedy(name, block_size, k):
     plain, target, drafter = trained_pair(name, block_size)
     ids, mask = prompt_batch()
@@ -167,10 +170,11 @@ def run_drafter(target, drafter, ids, lens, cache_config, verify=None, kept=None
         runner.finish()
 
 
-def test_sampled_dflash_tokens_follow_the_target_distribution():
+@pytest.mark.parametrize("make_target", [gemma4_e2b_style, gemma4_26b_style], ids=["e2b", "moe_26b"])
+def test_sampled_dflash_tokens_follow_the_target_distribution(make_target):
     """Invariant 4 in DFlash mode: the 2nd generated token (decided by rejection sampling against a random
-    drafter's block) has the target's exact marginal."""
-    target = hf_specdec.enable(gemma4_e2b_style(vocab_size=16, vocab_size_per_layer_input=16))
+    drafter's block) has the target's exact marginal, over a dense and an MoE target."""
+    target = hf_specdec.enable(make_target(vocab_size=16, vocab_size_per_layer_input=16))
     drafter = random_drafter(target, block_size=3, mask_token_id=15, **GEMMA_DRAFTER)
     rows, prompt = 3000, torch.tensor([[3, 5, 9, 7]])
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ from hf_specdec.runtime import ModelRunner
 from hf_specdec.models.gemma4 import DenseTargetKVSource, Gemma4MTPAssistant, Gemma4MTPDraftRunner, PagedTargetKVSource
 from tests.distribution import assert_follows, second_token_marginal
 from tests.models.gemma4.helpers import assistant_config_dict, random_state_dict, released_layout, write_checkpoint
-from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch
+from tests.tiny_models import gemma4_26b_style, gemma4_31b_style, gemma4_e2b_style, left_padded_batch
 
-TARGETS = {"e2b": gemma4_e2b_style, "31b": gemma4_31b_style}
+TARGETS = {"e2b": gemma4_e2b_style, "31b": gemma4_31b_style, "26b": gemma4_26b_style}  # 26b: an MoE target
 VOCAB = 96  # divisible by the centroid count
 
 
@@ -23,7 +23,7 @@ def _assistant(tmp_path, target, ordered, seed=0):
 
 
 @pytest.mark.parametrize("style,ordered,k", [("e2b", True, 3), ("31b", False, 8), ("31b", True, 1),
-                                              ("e2b", False, 4)])
+                                              ("e2b", False, 4), ("26b", False, 3)])
 def test_greedy_mtp_equals_plain_greedy(tmp_path, style, ordered, k):
     ref = TARGETS[style](vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB)
     target = hf_specdec.enable(TARGETS[style](vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB))
@@ -109,6 +109,24 @@ def test_sampled_mtp_tokens_follow_the_target_distribution(tmp_path):
     out = target.generate(prompt.expand(rows, 4), attention_mask=torch.ones(rows, 4, dtype=torch.long),
                           assistant_model=assistant, num_speculative_tokens=2, max_new_tokens=2, do_sample=True,
                           eos_token_id=None, pad_token_id=0)
+    hf_specdec.disable(target)
+    assert_follows(out[:, 5], second_token_marginal(target, prompt, 16))
+
+
+def test_sampled_mtp_tokens_over_an_moe_target_follow_its_distribution(tmp_path):
+    """Invariant 4 with a mixture-of-experts target (26B-A4B style) and a centroid-free assistant (tied dense
+    head, as the 26B-A4B's): the verify forwards route k+1 tokens per row through the experts."""
+    target = hf_specdec.enable(gemma4_26b_style(vocab_size=16))
+    config = assistant_config_dict(target.config, False)
+    assistant = Gemma4MTPAssistant.from_pretrained(write_checkpoint(
+        tmp_path / "a", config, random_state_dict(released_layout(config), 4)))
+    assert assistant.masked_embedding is None
+    rows, prompt = 3000, torch.tensor([[3, 5, 9, 7]])
+    torch.manual_seed(0)
+    out = target.generate(prompt.expand(rows, 4), attention_mask=torch.ones(rows, 4, dtype=torch.long),
+                          assistant_model=assistant, num_speculative_tokens=2, max_new_tokens=2, do_sample=True,
+                          eos_token_id=None, pad_token_id=0)
+    assert 0 < hf_specdec.last_generation_stats(target).num_accepted_tokens < rows * 2
     hf_specdec.disable(target)
     assert_follows(out[:, 5], second_token_marginal(target, prompt, 16))
 

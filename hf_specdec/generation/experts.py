@@ -1,0 +1,101 @@
+"""The ``"hf_specdec"`` experts function, registered with transformers' ``ExpertsInterface``.
+
+transformers runs the experts of its MoE blocks (Gemma 4's ``Gemma4TextExperts``, and every experts module
+decorated with ``use_experts_implementation``) through the implementation the model's config names: the
+module calls ``fn(self, hidden_states, top_k_index, top_k_weights)``. ``enable`` registers this function and
+selects it for the model (:func:`select_experts`; ``disable`` restores the previous one). On CUDA it runs
+:func:`fused_moe`, which reads only the experts this forward's tokens selected, with no host sync (so
+decode and verify forwards keep their CUDA graphs). On CPU, under autograd, and for experts it does not cover
+(biases, interleaved gate/up, an activation other than tanh-GELU or SiLU) it runs the implementation the
+model had before ``enable``: the same arithmetic as without hf_specdec.
+
+Every supported transformers version (5.17 and later) has the interface, so no instance-level patching is
+needed.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+from hf_specdec.kernels import use_triton
+from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.fused_moe import fused_moe
+from hf_specdec.kernels.gelu_mul import is_gelu_tanh
+
+EXPERTS_NAME = "hf_specdec"
+_FALLBACK = "_hf_specdec_experts_fallback"  # per experts module: the implementation it had before enable
+
+
+def hf_specdec_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                               top_k_weights: torch.Tensor) -> torch.Tensor:
+    """hidden_states [tokens, hidden], top_k_index / top_k_weights [tokens, top_k] -> [tokens, hidden]."""
+    weights = fused_weights(self)
+    if weights is None or not use_triton(hidden_states) or needs_grad(hidden_states):
+        return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
+    w_gate, w_up, w_down, activation = weights
+    return fused_moe(hidden_states, w_gate, w_up, w_down, top_k_index, top_k_weights, activation=activation)
+
+
+def fused_weights(experts: torch.nn.Module):
+    """(w_gate, w_up [E, I, H], w_down [E, H, I], activation) as views of the module's parameters, or None when
+    :func:`fused_moe` does not compute what this module computes."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    activation = _activation(getattr(experts, "act_fn", None))
+    if (not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or activation is None
+            or getattr(experts, "has_bias", True) or not getattr(experts, "has_gate", False)
+            or not getattr(experts, "is_concatenated", False) or type(gate_up) is not torch.nn.Parameter
+            or gate_up.dim() != 3 or down.dim() != 3):
+        return None
+    if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] and [E, I, H]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    inter = gate_up.shape[1] // 2
+    return gate_up[:, :inter], gate_up[:, inter:], down, activation
+
+
+def _activation(act) -> str | None:
+    if is_gelu_tanh(act):
+        return "gelu_tanh"
+    if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
+        return "silu"
+    return None
+
+
+def _fallback(experts):
+    original = type(experts).forward.__wrapped__  # the class's own forward, under the interface's dispatch
+    return ALL_EXPERTS_FUNCTIONS.get_interface(getattr(experts, _FALLBACK, "eager"), original)
+
+
+def register() -> None:
+    """Register the experts function under ``"hf_specdec"`` (idempotent)."""
+    ExpertsInterface.register(EXPERTS_NAME, hf_specdec_experts_forward)
+
+
+def _uses_interface(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an experts module that dispatches through transformers' experts interface."""
+    return (getattr(type(module).forward, "__wrapped__", None) is not None and hasattr(module, "is_concatenated")
+            and hasattr(getattr(module, "config", None), "_experts_implementation"))
+
+
+def select_experts(model) -> dict | None:
+    """Run ``model``'s interface experts through :func:`hf_specdec_experts_forward`; returns the implementation
+    to restore (:func:`restore_experts`), or None when the model has no such experts."""
+    modules = [m for m in model.modules() if _uses_interface(m)]
+    if not modules or not hasattr(model, "set_experts_implementation"):
+        return None
+    register()
+    previous = model.get_experts_implementation()
+    for module in modules:
+        setattr(module, _FALLBACK, module.config._experts_implementation)
+    model.set_experts_implementation(EXPERTS_NAME)
+    return previous
+
+
+def restore_experts(model, previous: dict | None) -> None:
+    """Undo :func:`select_experts`."""
+    if previous is None:
+        return
+    model.set_experts_implementation(previous)
+    for module in model.modules():
+        if _FALLBACK in vars(module):
+            delattr(module, _FALLBACK)
