@@ -322,23 +322,9 @@ def available_memory(device: str) -> int | None:
         return torch.cuda.mem_get_info(device)[0] if torch.cuda.is_available() else None
     if device.type != "cpu":
         return None
-    try:
-        import psutil
+    from hf_specdec.cache.sizing import available_host_memory
 
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return available_host_memory()
 
 
 def fit_problem(module, args) -> str | None:

@@ -18,19 +18,23 @@ class CacheConfig:
         across all rows of a batch; a request needing more raises before touching any state.
         ``None`` means no bound.
     gpu_memory_fraction: on a CUDA device, when neither ``num_blocks`` nor ``max_cache_tokens`` is
-        given, the KV cache of a request (every KV group, a drafter's own caches included) may take at
-        most this fraction of the device memory free when it is allocated (memory PyTorch holds cached
-        but unused counts as free); a larger request raises ``CacheCapacityError`` before touching any
-        state. The rest is left for activations and logits. Not used on CPU.
+        given, each KV cache of a request (the target's, a drafter's own) may take at most this fraction of
+        the device memory free when it is allocated (memory PyTorch holds cached but unused counts as free).
+        The rest is left for activations and logits.
+    cpu_memory_fraction: the same bound on CPU, a fraction of the memory available (Linux; elsewhere no bound).
 
-    A request that does not fit (``num_blocks``, ``max_cache_tokens`` or ``gpu_memory_fraction``) raises
-    ``CacheCapacityError`` (a ``ValueError``) before its prefill; nothing is streamed or changed.
+    With ``num_blocks`` or ``max_cache_tokens``, a request that could outgrow them raises ``CacheCapacityError``
+    (a ``ValueError``) before its prefill; nothing is streamed or changed. Without them a request gets blocks as
+    its rows grow, from a pool bounded by the memory fraction: only a request whose prompts (and drafts) alone
+    do not fit is refused before its prefill; one that outgrows the pool while it runs stops with
+    ``CacheExhaustedError`` (a ``CacheCapacityError``) whose ``sequences`` hold the tokens generated so far.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     max_cache_tokens: int | None = None
     gpu_memory_fraction: float = 0.9
+    cpu_memory_fraction: float = 0.5
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -41,8 +45,9 @@ class CacheConfig:
             raise ValueError(
                 f"CacheConfig.max_cache_tokens must be >= block_size ({self.block_size}), got {self.max_cache_tokens}."
             )
-        if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError(f"CacheConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}.")
+        for name in ("gpu_memory_fraction", "cpu_memory_fraction"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"CacheConfig.{name} must be in (0, 1], got {getattr(self, name)}.")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 from hf_specdec.cache.block_manager import BlockManager, BlockPool, OutOfBlocksError
 from hf_specdec.cache.kv_layout import KVGroup, KVLayout, kv_layout_from_config
 from hf_specdec.cache.paged_cache import ForwardMeta, PagedKVCache, to_device_async
-from hf_specdec.cache.sizing import CacheCapacityError, cache_for_request
+from hf_specdec.cache.sizing import CacheCapacityError, CacheExhaustedError, cache_for_request
 
 __all__ = [
-    "BlockManager", "BlockPool", "CacheCapacityError", "ForwardMeta", "KVGroup", "KVLayout", "OutOfBlocksError",
+    "BlockManager", "BlockPool", "CacheCapacityError", "CacheExhaustedError", "ForwardMeta", "KVGroup", "KVLayout", "OutOfBlocksError",
     "PagedKVCache", "cache_for_request", "kv_layout_from_config", "to_device_async",
 ]

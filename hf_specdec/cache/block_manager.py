@@ -30,7 +30,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(num_blocks - 1, -1, -1))  # lowest ids first, released ones reused first
+        self.high_water = 0  # 1 + the highest id ever handed out: the storage must hold this many blocks
 
     @property
     def num_free(self) -> int:
@@ -41,7 +42,9 @@ class BlockPool:
         return self.num_blocks - len(self._free)
 
     def allocate(self) -> int:
-        return self._free.pop()
+        block = self._free.pop()
+        self.high_water = max(self.high_water, block + 1)
+        return block
 
     def release(self, block_id: int) -> None:
         self._free.append(block_id)

@@ -60,7 +60,11 @@ class ForwardMeta:
 class PagedKVCache(Cache):
     def __init__(self, layout: KVLayout, num_blocks: list[int], batch_size: int, *, block_size: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 storage: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
+                 storage: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+                 storage_blocks: list[int] | None = None):
+        """``num_blocks[g]``: blocks group g may hand out. ``storage``: K/V tensors of a pool reused across requests
+        (CUDA graphs write into fixed addresses), else the cache allocates its own, of ``storage_blocks[g]``
+        blocks (default ``num_blocks``), grown as blocks past them are handed out."""
         super().__init__(layers=[])
         self.layout = layout
         self.block_size = block_size
@@ -71,9 +75,9 @@ class PagedKVCache(Cache):
         windows = [None if g.sliding_window is None else g.sliding_window + 2 for g in layout.groups]
         self.manager = BlockManager(num_blocks, block_size, windows)
         self.seq_ids = [self.manager.add_sequence() for _ in range(batch_size)]
-        # storage: K/V tensors of a pool reused across requests (CUDA graphs write into fixed addresses)
+        self.growable = storage is None
         self.k_storage, self.v_storage = storage if storage is not None else allocate_storage(
-            layout, num_blocks, block_size, dtype, self.device)
+            layout, storage_blocks or num_blocks, block_size, dtype, self.device)
         self.meta: ForwardMeta | None = None
         self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards
 
@@ -100,6 +104,7 @@ class PagedKVCache(Cache):
         before = self.seq_lens
         self._context_tables.clear()
         self.manager.append({s: n for s, n in zip(self.seq_ids, num_new) if n})
+        self._fit_storage()
         kv_lens = torch.tensor([b + n for b, n in zip(before, num_new)], dtype=torch.int32)
         q_pos0 = kv_lens - q_len
         q_lens = torch.tensor(num_new, dtype=torch.int32)
@@ -122,6 +127,21 @@ class PagedKVCache(Cache):
             slot_mapping=wide[1:1 + groups], block_tables=small[3:3 + groups],
         )
         return self.meta
+
+    def _fit_storage(self) -> None:
+        """Grow a group's own storage (doubling, up to its pool) when a block past it was handed out; the
+        pages keep their contents and ids."""
+        for g, pool in enumerate(self.manager.pools):
+            have = self.k_storage[g].shape[1]
+            if pool.high_water <= have:
+                continue
+            if not self.growable:
+                raise RuntimeError(f"group {g} handed out block {pool.high_water - 1} past its fixed storage of {have}")
+            blocks = min(pool.num_blocks, max(2 * have, pool.high_water))
+            for storage in (self.k_storage, self.v_storage):
+                grown = storage[g].new_zeros((storage[g].shape[0], blocks, *storage[g].shape[2:]))
+                grown[:, :have] = storage[g]
+                storage[g] = grown
 
     @contextlib.contextmanager
     def forward_with(self, meta: ForwardMeta):

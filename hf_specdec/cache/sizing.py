@@ -1,12 +1,18 @@
 """How many blocks a request's KV cache gets, and whether it fits.
 
-:func:`cache_for_request` sizes a :class:`PagedKVCache` so that the request never runs out of blocks: each
-row gets ``prompt + max_new_tokens + lookahead`` positions in full-attention groups and about a window in
-sliding ones. A request that does not fit what :class:`CacheConfig` allows raises
-:class:`CacheCapacityError` before anything is allocated or run.
+:func:`cache_for_request` sizes a :class:`PagedKVCache` for one request. With ``CacheConfig.num_blocks`` or
+``max_cache_tokens`` the cache holds every position the request may reach (``prompt + max_new_tokens +
+lookahead`` per row in full-attention groups, about a window in sliding ones), and a request that could
+outgrow them is refused before anything runs. Without them the pool is bounded by a memory budget (a
+fraction of the free device memory, or of the available RAM on CPU): a request is refused up front only when
+its prompts and drafts alone do not fit, and on CPU the storage starts small and grows as the rows do (a call
+that stops at EOS after a few tokens allocates for those, not for ``max_new_tokens``). A request that outgrows
+its pool while running stops with :class:`CacheExhaustedError` (``generation`` attaches the tokens so far).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -19,31 +25,94 @@ class CacheCapacityError(ValueError):
     """A request needs more KV cache than CacheConfig allows."""
 
 
+class CacheExhaustedError(CacheCapacityError):
+    """A running request outgrew its KV cache pool; ``sequences`` [batch, length] holds what it generated so far
+    (prompt included, rows padded like ``generate``'s output)."""
+
+    def __init__(self, message: str, sequences: torch.Tensor | None = None):
+        super().__init__(message)
+        self.sequences = sequences
+
+
 def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: list[int], max_new_tokens: int,
                       lookahead: int, *, dtype: torch.dtype, device, storage_pool=None,
                       storage_owner: str = "target") -> PagedKVCache:
-    """A cache sized so the request never runs out of blocks; raises :class:`CacheCapacityError` before
-    allocating anything when the request does not fit what ``cache_config`` allows. ``storage_pool`` (a
-    GraphStore) lends pooled storage kept under ``storage_owner`` between requests (CUDA graphs write into
-    fixed addresses)."""
-    bs = cache_config.block_size
+    """A cache for the request (see the module docstring); raises :class:`CacheCapacityError` before allocating
+    anything when it does not fit what ``cache_config`` allows. ``storage_pool`` (a GraphStore) lends pooled
+    storage kept under ``storage_owner`` between requests (CUDA graphs write into fixed addresses)."""
+    bs, device = cache_config.block_size, torch.device(device)
     need = blocks_needed(layout, cache_config, prompt_lens, max_new_tokens, lookahead)
-    storage = None
+    bounded = cache_config.num_blocks is not None or cache_config.max_cache_tokens is not None
+    best = None
+    if not bounded:
+        best = blocks_needed(layout, cache_config, prompt_lens, 1, lookahead)
+        need = within_budget(layout, need, best, bs, dtype, device, cache_config)
     if storage_pool is not None:
-        def allocate(blocks):
-            if cache_config.max_cache_tokens is None:
-                check_memory(layout, blocks, bs, dtype, torch.device(device), cache_config.gpu_memory_fraction)
-            return allocate_storage(layout, blocks, bs, dtype, torch.device(device))
-
         # with num_blocks the pool holds at least that many blocks (exactly that many when it allocates), and
         # the request uses num_blocks of them: graphs captured over the pooled storage stay valid
-        fixed = cache_config.num_blocks is not None
-        *storage, have = storage_pool.take_storage(layout, need, bs, dtype, device, allocate, storage_owner,
-                                                   round_up=not fixed)
-        need = need if fixed else have
-    elif cache_config.max_cache_tokens is None:
-        check_memory(layout, need, bs, dtype, torch.device(device), cache_config.gpu_memory_fraction)
-    return PagedKVCache(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device, storage=storage)
+        limit = None if bounded else need  # the memory budget: no rounding up past it
+        *storage, have = storage_pool.take_storage(
+            layout, need, bs, dtype, device, lambda blocks: _allocate_within(layout, blocks, limit, bs, dtype, device),
+            storage_owner, round_up=cache_config.num_blocks is None)
+        need = need if cache_config.num_blocks is not None else have
+        return PagedKVCache(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device,
+                            storage=storage)
+    # without pooled storage (no CUDA graphs) the storage grows as the rows do, up to `need` blocks
+    initial = need if best is None else [min(n, 2 * b) for n, b in zip(need, best)]
+    return PagedKVCache(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device,
+                        storage_blocks=initial)
+
+
+def _allocate_within(layout, blocks: list[int], limit: list[int] | None, block_size: int, dtype, device):
+    """Pooled storage of ``blocks`` per group, refused past ``limit`` (a ValueError: the pool then allocates
+    exactly what the request needs)."""
+    if limit is not None and any(b > n for b, n in zip(blocks, limit)):
+        raise CacheCapacityError("rounded up past the request's memory budget")
+    return allocate_storage(layout, blocks, block_size, dtype, device)
+
+
+def within_budget(layout: KVLayout, need: list[int], best: list[int], block_size: int, dtype, device,
+                  cache_config: CacheConfig) -> list[int]:
+    """``need`` (blocks per group) cut to the memory budget: every group keeps at least its ``best`` (the prompts
+    and one step of drafts) and shares the rest of the budget in proportion to what it could use. Raises
+    :class:`CacheCapacityError` when even ``best`` does not fit."""
+    budget, knob = memory_budget(device, cache_config)
+    if budget is None or kv_bytes(layout, need, block_size, dtype) <= budget:
+        return need
+    floor = kv_bytes(layout, best, block_size, dtype)
+    if floor > budget:
+        raise CacheCapacityError(
+            f"this batch's prompts alone need {floor / 2**20:.3f} MiB of KV cache but CacheConfig.{knob}="
+            f"{getattr(cache_config, knob)} of the memory free on {device} allows {budget / 2**20:.3f} MiB. Lower "
+            f"the batch size or the prompt lengths, free memory, or raise {knob}."
+        )
+    extra = [n - b for n, b in zip(need, best)]
+    share = (budget - floor) / max(1, kv_bytes(layout, extra, block_size, dtype))
+    return [b + int(e * share) for b, e in zip(best, extra)]
+
+
+def memory_budget(device: torch.device, cache_config: CacheConfig) -> tuple[int | None, str]:
+    """(bytes a cache may take on ``device``, or None for no bound; the CacheConfig field that sets it)."""
+    if device.type == "cuda":
+        free = free_device_memory(device)
+        return (None if free is None else int(cache_config.gpu_memory_fraction * free)), "gpu_memory_fraction"
+    available = available_host_memory()
+    return (None if available is None else int(cache_config.cpu_memory_fraction * available)), "cpu_memory_fraction"
+
+
+def available_host_memory() -> int | None:
+    """Bytes of RAM available to new allocations (Linux), or None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def blocks_needed(layout: KVLayout, cache_config: CacheConfig, prompt_lens: list[int], max_new_tokens: int,
@@ -90,19 +159,3 @@ def free_device_memory(device: torch.device) -> int | None:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def check_memory(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype, device: torch.device,
-                 fraction: float) -> None:
-    """Raise :class:`CacheCapacityError` when the storage would take more than ``fraction`` of the device's free
-    memory (CUDA only)."""
-    free = free_device_memory(device)
-    if free is None:
-        return
-    need = kv_bytes(layout, num_blocks, block_size, dtype)
-    if need > fraction * free:
-        raise CacheCapacityError(
-            f"this batch needs {need / 2**20:.1f} MiB of KV cache but CacheConfig.gpu_memory_fraction={fraction} of "
-            f"the {free / 2**20:.1f} MiB free on {device} allows {fraction * free / 2**20:.1f} MiB. Lower the batch "
-            "size, the prompt lengths or max_new_tokens, free memory, or raise gpu_memory_fraction."
-        )

@@ -19,7 +19,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.sampling import mask_finished, select_tokens
 from hf_specdec.generation.stats import SpecStats
-from hf_specdec.runtime import ModelRunner, Readback, real_token_counts
+from hf_specdec.cache import OutOfBlocksError
+from hf_specdec.runtime import ModelRunner, Readback, exhausted, real_token_counts
 
 
 def paged_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -71,6 +72,8 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             active = int(count)
             if active == 0 or at_max:
                 break
+    except OutOfBlocksError as error:  # the rows outgrew the cache's memory budget: keep what they generated
+        raise exhausted(error, input_ids) from None
     finally:
         runner.finish()
     if streamer is not None:

@@ -41,6 +41,7 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
     replaces the lossless acceptance of a speculative call (benchmarks pass a fixed acceptance rate; the call's
     stats then say ``lossless=False``)."""
     state = self._hf_specdec
+    _check_attention(self)
     if num_speculative_tokens is None:
         num_speculative_tokens = num_assistant_tokens
     speculative = assistant_model is not None or spec_mode is not None
@@ -61,14 +62,14 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
         if speculative:
             raise ValueError(f"speculative decoding does not support {unsupported}; drop it, or drop the "
                              "assistant_model / spec_mode to decode with transformers' own loop.")
-        with _exclusive(state):
+        with _exclusive(self, state):
             return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
                                             streamer=streamer, **kwargs)
     if speculative:
         _check_speculative_outputs(self, generation_config, kwargs)
     _check_input_shapes(inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask"))
     generation_config, stopping_criteria = _stop_strings_to_criteria(self, generation_config, stopping_criteria, kwargs)
-    with _exclusive(state):
+    with _exclusive(self, state):
         try:
             return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
                                             streamer=streamer, custom_generate=decode, **kwargs)
@@ -78,10 +79,24 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
             raise
 
 
+def _check_attention(model) -> None:
+    """The paged loop needs hf_specdec's attention; a later ``set_attn_implementation`` is refused, not mixed."""
+    from hf_specdec.attention import ATTENTION_NAME
+
+    current = model.config._attn_implementation
+    if current != ATTENTION_NAME:
+        raise ValueError(
+            f"this model's attention was set to {current!r} after hf_specdec.enable, and hf_specdec's generate "
+            f"needs its own: call hf_specdec.enable(model) again to decode through hf_specdec, or "
+            f"hf_specdec.disable(model) to generate with transformers and {current!r}."
+        )
+
+
 @contextlib.contextmanager
-def _exclusive(state):
+def _exclusive(model, state):
     """One generate at a time per model (drafters hook the target's modules; stats are per model): other
-    threads wait. A nested call from the same thread would wait forever, so it raises instead."""
+    threads wait. A nested call from the same thread would wait forever, so it raises instead; a call that
+    waited while another thread disabled the model raises rather than decode through a removed state."""
     me = threading.get_ident()
     if state.owner == me:
         raise RuntimeError(
@@ -89,6 +104,10 @@ def _exclusive(state):
             "processor or stopping criterion?); call it after the outer call returns, or on another model instance."
         )
     with state.lock:
+        if getattr(model, "_hf_specdec", None) is not state:
+            raise RuntimeError("hf_specdec.disable(model) ran while this generate call waited for the model; call "
+                               "model.generate again (it is transformers' own now).")
+        _check_attention(model)
         state.owner = me
         try:
             yield
@@ -141,6 +160,8 @@ def _check_input_shapes(input_ids, attention_mask) -> None:
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be 2D [batch, sequence], got shape {tuple(input_ids.shape)}; "
                          "add the batch dimension (input_ids[None]) or use the tokenizer's return_tensors='pt'.")
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids has no rows (shape {tuple(input_ids.shape)}); pass at least one prompt.")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids has no tokens; give every prompt at least one token (for example the "
                          "tokenizer's BOS token: tokenize with add_special_tokens=True).")

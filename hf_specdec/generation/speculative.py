@@ -27,7 +27,8 @@ from hf_specdec.generation.acceptance import Acceptance, acceptance_for
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector
 from hf_specdec.generation.sampling import PositionScorer, select_tokens
 from hf_specdec.generation.stats import SpecStats
-from hf_specdec.runtime import ModelRunner, Readback, real_token_counts
+from hf_specdec.cache import OutOfBlocksError
+from hf_specdec.runtime import ModelRunner, Readback, exhausted, real_token_counts
 
 
 class RowStopper:
@@ -41,13 +42,15 @@ class RowStopper:
         # max length and EOS are checked here directly; anything else goes through the criteria
         self.only_builtin = all(isinstance(c, (EosTokenCriteria, MaxLengthCriteria)) for c in stopping_criteria)
 
-    def stops(self, row_ids: list[int]) -> bool:
+    def stops(self, row_ids: list[int], scores=None) -> bool:
+        """``scores``: a callable giving the row's scores [1, vocab] at its last token (built only when a
+        criterion other than max length and EOS needs them)."""
         if len(row_ids) >= self.max_length or row_ids[-1] in self.eos:
             return True
         if self.only_builtin:
             return False
         ids = torch.tensor(row_ids)[None, :]
-        return bool(self.criteria(ids, None)[0])
+        return bool(self.criteria(ids, None if scores is None else scores())[0])
 
 
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -98,6 +101,10 @@ class SpeculativeLoop:
                 last_tokens = self.prefill(input_ids, prompt_lens, model_kwargs)
                 while any(self.running):
                     last_tokens = self.step(last_tokens)
+        except OutOfBlocksError as error:  # the rows outgrew the cache's memory budget: keep what they generated
+            pad = self.config._pad_token_tensor
+            raise exhausted(error, _pad_rows(self.rows, torch.tensor(0) if pad is None else pad, input_ids.device)) \
+                from None
         finally:
             self.runner.finish()
         if self.streamer is not None:
@@ -111,8 +118,9 @@ class SpeculativeLoop:
         self.runner.commit(prompt_lens)
         self.drafter.begin(self.context, self.captured)
         logits = outputs.logits[:, -1].to(dtype=torch.float32)
-        next_tokens = select_tokens(self.logits_processor(input_ids, logits), self.config.do_sample)
-        emitted = self._emit(next_tokens.tolist(), [[]] * len(self.rows))
+        scores = self.logits_processor(input_ids, logits)
+        next_tokens = select_tokens(scores, self.config.do_sample)
+        emitted = self._emit(next_tokens.tolist(), [[]] * len(self.rows), scores[:, None])
         self.stats.record_step(emitted)
         return next_tokens
 
@@ -140,7 +148,7 @@ class SpeculativeLoop:
         # 5. emit (stopping inside the chunk), commit, let the drafter catch up
         was_running = list(self.running)
         chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(self.rows))]
-        emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks])
+        emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks], scores)
         self.stats.record_step([e for e, r in zip(emitted, was_running) if r],
                                [a for a, r in zip(accepted, was_running) if r], self.k)
         # a running row keeps its input token and the drafts it emitted (all accepted ones unless it stopped
@@ -164,17 +172,18 @@ class SpeculativeLoop:
         host = self.readback.wait(pending)[0].tolist()
         return [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
 
-    def _emit(self, last: list[int], accepted_drafts: list[list[int]]) -> list[int]:
+    def _emit(self, last: list[int], accepted_drafts: list[list[int]], scores: torch.Tensor) -> list[int]:
         """Append each running row's accepted drafts then its next token, stopping inside the chunk; returns the
-        tokens each row emitted."""
+        tokens each row emitted. ``scores`` [batch, chunk, vocab]: the target's scores that chose each token of the
+        chunk, for stopping criteria that read them (as plain decoding hands them the step's scores)."""
         emitted = []
         for b, row in enumerate(self.rows):
             count = 0
             if self.running[b]:
-                for token in accepted_drafts[b] + [last[b]]:
+                for j, token in enumerate(accepted_drafts[b] + [last[b]]):
                     row.append(token)
                     count += 1
-                    if self.stopper.stops(row):
+                    if self.stopper.stops(row, lambda b=b, j=j: scores[b, j][None].float()):
                         self.running[b] = False
                         break
             emitted.append(count)

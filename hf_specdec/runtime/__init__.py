@@ -4,10 +4,10 @@ graphs (target forwards and drafter calls), and asynchronous read-back of device
 from hf_specdec.runtime.context import RequestContext
 from hf_specdec.runtime.cuda_graphs import GraphStore, cuda_graphs_wanted
 from hf_specdec.runtime.drafter_graphs import DrafterGraphs
-from hf_specdec.runtime.model_runner import ModelRunner, check_mask_shape, real_token_counts
+from hf_specdec.runtime.model_runner import ModelRunner, check_mask_shape, exhausted, real_token_counts
 from hf_specdec.runtime.readback import Readback
 
 __all__ = [
     "DrafterGraphs", "GraphStore", "ModelRunner", "Readback", "RequestContext", "check_mask_shape",
-    "cuda_graphs_wanted", "real_token_counts",
+    "cuda_graphs_wanted", "exhausted", "real_token_counts",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_specdec.cache import KVLayout, PagedKVCache, sizing
+from hf_specdec.cache import CacheExhaustedError, KVLayout, OutOfBlocksError, PagedKVCache, sizing
 from hf_specdec.compat import cache_argument
 from hf_specdec.config import CacheConfig
 from hf_specdec.runtime.context import RequestContext
@@ -42,6 +42,14 @@ def real_token_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     if min(counts) == 0:
         raise ValueError(f"row {counts.index(0)} of the batch has no tokens; remove empty prompts.")
     return counts
+
+
+def exhausted(error: OutOfBlocksError, sequences: torch.Tensor) -> CacheExhaustedError:
+    """The error a request that outgrew its KV cache pool stops with, holding ``sequences`` generated so far."""
+    return CacheExhaustedError(
+        f"the KV cache ran out of blocks while generating ({error}); the tokens generated so far are in this "
+        "error's .sequences. Raise CacheConfig.gpu_memory_fraction (CUDA) or cpu_memory_fraction (CPU), free "
+        "memory, or lower the batch size or max_new_tokens.", sequences)
 
 
 def check_mask_shape(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

@@ -57,19 +57,42 @@ def test_a_pooled_storage_serves_requests_with_a_fixed_num_blocks():
     assert unfixed.manager.pools[0].num_blocks == 27
 
 
-def test_cuda_memory_budget_bounds_a_request(monkeypatch):
-    """gpu_memory_fraction applies where free_device_memory knows the device (CUDA); here it is faked."""
+def test_the_memory_budget_caps_the_pool_and_refuses_only_prompts_that_cannot_fit(monkeypatch):
+    """Without num_blocks / max_cache_tokens the pool is cut to the memory budget (faked here): every group keeps
+    room for its prompts and a step of drafts; only a budget below that is refused up front."""
     sized = _request(CacheConfig(block_size=4))
     need = sizing.kv_bytes(LAYOUT, [p.num_blocks for p in sized.manager.pools], 4, torch.float32)
-    monkeypatch.setattr(sizing, "free_device_memory", lambda device: need)
-    _request(CacheConfig(block_size=4, gpu_memory_fraction=1.0))
-    with pytest.raises(CacheCapacityError, match=r"CacheConfig.gpu_memory_fraction=0.5 .* raise gpu_memory_fraction"):
-        _request(CacheConfig(block_size=4, gpu_memory_fraction=0.5))
+    monkeypatch.setattr(sizing, "available_host_memory", lambda: need)
+    assert [p.num_blocks for p in _request(CacheConfig(block_size=4, cpu_memory_fraction=1.0)).manager.pools] == \
+        [p.num_blocks for p in sized.manager.pools]
+    capped = _request(CacheConfig(block_size=4, cpu_memory_fraction=0.7))
+    assert capped.manager.pools[0].num_blocks < sized.manager.pools[0].num_blocks
+    assert sizing.kv_bytes(LAYOUT, [p.num_blocks for p in capped.manager.pools], 4, torch.float32) <= 0.7 * need
+    best = sizing.blocks_needed(LAYOUT, CacheConfig(block_size=4), [20, 9], 1, 4)
+    assert all(p.num_blocks >= b for p, b in zip(capped.manager.pools, best))
+    with pytest.raises(CacheCapacityError, match=r"prompts alone need .* CacheConfig.cpu_memory_fraction=0.01 .* "
+                                                 r"raise cpu_memory_fraction"):
+        _request(CacheConfig(block_size=4, cpu_memory_fraction=0.01))
     # explicit sizes are the user's choice and bypass the memory budget
-    _request(CacheConfig(block_size=4, gpu_memory_fraction=0.5, max_cache_tokens=4096))
+    _request(CacheConfig(block_size=4, cpu_memory_fraction=0.01, max_cache_tokens=4096))
 
 
-def test_cpu_caches_have_no_memory_budget():
+def test_own_storage_starts_small_and_grows_with_the_rows():
+    """A cache without pooled storage allocates for the prompts first and grows (keeping every page) as the
+    rows do, up to its pool."""
+    cache = _request(CacheConfig(block_size=4), prompt_lens=(5,), max_new_tokens=1000, lookahead=0)
+    assert cache.k_storage[0].shape[1] < cache.manager.pools[0].num_blocks
+    cache.begin_forward([5], 5)
+    cache.k_storage[0][:, :2] = 1.0
+    cache.commit([5])
+    for _ in range(40):
+        cache.begin_forward([1], 1)
+        cache.commit(cache.seq_lens)
+    assert cache.k_storage[0].shape[1] >= cache.manager.pools[0].high_water
+    assert (cache.k_storage[0][:, :2] == 1.0).all()
+
+
+def test_free_device_memory_is_for_cuda_devices():
     assert sizing.free_device_memory(torch.device("cpu")) is None
 
 

@@ -41,12 +41,12 @@ def test_a_drafter_cache_that_does_not_fit_frees_the_target_cache(mode, monkeypa
     kwargs = dict(attention_mask=mask, max_new_tokens=16, **GREEDY, **extra)
     before = model.generate(ids, **kwargs)
     budgets = iter([2**40])  # the first request (the target's cache) fits, every later one gets no memory
-    monkeypatch.setattr(sizing, "free_device_memory", lambda device: next(budgets, 0))
+    monkeypatch.setattr(sizing, "available_host_memory", lambda: next(budgets, 0))
     with bundled.recorded_caches(monkeypatch) as made:
-        with pytest.raises(CacheCapacityError, match=r"gpu_memory_fraction"):
+        with pytest.raises(CacheCapacityError, match=r"cpu_memory_fraction"):
             model.generate(ids, **kwargs)
     assert len(made) == 1 and made[0].num_used_blocks == [0] * len(made[0].num_used_blocks) and not made[0].seq_ids
-    monkeypatch.setattr(sizing, "free_device_memory", lambda device: None)
+    monkeypatch.setattr(sizing, "available_host_memory", lambda: None)
     assert torch.equal(model.generate(ids, **kwargs), before)
 
 
@@ -63,3 +63,61 @@ def test_other_rows_of_a_batch_that_fits_are_unchanged_by_its_neighbours():
             model.generate(ids, attention_mask=mask, **{**kwargs, "max_new_tokens": 64})
     for b in range(3):
         assert together[b, mask[b].argmax():].tolist() == alone[b].tolist()
+
+
+class _StopAfter:
+    """A stopping criterion: every row stops once it holds ``n`` new tokens."""
+
+    def __init__(self, prompt_len: int, n: int):
+        self.limit = prompt_len + n
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.limit, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("mode", bundled.MODES)
+def test_a_call_that_stops_early_allocates_for_what_it_generated_not_for_max_new_tokens(mode, monkeypatch):
+    """max_new_tokens=10_000_000 and a stop after 3 tokens: every cache the call builds holds a few blocks
+    (its pool may be large; its storage grows with the rows), and the tokens are those of a short call."""
+    model, extra, _ = bundled.mode(mode)
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, stopping_criteria=[_StopAfter(ids.shape[1], 3)], **GREEDY, **extra)
+    expected = model.generate(ids, max_new_tokens=3, **{k: v for k, v in kwargs.items() if k != "stopping_criteria"})
+    with bundled.recorded_caches(monkeypatch) as made:
+        got = model.generate(ids, max_new_tokens=10_000_000, **kwargs)
+    assert torch.equal(got, expected)
+    assert made and all(k.shape[1] <= 64 for cache in made for k in cache.k_storage)
+
+
+@pytest.mark.parametrize("mode", bundled.MODES)
+def test_a_request_that_outgrows_its_pool_stops_with_the_tokens_so_far(mode, monkeypatch):
+    """A memory budget that holds the prompts but not the whole generation: the call stops with
+    CacheExhaustedError, whose sequences are the start of what an unbounded call returns; the model decodes
+    normally afterwards and no block is left in use."""
+    from hf_specdec.cache import CacheExhaustedError
+
+    model, extra, _ = bundled.mode(mode)
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=400, **GREEDY, **extra)
+    expected = model.generate(ids, **kwargs)
+    monkeypatch.setattr(sizing, "within_budget", _tight_budget(ids.shape[1] + 48, rows=2))
+    with bundled.recorded_caches(monkeypatch) as made:
+        with pytest.raises(CacheExhaustedError, match=r"ran out of blocks .* \.sequences") as caught:
+            model.generate(ids, **kwargs)
+    got = caught.value.sequences
+    assert ids.shape[1] < got.shape[1] < expected.shape[1]
+    for row, full in zip(got, expected):  # rows stop at different lengths (a chunk apart); padding 0 after
+        length = len(row) - int(((row.flip(0) != 0).cumsum(0) == 0).sum())
+        assert length > ids.shape[1] and torch.equal(row[:length], full[:length])
+    assert all(cache.num_used_blocks == [0] * len(cache.num_used_blocks) for cache in made)
+    monkeypatch.undo()
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+
+
+def _tight_budget(tokens_per_row: int, rows: int):
+    """A stand-in for the memory budget that leaves each group room for ``tokens_per_row`` positions per row
+    (sliding groups need less and keep what they need)."""
+    def tight(layout, need, best, block_size, dtype, device, cache_config):
+        room = rows * (-(-tokens_per_row // block_size) + 1)
+        return [min(n, max(b, room)) for n, b in zip(need, best)]
+    return tight

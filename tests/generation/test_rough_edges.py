@@ -1,0 +1,122 @@
+"""What users hit first: each case gives transformers' behaviour or a clear error that names the fix."""
+
+import copy
+import threading
+
+import pytest
+import torch
+from transformers import StoppingCriteria
+
+import hf_specdec
+from tests import bundled
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+@pytest.mark.parametrize("mode", bundled.MODES)
+def test_an_empty_batch_names_the_fix(mode):
+    model, extra, _ = bundled.mode(mode)
+    with pytest.raises(ValueError, match="input_ids has no rows .* pass at least one prompt"):
+        model.generate(input_ids=torch.zeros(0, 5, dtype=torch.long), max_new_tokens=3, **GREEDY, **extra)
+
+
+def test_enable_takes_a_dict_of_cache_fields_and_names_bad_ones():
+    model, _, _ = bundled.mode("plain")
+    saved = model._hf_specdec.cache_config
+    try:
+        hf_specdec.enable(model, {"block_size": 8})
+        assert model._hf_specdec.cache_config == hf_specdec.CacheConfig(block_size=8)
+        ids, mask = bundled.batch(2)
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, **GREEDY)
+        with pytest.raises(TypeError, match=r"unknown CacheConfig field\(s\) \['blocksize'\]"):
+            hf_specdec.enable(model, {"blocksize": 8})
+        with pytest.raises(TypeError, match="pass hf_specdec.CacheConfig"):
+            hf_specdec.enable(model, 8)
+    finally:
+        hf_specdec.enable(model, saved)
+
+
+@pytest.mark.parametrize("mode", ["plain", "gemma_mtp"])
+def test_a_deep_copy_of_an_enabled_model_decodes_on_its_own(mode):
+    model, extra, _ = bundled.mode(mode)
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, **GREEDY, **extra)
+    twin = copy.deepcopy(model)
+    assert twin._hf_specdec is not model._hf_specdec and twin._hf_specdec.lock is not model._hf_specdec.lock
+    assert twin.generate.__self__ is twin
+    assert torch.equal(twin.generate(ids, **kwargs), model.generate(ids, **kwargs))
+    hf_specdec.disable(twin)
+    assert hasattr(model, "_hf_specdec")
+
+
+class StopOnConfidentScore(StoppingCriteria):
+    """Reads ``scores``, as criteria written for plain decoding may: stops a row once the chosen token's
+    probability exceeds a bound."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(tuple(scores.shape))
+        probs = torch.softmax(scores.float(), dim=-1)
+        return probs.gather(-1, input_ids[:, -1:].to(probs.device)).squeeze(-1) > 0.9
+
+
+@pytest.mark.parametrize("mode", bundled.MODES)
+def test_a_stopping_criterion_that_reads_scores_works_with_drafts(mode):
+    model, extra, _ = bundled.mode(mode)
+    vocab = model.config.get_text_config().vocab_size
+    ids, _ = bundled.batch(1)
+    plain, drafted = StopOnConfidentScore(), StopOnConfidentScore()
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=40, **GREEDY)
+    expected = model.generate(ids, stopping_criteria=[plain], **kwargs)
+    got = model.generate(ids, stopping_criteria=[drafted], **kwargs, **extra)
+    assert torch.equal(got, expected)
+    assert drafted.seen and all(shape[0] == 1 and shape[1] >= vocab for shape in drafted.seen)
+
+
+@pytest.mark.parametrize("mode", ["plain", "gemma_mtp"])
+def test_disable_from_another_thread_waits_for_the_running_call(mode, monkeypatch):
+    """disable() from another thread while generate runs: the call finishes with the undisturbed tokens, then
+    the model is disabled."""
+    model, extra, _ = bundled.mode(mode)
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, **GREEDY, **extra)
+    expected = model.generate(ids, **kwargs)
+    started, result = threading.Event(), {}
+
+    class Signal:
+        def put(self, value):
+            started.set()
+
+        def end(self):
+            pass
+
+    def run():
+        result["out"] = model.generate(ids, streamer=Signal(), **kwargs)
+
+    worker = threading.Thread(target=run)
+    try:
+        worker.start()
+        assert started.wait(30)
+        hf_specdec.disable(model)
+        worker.join()
+        assert torch.equal(result["out"], expected) and not hasattr(model, "_hf_specdec")
+    finally:
+        worker.join()
+        hf_specdec.enable(model)
+
+
+def test_set_attn_implementation_after_enable_is_refused_until_enable_again():
+    model, _, _ = bundled.mode("plain")
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, **GREEDY)
+    expected = model.generate(ids, **kwargs)
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(ValueError, match=r"attention was set to 'sdpa' after hf_specdec.enable.*"
+                                             r"hf_specdec.enable\(model\) again"):
+            model.generate(ids, **kwargs)
+    finally:
+        hf_specdec.enable(model)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
