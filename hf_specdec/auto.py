@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pathlib
+
+import torch
 import transformers
 
+from hf_specdec.assets import ASSETS_DIR
 from hf_specdec.config import CacheConfig
 from hf_specdec.generation import enable
 from hf_specdec.models.dflash import is_dflash_checkpoint, load_dflash_drafter
@@ -19,6 +23,7 @@ class AutoModelForCausalLM:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, cache_config: CacheConfig | None = None,
                         **kwargs):
+        kwargs = _bundled_defaults(pretrained_model_name_or_path, kwargs)
         # DFlash checkpoints say model_type "qwen3": transformers alone would build a Qwen3 model from them
         if is_dflash_checkpoint(pretrained_model_name_or_path, **kwargs):
             return load_dflash_drafter(pretrained_model_name_or_path, *args, **kwargs)
@@ -26,3 +31,16 @@ class AutoModelForCausalLM:
         if not isinstance(model, transformers.GenerationMixin):
             return model
         return enable(model, cache_config)
+
+
+def _bundled_defaults(path, kwargs: dict) -> dict:
+    """The bundled tiny family is stored in bf16; on CPU (no dtype and no device map given) it loads in float32,
+    where greedy speculative output is token for token the plain greedy output (bf16 may round a verify of k+1
+    tokens and a one-token decode differently and flip an argmax at a near-tie)."""
+    if any(k in kwargs for k in ("dtype", "torch_dtype", "device_map")):
+        return kwargs
+    try:
+        bundled = pathlib.Path(path).resolve().is_relative_to(ASSETS_DIR)
+    except (TypeError, OSError):
+        return kwargs
+    return {**kwargs, "dtype": torch.float32} if bundled else kwargs

@@ -120,3 +120,20 @@ def test_set_attn_implementation_after_enable_is_refused_until_enable_again():
     finally:
         hf_specdec.enable(model)
     assert torch.equal(model.generate(ids, **kwargs), expected)
+
+
+def test_the_bundled_family_loads_in_float32_on_cpu_unless_a_dtype_is_given():
+    """Stored in bf16; float32 by default on CPU, where greedy speculative output is plain greedy's exactly."""
+    from hf_specdec.assets import asset_path
+
+    target = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4"))
+    assistant = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-assistant"))
+    drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"))
+    assert {next(m.parameters()).dtype for m in (target, assistant, drafter)} == {torch.float32}
+    as_stored = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4"), dtype=torch.bfloat16)
+    assert next(as_stored.parameters()).dtype == torch.bfloat16
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, **GREEDY)
+    plain = target.generate(ids, **kwargs)
+    assert torch.equal(target.generate(ids, assistant_model=assistant, **kwargs), plain)
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), plain)
