@@ -1,6 +1,6 @@
 """e2e_synthetic: end-to-end Gemma 4 MTP and DFlash decoding at a fixed acceptance rate, beside plain decoding.
 
-    python -m benchmarks.e2e_synthetic [--shape gemma4-31b] [--layers N] [--alpha 0.6 0.8] [--k 3 7] [--batch 1 32]
+    python -m benchmarks.e2e_synthetic [--shape gemma4-31b | gemma4-26b-a4b | step3p5] [--layers N] [--alpha 0.6 0.8] [--k 3 7] [--batch 1 32]
         [--drafter mtp dflash] [--quick | --smoke]
 
 Random weights accept almost no drafts, so the speculative rows run a real drafter — the Gemma 4 MTP
@@ -21,7 +21,7 @@ import hf_specdec
 from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, free_device_memory
 from benchmarks.draft_cost import _dflash_drafter
 from benchmarks.drafters import SyntheticAcceptance, expected_tau
-from benchmarks.shapes import floor_tokens_per_s, gemma4_assistant, gemma4_target, random_prompt, shape_name
+from benchmarks.shapes import STEP3P5, floor_tokens_per_s, gemma4_assistant, random_prompt, shape_name, target_for
 from hf_specdec.generation.registry import build_drafter
 
 NAME = "e2e_synthetic"
@@ -55,14 +55,16 @@ def add_arguments(parser) -> None:
 
 def run(args, progress) -> list[dict]:
     bandwidth = copy_bandwidth_gb_s(args.device)
-    target = gemma4_target(args.shape, args.layers, args.device, args.dtype)
-    assistant = gemma4_assistant(args.shape, target, args.device, args.dtype)
+    target = target_for(args.shape, args.layers, args.device, args.dtype)
+    # a Step 3.5 target drafts with its own MTP layers (spec_mode="mtp", k <= 3); Gemma 4 with its assistant
+    assistant = None if args.shape in STEP3P5 else gemma4_assistant(args.shape, target, args.device, args.dtype)
     model_shape = shape_name(args.shape, args.layers)
     progress.total(len(args.batch) * (len(args.alpha) * len(args.drafter) * len(args.k) + 2))
     rows = []
     for batch in args.batch:
         ids = random_prompt(batch, args.prompt, target.config.vocab_size, args.device)
-        floor = floor_tokens_per_s(target, batch, args.prompt + args.new_tokens // 2, bandwidth)["floor_tokens_per_s"]
+        context = args.prompt + args.new_tokens // 2
+        floor = floor_tokens_per_s(target, batch, context, bandwidth)["floor_tokens_per_s"]
         common = dict(model_shape=model_shape, batch=batch, prompt=args.prompt, new_tokens=args.new_tokens,
                       floor_tokens_per_s=floor, repeats=args.repeats)
         batch_rows = []
@@ -80,8 +82,12 @@ def run(args, progress) -> list[dict]:
                     inner = (build_drafter(target, assistant, "mtp", k) if kind == "mtp"
                              else _dflash_drafter(target, args, k))
                     synthetic = dict(assistant_model=inner, acceptance=SyntheticAcceptance(alpha))
+                    # the bytes a verify step of k+1 tokens per row reads (an MoE target: the union of the
+                    # experts its tokens select), so vs_verify_floor_tau is reachable where vs_floor_tau is not
+                    verify_floor = floor_tokens_per_s(target, batch, context, bandwidth, tokens_per_row=k + 1)
                     batch_rows.append(dict(common, backend=f"hf_specdec_{kind}_synthetic", k=k, alpha=alpha,
                                            lossless=False, expected_tau=expected_tau(alpha, k),
+                                           verify_floor_tokens_per_s=verify_floor["floor_tokens_per_s"],
                                            **_speed(target, ids, args, synthetic)))
                     progress.step(f"b{batch} {kind} k {k} alpha {alpha}")
         hf_specdec.disable(target)
@@ -89,6 +95,8 @@ def run(args, progress) -> list[dict]:
         for r in batch_rows:
             r["speedup_vs_plain"] = r["tokens_per_s"] / plain
             r["vs_floor_tau"] = r["tokens_per_s"] / (r["tau"] * floor)
+            if "verify_floor_tokens_per_s" in r:
+                r["vs_verify_floor_tau"] = r["tokens_per_s"] / (r["tau"] * r["verify_floor_tokens_per_s"])
         rows += batch_rows
     del target, assistant
     free_device_memory()

@@ -276,7 +276,8 @@ def _kv_layers(config):
             yield heads, dim, getattr(config, "sliding_window", None)
 
 
-def floor_tokens_per_s(model, batch: int, context: int, bandwidth_gb_s: float) -> dict:
-    """The memory-bandwidth floor of plain decoding: measured copy bandwidth / bytes streamed per step."""
-    streamed = streamed_bytes_per_step(model, batch, context)
+def floor_tokens_per_s(model, batch: int, context: int, bandwidth_gb_s: float, tokens_per_row: int = 1) -> dict:
+    """The memory-bandwidth floor of plain decoding (``tokens_per_row`` > 1: of a verify step's forward, in steps
+    per second times the batch): measured copy bandwidth / bytes streamed per step."""
+    streamed = streamed_bytes_per_step(model, batch, context, tokens_per_row)
     return {**streamed, "floor_tokens_per_s": bandwidth_gb_s * 1e9 / streamed["bytes_per_step"] * batch}
