@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SPEC_MODES = ("mtp", "dflash")
+AUTO = "auto"  # num_speculative_tokens chosen per round
 
 
 @dataclass
@@ -53,14 +54,19 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SpecDecodingConfig:
     """What a speculative ``generate`` call asked for: the mode (None: inferred from the assistant) and the number
-    of drafts per step, k (None: the drafter's default). The one place both are validated."""
+    of drafts per step, k (None: the drafter's default; ``"auto"``: chosen per round, up to the drafter's
+    default). The one place both are validated."""
 
     spec_mode: str | None = None
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int | str | None = None
 
     def __post_init__(self):
         if self.spec_mode is not None and self.spec_mode not in SPEC_MODES:
             raise ValueError(f"unknown spec_mode {self.spec_mode!r}; use one of {SPEC_MODES}.")
         k = self.num_speculative_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ValueError(f"num_speculative_tokens must be a positive integer, got {k!r}.")
+        if k is not None and k != AUTO and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"num_speculative_tokens must be a positive integer or {AUTO!r}, got {k!r}.")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.num_speculative_tokens == AUTO

@@ -31,7 +31,15 @@ class Drafter:
     """
 
     spec_mode: str  # "mtp" or "dflash"
-    num_speculative_tokens: int  # k
+    num_speculative_tokens: int  # k: the drafts of the next round
+    # whether the loop may change num_speculative_tokens between rounds (up to its value at the start of the
+    # request: caches and graphs are sized for that many); a drafter whose state is shaped by k says False
+    adaptive_k: bool = False
+
+    def draft_cost(self, k: int) -> float:
+        """The cost of drafting k tokens, in target decode steps (for choosing k per round). Default: k draft
+        steps of a tenth of a target step each."""
+        return 0.1 * k
 
     @property
     def capture_key(self) -> tuple:

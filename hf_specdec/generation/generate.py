@@ -26,6 +26,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
+from hf_specdec.config import AUTO
 from hf_specdec.generation.acceptance import Acceptance
 from hf_specdec.generation.decode import paged_decode
 from hf_specdec.generation.registry import build_drafter
@@ -35,7 +36,7 @@ from hf_specdec.runtime import check_mask_shape
 
 def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, *,
              assistant_model=None, streamer=None, spec_mode: str | None = None,
-             num_speculative_tokens: int | None = None, num_assistant_tokens: int | None = None,
+             num_speculative_tokens: int | str | None = None, num_assistant_tokens: int | str | None = None,
              acceptance: Acceptance | None = None, **kwargs):
     """``model.generate`` of an enabled model: paged, batched, and speculative when asked. ``acceptance``
     replaces the lossless acceptance of a speculative call (benchmarks pass a fixed acceptance rate; the call's
@@ -54,7 +55,8 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
         raise ValueError("acceptance= without a drafter: pass assistant_model=... or spec_mode=..., or drop it.")
     if speculative:
         drafter = build_drafter(self, assistant_model, spec_mode, num_speculative_tokens)
-        decode = functools.partial(speculative_decode, streamer=streamer, drafter=drafter, acceptance=acceptance)
+        decode = functools.partial(speculative_decode, streamer=streamer, drafter=drafter, acceptance=acceptance,
+                                   adaptive=num_speculative_tokens == AUTO)
     else:
         decode = functools.partial(paged_decode, streamer=streamer)
     unsupported = _paged_loop_unsupported(self, inputs, generation_config, kwargs)

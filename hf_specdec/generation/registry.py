@@ -39,10 +39,11 @@ def register_drafter(builder: DrafterBuilder) -> None:
 
 
 def build_drafter(target, assistant, spec_mode: str | None = None,
-                  num_speculative_tokens: int | None = None) -> Drafter:
-    """The drafter for this call, with ``spec_mode`` inferred from the assistant when omitted. A
-    :class:`Drafter` passed as the assistant is used as it is."""
-    SpecDecodingConfig(spec_mode, num_speculative_tokens)  # validates both
+                  num_speculative_tokens: int | str | None = None) -> Drafter:
+    """The drafter for this call, with ``spec_mode`` inferred from the assistant when omitted (``"auto"`` k: the
+    drafter's default k, the most a round drafts). A :class:`Drafter` passed as the assistant is used as it is."""
+    if SpecDecodingConfig(spec_mode, num_speculative_tokens).adaptive:  # validates both
+        num_speculative_tokens = None
     if isinstance(assistant, Drafter):
         return assistant
     _check_placement(target, assistant)

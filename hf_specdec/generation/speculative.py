@@ -24,6 +24,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
+from hf_specdec.generation.adaptive_k import AdaptiveK
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector
 from hf_specdec.generation.sampling import PositionScorer, select_tokens
 from hf_specdec.generation.stats import SpecStats
@@ -54,10 +55,12 @@ class RowStopper:
 
 
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                       streamer=None, *, drafter: Drafter, acceptance: Acceptance | None = None, **model_kwargs):
-    """Speculative decoding of ``input_ids`` [batch, prompt_len] (left-padded) with ``drafter``."""
+                       streamer=None, *, drafter: Drafter, acceptance: Acceptance | None = None, adaptive: bool = False,
+                       **model_kwargs):
+    """Speculative decoding of ``input_ids`` [batch, prompt_len] (left-padded) with ``drafter``; ``adaptive``: k
+    chosen per round (up to the drafter's k) where the drafter allows it."""
     loop = SpeculativeLoop(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                           streamer, acceptance or acceptance_for(generation_config.do_sample))
+                           streamer, acceptance or acceptance_for(generation_config.do_sample), adaptive)
     sequences = loop.run(input_ids, model_kwargs)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
@@ -68,10 +71,12 @@ class SpeculativeLoop:
     """One speculative ``generate`` call: the request's state lives here, a step is :meth:`step`."""
 
     def __init__(self, model, drafter: Drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                 streamer, acceptance: Acceptance):
+                 streamer, acceptance: Acceptance, adaptive: bool = False):
         state = model._hf_specdec
         self.model, self.drafter, self.acceptance, self.streamer = model, drafter, acceptance, streamer
-        self.k = drafter.num_speculative_tokens
+        self.k = drafter.num_speculative_tokens  # the most drafts a round may have: caches are sized for them
+        self.adaptive_k = (AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0])
+                           if adaptive and drafter.adaptive_k else None)
         self.config = generation_config
         self.logits_processor = logits_processor
         self.scorer = PositionScorer(logits_processor)
@@ -100,12 +105,15 @@ class SpeculativeLoop:
                                                             type(self.captured).__qualname__))
                 last_tokens = self.prefill(input_ids, prompt_lens, model_kwargs)
                 while any(self.running):
+                    if self.adaptive_k is not None:
+                        self.drafter.num_speculative_tokens = self.adaptive_k.k
                     last_tokens = self.step(last_tokens)
         except OutOfBlocksError as error:  # the rows outgrew the cache's memory budget: keep what they generated
             pad = self.config._pad_token_tensor
             raise exhausted(error, _pad_rows(self.rows, torch.tensor(0) if pad is None else pad, input_ids.device)) \
                 from None
         finally:
+            self.drafter.num_speculative_tokens = self.k
             self.runner.finish()
         if self.streamer is not None:
             self.streamer.end()
@@ -133,8 +141,9 @@ class SpeculativeLoop:
         # 1. draft (unless the previous step queued this round's drafts before its host sync)
         proposal = self.ahead if self.ahead is not None else self.drafter.propose(last_tokens, self.context, selector)
         # 2. verify [last token, drafts] in one target forward
+        k = proposal.tokens.shape[1]  # this round's (the drafter's k when the round was drafted)
         verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
-        logits = self.runner.forward(verify_ids, [self.k + 1] * len(self.rows), keep_logits=0).logits
+        logits = self.runner.forward(verify_ids, [k + 1] * len(self.rows), keep_logits=0).logits
         if self.config.do_sample or self.scorer.processors:
             scores = self.scorer.score(selector.prefixes, proposal.tokens, logits.float())
         else:
@@ -149,12 +158,14 @@ class SpeculativeLoop:
         was_running = list(self.running)
         chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(self.rows))]
         emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks], scores)
-        self.stats.record_step([e for e, r in zip(emitted, was_running) if r],
-                               [a for a, r in zip(accepted, was_running) if r], self.k)
+        accepted_running = [a for a, r in zip(accepted, was_running) if r]
+        self.stats.record_step([e for e, r in zip(emitted, was_running) if r], accepted_running, k)
+        if self.adaptive_k is not None:
+            self.adaptive_k.update(accepted_running, k)
         # a running row keeps its input token and the drafts it emitted (all accepted ones unless it stopped
         # inside the chunk), so the cache always holds one token less than the row; a stopped row stops growing
         kept = [e if r else 0 for e, r in zip(emitted, was_running)]
-        self.runner.commit([n - (self.k + 1) + keep for n, keep in zip(self.context.cache.seq_lens, kept)])
+        self.runner.commit([n - (k + 1) + keep for n, keep in zip(self.context.cache.seq_lens, kept)])
         self.drafter.commit(self.context, self.captured, num_accepted, kept)
         return next_token
 

@@ -71,6 +71,11 @@ class DFlashDraftRunner(Drafter):
     """Drives a :class:`DFlashDrafter` for the speculative loop (spec_mode="dflash")."""
 
     spec_mode = "dflash"
+    adaptive_k = True  # a round's block is [last token, mask x num_speculative_tokens] (graphs kept per width)
+
+    def draft_cost(self, k: int) -> float:
+        """One block forward whatever k (docs/perf_log.md: ~0.16 of a 31B target step)."""
+        return 0.15 + 0.005 * k
 
     def __init__(self, target, drafter: DFlashDrafter, num_speculative_tokens: int | None = None):
         check_compatible(drafter, target)

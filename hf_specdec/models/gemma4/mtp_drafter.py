@@ -56,6 +56,7 @@ class Gemma4MTPDraftRunner(Drafter):
     """Drives a :class:`Gemma4MTPAssistant` for the speculative loop (spec_mode="mtp")."""
 
     spec_mode = "mtp"
+    adaptive_k = True  # each round runs num_speculative_tokens draft steps (greedy graphs are kept per k)
 
     def __init__(self, target, assistant: Gemma4MTPAssistant, num_speculative_tokens: int | None = None):
         check_compatible(assistant, target)
