@@ -46,7 +46,10 @@ def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: 
     best = None
     if not bounded:
         best = blocks_needed(layout, cache_config, prompt_lens, 1, lookahead)
-        need = within_budget(layout, need, best, bs, dtype, device, cache_config)
+        # the owner's pooled storage is freed before a larger one is allocated: it counts as free memory
+        pooled = storage_pool.storages.get(storage_owner) if storage_pool is not None else None
+        held = sum(t.numel() * t.element_size() for t in (*pooled[2], *pooled[3])) if pooled else 0
+        need = within_budget(layout, need, best, bs, dtype, device, cache_config, held)
     if storage_pool is not None:
         # with num_blocks the pool holds at least that many blocks (exactly that many when it allocates), and
         # the request uses num_blocks of them: graphs captured over the pooled storage stay valid
@@ -72,11 +75,12 @@ def _allocate_within(layout, blocks: list[int], limit: list[int] | None, block_s
 
 
 def within_budget(layout: KVLayout, need: list[int], best: list[int], block_size: int, dtype, device,
-                  cache_config: CacheConfig) -> list[int]:
-    """``need`` (blocks per group) cut to the memory budget: every group keeps at least its ``best`` (the prompts
-    and one step of drafts) and shares the rest of the budget in proportion to what it could use. Raises
-    :class:`CacheCapacityError` when even ``best`` does not fit."""
-    budget, knob = memory_budget(device, cache_config)
+                  cache_config: CacheConfig, held: int = 0) -> list[int]:
+    """``need`` (blocks per group) cut to the memory budget (``held``: bytes of storage this cache may replace,
+    counted as free): every group keeps at least its ``best`` (the prompts and one step of drafts) and shares the
+    rest of the budget in proportion to what it could use. Raises :class:`CacheCapacityError` when even ``best``
+    does not fit."""
+    budget, knob = memory_budget(device, cache_config, held)
     if budget is None or kv_bytes(layout, need, block_size, dtype) <= budget:
         return need
     floor = kv_bytes(layout, best, block_size, dtype)
@@ -91,13 +95,13 @@ def within_budget(layout: KVLayout, need: list[int], best: list[int], block_size
     return [b + int(e * share) for b, e in zip(best, extra)]
 
 
-def memory_budget(device: torch.device, cache_config: CacheConfig) -> tuple[int | None, str]:
+def memory_budget(device: torch.device, cache_config: CacheConfig, held: int = 0) -> tuple[int | None, str]:
     """(bytes a cache may take on ``device``, or None for no bound; the CacheConfig field that sets it)."""
     if device.type == "cuda":
-        free = free_device_memory(device)
-        return (None if free is None else int(cache_config.gpu_memory_fraction * free)), "gpu_memory_fraction"
-    available = available_host_memory()
-    return (None if available is None else int(cache_config.cpu_memory_fraction * available)), "cpu_memory_fraction"
+        free, fraction, knob = free_device_memory(device), cache_config.gpu_memory_fraction, "gpu_memory_fraction"
+    else:
+        free, fraction, knob = available_host_memory(), cache_config.cpu_memory_fraction, "cpu_memory_fraction"
+    return (None if free is None else int(fraction * (free + held))), knob
 
 
 def available_host_memory() -> int | None:

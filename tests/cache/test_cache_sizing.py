@@ -104,3 +104,25 @@ def test_kv_bytes_counts_k_and_v_of_every_layer():
 def test_gpu_memory_fraction_is_validated(fraction):
     with pytest.raises(ValueError, match=r"gpu_memory_fraction must be in \(0, 1\]"):
         CacheConfig(gpu_memory_fraction=fraction)
+
+
+def test_a_pooled_storage_the_request_replaces_counts_as_free_memory(monkeypatch):
+    """A request larger than its owner's pooled storage frees that storage before allocating: the budget counts
+    its bytes as free (else a device filled by the old pool would refuse the request)."""
+    from hf_specdec.runtime.cuda_graphs import GraphStore
+
+    store = GraphStore()
+    small = sizing.cache_for_request(LAYOUT, CacheConfig(block_size=4), [5], 4, 0, dtype=torch.float32, device="cpu",
+                                     storage_pool=store)
+    small.free()
+    held = sum(t.numel() * t.element_size() for t in (*small.k_storage, *small.v_storage))
+    best = sizing.kv_bytes(LAYOUT, sizing.blocks_needed(LAYOUT, CacheConfig(block_size=4), [20, 9], 1, 4), 4,
+                           torch.float32)
+    monkeypatch.setattr(sizing, "available_host_memory", lambda: best - held // 2)  # fits only with `held`
+    larger = sizing.cache_for_request(LAYOUT, CacheConfig(block_size=4, cpu_memory_fraction=1.0), [20, 9], 30, 4,
+                                      dtype=torch.float32, device="cpu", storage_pool=store)
+    assert larger.manager.pools[0].num_blocks >= sizing.blocks_needed(LAYOUT, CacheConfig(block_size=4), [20, 9], 1,
+                                                                       4)[0]
+    with pytest.raises(CacheCapacityError, match="prompts alone"):
+        sizing.cache_for_request(LAYOUT, CacheConfig(block_size=4, cpu_memory_fraction=1.0), [20, 9], 30, 4,
+                                 dtype=torch.float32, device="cpu")

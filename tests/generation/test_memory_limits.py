@@ -117,7 +117,7 @@ def test_a_request_that_outgrows_its_pool_stops_with_the_tokens_so_far(mode, mon
 def _tight_budget(tokens_per_row: int, rows: int):
     """A stand-in for the memory budget that leaves each group room for ``tokens_per_row`` positions per row
     (sliding groups need less and keep what they need)."""
-    def tight(layout, need, best, block_size, dtype, device, cache_config):
+    def tight(layout, need, best, block_size, dtype, device, cache_config, held=0):
         room = rows * (-(-tokens_per_row // block_size) + 1)
         return [min(n, max(b, room)) for n, b in zip(need, best)]
     return tight
