@@ -154,7 +154,7 @@ def test_num_speculative_tokens_must_be_a_positive_integer(gemma, k):
 
 def test_num_assistant_tokens_alias_is_checked_too(step):
     ids, mask = _batch()
-    with pytest.raises(ValueError, match=r"num_speculative_tokens must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be a positive integer or 'auto', got 0"):
         step.generate(ids, attention_mask=mask, spec_mode="mtp", num_assistant_tokens=0, max_new_tokens=3)
 
 

@@ -41,58 +41,66 @@ def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: 
     anything when it does not fit what ``cache_config`` allows. ``storage_pool`` (a GraphStore) lends pooled
     storage kept under ``storage_owner`` between requests (CUDA graphs write into fixed addresses)."""
     bs, device = cache_config.block_size, torch.device(device)
-    need = blocks_needed(layout, cache_config, prompt_lens, max_new_tokens, lookahead)
     bounded = cache_config.num_blocks is not None or cache_config.max_cache_tokens is not None
-    best = None
-    if not bounded:
-        best = blocks_needed(layout, cache_config, prompt_lens, 1, lookahead)
+    budget = None
+    if bounded:
+        need = blocks_needed(layout, cache_config, prompt_lens, max_new_tokens, lookahead)
+    else:
         # the owner's pooled storage is freed before a larger one is allocated: it counts as free memory
         pooled = storage_pool.storages.get(storage_owner) if storage_pool is not None else None
         held = sum(t.numel() * t.element_size() for t in (*pooled[2], *pooled[3])) if pooled else 0
-        need = within_budget(layout, need, best, bs, dtype, device, cache_config, held)
+        budget, knob = memory_budget(device, cache_config, held)
+        need = within_budget(layout, cache_config, prompt_lens, max_new_tokens, lookahead, dtype, budget, knob)
     if storage_pool is not None:
         # with num_blocks the pool holds at least that many blocks (exactly that many when it allocates), and
         # the request uses num_blocks of them: graphs captured over the pooled storage stay valid
-        limit = None if bounded else need  # the memory budget: no rounding up past it
         *storage, have = storage_pool.take_storage(
-            layout, need, bs, dtype, device, lambda blocks: _allocate_within(layout, blocks, limit, bs, dtype, device),
+            layout, need, bs, dtype, device, lambda blocks: _allocate_within(layout, blocks, budget, bs, dtype, device),
             storage_owner, round_up=cache_config.num_blocks is None)
         need = need if cache_config.num_blocks is not None else have
         return PagedKVCache(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device,
                             storage=storage)
     # without pooled storage (no CUDA graphs) the storage grows as the rows do, up to `need` blocks
-    initial = need if best is None else [min(n, 2 * b) for n, b in zip(need, best)]
+    initial = need if bounded else [min(n, 2 * b) for n, b in
+                                    zip(need, blocks_needed(layout, cache_config, prompt_lens, 1, lookahead))]
     return PagedKVCache(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device,
                         storage_blocks=initial)
 
 
-def _allocate_within(layout, blocks: list[int], limit: list[int] | None, block_size: int, dtype, device):
-    """Pooled storage of ``blocks`` per group, refused past ``limit`` (a ValueError: the pool then allocates
-    exactly what the request needs)."""
-    if limit is not None and any(b > n for b, n in zip(blocks, limit)):
+def _allocate_within(layout, blocks: list[int], budget: int | None, block_size: int, dtype, device):
+    """Pooled storage of ``blocks`` per group, refused past the memory ``budget`` (a ValueError: the pool then
+    allocates exactly what the request needs instead of a rounded-up size)."""
+    if budget is not None and kv_bytes(layout, blocks, block_size, dtype) > budget:
         raise CacheCapacityError("rounded up past the request's memory budget")
     return allocate_storage(layout, blocks, block_size, dtype, device)
 
 
-def within_budget(layout: KVLayout, need: list[int], best: list[int], block_size: int, dtype, device,
-                  cache_config: CacheConfig, held: int = 0) -> list[int]:
-    """``need`` (blocks per group) cut to the memory budget (``held``: bytes of storage this cache may replace,
-    counted as free): every group keeps at least its ``best`` (the prompts and one step of drafts) and shares the
-    rest of the budget in proportion to what it could use. Raises :class:`CacheCapacityError` when even ``best``
-    does not fit."""
-    budget, knob = memory_budget(device, cache_config, held)
-    if budget is None or kv_bytes(layout, need, block_size, dtype) <= budget:
-        return need
-    floor = kv_bytes(layout, best, block_size, dtype)
-    if floor > budget:
+def within_budget(layout: KVLayout, cache_config: CacheConfig, prompt_lens: list[int], max_new_tokens: int,
+                  lookahead: int, dtype, budget: int | None, knob: str = "gpu_memory_fraction") -> list[int]:
+    """Blocks per group for the most new tokens per row, up to ``max_new_tokens``, whose cache fits ``budget``
+    bytes (None: no bound): the rows can grow that far in every group at once (a sliding group needs about a
+    window whatever the length). Raises :class:`CacheCapacityError` when even the prompts and one step of drafts
+    do not fit."""
+    bs = cache_config.block_size
+
+    def fits(new_tokens: int) -> bool:
+        blocks = blocks_needed(layout, cache_config, prompt_lens, new_tokens, lookahead)
+        return kv_bytes(layout, blocks, bs, dtype) <= budget
+
+    if budget is None or fits(max_new_tokens):
+        return blocks_needed(layout, cache_config, prompt_lens, max_new_tokens, lookahead)
+    if not fits(1):
+        floor = kv_bytes(layout, blocks_needed(layout, cache_config, prompt_lens, 1, lookahead), bs, dtype)
         raise CacheCapacityError(
             f"this batch's prompts alone need {floor / 2**20:.3f} MiB of KV cache but CacheConfig.{knob}="
-            f"{getattr(cache_config, knob)} of the memory free on {device} allows {budget / 2**20:.3f} MiB. Lower "
-            f"the batch size or the prompt lengths, free memory, or raise {knob}."
+            f"{getattr(cache_config, knob)} of the memory free allows {budget / 2**20:.3f} MiB. Lower the batch "
+            f"size or the prompt lengths, free memory, or raise {knob}."
         )
-    extra = [n - b for n, b in zip(need, best)]
-    share = (budget - floor) / max(1, kv_bytes(layout, extra, block_size, dtype))
-    return [b + int(e * share) for b, e in zip(best, extra)]
+    low, high = 1, max_new_tokens  # low fits, high does not (blocks grow with the new tokens)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return blocks_needed(layout, cache_config, prompt_lens, low, lookahead)
 
 
 def memory_budget(device: torch.device, cache_config: CacheConfig, held: int = 0) -> tuple[int | None, str]:

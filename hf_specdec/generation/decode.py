@@ -60,11 +60,16 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             unfinished = unfinished & ~stopping_criteria(input_ids, scores)
             pending = readback.start(unfinished.sum(), next_tokens if streamer is not None else None)
             at_max = input_ids.shape[1] >= generation_config.max_length
+            exhausted_by = None
             if not at_max:
                 # 4. one decode forward for every row (a stopped row's forward is never read)
-                outputs = runner.forward(next_tokens[:, None], [1] * batch, keep_logits=1)
+                try:
+                    outputs = runner.forward(next_tokens[:, None], [1] * batch, keep_logits=1)
+                except OutOfBlocksError as error:  # an error only if a row still needs this forward
+                    exhausted_by = error
                 lens = [n + 1 for n in lens]
-                runner.commit(lens)
+                if exhausted_by is None:
+                    runner.commit(lens)
             count, streamed = readback.wait(pending)
             if streamer is not None:
                 streamer.put(streamed)
@@ -72,6 +77,8 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             active = int(count)
             if active == 0 or at_max:
                 break
+            if exhausted_by is not None:
+                raise exhausted_by
     except OutOfBlocksError as error:  # the rows outgrew the cache's memory budget: keep what they generated
         raise exhausted(error, input_ids) from None
     finally:

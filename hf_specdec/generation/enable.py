@@ -64,18 +64,8 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
     cache_config = _cache_config(cache_config)
     state = getattr(model, "_hf_specdec", None)
     if state is not None:
-        if model.config._attn_implementation != ATTENTION_NAME:  # set_attn_implementation was called since
-            state.original_attention = model.config._attn_implementation
-            model.set_attn_implementation(ATTENTION_NAME)
-        if cache_config is not None:
-            state.cache_config = cache_config
-        if cuda_graphs is not None:
-            state.cuda_graphs = cuda_graphs
-            if not cuda_graphs:
-                state.graph_store.release()
-        if max_cuda_graphs is not None:
-            state.graph_store.max_graphs = max_cuda_graphs
-            state.graph_store.trim()
+        with _held(state, "enable"):  # a generate call running in another thread finishes first
+            _update(model, state, cache_config, cuda_graphs, max_cuda_graphs)
         return model
     _check_supported(model)
     layout = kv_layout_from_config(model.config)
@@ -92,18 +82,40 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
     return model
 
 
+def _update(model, state: EnabledState, cache_config, cuda_graphs, max_cuda_graphs) -> None:
+    """``enable`` on an enabled model: new settings, and hf_specdec's attention back if it was changed since."""
+    if model.config._attn_implementation != ATTENTION_NAME:  # set_attn_implementation was called since
+        state.original_attention = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION_NAME)
+    if cache_config is not None:
+        state.cache_config = cache_config
+    if cuda_graphs is not None:
+        state.cuda_graphs = cuda_graphs
+        if not cuda_graphs:
+            state.graph_store.release()
+    if max_cuda_graphs is not None:
+        state.graph_store.max_graphs = max_cuda_graphs
+        state.graph_store.trim()
+
+
 def disable(model):
     """Undo :func:`enable` on ``model``; returns the same object. A ``generate`` call running in another thread
     finishes first (disable waits for it); from inside a call on the same model it raises."""
     state = getattr(model, "_hf_specdec", None)
     if state is None:
         return model
-    if state.owner == threading.get_ident():
-        raise RuntimeError("hf_specdec.disable(model) was called from inside a generate call on the same model "
-                           "(a streamer, logits processor or stopping criterion?); call it after the call returns.")
-    with state.lock:
+    with _held(state, "disable"):
         _undo(model, state)
     return model
+
+
+def _held(state: EnabledState, what: str):
+    """The model's lock, for changing what a running generate call reads; from inside such a call it raises
+    (waiting for itself would never end)."""
+    if state.owner == threading.get_ident():
+        raise RuntimeError(f"hf_specdec.{what}(model) was called from inside a generate call on the same model (a "
+                           "streamer, logits processor or stopping criterion?); call it after the call returns.")
+    return state.lock
 
 
 def _undo(model, state: EnabledState) -> None:

@@ -6,7 +6,8 @@ module calls ``fn(self, hidden_states, top_k_index, top_k_weights)``. ``enable``
 selects it for the model (:func:`select_experts`; ``disable`` restores the previous one). On CUDA it runs
 :func:`fused_moe`, which reads only the experts this forward's tokens selected, with no host sync (so
 decode and verify forwards keep their CUDA graphs). On CPU, under autograd, and for experts it does not cover
-(biases, interleaved gate/up, an activation other than tanh-GELU or SiLU) it runs the implementation the
+(biases, interleaved gate/up, an activation other than tanh-GELU or SiLU, a class's own gate such as a clamped
+SwiGLU, a norm after each expert) it runs the implementation the
 model had before ``enable``: the same arithmetic as without hf_specdec.
 
 Every supported transformers version (5.17 and later) has the interface, so no instance-level patching is
@@ -16,7 +17,7 @@ needed.
 from __future__ import annotations
 
 import torch
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
 
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
@@ -42,7 +43,10 @@ def fused_weights(experts: torch.nn.Module):
     :func:`fused_moe` does not compute what this module computes."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     activation = _activation(getattr(experts, "act_fn", None))
+    # a class's own _apply_gate (e.g. a clamped SwiGLU) or a norm after each expert computes something else
     if (not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or activation is None
+            or getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate
+            or getattr(experts, "has_post_expert_norm", False)
             or getattr(experts, "has_bias", True) or not getattr(experts, "has_gate", False)
             or not getattr(experts, "is_concatenated", False) or type(gate_up) is not torch.nn.Parameter
             or gate_up.dim() != 3 or down.dim() != 3):

@@ -126,3 +126,34 @@ def test_a_pooled_storage_the_request_replaces_counts_as_free_memory(monkeypatch
     with pytest.raises(CacheCapacityError, match="prompts alone"):
         sizing.cache_for_request(LAYOUT, CacheConfig(block_size=4, cpu_memory_fraction=1.0), [20, 9], 30, 4,
                                  dtype=torch.float32, device="cpu")
+
+
+def test_a_capped_request_can_grow_every_group_as_far_as_the_budget_allows(monkeypatch):
+    """The cap is the most new tokens per row whose cache fits (not the same share of every group's worst case,
+    which ran a sliding group out long before the full one): one more token per row would not fit."""
+    config = CacheConfig(block_size=4, cpu_memory_fraction=1.0)
+    full = sizing.kv_bytes(LAYOUT, sizing.blocks_needed(LAYOUT, config, [20, 9], 400, 4), 4, torch.float32)
+    monkeypatch.setattr(sizing, "available_host_memory", lambda: full // 3)
+    capped = _request(config, max_new_tokens=400)
+    pools = [p.num_blocks for p in capped.manager.pools]
+    reach = next(m for m in range(1, 401) if sizing.blocks_needed(LAYOUT, config, [20, 9], m, 4) == pools)
+    assert sizing.kv_bytes(LAYOUT, pools, 4, torch.float32) <= full // 3
+    beyond = sizing.blocks_needed(LAYOUT, config, [20, 9], reach + 4, 4)
+    assert sizing.kv_bytes(LAYOUT, beyond, 4, torch.float32) > full // 3 and reach > 100
+
+
+def test_pooled_storage_is_rounded_up_within_the_budget():
+    """Pooled storage (CUDA graphs) takes a power-of-two block count while the budget allows, so a slightly
+    larger next request reuses it (and keeps its graphs)."""
+    from hf_specdec.runtime.cuda_graphs import GraphStore
+
+    store = GraphStore()
+    first = _request(CacheConfig(block_size=4), prompt_lens=(20,), max_new_tokens=30, lookahead=4)
+    need = first.manager.pools[0].num_blocks
+    pooled = sizing.cache_for_request(LAYOUT, CacheConfig(block_size=4), [20], 30, 4, dtype=torch.float32,
+                                      device="cpu", storage_pool=store)
+    assert pooled.k_storage[0].shape[1] == 1 << (need - 1).bit_length() > need
+    generation = store.generation
+    sizing.cache_for_request(LAYOUT, CacheConfig(block_size=4), [20], 33, 4, dtype=torch.float32, device="cpu",
+                             storage_pool=store)
+    assert store.generation == generation  # reused: no graph dropped

@@ -54,3 +54,17 @@ def test_experts_the_kernel_does_not_cover_run_the_previous_implementation(monke
     with torch.no_grad():
         got = experts(x, index, weights)
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("variant", ["own_gate", "post_expert_norm"])
+def test_experts_with_their_own_gate_or_a_norm_after_each_expert_are_not_fused(variant, monkeypatch):
+    """What use_experts_implementation lets a model change and fused_moe does not compute (a class's _apply_gate,
+    e.g. a clamped SwiGLU; a norm after each expert) keeps the model's implementation."""
+    model = gemma4_26b_style()
+    experts = next(m for m in model.modules() if type(m).__name__ == "Gemma4TextExperts")
+    assert experts_module.fused_weights(experts) is not None
+    if variant == "own_gate":
+        monkeypatch.setattr(type(experts), "_apply_gate", lambda self, gate_up: gate_up.chunk(2, -1)[1], raising=False)
+    else:
+        monkeypatch.setattr(experts, "has_post_expert_norm", True, raising=False)
+    assert experts_module.fused_weights(experts) is None

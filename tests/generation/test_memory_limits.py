@@ -100,7 +100,7 @@ def test_a_request_that_outgrows_its_pool_stops_with_the_tokens_so_far(mode, mon
     ids, mask = bundled.batch(2)
     kwargs = dict(attention_mask=mask, max_new_tokens=400, **GREEDY, **extra)
     expected = model.generate(ids, **kwargs)
-    monkeypatch.setattr(sizing, "within_budget", _tight_budget(ids.shape[1] + 48, rows=2))
+    monkeypatch.setattr(sizing, "within_budget", _tight_budget(48))
     with bundled.recorded_caches(monkeypatch) as made:
         with pytest.raises(CacheExhaustedError, match=r"ran out of blocks .* \.sequences") as caught:
             model.generate(ids, **kwargs)
@@ -114,10 +114,8 @@ def test_a_request_that_outgrows_its_pool_stops_with_the_tokens_so_far(mode, mon
     assert torch.equal(model.generate(ids, **kwargs), expected)
 
 
-def _tight_budget(tokens_per_row: int, rows: int):
-    """A stand-in for the memory budget that leaves each group room for ``tokens_per_row`` positions per row
-    (sliding groups need less and keep what they need)."""
-    def tight(layout, need, best, block_size, dtype, device, cache_config, held=0):
-        room = rows * (-(-tokens_per_row // block_size) + 1)
-        return [min(n, max(b, room)) for n, b in zip(need, best)]
+def _tight_budget(new_tokens: int):
+    """A stand-in for the memory budget that holds the prompts and ``new_tokens`` more positions per row."""
+    def tight(layout, cache_config, prompt_lens, max_new_tokens, lookahead, dtype, budget, knob=None):
+        return sizing.blocks_needed(layout, cache_config, prompt_lens, min(new_tokens, max_new_tokens), lookahead)
     return tight

@@ -137,3 +137,23 @@ def test_the_bundled_family_loads_in_float32_on_cpu_unless_a_dtype_is_given():
     plain = target.generate(ids, **kwargs)
     assert torch.equal(target.generate(ids, assistant_model=assistant, **kwargs), plain)
     assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), plain)
+
+
+def test_enable_from_inside_a_generate_call_raises_instead_of_waiting_for_itself():
+    model, _, _ = bundled.mode("plain")
+    ids, mask = bundled.batch(1)
+    errors = []
+
+    class Reenable:
+        def put(self, value):
+            if not errors:
+                try:
+                    hf_specdec.enable(model, cuda_graphs=False)
+                except RuntimeError as error:
+                    errors.append(error)
+
+        def end(self):
+            pass
+
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, streamer=Reenable(), **GREEDY)
+    assert errors and "hf_specdec.enable(model) was called from inside a generate call" in str(errors[0])
