@@ -45,6 +45,8 @@ def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: 
     budget = None
     if bounded:
         need = blocks_needed(layout, cache_config, prompt_lens, max_new_tokens, lookahead)
+        if cache_config.max_cache_tokens is None:  # num_blocks alone: still within the device's memory
+            _check_fits(layout, need, bs, dtype, *memory_budget(device, cache_config))
     else:
         # the owner's pooled storage is freed before a larger one is allocated: it counts as free memory
         pooled = storage_pool.storages.get(storage_owner) if storage_pool is not None else None
@@ -65,6 +67,15 @@ def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: 
                                     zip(need, blocks_needed(layout, cache_config, prompt_lens, 1, lookahead))]
     return PagedKVCache(layout, need, len(prompt_lens), block_size=bs, dtype=dtype, device=device,
                         storage_blocks=initial)
+
+
+def _check_fits(layout, blocks: list[int], block_size: int, dtype, budget: int | None, knob: str) -> None:
+    need = kv_bytes(layout, blocks, block_size, dtype)
+    if budget is not None and need > budget:
+        raise CacheCapacityError(
+            f"CacheConfig.num_blocks makes this cache {need / 2**20:.1f} MiB but CacheConfig.{knob} of the memory "
+            f"free allows {budget / 2**20:.1f} MiB. Lower num_blocks (or leave it None), free memory, or raise {knob}."
+        )
 
 
 def _allocate_within(layout, blocks: list[int], budget: int | None, block_size: int, dtype, device):

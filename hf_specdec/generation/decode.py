@@ -80,6 +80,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             if exhausted_by is not None:
                 raise exhausted_by
     except OutOfBlocksError as error:  # the rows outgrew the cache's memory budget: keep what they generated
+        state.last_stats = stats.finish()
         raise exhausted(error, input_ids) from None
     finally:
         runner.finish()

@@ -109,6 +109,7 @@ class SpeculativeLoop:
                         self.drafter.num_speculative_tokens = self.adaptive_k.k
                     last_tokens = self.step(last_tokens)
         except OutOfBlocksError as error:  # the rows outgrew the cache's memory budget: keep what they generated
+            self.model._hf_specdec.last_stats = self.stats.finish()
             pad = self.config._pad_token_tensor
             raise exhausted(error, _pad_rows(self.rows, torch.tensor(0) if pad is None else pad, input_ids.device)) \
                 from None

@@ -157,3 +157,10 @@ def test_pooled_storage_is_rounded_up_within_the_budget():
     sizing.cache_for_request(LAYOUT, CacheConfig(block_size=4), [20], 33, 4, dtype=torch.float32, device="cpu",
                              storage_pool=store)
     assert store.generation == generation  # reused: no graph dropped
+
+
+def test_a_fixed_num_blocks_is_still_checked_against_the_memory(monkeypatch):
+    monkeypatch.setattr(sizing, "available_host_memory", lambda: 1024)
+    with pytest.raises(CacheCapacityError, match=r"CacheConfig.num_blocks makes this cache .* Lower num_blocks"):
+        _request(CacheConfig(block_size=4, num_blocks=64))
+    _request(CacheConfig(block_size=4, num_blocks=64, max_cache_tokens=4096))  # an explicit token bound: as asked

@@ -106,6 +106,7 @@ def test_a_request_that_outgrows_its_pool_stops_with_the_tokens_so_far(mode, mon
             model.generate(ids, **kwargs)
     got = caught.value.sequences
     assert ids.shape[1] < got.shape[1] < expected.shape[1]
+    assert 0 < hf_specdec.last_generation_stats(model).num_generated_tokens < 2 * 400  # this call's stats
     for row, full in zip(got, expected):  # rows stop at different lengths (a chunk apart); padding 0 after
         length = len(row) - int(((row.flip(0) != 0).cumsum(0) == 0).sum())
         assert length > ids.shape[1] and torch.equal(row[:length], full[:length])
