@@ -128,7 +128,7 @@ def sigmoid_bias_topk_route(router_logits: torch.Tensor,  # [tokens, num_experts
                             bias: torch.Tensor,  # [num_experts]
                             top_k: int, renormalize: bool, scaling_factor: float,
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 3.5's router (``route_tokens`` of ``models/step3p5/layers.py``, same arithmetic): experts selected by
+    """Step 3.5's router (``Step3p5MoE.route`` in ``models/step3p5/layers.py``; docs/models.md §4): experts selected by
     ``sigmoid(logits) + bias``, weighted by the selected ``sigmoid(logits)``, optionally renormalised (sum +
     1e-20), times ``scaling_factor``. -> (weights [tokens, top_k] fp32, index [tokens, top_k] int64)."""
     check(router_logits.dim() == 2 and 0 < top_k <= router_logits.shape[-1],

@@ -1,5 +1,5 @@
 """fused_moe: the reference equals a per-token loop over the models' own activations and Step 3.5's MoE forward,
-the routers equal Step 3.5's ``route_tokens`` and transformers' ``Gemma4TextRouter`` exactly, and the Triton
+the routers equal Step 3.5's router by its definition and transformers' ``Gemma4TextRouter`` exactly, and the Triton
 kernels match the reference (fp32 to 1e-5; bf16 / fp16 to a rounding: only the summation order differs)."""
 
 import logging

@@ -144,15 +144,6 @@ class Step3p5ExpertLinear(nn.Module):
         return F.linear(x, self.weight[expert])
 
 
-def route_tokens(router_logits: torch.Tensor, router_bias: torch.Tensor, top_k: int, renormalize: bool,
-                 scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Select experts by ``sigmoid(logits) + bias``, weight them by ``sigmoid(logits)`` only.
-
-    router_logits [tokens, num_experts] (fp32), router_bias [num_experts]
-    -> (weights [tokens, top_k] fp32, experts [tokens, top_k] int64). No host sync."""
-    return sigmoid_bias_topk_route(router_logits, router_bias, top_k, renormalize, scaling_factor)
-
-
 class Step3p5MoE(nn.Module):
     """Routed experts of an MoE layer (checkpoint prefix ``moe.``); the shared expert lives beside it."""
 
@@ -172,7 +163,7 @@ class Step3p5MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> (weights [tokens, top_k], experts [tokens, top_k]); fp32 router."""
         logits = F.linear(x.float(), self.gate.weight.float())
-        return route_tokens(logits, self.router_bias, self.top_k, self.renormalize, self.scaling_factor)
+        return sigmoid_bias_topk_route(logits, self.router_bias, self.top_k, self.renormalize, self.scaling_factor)
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [tokens, hidden] -> [tokens, hidden]
         return self.down_proj(clamped_swiglu(self.gate_proj(x, e), self.up_proj(x, e), self.limit), e)

@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_specdec.kernels.fused_moe import sigmoid_bias_topk_route
 from hf_specdec.models.step3p5.layers import (
     Step3p5Attention,
     Step3p5MoE,
     Step3p5RMSNorm,
     clamped_swiglu,
-    route_tokens,
 )
 
 from .tiny_step3p5 import tiny_config
@@ -42,11 +42,11 @@ def test_swiglu_clamp_semantics():
 def test_router_selects_with_bias_but_weights_by_score():
     logits = torch.logit(torch.tensor([[0.9, 0.5, 0.1]]))
     bias = torch.tensor([0.0, 0.0, 1.0])  # 0.1 + 1.0 beats 0.5: expert 2 replaces expert 1
-    weights, experts = route_tokens(logits, bias, top_k=2, renormalize=True, scaling_factor=2.5)
+    weights, experts = sigmoid_bias_topk_route(logits, bias, top_k=2, renormalize=True, scaling_factor=2.5)
     assert sorted(experts[0].tolist()) == [0, 2]
     by_expert = dict(zip(experts[0].tolist(), weights[0].tolist()))
     assert abs(by_expert[0] - 0.9 / 1.0 * 2.5) < 1e-5 and abs(by_expert[2] - 0.1 / 1.0 * 2.5) < 1e-5
-    weights, _ = route_tokens(logits, bias, top_k=2, renormalize=False, scaling_factor=1.0)
+    weights, _ = sigmoid_bias_topk_route(logits, bias, top_k=2, renormalize=False, scaling_factor=1.0)
     assert sorted(weights[0].tolist()) == pytest.approx([0.1, 0.9], abs=1e-5)
 
 
