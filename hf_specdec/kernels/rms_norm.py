@@ -14,26 +14,35 @@ from ._dispatch import check, next_power_of_2, tl, triton, use_triton
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr,  # x, out: [rows, dim] with row strides; weight: [dim]
-    stride_x, stride_out, dim, eps,
-    HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    stride_x, stride_out, dim, eps, then_mul_ptr, then_scalar,
+    HAS_WEIGHT: tl.constexpr, HAS_THEN_MUL: tl.constexpr, HAS_THEN_SCALAR: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
+    dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     mean_squared = tl.sum(x * x, 0) / dim + eps
     y = x / tl.sqrt(mean_squared)
     if HAS_WEIGHT:
         y = y * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_THEN_MUL:  # each product rounded to the dtype, as eager torch rounds it
+        y = y.to(dtype).to(tl.float32) * tl.load(then_mul_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_THEN_SCALAR:
+        y = y.to(dtype).to(tl.float32) * then_scalar
+    tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x [..., dim] -> same shape and dtype; ``weight`` [dim] or None (no scale)."""
-    check(weight is None or weight.shape == (x.shape[-1],),
-          f"weight must be [dim={x.shape[-1]}], got {None if weight is None else tuple(weight.shape)}")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_mul: torch.Tensor | None = None,
+             then_scalar: float | None = None) -> torch.Tensor:
+    """x [..., dim] -> same shape and dtype; ``weight`` [dim] or None (no scale). ``then_mul`` [dim] and
+    ``then_scalar``: the normalised rows times a vector, then times a number, each product rounded to x's
+    dtype (``norm(x) * then_mul * then_scalar`` in eager torch, e.g. a router's input scaling)."""
+    for name, vector in (("weight", weight), ("then_mul", then_mul)):
+        check(vector is None or vector.shape == (x.shape[-1],),
+              f"{name} must be [dim={x.shape[-1]}], got {None if vector is None else tuple(vector.shape)}")
     if not use_triton(x) or x.numel() == 0 or x.shape[-1] > 65536:
-        return rms_norm_reference(x, weight, eps)
+        return rms_norm_reference(x, weight, eps, then_mul=then_mul, then_scalar=then_scalar)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -42,25 +51,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     block = next_power_of_2(dim)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, weight if weight is not None else rows, out, rows.stride(0), out.stride(0), dim, eps,
-        HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        then_mul if then_mul is not None else rows, float(then_scalar or 0.0),
+        HAS_WEIGHT=weight is not None, HAS_THEN_MUL=then_mul is not None, HAS_THEN_SCALAR=then_scalar is not None,
+        BLOCK=block, num_warps=max(1, min(16, block // 256)),
     )
     return out.view(x.shape)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+                       then_mul: torch.Tensor | None = None, then_scalar: float | None = None) -> torch.Tensor:
     """Torch version: the CPU path and the test oracle (transformers' Gemma4RMSNorm arithmetic)."""
     h = x.float()
     y = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
         y = y * weight.float()
-    return y.type_as(x)
+    y = y.type_as(x)
+    if then_mul is not None:
+        y = y * then_mul
+    if then_scalar is not None:
+        y = y * then_scalar
+    return y
 
 
 @triton.jit
 def _norm_add_kernel(
     x_ptr, res_ptr, w_ptr, sum_ptr, scale_ptr, w2_ptr, out2_ptr,  # rows [rows, dim]; w, w2 [dim]; scale [1]
-    stride_x, stride_res, stride_sum, stride_out2, dim, eps, eps2,
-    HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr, NEXT_HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    stride_x, stride_res, stride_sum, stride_out2, dim, eps, eps2, w3_ptr, out3_ptr, stride_out3, eps3,
+    HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr, NEXT_HAS_WEIGHT: tl.constexpr, HAS_NEXT2: tl.constexpr,
+    NEXT2_HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -80,6 +98,12 @@ def _norm_add_kernel(
         if NEXT_HAS_WEIGHT:
             z = z * tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out2_ptr + row * stride_out2 + cols, z.to(dtype), mask=mask)
+    if HAS_NEXT2:
+        t = s.to(tl.float32)
+        z = t * tl.math.rsqrt(tl.sum(t * t, 0) / dim + eps3)
+        if NEXT2_HAS_WEIGHT:
+            z = z * tl.load(w3_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out3_ptr + row * stride_out3 + cols, z.to(dtype), mask=mask)
 
 
 def norm_add(
@@ -91,36 +115,108 @@ def norm_add(
     scale: torch.Tensor | None = None,  # [1]: multiplies the sum (Gemma 4's layer_scalar)
     next_weight: torch.Tensor | None = None,  # [dim] of the norm that reads the sum next (None: no scale)
     next_eps: float | None = None,  # None: no next norm
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    next2_weight: torch.Tensor | None = None,  # [dim] of a second norm that reads the sum (None: no scale)
+    next2_eps: float | None = None,  # None: no second norm
+) -> tuple[torch.Tensor, ...]:
     """``s = (residual + rms_norm(x, weight)) [* scale]`` and, with ``next_eps``, ``rms_norm(s, next_weight)``:
     the sandwich-norm seams of a Gemma 4 block (post-norm, residual add, layer scalar, the next pre-norm),
-    each result rounded to x's dtype as eager torch rounds it, in one launch instead of up to ~20."""
+    each result rounded to x's dtype as eager torch rounds it, in one launch instead of up to ~20.
+    -> ``(s, next)`` (``next`` None without ``next_eps``); with ``next2_eps`` also a second norm of the sum
+    (two branches that read it, e.g. a dense MLP's and the experts' pre-norms): ``(s, next, next2)``."""
     dim = x.shape[-1]
     check(residual.shape == x.shape and weight.shape == (dim,),
           f"residual must be x's shape {tuple(x.shape)} and weight [{dim}], got {tuple(residual.shape)}, "
           f"{tuple(weight.shape)}")
+    check(next2_eps is None or next_eps is not None, "next2_eps needs next_eps (the first next norm)")
     if not use_triton(x) or x.numel() == 0 or dim > 65536:
-        return norm_add_reference(x, residual, weight, eps, scale=scale, next_weight=next_weight, next_eps=next_eps)
+        return norm_add_reference(x, residual, weight, eps, scale=scale, next_weight=next_weight, next_eps=next_eps,
+                                  next2_weight=next2_weight, next2_eps=next2_eps)
     rows, res = x.reshape(-1, dim), residual.reshape(-1, dim)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     res = res if res.stride(-1) == 1 else res.contiguous()
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     nxt = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if next_eps is not None else None
+    nxt2 = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if next2_eps is not None else None
     block = next_power_of_2(dim)
     _norm_add_kernel[(rows.shape[0],)](
         rows, res, weight, total, scale if scale is not None else weight,
         next_weight if next_weight is not None else weight, nxt if nxt is not None else total,
         rows.stride(0), res.stride(0), total.stride(0), (nxt if nxt is not None else total).stride(0), dim,
-        float(eps), float(next_eps or 0.0),
+        float(eps), float(next_eps or 0.0), next2_weight if next2_weight is not None else weight,
+        nxt2 if nxt2 is not None else total, (nxt2 if nxt2 is not None else total).stride(0), float(next2_eps or 0.0),
         HAS_SCALE=scale is not None, HAS_NEXT=next_eps is not None, NEXT_HAS_WEIGHT=next_weight is not None,
+        HAS_NEXT2=next2_eps is not None, NEXT2_HAS_WEIGHT=next2_weight is not None,
         BLOCK=block, num_warps=max(1, min(16, block // 256)),
     )
-    return total.view(x.shape), None if nxt is None else nxt.view(x.shape)
+    out = total.view(x.shape), None if nxt is None else nxt.view(x.shape)
+    return out if nxt2 is None else (*out, nxt2.view(x.shape))
 
 
-def norm_add_reference(x, residual, weight, eps, *, scale=None, next_weight=None, next_eps=None):
+def norm_add_reference(x, residual, weight, eps, *, scale=None, next_weight=None, next_eps=None, next2_weight=None,
+                       next2_eps=None):
     """Torch version: the CPU path and the test oracle (the eager ops of transformers' Gemma 4 block)."""
     total = residual + rms_norm_reference(x, weight, eps)
     if scale is not None:
         total = (total * scale).to(total.dtype)  # transformers: `hidden_states *= layer_scalar`, in place
-    return total, None if next_eps is None else rms_norm_reference(total, next_weight, next_eps)
+    out = total, None if next_eps is None else rms_norm_reference(total, next_weight, next_eps)
+    return out if next2_eps is None else (*out, rms_norm_reference(total, next2_weight, next2_eps))
+
+
+@triton.jit
+def _dual_norm_add_kernel(
+    a_ptr, b_ptr, res_ptr, wa_ptr, wb_ptr, w_ptr, scale_ptr, out_ptr,  # rows [rows, dim]; weights [dim]; scale [1]
+    stride_a, stride_b, stride_res, stride_out, dim, eps_a, eps_b, eps,
+    HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    dtype = out_ptr.dtype.element_ty
+    a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+    a = (a * tl.math.rsqrt(tl.sum(a * a, 0) / dim + eps_a) * tl.load(wa_ptr + cols, mask=mask, other=0.0).to(
+        tl.float32)).to(dtype)
+    b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+    b = (b * tl.math.rsqrt(tl.sum(b * b, 0) / dim + eps_b) * tl.load(wb_ptr + cols, mask=mask, other=0.0).to(
+        tl.float32)).to(dtype)
+    m = (a.to(tl.float32) + b.to(tl.float32)).to(dtype).to(tl.float32)
+    z = (m * tl.math.rsqrt(tl.sum(m * m, 0) / dim + eps) * tl.load(w_ptr + cols, mask=mask, other=0.0).to(
+        tl.float32)).to(dtype)
+    s = (tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32) + z.to(tl.float32))
+    s = s.to(dtype)
+    if HAS_SCALE:
+        s = (s.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + row * stride_out + cols, s, mask=mask)
+
+
+def dual_norm_add(
+    a: torch.Tensor, weight_a: torch.Tensor, eps_a: float,  # [..., dim], [dim]: one branch's output and post-norm
+    b: torch.Tensor, weight_b: torch.Tensor, eps_b: float,  # the other branch's
+    residual: torch.Tensor, weight: torch.Tensor, eps: float,  # the block's residual and its post-norm
+    *, scale: torch.Tensor | None = None,  # [1]: multiplies the sum
+) -> torch.Tensor:
+    """``(residual + rms_norm(rms_norm(a, weight_a) + rms_norm(b, weight_b), weight)) [* scale]``: two parallel
+    branches (a dense MLP and the experts) post-normed, summed, post-normed again and added to the residual,
+    each result rounded to a's dtype as eager torch rounds it, in one launch instead of three."""
+    dim = a.shape[-1]
+    check(b.shape == a.shape and residual.shape == a.shape,
+          f"b and residual must be a's shape {tuple(a.shape)}, got {tuple(b.shape)} and {tuple(residual.shape)}")
+    check(all(w.shape == (dim,) for w in (weight_a, weight_b, weight)),
+          f"the weights must be [dim={dim}], got {[tuple(w.shape) for w in (weight_a, weight_b, weight)]}")
+    if not use_triton(a) or a.numel() == 0 or dim > 65536:
+        return dual_norm_add_reference(a, weight_a, eps_a, b, weight_b, eps_b, residual, weight, eps, scale=scale)
+    rows = [t.reshape(-1, dim) for t in (a, b, residual)]
+    rows = [t if t.stride(-1) == 1 else t.contiguous() for t in rows]
+    out = torch.empty(rows[0].shape, dtype=a.dtype, device=a.device)
+    block = next_power_of_2(dim)
+    _dual_norm_add_kernel[(out.shape[0],)](
+        *rows, weight_a, weight_b, weight, scale if scale is not None else weight, out,
+        *(t.stride(0) for t in rows), out.stride(0), dim, float(eps_a), float(eps_b), float(eps),
+        HAS_SCALE=scale is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+    )
+    return out.view(a.shape)
+
+
+def dual_norm_add_reference(a, weight_a, eps_a, b, weight_b, eps_b, residual, weight, eps, *, scale=None):
+    """Torch version: the CPU path and the test oracle (transformers' eager ops)."""
+    mixed = rms_norm_reference(a, weight_a, eps_a) + rms_norm_reference(b, weight_b, eps_b)
+    return norm_add_reference(mixed, residual, weight, eps, scale=scale)[0]

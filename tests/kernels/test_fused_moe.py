@@ -24,6 +24,8 @@ from hf_specdec.kernels.fused_moe import (
     fused_moe_reference,
     sigmoid_bias_topk_route,
     softmax_topk_route,
+    topk_route,
+    topk_route_reference,
 )
 from hf_specdec.models.step3p5.configuration import Step3p5Config
 from hf_specdec.models.step3p5.layers import Step3p5MoE, clamped_swiglu
@@ -218,6 +220,56 @@ def test_softmax_topk_route_is_gemma4_text_router(dtype):
         weights, index = softmax_topk_route(logits[0], 8, router.per_expert_scale)
     assert weights.dtype == torch.float32 and index.dtype == torch.int64
     assert torch.equal(weights, expected_weights) and torch.equal(index, expected_index)
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 1), (8, 8), (128, 8), (288, 8)])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("router", ["softmax", "sigmoid_bias"])
+def test_triton_topk_route(triton_device, router, tokens, experts, top_k):
+    """The kernel picks the reference's experts (distinct keys: the same ids in the same order; tied keys: the same
+    key values, lower ids first) and gives their weights to a last-bit difference of the renormalising sum."""
+    gen = torch.Generator().manual_seed(experts * 10 + top_k)
+    logits = torch.randn(tokens, experts, generator=gen) * 3
+    if experts >= 16:
+        logits[:, 9:13] = logits[:, 2:3]  # tied scores: experts 2 and 9-12
+    scale = torch.rand(experts, generator=gen) + 0.5
+    bias = torch.randn(experts, generator=gen) * 0.1
+    if router == "softmax":
+        scores = torch.softmax(logits, -1)
+        kwargs = dict(renormalize=True, per_expert_scale=scale.to(triton_device))
+        keys = scores
+    else:
+        bias[9:13] = bias[2]
+        scores = torch.sigmoid(logits)
+        kwargs = dict(bias=bias.to(triton_device), renormalize=True, renormalize_eps=1e-20, scaling_factor=2.5)
+        keys = scores + bias
+    weights, index = topk_route(scores.to(triton_device), top_k, **kwargs)
+    expected_weights, expected_index = topk_route_reference(scores, top_k, **{
+        k: v.cpu() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+    weights, index = weights.cpu(), index.cpu()
+    assert weights.dtype == torch.float32 and index.dtype == torch.int64 and index.shape == (tokens, top_k)
+    for t in range(tokens):
+        assert len(set(index[t].tolist())) == top_k
+        assert torch.equal(keys[t, index[t]], keys[t, expected_index[t]])  # the same keys, in the same order
+        for slot in range(top_k - 1):  # equal keys: lower id first
+            if keys[t, index[t, slot]] == keys[t, index[t, slot + 1]]:
+                assert index[t, slot] < index[t, slot + 1]
+    order = [torch.argsort(i) for i in index]  # compare the weights expert by expert (tied slots may swap)
+    expected_order = [torch.argsort(i) for i in expected_index]
+    for t in range(tokens):
+        if torch.equal(index[t][order[t]], expected_index[t][expected_order[t]]):
+            torch.testing.assert_close(weights[t][order[t]], expected_weights[t][expected_order[t]],
+                                       rtol=1e-6, atol=0)
+
+
+def test_topk_route_bad_arguments_name_the_fix():
+    scores = torch.rand(3, 8)
+    with pytest.raises(ValueError, match=r"num_experts >= top_k=9"):
+        topk_route(scores, 9)
+    with pytest.raises(ValueError, match=r"bias must be \[num_experts=8\]"):
+        topk_route(scores, 2, bias=torch.zeros(7))
+    with pytest.raises(ValueError, match=r"per_expert_scale must be \[num_experts=8\]"):
+        topk_route(scores, 2, per_expert_scale=torch.ones(9))
 
 
 # ---------------------------------------------------------------- Triton (GPU, or the interpreter on CPU)

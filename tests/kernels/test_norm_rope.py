@@ -6,7 +6,8 @@ import torch
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
 
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
-from hf_specdec.kernels.rms_norm import norm_add
+from hf_specdec.kernels.fused_moe import topk_route
+from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add
 
 
 def _case(dtype, device="cpu", batch=2, seq=3, q_heads=4, kv_heads=2, dim=32, cos_batch=None, seed=0):
@@ -82,13 +83,14 @@ def test_bad_shapes_name_the_fix():
         qkv_norm_rope(q, k, v, weights, eps, cos[..., :-2], sin[..., :-2])
 
 
-@pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style"])
+@pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style", "gemma4_26b_style"])
 def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, build, monkeypatch):
     """enable's fused attention forward (one qkv_norm_rope launch per layer) and decoder-layer forward
     (norm_add at the residual seams) and MLP forward (gelu_tanh_mul) inside a whole model: sliding and full
     layers, k_eq_v layers (v normalised from the raw keys), KV-shared layers (a query-only qkv_norm_rope over
-    the producer's K/V) and per-layer-input blocks (their gate fused too: three norm_add seams per layer
-    instead of two)."""
+    the producer's K/V), per-layer-input blocks (their gate fused too: three norm_add seams per layer
+    instead of two) and MoE blocks (the experts' pre-norm from the first seam, both branches ending in one
+    dual_norm_add; the router's top-k in one topk_route launch)."""
     from hf_specdec.models.gemma4 import fusion
     from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
     from hf_specdec.kernels.stacked_linear import stacked_weight
@@ -110,12 +112,16 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
         assert all(stacked_weight(m.q_proj, m.k_proj, *([m.v_proj] if m.v_proj is not None else [])) is not None
                    for m in attentions if m not in shared)
         assert all(stacked_weight(m.gate_proj, m.up_proj) is not None for m in layers if hasattr(m, "gate_proj"))
-        seams, ropes = [], []
+        seams, ropes, routes = [], [], []
         monkeypatch.setattr(fusion, "norm_add", lambda *a, **kw: seams.append(1) or norm_add(*a, **kw))
+        monkeypatch.setattr(fusion, "dual_norm_add", lambda *a, **kw: seams.append(1) or dual_norm_add(*a, **kw))
+        monkeypatch.setattr(fusion, "topk_route", lambda *a, **kw: routes.append(1) or topk_route(*a, **kw))
         monkeypatch.setattr(fusion, "qkv_norm_rope", lambda *a, **kw: ropes.append(1) or qkv_norm_rope(*a, **kw))
         got = model(ids).logits
         per_layer = bool(model.config.get_text_config().hidden_size_per_layer_input)
         assert len(seams) == (3 if per_layer else 2) * len(attentions) and len(ropes) == len(attentions)
+        moe_layers = sum(1 for m in model.modules() if getattr(m, "enable_moe_block", False))
+        assert len(routes) == moe_layers and (moe_layers > 0) == (build == "gemma4_26b_style")
         unfuse_modules(model)
     assert not any("forward" in vars(m) for m in attentions + layers)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
@@ -143,18 +149,20 @@ def test_triton_fused_forwards_leave_training_to_torch(triton_device):
         assert torch.equal(g, e)
 
 
-@pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style"])
+@pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style", "gemma4_26b_style"])
 def test_triton_fused_gemma4_generate_gives_transformers_tokens(triton_device, build):
     """Invariant 1 through every Triton kernel (paged attention, K/V store, norms, qkv_norm_rope, norm_add,
     gelu_tanh_mul): an enabled 31B-style model's greedy tokens are transformers' own, and an E2B-style one's
-    (per-layer inputs, KV-shared layers) (fp32)."""
+    (per-layer inputs, KV-shared layers), and a 26B-A4B-style one's (MoE blocks: fused router, experts and
+    seams) (fp32)."""
     import hf_specdec
     from tests import tiny_models
     from tests.tiny_models import left_padded_batch
 
-    ids, mask = left_padded_batch([12, 3, 9, 6])
-    kwargs = dict(attention_mask=mask.to(triton_device), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                  pad_token_id=0)
+    moe = build == "gemma4_26b_style"  # the interpreter runs its experts slowly: a smaller case on CPU
+    ids, mask = left_padded_batch([12, 3] if moe and triton_device == "cpu" else [12, 3, 9, 6])
+    kwargs = dict(attention_mask=mask.to(triton_device), max_new_tokens=4 if moe and triton_device == "cpu" else 8,
+                  do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = getattr(tiny_models, build)().to(triton_device).generate(ids.to(triton_device), **kwargs)
     model = hf_specdec.enable(getattr(tiny_models, build)().to(triton_device))
     assert torch.equal(model.generate(ids.to(triton_device), **kwargs), expected)

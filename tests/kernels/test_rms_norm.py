@@ -7,7 +7,14 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
 import hf_specdec
 from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
-from hf_specdec.kernels.rms_norm import norm_add, norm_add_reference, rms_norm, rms_norm_reference
+from hf_specdec.kernels.rms_norm import (
+    dual_norm_add,
+    dual_norm_add_reference,
+    norm_add,
+    norm_add_reference,
+    rms_norm,
+    rms_norm_reference,
+)
 from tests.tiny_models import gemma4_e2b_style
 
 
@@ -88,3 +95,57 @@ def test_triton_norm_add(triton_device, dtype, dim):
                 assert g is None
             else:
                 torch.testing.assert_close(g.float().cpu(), e.float().cpu(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_references_are_transformers_ops_exactly(dtype):
+    """The router's input (norm without scale, times its scale, times hidden**-0.5), the second next norm of
+    norm_add (the experts' pre-norm beside the dense MLP's) and dual_norm_add (two post-normed branches summed,
+    the block's post-norm, residual, layer scalar): transformers' Gemma 4 MoE block ops, bit for bit."""
+    x, residual, w, w2, scale = _block_seam_case(dtype)
+    dim = x.shape[-1]
+    plain = Gemma4RMSNorm(dim, eps=1e-6, with_scale=False)
+    router_scale = torch.randn(dim).to(dtype)
+    assert torch.equal(rms_norm_reference(x, None, 1e-6, then_mul=router_scale, then_scalar=dim ** -0.5),
+                       plain(x) * router_scale * dim ** -0.5)
+    norms = [Gemma4RMSNorm(dim, eps=1e-6) for _ in range(4)]
+    for norm, weight in zip(norms, (w, w2, w * 0.5, w2 + 1)):
+        norm.weight.data = weight.float()
+    norms = [n.to(dtype) for n in norms]
+    total, nxt, nxt2 = norm_add_reference(x, residual, w, 1e-6, next_weight=w2, next_eps=1e-6,
+                                          next2_weight=norms[2].weight, next2_eps=1e-6)
+    hidden = residual + norms[0](x)
+    assert torch.equal(total, hidden) and torch.equal(nxt, norms[1](hidden)) and torch.equal(nxt2, norms[2](hidden))
+    dense, routed = x, x.flip(0) * 3
+    expected = residual + norms[3](norms[0](dense) + norms[1](routed))
+    expected *= scale
+    got = dual_norm_add_reference(dense, w, 1e-6, routed, w2, 1e-6, residual, norms[3].weight, 1e-6, scale=scale)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float32, 40), (torch.bfloat16, 64)])
+def test_triton_moe_block_norms(triton_device, dtype, dim):
+    x, residual, w, w2, scale = _block_seam_case(dtype, triton_device, dim)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=0.02)
+    router_scale = (w2 * 0.3).contiguous()
+    got = rms_norm(x, None, 1e-6, then_mul=router_scale, then_scalar=dim ** -0.5)
+    expected = rms_norm_reference(x, None, 1e-6, then_mul=router_scale, then_scalar=dim ** -0.5)
+    torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **tol)
+    kwargs = dict(next_weight=w2, next_eps=1e-5, next2_weight=w * 2, next2_eps=1e-6)
+    for g, e in zip(norm_add(x, residual, w, 1e-6, **kwargs), norm_add_reference(x, residual, w, 1e-6, **kwargs)):
+        torch.testing.assert_close(g.float().cpu(), e.float().cpu(), **tol)
+    routed = x.flip(0) * 3
+    for s in (None, scale):
+        got = dual_norm_add(x, w, 1e-6, routed, w2, 1e-5, residual, w * 0.5, 1e-6, scale=s)
+        expected = dual_norm_add_reference(x, w, 1e-6, routed, w2, 1e-5, residual, w * 0.5, 1e-6, scale=s)
+        torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **tol)
+
+
+def test_moe_block_norms_bad_arguments_name_the_fix():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"then_mul must be \[dim=8\]"):
+        rms_norm(x, None, 1e-6, then_mul=torch.ones(7))
+    with pytest.raises(ValueError, match="next2_eps needs next_eps"):
+        norm_add(x, x, torch.ones(8), 1e-6, next2_eps=1e-6)
+    with pytest.raises(ValueError, match=r"must be a's shape"):
+        dual_norm_add(x, torch.ones(8), 1e-6, x[:1], torch.ones(8), 1e-6, x, torch.ones(8), 1e-6)

@@ -13,21 +13,24 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4RMSNorm,
     Gemma4TextAttention,
     Gemma4TextDecoderLayer,
     Gemma4TextMLP,
+    Gemma4TextRouter,
 )
 
 from hf_specdec.compat import cache_argument
 from hf_specdec.generation.registry import FusedForward, register_fused_forwards
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.fused_moe import topk_route
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, is_gelu_tanh
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
-from hf_specdec.kernels.rms_norm import norm_add, rms_norm
+from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add, rms_norm
 from hf_specdec.kernels.stacked_linear import stacked_projections
 
 
@@ -90,8 +93,9 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     post-attention norm + residual add + pre-feedforward norm in one launch, post-feedforward norm + residual
     add + layer scalar in another. A per-layer-input block (E2B, E4B) puts its gate between the last two:
     gelu(gate(h)) * per_layer_input in one launch (:func:`gelu_tanh_mul`), then its projection's post-norm +
-    residual add + layer scalar in one. An MoE block (26B-A4B) adds its experts' branch to the dense MLP's output
-    before that last seam (:func:`_dense_plus_experts`). The CPU runs the original.
+    residual add + layer scalar in one. An MoE block (26B-A4B) takes its experts' pre-norm from the first seam too (a second
+    output of the same launch) and ends in one launch for both branches' post-norms, their sum, the block's
+    post-norm, the residual add and the layer scalar (:func:`dual_norm_add`). The CPU runs the original.
 
     The cache comes as ``cache`` or ``past_key_values`` and goes on by keyword, under the name the original
     takes: transformers 5.24's gradient checkpointing drops a keyword cache before the recompute."""
@@ -104,14 +108,21 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
                              shared_kv_states, cache, position_ids=position_ids, **kwargs)
     post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
-    hidden_states, mlp_in = norm_add(attn, hidden_states, post.weight, post.eps, next_weight=_norm_weight(pre),
-                                     next_eps=pre.eps)
+    seam = dict(next_weight=_norm_weight(pre), next_eps=pre.eps)
+    if self.enable_moe_block:  # the experts' pre-norm reads the same sum as the dense MLP's
+        seam.update(next2_weight=_norm_weight(self.pre_feedforward_layernorm_2),
+                    next2_eps=self.pre_feedforward_layernorm_2.eps)
+    hidden_states, mlp_in, *experts_in = norm_add(attn, hidden_states, post.weight, post.eps, **seam)
     mlp_out = self.mlp(mlp_in)
-    if self.enable_moe_block:
-        mlp_out = _dense_plus_experts(self, mlp_out, hidden_states)
     post = self.post_feedforward_layernorm
-    hidden_states, _ = norm_add(mlp_out, hidden_states, post.weight, post.eps,
-                                scale=None if per_layer else self.layer_scalar)
+    scale = None if per_layer else self.layer_scalar
+    if self.enable_moe_block:
+        dense_post, experts_post = self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2
+        hidden_states = dual_norm_add(mlp_out, dense_post.weight, dense_post.eps,
+                                      _experts_branch(self, hidden_states, experts_in[0]), experts_post.weight,
+                                      experts_post.eps, hidden_states, post.weight, post.eps, scale=scale)
+    else:
+        hidden_states, _ = norm_add(mlp_out, hidden_states, post.weight, post.eps, scale=scale)
     if per_layer:
         gated = gelu_tanh_mul(self.per_layer_input_gate(hidden_states), per_layer_input)
         post = self.post_per_layer_input_norm
@@ -120,16 +131,26 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     return hidden_states
 
 
-def _dense_plus_experts(self, mlp_out, residual):
-    """An MoE block's feed-forward output: ``post_norm_1(dense MLP) + post_norm_2(experts(pre_norm_2(residual)))``
-    with the experts routed from the residual (transformers' order), the second norm and the sum in one launch
-    (:func:`norm_add`); the experts go through the model's experts implementation (on CUDA, fused_moe)."""
+def _experts_branch(self, residual, experts_in):
+    """An MoE block's experts output before its post-norm: routed from the residual (transformers' order), run
+    on the pre-normed input through the model's experts implementation (on CUDA, fused_moe)."""
     flat = residual.reshape(-1, residual.shape[-1])
     _, top_k_weights, top_k_index = self.router(flat)
-    routed = self.experts(self.pre_feedforward_layernorm_2(flat), top_k_index, top_k_weights).reshape(residual.shape)
-    dense = self.post_feedforward_layernorm_1(mlp_out)
-    post = self.post_feedforward_layernorm_2
-    return norm_add(routed, dense, post.weight, post.eps)[0]
+    return self.experts(experts_in.reshape(flat.shape), top_k_index, top_k_weights).reshape(residual.shape)
+
+
+def _gemma4_router_forward(self, hidden_states):
+    """transformers' ``Gemma4TextRouter.forward`` in four launches: the input norm with its scale and
+    ``hidden_size ** -0.5`` (one kernel, each product rounded as eager torch rounds it), the projection, the
+    fp32 softmax, and top-k + renormalise + per-expert scale (:func:`topk_route`: the same experts, the
+    weights to the last bit of a sum). The CPU runs the original."""
+    if not use_triton(hidden_states) or needs_grad(hidden_states):
+        return type(self).forward(self, hidden_states)
+    normed = rms_norm(hidden_states, None, self.norm.eps, then_mul=self.scale, then_scalar=self.scalar_root_size)
+    probabilities = F.softmax(self.proj(normed), dim=-1, dtype=torch.float32)
+    weights, index = topk_route(probabilities, self.config.top_k_experts, renormalize=True,
+                                per_expert_scale=self.per_expert_scale)
+    return probabilities, weights, index
 
 
 def gemma4_mlp_forward(self, x):
@@ -155,11 +176,20 @@ def _fusible_gemma4_decoder_layer(module) -> bool:
 
 
 def _fusible_moe_block(module) -> bool:
-    """What the fused MoE branch reads: the router, the experts and three norms (the last one scaled)."""
+    """What the fused MoE branch reads: the router, the experts and three norms (both post-norms scaled)."""
     norms = ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2")
     return (all(hasattr(module, n) for n in ("router", "experts", *norms))
             and all(type(getattr(module, n)) is Gemma4RMSNorm for n in norms)
-            and module.post_feedforward_layernorm_2.with_scale)
+            and module.post_feedforward_layernorm_1.with_scale and module.post_feedforward_layernorm_2.with_scale)
+
+
+def _fusible_gemma4_router(module) -> bool:
+    """What the fused router reads (transformers 5.17+): an unscaled norm, its scale and the per-expert scale."""
+    return (all(hasattr(module, n) for n in ("norm", "proj", "scale", "per_expert_scale", "scalar_root_size",
+                                             "config"))
+            and type(module.norm) is Gemma4RMSNorm and not module.norm.with_scale
+            and isinstance(module.proj, torch.nn.Linear) and module.proj.bias is None
+            and isinstance(getattr(module.config, "top_k_experts", None), int))
 
 
 def _fusible_per_layer_input(module) -> bool:
@@ -196,4 +226,5 @@ def register() -> None:
                      stacked=(("q_proj", "k_proj", "v_proj"),)),
         FusedForward(Gemma4TextDecoderLayer, _gemma4_decoder_layer_forward, _fusible_gemma4_decoder_layer),
         FusedForward(Gemma4TextMLP, gemma4_mlp_forward, _fusible_gemma4_mlp, stacked=(("gate_proj", "up_proj"),)),
+        FusedForward(Gemma4TextRouter, _gemma4_router_forward, _fusible_gemma4_router),
     )
