@@ -7,6 +7,9 @@
 #   tests       pytest of the Triton kernels, CUDA graphs and the Gemma 4 / DFlash / Step 3.5 models on the GPU
 #   quick       python -m benchmarks.run_all --quick --skip soak (~7 min on an H100)
 #   full-depth  e2e_synthetic on all 60 layers of the Gemma-4-31B shape at batch 1, median of 3 (~4 min, 61 GB)
+#   moe-decode  the MoE GPU tests, then plain decode of the Gemma-4-26B-A4B shape (30 layers) and the Step 3.5
+#               shape cut to 8 layers, batch 1 and 8, transformers' own MoE forward beside ours (~8 min)
+#   moe-spec    verify_cost, draft_cost and e2e_synthetic (acceptance 0.8) on the same two shapes (~9 min)
 #   all         tests, then quick (default)
 #
 # COMMIT tags the records (a copied checkout may carry a stale git HEAD). Records go to OUT_DIR/results/*.jsonl
@@ -42,11 +45,41 @@ run_full_depth() {
   return $rc
 }
 
+run_moe_decode() {
+  local rc=0
+  timeout 200 python -m pytest -q tests/kernels/test_fused_moe.py tests/generation/test_experts.py \
+    tests/models/gemma4/test_mtp_speculative.py tests/models/dflash/test_spec_decode.py tests/models/step3p5 \
+    -k "moe or experts or step3p5" -p no:cacheprovider >"$out/gpu_moe_tests.log" 2>&1 || rc=1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_moe_tests.log" | tail -12
+  python -m benchmarks.decode --shapes gemma4-26b-a4b --batch 1 8 --backends hf_dynamic hf_specdec \
+    --results-dir "$out/results" >"$out/moe_decode_26b.log" 2>&1 || rc=1
+  python -m benchmarks.decode --shapes step3p5 --layers 8 --batch 1 8 --backends hf_specdec \
+    --results-dir "$out/results" >"$out/moe_decode_step.log" 2>&1 || rc=1
+  grep -hE "^ *(model_shape|gemma4|step3p5)|Error" "$out/moe_decode_26b.log" "$out/moe_decode_step.log"
+  return $rc
+}
+
+run_moe_spec() {
+  local rc=0
+  python -m benchmarks.verify_cost --shape gemma4-26b-a4b --k 3 7 --batch 1 8 \
+    --results-dir "$out/results" >"$out/moe_verify.log" 2>&1 || rc=1
+  python -m benchmarks.e2e_synthetic --shape gemma4-26b-a4b --skip-hf --alpha 0.8 --k 3 7 --batch 1 8 \
+    --drafter mtp dflash --prompt 256 --new-tokens 128 --repeats 3 --results-dir "$out/results" >"$out/moe_e2e_26b.log" 2>&1 || rc=1
+  python -m benchmarks.e2e_synthetic --shape step3p5 --layers 8 --skip-hf --alpha 0.8 --k 3 --batch 1 8 \
+    --drafter mtp --prompt 256 --new-tokens 128 --repeats 3 --results-dir "$out/results" >"$out/moe_e2e_step.log" 2>&1 || rc=1
+  python -m benchmarks.draft_cost --shapes gemma4-26b-a4b step3p5 --step-layers 8 --batch 1 8 \
+    --results-dir "$out/results" >"$out/moe_draft_cost.log" 2>&1 || rc=1
+  grep -hE "^ *(model_shape|gemma4|step3p5|shape)|Error" "$out"/moe_verify.log "$out"/moe_e2e_*.log "$out/moe_draft_cost.log"
+  return $rc
+}
+
 case "$what" in
+  moe-decode) run_moe_decode || status=1 ;;
+  moe-spec) run_moe_spec || status=1 ;;
   tests) run_tests || status=1 ;;
   quick) run_quick || status=1 ;;
   full-depth) run_full_depth || status=1 ;;
   all) run_tests || status=1; run_quick || status=1 ;;
-  *) echo "unknown part '$what': tests, quick, full-depth or all" >&2; exit 2 ;;
+  *) echo "unknown part '$what': tests, quick, full-depth, moe-decode, moe-spec or all" >&2; exit 2 ;;
 esac
 exit $status

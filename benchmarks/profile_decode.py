@@ -1,7 +1,8 @@
 """Where a decode or verify step's time goes: wall time per step, then the top kernels and host calls
-(torch.profiler), for a Gemma-4-31B-shaped model driven through the ModelRunner with CUDA graphs on.
+(torch.profiler), for a target of any benchmark shape (default the Gemma-4-31B shape) driven through the
+ModelRunner with CUDA graphs on.
 
-    PYTHONPATH=. python -m benchmarks.profile_decode [--layers 12] [--batch 1] [--k 0] [--eager]
+    PYTHONPATH=. python -m benchmarks.profile_decode [--shape gemma4-31b] [--layers 12] [--batch 1] [--k 0] [--eager]
 
 ``--k 0``: decode steps (1 token per row); ``--k N``: verify steps of N+1 tokens per row.
 """
@@ -16,7 +17,8 @@ import torch
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--shape", default="gemma4-31b", help="a shape of benchmarks/shapes.py")
+    parser.add_argument("--layers", type=int, default=12, help="cut the shape to this many layers (0: full depth)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=32)
@@ -25,12 +27,13 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=18, help="rows of each profiler table")
     args = parser.parse_args()
     import hf_specdec
-    from benchmarks.decode_gpu_check import build_model
+    from benchmarks.shapes import target_for
     from hf_specdec.runtime import ModelRunner
 
-    model = hf_specdec.enable(build_model(args.layers), cuda_graphs=not args.eager)
+    target = target_for(args.shape, args.layers or None, "cuda", torch.bfloat16)
+    model = hf_specdec.enable(target, cuda_graphs=not args.eager)
     state = model._hf_specdec
-    ids = torch.randint(3, 262144, (args.batch, args.prompt), device="cuda")
+    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
     q = args.k + 1
     with torch.inference_mode():
         runner = ModelRunner(model, state.layout, state.cache_config, None if args.eager else state.graph_store)

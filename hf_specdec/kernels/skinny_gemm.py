@@ -23,8 +23,9 @@ from ._dispatch import needs_grad, tl, triton, use_triton
 # HF_SPECDEC_SKINNY_GEMM=0 keeps cuBLAS for every shape (read at import), e.g. to compare the two
 ENABLED = os.environ.get("HF_SPECDEC_SKINNY_GEMM", "1") != "0"
 MAX_ROWS = 16
-# smaller weights are launch- rather than bandwidth-bound; cuBLAS stays (see the perf log)
-MIN_WEIGHT_BYTES = 48 << 20
+# smaller weights are launch- rather than bandwidth-bound; cuBLAS stays (see the perf log).
+# HF_SPECDEC_SKINNY_MIN_BYTES overrides it (read at import), e.g. to compare the two on smaller weights
+MIN_WEIGHT_BYTES = int(os.environ.get("HF_SPECDEC_SKINNY_MIN_BYTES", 48 << 20))
 
 
 @triton.jit
