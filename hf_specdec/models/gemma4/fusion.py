@@ -113,22 +113,48 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
         seam.update(next2_weight=_norm_weight(self.pre_feedforward_layernorm_2),
                     next2_eps=self.pre_feedforward_layernorm_2.eps)
     hidden_states, mlp_in, *experts_in = norm_add(attn, hidden_states, post.weight, post.eps, **seam)
-    mlp_out = self.mlp(mlp_in)
     post = self.post_feedforward_layernorm
     scale = None if per_layer else self.layer_scalar
     if self.enable_moe_block:
+        mlp_out, routed = _parallel_branches(self, mlp_in, hidden_states, experts_in[0])
         dense_post, experts_post = self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2
-        hidden_states = dual_norm_add(mlp_out, dense_post.weight, dense_post.eps,
-                                      _experts_branch(self, hidden_states, experts_in[0]), experts_post.weight,
+        hidden_states = dual_norm_add(mlp_out, dense_post.weight, dense_post.eps, routed, experts_post.weight,
                                       experts_post.eps, hidden_states, post.weight, post.eps, scale=scale)
     else:
-        hidden_states, _ = norm_add(mlp_out, hidden_states, post.weight, post.eps, scale=scale)
+        hidden_states, _ = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps, scale=scale)
     if per_layer:
         gated = gelu_tanh_mul(self.per_layer_input_gate(hidden_states), per_layer_input)
         post = self.post_per_layer_input_norm
         hidden_states, _ = norm_add(self.per_layer_projection(gated), hidden_states, post.weight, post.eps,
                                     scale=self.layer_scalar)
     return hidden_states
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _parallel_branches(self, mlp_in, residual, experts_in):
+    """An MoE block's two branches: the dense MLP and the routed experts (outputs before their post-norms). On
+    CUDA the dense MLP runs on a second stream beside the router and the experts (forked from and joined to
+    the current stream, so CUDA graphs capture both branches): each branch is a few small bandwidth-bound
+    launches whose ramps and tails leave the GPU part idle, and the other branch fills them. Elsewhere, one
+    after the other."""
+    if not mlp_in.is_cuda:
+        return self.mlp(mlp_in), _experts_branch(self, residual, experts_in)
+    main = torch.cuda.current_stream(mlp_in.device)
+    side = _side_streams.get(mlp_in.device)
+    if side is None:
+        side = _side_streams[mlp_in.device] = torch.cuda.Stream(mlp_in.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        mlp_out = self.mlp(mlp_in)
+    routed = _experts_branch(self, residual, experts_in)
+    main.wait_stream(side)
+    # mlp_out's memory came from the side stream's pool: it must not be reused there before the main stream is
+    # done reading it (outside graph capture; a captured graph's pool is not reused while it lives)
+    if not torch.cuda.is_current_stream_capturing():
+        mlp_out.record_stream(main)
+    return mlp_out, routed
 
 
 def _experts_branch(self, residual, experts_in):
