@@ -11,6 +11,7 @@ BENCHES = {
     "draft_cost": "one draft step (Gemma 4 MTP, Step 3.5 MTP, DFlash) / one target step",
     "e2e_synthetic": "MTP and DFlash end to end at a fixed acceptance rate (not lossless) beside plain decoding",
     "hf_native_assisted": "transformers' assisted decoding vs hf_specdec MTP on identical weights",
+    "hf_native_step_mtp": "transformers' Step 3.7 generate(use_mtp=True) vs hf_specdec Step 3.5 MTP on identical weights",
     "e2e_tiny": "the bundled tiny family: plain vs every speculative mode, real tau",
     "soak": "many generate calls on the bundled family: device memory, leaked blocks, repeat answers per call",
 }

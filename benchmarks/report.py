@@ -27,6 +27,8 @@ TABLE_COLUMNS = {
     "hf_native_assisted": ["model_shape", "backend", "k", "tokens_per_s", "tau", "speedup_vs_native", "same_tokens",
                            "skipped"],
     "e2e_tiny": ["model_shape", "backend", "batch", "k", "tokens_per_s", "tau", "speedup", "same_tokens"],
+    "hf_native_step_mtp": ["model_shape", "backend", "k", "tokens_per_s", "tau", "speedup_vs_plain",
+                           "speedup_vs_hf_dynamic", "same_tokens", "skipped"],
 }
 
 

@@ -75,6 +75,34 @@ def test_assisted_and_tiny_rows_give_transformers_tokens(smoke):
     assert any(r["model_shape"] == "tiny-step3p5" and r["backend"] == "hf_specdec_mtp" for r in tiny)
 
 
+def test_step_mtp_rows_give_transformers_step3p7_tokens(smoke):
+    """hf_native_step_mtp: every row that ran gives the greedy tokens of transformers' Step 3.7 built from the
+    same weights; its MTP row runs or says why not (5.17: its MTP layers fail); the bundled model drafts at
+    real tau."""
+    from benchmarks.hf_native_step_mtp import PLAIN_OF
+
+    records = smoke("hf_native_step_mtp")
+    assert {r["model_shape"] for r in records} == {"tiny-step3p5", "smoke-step3p5"}
+    assert [r["backend"] for r in records] == list(PLAIN_OF) * 2
+    for r in records:
+        assert (r["skipped"] and r["backend"] == "hf_native_mtp") or (r["same_tokens"] and r["tokens_per_s"]), r
+    tiny = {r["backend"]: r for r in records if r["model_shape"] == "tiny-step3p5"}
+    assert tiny["hf_specdec_mtp"]["tau"] > 1 and tiny["hf_specdec_mtp"]["speedup_vs_plain"] > 0
+    assert tiny["hf_native_mtp"]["skipped"] or tiny["hf_native_mtp"]["tau"] >= 1
+
+
+def test_step_mtp_bench_without_step3p7_says_so(tmp_path, monkeypatch, capsys):
+    """Where transformers has no Step 3.7, its rows say so and hf_specdec's rows still run against the tokens of
+    transformers' generate on the same model."""
+    from benchmarks import hf_native_step_mtp as bench
+
+    monkeypatch.setattr(bench.step3p7, "is_available", lambda: False)
+    records = run_bench(bench, ["--smoke", "--models", "tiny", "--results-dir", str(tmp_path)], quiet=True)
+    native = [r for r in records if r["backend"] in ("hf_dynamic", "hf_native_mtp")]
+    assert len(native) == 2 and all("has no Step 3.7" in r["skipped"] for r in native)
+    assert all(r["same_tokens"] and r["tokens_per_s"] for r in records if r["backend"].startswith("hf_specdec"))
+
+
 def test_report_writes_readme_with_gpu_commit_and_command(smoke, tmp_path):
     from benchmarks.report import load_records, write_report
 

@@ -1,8 +1,11 @@
 """Step 3.5 (``stepfun-ai/Step-3.5-Flash``, model_type ``step3p5``) with its own MTP layers.
 
 Importing this package registers ``Step3p5Config`` / ``Step3p5ForCausalLM`` with transformers'
-``AutoConfig`` / ``AutoModelForCausalLM`` (``exist_ok=True``: it replaces transformers' own
-``step3p5`` config mapping, which has no causal LM and a different MTP layout).
+``AutoConfig`` / ``AutoModelForCausalLM`` (``exist_ok=True``: model_type ``step3p5`` is also the text config
+of transformers' Step 3.7, ``Step3p7TextConfig``, which has no causal LM and a different MTP layout). That
+changes what ``AutoConfig`` makes of a StepFun Step 3.5 config.json only: Step 3.7 checkpoints and configs
+transformers itself wrote still load as transformers' classes (``Step3p5Config.from_dict``). ``step3p7``
+writes a ``Step3p5ForCausalLM`` as a checkpoint transformers' Step 3.7 loads (docs/models.md §4).
 """
 
 from transformers import AutoConfig, AutoModelForCausalLM

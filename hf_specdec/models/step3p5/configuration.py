@@ -9,13 +9,19 @@ builders see the main model only) and moves the trailing entries to ``mtp_layer_
 per-layer lists are kept whole and read through the ``layer_*`` accessors, which take a *global*
 layer index ``0 <= i < num_hidden_layers + num_nextn_predict_layers``.
 
-Why not transformers' ``Step3p7TextConfig`` (model_type ``step3p5`` in 5.17–5.23)? It parses
+Why not transformers' ``Step3p7TextConfig`` (model_type ``step3p5`` in 5.17–5.24)? It parses
 ``moe_layers_enum`` and the sliding head count right, but it drops the MTP entries of
 ``rope_theta``/``partial_rotary_factors``/``swiglu_limits*``, applies ``rope_scaling`` to
 ``"full_attention"`` instead of the listed ``yarn_only_types``, keeps only the head count of
 ``attention_other_setting`` (not its KV heads / head_dim), and routes per-layer heads through
 ``per_layer_config``, whose behaviour differs between 5.17 and 5.23. The parsing here is small, so it
 is our own.
+
+Both classes answer to model_type ``step3p5``: importing hf_specdec registers this one with ``AutoConfig``
+in place of transformers' (a Step 3.5 checkpoint's config.json says ``step3p5``). A config.json that
+transformers' ``Step3p7TextConfig`` itself wrote (it has keys no StepFun config has, ``STEP3P7_TEXT_CONFIG_KEYS``)
+still loads as that class (``from_dict``); Step 3.7 checkpoints (model_type ``step3p7``) never reach this
+class: their ``Step3p7Config`` builds its text config as ``Step3p7TextConfig`` directly.
 
 Uncertain points about the real format (public sources: StepFun's remote code, vLLM's step3p5 model):
 - ``moe_layers_enum`` missing: StepFun's remote code and vLLM make layers ``1..L-1`` MoE (followed
@@ -36,6 +42,10 @@ from transformers import PretrainedConfig
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+
+# Keys transformers' Step3p7TextConfig writes to every config.json it saves and a StepFun config never has.
+STEP3P7_TEXT_CONFIG_KEYS = frozenset({"mlp_layer_types", "n_routed_experts", "num_sliding_attention_heads",
+                                      "per_layer_config"})
 
 
 class Step3p5Config(PretrainedConfig):
@@ -93,6 +103,16 @@ class Step3p5Config(PretrainedConfig):
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        """``PretrainedConfig.from_dict``, except that a dict written by transformers' ``Step3p7TextConfig``
+        (same model_type) is handed to that class: ``AutoConfig`` keeps giving transformers' config for it."""
+        if cls is Step3p5Config and STEP3P7_TEXT_CONFIG_KEYS & config_dict.keys():
+            transformers_class = _step3p7_text_config_class()
+            if transformers_class is not None:
+                return transformers_class.from_dict(config_dict, **kwargs)
+        return super().from_dict(config_dict, **kwargs)
 
     def __post_init__(self, **kwargs: Any):
         if "rope_scaling" in kwargs:
@@ -212,4 +232,13 @@ class Step3p5Config(PretrainedConfig):
         return {int(x) for x in items if str(x).strip()}
 
 
-__all__ = ["Step3p5Config"]
+def _step3p7_text_config_class():
+    """transformers' ``Step3p7TextConfig``, or None where the installed version has no Step 3.7."""
+    try:
+        from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+    except ImportError:
+        return None
+    return Step3p7TextConfig
+
+
+__all__ = ["Step3p5Config", "STEP3P7_TEXT_CONFIG_KEYS"]
