@@ -1,0 +1,278 @@
+"""fp8_linear: ``x @ dequantize(weight, scale).T`` for a few rows, reading FP8 weights and their scales directly.
+
+A decode or verify step of an FP8 weight-only target streams each weight once; reading the stored e4m3 bytes
+(and their scales) instead of a bf16 copy halves the bytes a step reads. The kernel has the shape of
+:mod:`.skinny_gemm`: each program owns ``BLOCK_N`` output columns, walks K in ``BLOCK_K`` tiles, converts each
+weight tile to the activation dtype in registers and multiplies the rows, padded to 16, on the tensor cores.
+
+Formats. ``weight`` is float8_e4m3fn ``[N, K]``; the real weight is ``weight * scale`` (the scale multiplies:
+transformers' fine-grained FP8 stores it as ``weight_scale_inv``, compressed-tensors as ``weight_scale``). The
+scale is one of
+- per block: ``[ceil(N / bn), ceil(K / bk)]`` with ``block_size=(bn, bk)`` (usually 128 x 128);
+- per output channel: ``[N]``, ``[N, 1]`` or ``[1, N]`` (``block_size=None``);
+- per tensor: one element, any shape (``block_size`` ignored).
+Scales are fp32, bf16, fp16 or float8_e8m0fnu (powers of two).
+
+Numerics (the contract of :func:`fp8_linear_reference`): the weights dequantized in fp32, the product
+accumulated in fp32 and rounded once to the activation dtype. The kernel gets the same sums: e4m3 values are
+exact in bf16 and fp16, so the tensor cores form exact products, and each K tile's fp32 partial sum is
+multiplied by its scale block (per-block scales; a K tile never straddles two) or the finished sum by the
+row's scale (per channel / tensor). Only the summation order differs. This is not what transformers' own
+``FP8Linear`` and ``CompressedTensorsFP8Linear`` compute: they quantize the activations to FP8 too (W8A8); the
+weight-only product here is the more accurate of the two.
+
+Converting e4m3 on the GPU: from sm_89 (Ada, Hopper) Triton lowers ``fp8e4nv -> fp16`` to one
+``cvt.rn.f16x2.e4m3x2`` per two values (plus one ``cvt`` each to reach bf16), so the kernel loads the fp8
+tensor natively there. Older GPUs have no e4m3 type in Triton: the kernel then loads the bytes as uint8 and
+builds each value by integer ops (:func:`_e4m3_bits_to_float`, bit-exact). Triton's CPU interpreter loads
+float8_e4m3fn tensors and converts every finite value exactly (NaN codes read as +-480; quantized weights hold
+none), so the tests run both paths on CPU.
+
+Every row is computed by the same program with the same K order whatever the number of rows (1-16), so a
+row's result does not depend on the batch. Wider inputs (prefill), fp32 activations and anything autograd
+tracks take the reference, which materializes an fp32 copy of the weight.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import check, check_same_device, interpreting, needs_grad, tl, triton, use_triton
+
+MAX_ROWS = 16
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+FP8_DTYPE = torch.float8_e4m3fn
+E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
+SCALE_DTYPES = tuple(d for d in (torch.float32, torch.bfloat16, torch.float16, E8M0_DTYPE) if d is not None)
+MIN_BLOCK_K = 16  # tl.dot's smallest K
+
+
+@triton.jit
+def _e4m3_bits_to_float(bits):
+    """float8_e4m3fn bytes (uint8) -> their fp32 values, bit-exact for every finite code. The byte's exponent and
+    mantissa, moved into fp16's bit positions, are the value times 2**-8 (the exponent biases differ by 8, and
+    e4m3 subnormals land on fp16 subnormals the same way); fp16 -> fp32 and the power of two are exact."""
+    bits = bits.to(tl.uint16)
+    half = ((bits & 0x7F) << 7) | ((bits & 0x80) << 8)
+    return half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _load_scale(ptrs, mask, E8M0: tl.constexpr):
+    """Scales at ``ptrs`` as fp32; E8M0: uint8 exponents, 2**(e - 127) (0 reads as 0, not 2**-127)."""
+    if E8M0:
+        exponent = tl.load(ptrs, mask=mask, other=127).to(tl.int32)
+        return (exponent << 23).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=1.0).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                     stride_sn, stride_sk, scale_bn, scale_bk,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SCALE_PER_K: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    col_ok = cols < N
+    row_ok = rows < M
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    s_rows = s_ptr + (cols // scale_bn).to(tl.int64) * stride_sn  # each column's row of scales
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        # the weights are read once: keep them from evicting the rows (and everything else) from L2
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NATIVE_FP8:
+            w = w.to(x.dtype)
+        else:
+            w = _e4m3_bits_to_float(w).to(x.dtype)
+        if UPCAST:
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(x, tl.trans(w))
+        if SCALE_PER_K:  # the tile lies inside one block of scales along K
+            acc += part * _load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[None, :]
+        else:
+            acc += part
+    if not SCALE_PER_K:
+        acc = acc * _load_scale(s_rows, col_ok, SCALE_E8M0)[None, :]
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ---------------------------------------------------------------- scale layouts
+
+
+def scale_grid(scale: torch.Tensor, block_size, n: int, k: int) -> tuple[torch.Tensor, int, int]:
+    """``scale`` as a 2-D grid ``[ceil(n / bn), ceil(k / bk)]`` and its ``(bn, bk)``: weight ``[i, j]`` takes
+    ``grid[i // bn, j // bk]``. Raises ValueError for a scale that fits none of the layouts (module docstring)."""
+    check(isinstance(scale, torch.Tensor) and scale.dtype in SCALE_DTYPES,
+          f"scale must be a tensor of {[str(d) for d in SCALE_DTYPES]}, got "
+          f"{getattr(scale, 'dtype', type(scale).__name__)}")
+    if scale.numel() == 1:
+        return scale.reshape(1, 1), max(n, 1), max(k, 1)
+    if block_size is None:
+        check(tuple(scale.shape) in ((n,), (n, 1), (1, n)),
+              f"with block_size=None the scale is per tensor (one element) or per output channel ([{n}], [{n}, 1] "
+              f"or [1, {n}]), got shape {tuple(scale.shape)}; pass block_size=(bn, bk) for block scales")
+        return scale.reshape(n, 1), 1, max(k, 1)
+    check(len(block_size) == 2 and all(isinstance(b, int) and b > 0 for b in block_size),
+          f"block_size must be two positive ints (bn, bk) or None, got {block_size!r}")
+    bn, bk = block_size
+    grid = (-(-n // bn), -(-k // bk))
+    check(tuple(scale.shape) == grid, f"block scales for a [{n}, {k}] weight with block_size={tuple(block_size)} "
+          f"must be [ceil({n}/{bn}), ceil({k}/{bk})] = {list(grid)}, got {list(scale.shape)}")
+    return scale, bn, bk
+
+
+def dequantize_fp8(weight: torch.Tensor,  # [N, K] float8_e4m3fn
+                   scale: torch.Tensor, block_size=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight * scale`` as a dense ``[N, K]`` tensor: computed in fp32, then cast to ``dtype``."""
+    check(weight.dim() == 2, f"weight must be [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    grid, bn, bk = scale_grid(scale, block_size, n, k)
+    rows = grid.float()[torch.arange(n, device=grid.device) // bn]  # [N, K blocks]
+    dense = weight.float()
+    for j in range(grid.shape[1]):  # one K block at a time: no second [N, K] temporary
+        dense[:, j * bk:(j + 1) * bk] *= rows[:, j:j + 1]
+    return dense.to(dtype)
+
+
+def quantize_fp8(weight: torch.Tensor,  # [N, K]
+                 block_size=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, fp32 scale) with ``weight ~= fp8 * scale``: per-block amax scales
+    ``[ceil(N / bn), ceil(K / bk)]`` (partial edge blocks included), or one per output channel (``[N, 1]``)
+    with ``block_size=None``. For tests and benchmarks; checkpoints bring their own."""
+    n, k = weight.shape
+    bn, bk = block_size if block_size is not None else (1, max(k, 1))
+    grid = (-(-n // bn), -(-k // bk))
+    padded = F.pad(weight.float().abs(), (0, grid[1] * bk - k, 0, grid[0] * bn - n))
+    amax = padded.view(grid[0], bn, grid[1], bk).amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / torch.finfo(FP8_DTYPE).max, torch.ones_like(amax))
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    fp8 = (weight.float() / full).clamp(-448.0, 448.0).to(FP8_DTYPE)
+    return fp8, scale
+
+
+# ---------------------------------------------------------------- launcher, reference, dispatch
+
+
+def config_for(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight: :func:`.skinny_gemm.config_for`'s
+    tiles with K tiles of the same bytes (twice the elements). Not yet tuned on a GPU."""
+    if n >= 65536 or n < 4096:
+        return 32, 1024, 4, 4
+    return 64, 512, 4, 4
+
+
+def fp8_matmul(x: torch.Tensor,  # [rows <= 16, K] bf16 / fp16
+               weight: torch.Tensor,  # [N, K] float8_e4m3fn, rows contiguous
+               scale: torch.Tensor,  # block [ceil(N/bn), ceil(K/bk)], channel [N] / [N, 1] / [1, N], or one element
+               block_size=None, config: tuple[int, int, int, int] | None = None,
+               native_fp8: bool | None = None) -> torch.Tensor:
+    """``x @ dequantize_fp8(weight, scale, block_size).T`` by the kernel, in ``x.dtype`` ([rows, N]).
+    ``native_fp8``: load float8 values (default where the device has them: sm_89+, the interpreter) or bytes
+    converted by integer ops."""
+    _check_args(x, weight, scale)
+    rows, k = x.shape
+    n = weight.shape[0]
+    grid, bn, bk = scale_grid(scale, block_size, n, k)
+    block_n, block_k, warps, stages = config or config_for(n, k)
+    scale_per_k = grid.shape[1] > 1
+    if scale_per_k:  # a K tile must not straddle two scale blocks
+        block_k = min(block_k, bk & -bk)
+        check(block_k >= MIN_BLOCK_K, f"block_size[1]={bk} must be a multiple of {MIN_BLOCK_K} for the kernel "
+              "(fp8_linear takes the reference for such scales)")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if native_fp8 is None:
+        native_fp8 = _has_native_fp8(x.device)
+    e8m0 = grid.dtype == E8M0_DTYPE
+    # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits and truncates fp32 -> bf16
+    # casts: there the tiles go to fp32 and torch rounds the fp32 result
+    upcast = x.dtype == torch.bfloat16 and interpreting(_fp8_gemm_kernel)
+    out = torch.empty(rows, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
+    _fp8_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, weight if native_fp8 else weight.view(torch.uint8), grid.view(torch.uint8) if e8m0 else grid, out,
+        rows, n, k, x.stride(0), weight.stride(0), out.stride(0), grid.stride(0), grid.stride(1), bn, bk,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_PER_K=scale_per_k, NATIVE_FP8=native_fp8,
+        SCALE_E8M0=e8m0, UPCAST=upcast, num_warps=warps, num_stages=stages)
+    return out.to(x.dtype)
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    check(x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS,
+          f"fp8_matmul takes [1..{MAX_ROWS}, K] rows (reshape(-1, K); fp8_linear takes any), got {tuple(x.shape)}")
+    check(x.dtype in ACTIVATION_DTYPES, f"activations must be bfloat16 or float16, got {x.dtype}")
+    check(weight.dtype == FP8_DTYPE, f"weight must be float8_e4m3fn, got {weight.dtype}")
+    check(weight.dim() == 2 and weight.shape[1] == x.shape[1],
+          f"weight must be [N, K={x.shape[1]}], got shape {tuple(weight.shape)}")
+    check(weight.stride(1) == 1, f"weight rows must be contiguous (stride(1) == 1), got strides {weight.stride()}")
+    check_same_device(x=x, weight=weight, scale=scale)
+
+
+def _has_native_fp8(device: torch.device) -> bool:
+    """Whether Triton has the e4m3 type on ``device``: sm_89+ GPUs, and the CPU interpreter."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_linear_reference(x: torch.Tensor,  # [..., K]
+                         weight: torch.Tensor, scale: torch.Tensor, block_size=None) -> torch.Tensor:
+    """The contract: the weight dequantized in fp32, ``x @ w.T`` accumulated in fp32, rounded once to
+    ``x.dtype`` ([..., N])."""
+    check(weight.dtype == FP8_DTYPE, f"weight must be float8_e4m3fn, got {weight.dtype}")
+    check(weight.dim() == 2 and x.dim() > 0 and x.shape[-1] == weight.shape[1],
+          f"x [..., K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    return F.linear(x.float(), dequantize_fp8(weight, scale, block_size)).to(x.dtype)
+
+
+def fp8_eligible(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size=None) -> bool:
+    """Whether :func:`fp8_linear` runs the kernel for these arguments (else the reference); a scale that fits
+    no layout raises ValueError (:func:`scale_grid`)."""
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1] or scale.dtype not in SCALE_DTYPES:
+        return False
+    rows = x.numel() // max(1, x.shape[-1])
+    ok = (use_triton(x) and x.device == weight.device == scale.device and x.dtype in ACTIVATION_DTYPES
+          and weight.dtype == FP8_DTYPE and type(weight) in (torch.Tensor, torch.nn.Parameter)
+          and weight.layout == torch.strided and weight.stride(1) == 1 and 0 < rows <= MAX_ROWS
+          and not needs_grad(x) and not needs_grad(weight) and not needs_grad(scale))
+    if not ok:
+        return False
+    grid, _, bk = scale_grid(scale, block_size, *weight.shape)
+    return grid.shape[1] == 1 or (bk & -bk) >= MIN_BLOCK_K  # K tiles of a power of two inside a scale block
+
+
+def fp8_linear(x: torch.Tensor,  # [..., K] bf16 / fp16 (any float dtype on the reference path)
+               weight: torch.Tensor,  # [N, K] float8_e4m3fn
+               scale: torch.Tensor, block_size=None) -> torch.Tensor:
+    """``x @ (weight * scale).T`` ([..., N], no bias): the kernel when :func:`fp8_eligible`, else
+    :func:`fp8_linear_reference`."""
+    if not fp8_eligible(x, weight, scale, block_size):
+        return fp8_linear_reference(x, weight, scale, block_size)
+    rows = x.reshape(-1, x.shape[-1])
+    return fp8_matmul(rows, weight, scale, block_size).view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``forward`` of transformers' fine-grained ``FP8Linear`` (``weight`` e4m3 [N, K], ``weight_scale_inv``
+    block [ceil(N/bn), ceil(K/bk)] or a scalar with ``block_size=None``, optional ``bias``) through
+    :func:`fp8_linear`: weight-only, so a static ``activation_scale`` is not applied. A weight the loader left
+    dense (more than one byte per value) takes ``F.linear``, as the module's own forward does."""
+    if self.weight.element_size() > 1:
+        return F.linear(x, self.weight, self.bias)
+    return _add_bias(fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size), self.bias)
+
+
+def compressed_fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``forward`` of transformers' compressed-tensors FP8 linear (``weight`` e4m3 [N, K], per-channel or
+    per-tensor ``weight_scale`` as fp32 [1, N], optional ``bias``) through :func:`fp8_linear`."""
+    return _add_bias(fp8_linear(x, self.weight, self.weight_scale), self.bias)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)

@@ -1,0 +1,389 @@
+"""fp8_linear: FP8 weight-only GEMMs for a few rows. The reference equals dequantize-then-matmul written out per
+block; the kernel matches the reference to a rounding of the activation dtype (every layout of scales, odd
+shapes, 1 and 16 rows, bf16 and fp16, native fp8 loads and the integer conversion of the bytes); the instance
+forwards serve transformers' ``FP8Linear`` and ``CompressedTensorsFP8Linear`` with their real attribute names.
+
+transformers refuses to quantize on a CPU and dequantizes pre-quantized FP8 checkpoints to bf16 there, so
+:func:`fp8_quantized_model` builds the loaded layout by hand: transformers' own ``replace_with_fp8_linear`` swaps
+the layers, then each takes the quantized weight and block scales of the layer it replaced.
+"""
+
+import copy
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import FineGrainedFP8Config
+from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
+from transformers.integrations.finegrained_fp8 import FP8Linear, replace_with_fp8_linear
+
+from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON
+from hf_specdec.kernels.fp8_gemm import (
+    E8M0_DTYPE,
+    MAX_ROWS,
+    compressed_fp8_linear_forward,
+    dequantize_fp8,
+    fp8_eligible,
+    fp8_linear,
+    fp8_linear_forward,
+    fp8_linear_reference,
+    fp8_matmul,
+    quantize_fp8,
+)
+
+from ..tiny_models import gemma4_31b_style
+from .conftest import REPO_ROOT, interpreter_active
+
+SMALL = (16, 32, 4, 2)  # BLOCK_N, BLOCK_K, warps, stages: several programs and K tiles at test sizes
+# one rounding of the activation dtype apart (only the summation order differs)
+TOLERANCE = {torch.bfloat16: dict(rtol=2 ** -7, atol=1e-5), torch.float16: dict(rtol=2 ** -10, atol=1e-5)}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_fp8(n, k, block_size, seed=0, device="cpu"):
+    """(fp8 weight [n, k], fp32 scale) for block_size (bn, bk), "channel" or "tensor". Scales are spread over
+    powers of two so that a wrong block index shows as a large error."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    if block_size == "tensor":
+        weight, scale = quantize_fp8(w, (n, k))
+        scale = scale.reshape(())
+    else:
+        weight, scale = quantize_fp8(w, None if block_size == "channel" else block_size)
+    scale = scale * torch.exp2(torch.randint(-3, 4, scale.shape, generator=gen).float())
+    return weight.to(device), scale.to(device)
+
+
+def fp8_layer(in_features, out_features, block_size=(16, 16), bias=False, seed=0) -> FP8Linear:
+    """A transformers fine-grained ``FP8Linear`` on the CPU holding a quantized random weight: ``weight``
+    float8_e4m3fn [out, in], ``weight_scale_inv`` fp32 [ceil(out/bn), ceil(in/bk)] (a 0-dim scalar with
+    ``block_size=None``), ``bias`` [out] or None."""
+    layer = FP8Linear(in_features, out_features, block_size=block_size, has_bias=bias)
+    gen = torch.Generator().manual_seed(seed)
+    dense = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        dense.weight.normal_(0, 0.3, generator=gen)
+    _load_quantized(layer, dense)
+    return layer
+
+
+def fp8_quantized_model(model: nn.Module, block_size=(16, 16)) -> nn.Module:
+    """``model`` (in place) as transformers' fine-grained FP8 quantizer leaves it after loading on a GPU: every
+    ``nn.Linear`` but the LM head becomes an ``FP8Linear`` (transformers' own ``replace_with_fp8_linear``) holding
+    the quantized weight, block scales and bias of the layer it replaced."""
+    originals = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
+    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"],
+                            quantization_config=FineGrainedFP8Config(weight_block_size=block_size))
+    for name, original in originals.items():
+        layer = model.get_submodule(name)
+        if isinstance(layer, FP8Linear):
+            layer.to_empty(device=original.weight.device)
+            _load_quantized(layer, original)
+    return model
+
+
+def _load_quantized(layer: FP8Linear, dense: nn.Linear) -> None:
+    block_size = layer.block_size or tuple(dense.weight.shape)  # None: one scale for the tensor
+    weight, scale = quantize_fp8(dense.weight.detach(), block_size)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.weight_scale_inv.copy_(scale.reshape(layer.weight_scale_inv.shape))
+        if dense.bias is not None:
+            layer.bias.copy_(dense.bias)
+
+
+def dequantize_by_blocks(weight, scale, bn, bk):
+    """The layout spelled out: weight[i, j] * scale[i // bn, j // bk]."""
+    out = torch.empty(weight.shape)
+    for i in range(weight.shape[0]):
+        for j in range(weight.shape[1]):
+            out[i, j] = weight[i, j].float() * scale[i // bn, j // bk].float()
+    return out
+
+
+def _check_kernel(device, dtype, rows, weight, scale, block_size, native_fp8=None, config=SMALL, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, weight.shape[1], generator=gen).to(dtype).to(device)
+    got = fp8_matmul(x, weight, scale, block_size, config, native_fp8=native_fp8)
+    expected = fp8_linear_reference(x.cpu(), weight.cpu(), scale.cpu(), block_size)
+    assert got.shape == (rows, weight.shape[0]) and got.dtype == dtype
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[dtype])
+
+
+# ---------------------------------------------------------------- the kernel (TRITON_INTERPRET=1 child on CPU)
+
+
+@pytest.mark.parametrize("native_fp8", [True, False])
+@pytest.mark.parametrize("rows", [1, MAX_ROWS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fp8_block_scales(triton_device, dtype, rows, native_fp8):
+    """N and K not multiples of the block (partial edge blocks) nor of the tiles."""
+    weight, scale = make_fp8(70, 100, (32, 32), seed=rows, device=triton_device)
+    _check_kernel(triton_device, dtype, rows, weight, scale, (32, 32), native_fp8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fp8_blocks_of_any_size(triton_device, dtype):
+    """bn = 24, bk = 48 (not powers of two): K tiles of 16 stay inside a block of scales."""
+    weight, scale = make_fp8(50, 100, (24, 48), seed=1, device=triton_device)
+    _check_kernel(triton_device, dtype, 5, weight, scale, (24, 48))
+
+
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_triton_fp8_transformers_blocks_of_128(triton_device, e8m0):
+    """The fine-grained format's 128 x 128 blocks at odd N and K, fp32 or UE8M0 (power-of-two) scales; the
+    launcher's own tile choice."""
+    weight, scale = make_fp8(130, 260, (128, 128), seed=2, device=triton_device)
+    if e8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale))).to(E8M0_DTYPE)
+    _check_kernel(triton_device, torch.bfloat16, 3, weight, scale, (128, 128), config=None)
+
+
+@pytest.mark.parametrize("layout", ["[N]", "[N, 1]", "[1, N]"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fp8_per_channel_scales(triton_device, dtype, layout):
+    """compressed-tensors' channel strategy: [N, 1] in checkpoints (bf16 there), [1, N] fp32 in transformers'
+    CompressedTensorsFP8Linear."""
+    weight, scale = make_fp8(70, 100, "channel", seed=3, device=triton_device)
+    scale = {"[N]": scale.reshape(-1), "[N, 1]": scale.to(torch.bfloat16), "[1, N]": scale.reshape(1, -1)}[layout]
+    _check_kernel(triton_device, dtype, 7, weight, scale, None)
+
+
+@pytest.mark.parametrize("shape", [(), (1,)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fp8_per_tensor_scale(triton_device, dtype, shape):
+    weight, scale = make_fp8(70, 100, "tensor", seed=4, device=triton_device)
+    _check_kernel(triton_device, dtype, MAX_ROWS, weight, scale.reshape(shape), None)
+
+
+@pytest.mark.parametrize("native_fp8", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fp8_every_code_converts_exactly(triton_device, dtype, native_fp8):
+    """Identity rows read the weight back: all 254 finite e4m3 codes (subnormals included) come out exact, by the
+    native conversion and by the integer one."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0  # the two NaN codes
+    weight = codes.view(torch.float8_e4m3fn).reshape(16, 16).to(triton_device)
+    x = torch.eye(16, dtype=dtype, device=triton_device)
+    got = fp8_matmul(x, weight, torch.ones((), device=triton_device), None, SMALL, native_fp8=native_fp8)
+    assert torch.equal(got.float().cpu(), weight.float().T.cpu())
+
+
+def test_triton_fp8_rows_do_not_depend_on_the_batch(triton_device):
+    """A verify step's rows equal the decode step's row, bit for bit: the kernel pads to 16 rows either way."""
+    weight, scale = make_fp8(48, 96, (32, 32), seed=5, device=triton_device)
+    x = torch.randn(MAX_ROWS, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(triton_device)
+    full = fp8_matmul(x, weight, scale, (32, 32), SMALL)
+    for r in (0, 7, MAX_ROWS - 1):
+        assert torch.equal(fp8_matmul(x[r:r + 1], weight, scale, (32, 32), SMALL), full[r:r + 1])
+    assert torch.equal(fp8_matmul(x[:3], weight, scale, (32, 32), SMALL), full[:3])
+
+
+def test_triton_fp8_linear_on_strided_rows(triton_device):
+    """The dispatcher takes the kernel for the last position of each sequence (a strided [2, 1, K] view)."""
+    weight, scale = make_fp8(40, 64, (16, 32), seed=6, device=triton_device)
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(6)).to(torch.float16).to(triton_device)
+    x = hidden[:, -1:]
+    assert fp8_eligible(x, weight, scale, (16, 32))
+    got = fp8_linear(x, weight, scale, (16, 32))
+    assert got.shape == (2, 1, 40)
+    torch.testing.assert_close(got.float().cpu(), fp8_linear_reference(x.cpu(), weight.cpu(), scale.cpu(), (16, 32))
+                               .float(), **TOLERANCE[torch.float16])
+
+
+def test_triton_fp8_linear_forward_takes_the_kernel(triton_device):
+    layer = fp8_layer(64, 48, block_size=(16, 16), bias=True, seed=7).to(triton_device)
+    x = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(triton_device)
+    with torch.no_grad():
+        assert fp8_eligible(x, layer.weight, layer.weight_scale_inv, layer.block_size)
+        got = fp8_linear_forward(layer, x)
+    expected = fp8_linear_reference(x.cpu(), layer.weight.cpu(), layer.weight_scale_inv.cpu(), (16, 16))
+    torch.testing.assert_close(got.float().cpu(), expected.float() + layer.bias.detach().cpu().bfloat16().float(),
+                               rtol=2e-2, atol=1e-2)
+
+
+def test_fp8_gemm_cases_in_interpreter(request):
+    """Running this file by itself on CPU: its ``triton_`` tests in a TRITON_INTERPRET=1 child (all must pass,
+    none skip). In a run that collects test_paged_attention's ``test_triton_cases_in_interpreter``, that test
+    re-runs every ``triton_`` test of tests/kernels, this file's included, so this one stands down."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available() or interpreter_active():
+        pytest.skip("the triton tests run directly in this process")
+    if any(item.name == "test_triton_cases_in_interpreter" for item in request.session.items):
+        pytest.skip("test_triton_cases_in_interpreter re-runs this file's triton_ tests in this session")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{FORCE_TRITON_ENV: "1"},
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_ and not in_interpreter",
+           str(Path(__file__))]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"interpreter run failed:\n{output[-6000:]}"
+    passed = re.search(r"(\d+) passed", output)
+    assert passed and int(passed.group(1)) >= 29 and "skipped" not in output, output[-3000:]
+
+
+# ---------------------------------------------------------------- reference, dispatch, launcher checks (CPU)
+
+
+@pytest.mark.parametrize("block_size,bn,bk", [((32, 48), 32, 48), ("channel", 1, 100), ("tensor", 70, 100)])
+def test_reference_is_dequantize_then_matmul(block_size, bn, bk):
+    weight, scale = make_fp8(70, 100, block_size, seed=8)
+    grid = scale.reshape(-1, 1) if block_size == "channel" else scale.reshape(1, 1) if block_size == "tensor" \
+        else scale
+    dense = dequantize_by_blocks(weight, grid, bn, bk)
+    passed_block_size = block_size if isinstance(block_size, tuple) else None
+    assert torch.equal(dequantize_fp8(weight, scale, passed_block_size), dense)
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    assert torch.equal(fp8_linear_reference(x, weight, scale, passed_block_size),
+                       F.linear(x.float(), dense).to(torch.bfloat16))
+
+
+def test_quantize_round_trips_within_e4m3_precision():
+    w = torch.randn(70, 100, generator=torch.Generator().manual_seed(9))
+    for block_size in ((32, 32), (128, 128), None):
+        weight, scale = quantize_fp8(w, block_size)
+        grid = (3, 4) if block_size == (32, 32) else (1, 1) if block_size == (128, 128) else (70, 1)
+        assert weight.dtype == torch.float8_e4m3fn and scale.shape == grid and scale.dtype == torch.float32
+        torch.testing.assert_close(dequantize_fp8(weight, scale, block_size), w, rtol=2 ** -4, atol=1e-2)
+
+
+def test_dispatch_keeps_the_reference_where_the_kernel_does_not_apply(monkeypatch):
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    weight, scale = make_fp8(8, 64, (16, 32))
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    assert fp8_eligible(x, weight, scale, (16, 32))
+    assert fp8_eligible(x.half(), weight, scale, (16, 32))
+    assert not fp8_eligible(x.float(), weight, scale, (16, 32))  # fp32 activations
+    assert not fp8_eligible(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16), weight, scale, (16, 32))  # prefill
+    assert not fp8_eligible(torch.zeros(0, 64, dtype=torch.bfloat16), weight, scale, (16, 32))
+    assert not fp8_eligible(x, weight.float(), scale, (16, 32))  # a dense weight
+    assert not fp8_eligible(x, weight.T.contiguous().T, scale, (16, 32))  # columns contiguous
+    weight_8, scale_8 = make_fp8(8, 64, (8, 8))
+    assert not fp8_eligible(x, weight_8, scale_8, (8, 8))  # K blocks of 8: tl.dot needs K tiles of 16
+    assert fp8_eligible(x, *make_fp8(8, 64, (8, 64)), (8, 64))  # ... unless the scale does not vary along K
+    with torch.enable_grad():
+        assert not fp8_eligible(x.clone().requires_grad_(), weight, scale, (16, 32))
+    monkeypatch.setenv(FORCE_TRITON_ENV, "0")
+    assert not fp8_eligible(x, weight, scale, (16, 32))
+
+
+def test_reference_path_serves_what_the_kernel_does_not():
+    """Prefill widths, fp32 activations and K blocks of 8 give the reference's answer (CPU: always)."""
+    weight, scale = make_fp8(8, 64, (8, 8))
+    for x in (torch.randn(MAX_ROWS + 3, 64).bfloat16(), torch.randn(2, 4, 64)):
+        assert torch.equal(fp8_linear(x, weight, scale, (8, 8)), fp8_linear_reference(x, weight, scale, (8, 8)))
+
+
+def test_launcher_and_dispatcher_name_bad_arguments():
+    weight, scale = make_fp8(70, 100, (32, 32))
+    x = torch.zeros(2, 100, dtype=torch.bfloat16)
+    cases = [
+        (dict(x=torch.zeros(MAX_ROWS + 1, 100, dtype=torch.bfloat16)), r"\[1..16, K\] rows"),
+        (dict(x=torch.zeros(2, 100)), "bfloat16 or float16"),
+        (dict(weight=weight.float()), "float8_e4m3fn"),
+        (dict(x=torch.zeros(2, 96, dtype=torch.bfloat16)), r"weight must be \[N, K=96\]"),
+        (dict(weight=weight.T.contiguous().T), "rows must be contiguous"),
+        (dict(scale=scale[:, :3]), r"must be \[ceil\(70/32\), ceil\(100/32\)\] = \[3, 4\]"),
+        (dict(scale=scale.to(torch.int32)), "scale must be a tensor of"),
+        (dict(block_size=(0, 32)), "two positive ints"),
+        (dict(block_size=None), "per tensor .* or per output channel"),
+        (dict(block_size=(32, 8), scale=torch.ones(3, 13)), "must be a multiple of 16 for the kernel"),
+    ]
+    for change, message in cases:
+        args = dict(x=x, weight=weight, scale=scale, block_size=(32, 32)) | change
+        with pytest.raises(ValueError, match=message):
+            fp8_matmul(args["x"], args["weight"], args["scale"], args["block_size"])
+    for change, message in cases[5:9]:  # the dispatcher's reference path checks the same
+        args = dict(x=x, weight=weight, scale=scale, block_size=(32, 32)) | change
+        with pytest.raises(ValueError, match=message):
+            fp8_linear(args["x"], args["weight"], args["scale"], args["block_size"])
+    with pytest.raises(ValueError, match="must share K"):
+        fp8_linear(torch.zeros(2, 96, dtype=torch.bfloat16), weight, scale, (32, 32))
+
+
+# ---------------------------------------------------------------- transformers' FP8 layers (CPU)
+
+
+@pytest.mark.parametrize("block_size,bias", [((16, 16), False), ((32, 48), True), (None, True)])
+def test_fp8_linear_forward_serves_fine_grained_fp8_linear(block_size, bias):
+    """Block scales at odd shapes, and ``block_size=None`` (a 0-dim per-tensor ``weight_scale_inv``). The
+    module's own forward needs a GPU kernel (on CPU it raises ImportError); this one runs anywhere."""
+    layer = fp8_layer(100, 70, block_size=block_size, bias=bias, seed=10)
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.weight_scale_inv.shape == ((-(-70 // block_size[0]), -(-100 // block_size[1])) if block_size
+                                            else ())
+    x = torch.randn(2, 3, 100, generator=torch.Generator().manual_seed(10))
+    dense = dequantize_fp8(layer.weight, layer.weight_scale_inv, block_size)
+    with torch.no_grad():
+        torch.testing.assert_close(fp8_linear_forward(layer, x), F.linear(x, dense, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_linear_forward_keeps_a_dense_weight_dense():
+    """transformers leaves FP8Linear layers whose shape does not tile by the block in the checkpoint dtype."""
+    layer = FP8Linear(12, 7, block_size=(16, 16))
+    layer.weight = nn.Parameter(torch.randn(7, 12))
+    x = torch.randn(2, 12)
+    assert torch.equal(fp8_linear_forward(layer, x), F.linear(x, layer.weight))
+
+
+def test_fp8_linear_forward_reads_ue8m0_scales():
+    layer = FP8Linear(64, 32, block_size=(16, 16), scale_fmt="ue8m0")
+    weight, scale = make_fp8(32, 64, (16, 16), seed=11)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.weight_scale_inv.copy_(torch.exp2(torch.ceil(torch.log2(scale))).to(E8M0_DTYPE))
+    assert layer.weight_scale_inv.dtype == E8M0_DTYPE
+    x = torch.randn(3, 64).bfloat16()
+    expected = F.linear(x.float(), dequantize_by_blocks(weight, layer.weight_scale_inv, 16, 16)).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(fp8_linear_forward(layer, x), expected)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_compressed_fp8_linear_forward(bias):
+    """transformers' compressed-tensors FP8 layer: ``weight_scale`` fp32 [1, N] (a per-tensor scale arrives
+    expanded to [1, N] by the loader)."""
+    layer = CompressedTensorsFP8Linear(100, 70, has_bias=bias)
+    weight, scale = make_fp8(70, 100, "channel", seed=12)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.weight_scale.copy_(scale.reshape(1, -1))
+        if bias:
+            layer.bias.normal_()
+    x = torch.randn(4, 100, generator=torch.Generator().manual_seed(12)).bfloat16()
+    with torch.no_grad():
+        got = compressed_fp8_linear_forward(layer, x)
+    expected = F.linear(x.float(), weight.float() * scale).bfloat16()
+    assert torch.equal(got, expected if not bias else expected + layer.bias.detach().bfloat16())
+
+
+def test_tiny_fp8_model_matches_its_dequantized_twin():
+    """A Gemma-4-31B-style model quantized by :func:`fp8_quantized_model` (FP8Linear everywhere but the LM head),
+    its layers given :func:`fp8_linear_forward`: the logits of the same model whose nn.Linear layers hold the
+    dequantized weights."""
+    model = gemma4_31b_style()
+    fp8_model = fp8_quantized_model(copy.deepcopy(model), block_size=(16, 16))
+    layers = [m for m in fp8_model.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) > 20 and type(fp8_model.lm_head) is nn.Linear
+    dense_model = copy.deepcopy(model)
+    for name, layer in fp8_model.named_modules():
+        if isinstance(layer, FP8Linear):
+            layer.forward = types.MethodType(fp8_linear_forward, layer)
+            with torch.no_grad():
+                dense_model.get_submodule(name).weight.copy_(
+                    dequantize_fp8(layer.weight, layer.weight_scale_inv, layer.block_size))
+    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        got, expected = fp8_model(ids).logits, dense_model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected, model(ids).logits.detach(), atol=1e-3)  # the weights did change
