@@ -1,0 +1,60 @@
+"""The FP8 weight-only skinny GEMM (``hf_specdec.kernels.fp8_gemm``) against its reference and beside the bf16
+skinny GEMM at the Gemma-4-31B decode shapes, on one CUDA GPU.
+
+    python -m benchmarks.fp8_gpu_check [--rows 1 4 16]
+
+Per (shape, scale format, rows): the kernel's error against the dequantize-then-matmul reference (pass:
+bf16 rounding), its graph-replayed time (``triton.testing.do_bench_cudagraph``) and TB/s counting the fp8 weight
+and scale bytes once, beside the bf16 kernel on the same weights (``skinny_matmul``) and the speedup. Prints a
+table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+# (N, K): the 31B MLP's stacked gate/up and its down, the attention's stacked q/k/v (sliding layer)
+SHAPES = [(43008, 5376), (5376, 21504), (16384, 5376)]
+FORMATS = {"block128": (128, 128), "channel": None}
+
+
+def main() -> int:
+    import triton
+
+    from hf_specdec.kernels.fp8_gemm import fp8_linear_reference, fp8_matmul, quantize_fp8
+    from hf_specdec.kernels.skinny_gemm import skinny_matmul
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows_out, ok = [], True
+    print(f"{'N':>6} {'K':>6} {'format':9} {'rows':>4} {'fp8 us':>8} {'fp8 TB/s':>8} {'bf16 us':>8} "
+          f"{'bf16 TB/s':>9} {'speedup':>7} {'rel err':>8}")
+    for n, k in SHAPES:
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
+        for fmt, block in FORMATS.items():
+            w8, scale = quantize_fp8(w, block)
+            for rows in args.rows:
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                got, ref = fp8_matmul(x, w8, scale, block).float(), fp8_linear_reference(x, w8, scale, block).float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                ok &= err < 2e-2
+                fp8_ms = triton.testing.do_bench_cudagraph(lambda: fp8_matmul(x, w8, scale, block))
+                bf16_ms = triton.testing.do_bench_cudagraph(lambda: skinny_matmul(x, w))
+                fp8_bytes = w8.numel() + scale.numel() * scale.element_size()
+                r = dict(n=n, k=k, format=fmt, rows=rows, fp8_us=fp8_ms * 1e3, fp8_tb_s=fp8_bytes / fp8_ms / 1e9,
+                         bf16_us=bf16_ms * 1e3, bf16_tb_s=w.numel() * 2 / bf16_ms / 1e9, speedup=bf16_ms / fp8_ms,
+                         rel_error=err)
+                rows_out.append(r)
+                print(f"{n:6d} {k:6d} {fmt:9} {rows:4d} {r['fp8_us']:8.1f} {r['fp8_tb_s']:8.2f} {r['bf16_us']:8.1f} "
+                      f"{r['bf16_tb_s']:9.2f} {r['speedup']:7.2f} {err:8.1e}")
+    print(json.dumps(dict(bench="fp8_gpu_check", gpu=torch.cuda.get_device_name(), ok=ok, rows=rows_out)))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
