@@ -5,15 +5,18 @@ Targets (docs/models.md §1, §4):
   full 4 kv x 512 with attention_k_eq_v; vocab 262144; no KV sharing, no per-layer inputs.
 - ``gemma4-e4b``: 42 layers, hidden 2560, intermediate 10240, 8 q / 2 kv heads, 256 / 512 head dims,
   window 512, the last 18 layers KV-shared, per-layer inputs (PLE) of 256.
+- ``gemma4-e2b``: 35 layers in a [4 sliding, 1 full] pattern, hidden 1536, intermediate 6144, 8 q / 1 kv head,
+  256 / 512 head dims, window 512, the last 20 layers KV-shared, PLE of 256. (Every MLP is taken at 6144; a
+  double-wide MLP in the KV-shared layers, ``use_double_wide_mlp``, is not modelled.)
 - ``gemma4-26b-a4b``: 30 layers, hidden 2816, 16 q heads; sliding 8 kv x 256 (window 1024), full 2 kv x 512 with
   attention_k_eq_v; a dense MLP (2112) beside 128 experts (top-8, 704) in every layer; vocab 262144.
 - ``step3p5``: hidden 4096, vocab 128896; full layers 64 q heads, sliding 96, 8 kv, d128, window 512;
   layers 0-2 dense (11264), later layers MoE (288 experts top-8, 1280, one shared expert); 3 sliding MTP layers.
 - ``smoke-*``: the same structure at toy sizes, for CPU runs in seconds.
 
-``layers=N`` keeps each family's layer pattern ([5 sliding, 1 full], last layer full) at depth N; a cut
-Gemma 4 E4B keeps its shared fraction (18/42) of KV-shared layers. The depth is part of ``model_shape``
-(``gemma4-31b/L12``).
+``layers=N`` keeps each family's layer pattern ([5 sliding, 1 full], E2B [4 sliding, 1 full]; last layer full)
+at depth N; a cut Gemma 4 E2B / E4B keeps its shared fraction (20/35, 18/42) of KV-shared layers. The depth is
+part of ``model_shape`` (``gemma4-31b/L12``).
 
 Gemma 4 MTP assistants (docs/models.md §2): every layer reads its producer's K/V, so kv heads and head
 dims follow the target; four layers [S, S, S, F], ordered embeddings (2048 centroids, top 32). Public
@@ -43,6 +46,11 @@ GEMMA4_TARGETS = {
         num_key_value_heads=2, head_dim=256, global_head_dim=512, sliding_window=512, num_kv_shared_layers=18,
         hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
     ),
+    "gemma4-e2b": dict(
+        vocab_size=262144, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=256, global_head_dim=512, sliding_window=512, num_kv_shared_layers=20,
+        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, layer_period=5,
+    ),
     "gemma4-26b-a4b": dict(
         vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
         num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
@@ -71,6 +79,7 @@ GEMMA4_TARGETS = {
 GEMMA4_ASSISTANTS = {
     "gemma4-31b": (dict(hidden_size=1024, intermediate_size=8192, num_attention_heads=32), "inferred"),
     "gemma4-e4b": (dict(hidden_size=256, intermediate_size=2048, num_attention_heads=4), "e2b-assistant"),
+    "gemma4-e2b": (dict(hidden_size=256, intermediate_size=2048, num_attention_heads=4), "e2b-assistant"),
     "gemma4-26b-a4b": (dict(hidden_size=1024, intermediate_size=8192, num_attention_heads=32), "inferred"),
     "smoke-26b-a4b": (dict(hidden_size=32, intermediate_size=64, num_attention_heads=4), "toy"),
     "smoke-31b": (dict(hidden_size=32, intermediate_size=64, num_attention_heads=4), "toy"),
@@ -90,8 +99,8 @@ def shape_name(shape: str, layers: int | None) -> str:
     return f"{shape}/L{layers}" if layers else shape
 
 
-def gemma4_layer_types(num_layers: int) -> list[str]:
-    types = [F if (i + 1) % 6 == 0 else S for i in range(num_layers)]
+def gemma4_layer_types(num_layers: int, period: int = 6) -> list[str]:
+    types = [F if (i + 1) % period == 0 else S for i in range(num_layers)]
     types[-1] = F
     return types
 
@@ -101,13 +110,14 @@ def gemma4_config(shape: str, layers: int | None = None):
     from transformers import Gemma4TextConfig
 
     fields = dict(GEMMA4_TARGETS[shape])
+    period = fields.pop("layer_period", 6)
     full_depth = fields["num_hidden_layers"]
     num_layers = layers or full_depth
     shared = round(fields["num_kv_shared_layers"] * num_layers / full_depth)
     if num_layers - shared < 6:  # the producers (last owning sliding and full layer) must stay
         shared = 0
-    fields.update(num_hidden_layers=num_layers, num_kv_shared_layers=shared, layer_types=gemma4_layer_types(num_layers),
-                  final_logit_softcapping=30.0, pad_token_id=0, eos_token_id=None, bos_token_id=2)
+    fields.update(num_hidden_layers=num_layers, num_kv_shared_layers=shared,
+                  layer_types=gemma4_layer_types(num_layers, period), final_logit_softcapping=30.0, pad_token_id=0, eos_token_id=None, bos_token_id=2)
     return Gemma4TextConfig(**fields)
 
 

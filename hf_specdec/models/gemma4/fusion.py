@@ -93,9 +93,10 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     post-attention norm + residual add + pre-feedforward norm in one launch, post-feedforward norm + residual
     add + layer scalar in another. A per-layer-input block (E2B, E4B) puts its gate between the last two:
     gelu(gate(h)) * per_layer_input in one launch (:func:`gelu_tanh_mul`), then its projection's post-norm +
-    residual add + layer scalar in one. An MoE block (26B-A4B) takes its experts' pre-norm from the first seam too (a second
-    output of the same launch) and ends in one launch for both branches' post-norms, their sum, the block's
-    post-norm, the residual add and the layer scalar (:func:`dual_norm_add`). The CPU runs the original.
+    residual add + layer scalar in one. An MoE block (26B-A4B) takes its experts' pre-norm from the first seam
+    too (a second output of the same launch) and ends in one launch for both branches' post-norms, their sum,
+    the block's post-norm, the residual add and the layer scalar (:func:`dual_norm_add`). The CPU runs the
+    original.
 
     The cache comes as ``cache`` or ``past_key_values`` and goes on by keyword, under the name the original
     takes: transformers 5.24's gradient checkpointing drops a keyword cache before the recompute."""
