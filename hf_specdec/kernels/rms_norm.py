@@ -74,6 +74,25 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
 
 @triton.jit
+def _norm(x, dim, eps, w_ptr, cols, mask, HAS_WEIGHT: tl.constexpr):
+    """One row in fp32: ``x * rsqrt(mean(x^2) + eps) [* w]`` (the caller rounds it)."""
+    y = x * tl.math.rsqrt(tl.sum(x * x, 0) / dim + eps)
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _residual_add(y, res_ptr, offsets, mask, scale_ptr, HAS_SCALE: tl.constexpr):
+    """``(residual + y) [* scale]`` for a row ``y`` already rounded to the dtype, each step rounded as torch does."""
+    dtype = y.dtype
+    s = (tl.load(res_ptr + offsets, mask=mask, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dtype)
+    if HAS_SCALE:
+        s = (s.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(dtype)
+    return s
+
+
+@triton.jit
 def _norm_add_kernel(
     x_ptr, res_ptr, w_ptr, sum_ptr, scale_ptr, w2_ptr, out2_ptr,  # rows [rows, dim]; w, w2 [dim]; scale [1]
     stride_x, stride_res, stride_sum, stride_out2, dim, eps, eps2, w3_ptr, out3_ptr, stride_out3, eps3,
@@ -85,24 +104,14 @@ def _norm_add_kernel(
     mask = cols < dim
     dtype = sum_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.math.rsqrt(tl.sum(x * x, 0) / dim + eps)
-    y = (y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-    s = (tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32) + y.to(tl.float32))
-    s = s.to(dtype)
-    if HAS_SCALE:
-        s = (s.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(dtype)
+    y = _norm(x, dim, eps, w_ptr, cols, mask, True).to(dtype)
+    s = _residual_add(y, res_ptr, row * stride_res + cols, mask, scale_ptr, HAS_SCALE)
     tl.store(sum_ptr + row * stride_sum + cols, s, mask=mask)
     if HAS_NEXT:
-        t = s.to(tl.float32)
-        z = t * tl.math.rsqrt(tl.sum(t * t, 0) / dim + eps2)
-        if NEXT_HAS_WEIGHT:
-            z = z * tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z = _norm(s.to(tl.float32), dim, eps2, w2_ptr, cols, mask, NEXT_HAS_WEIGHT)
         tl.store(out2_ptr + row * stride_out2 + cols, z.to(dtype), mask=mask)
     if HAS_NEXT2:
-        t = s.to(tl.float32)
-        z = t * tl.math.rsqrt(tl.sum(t * t, 0) / dim + eps3)
-        if NEXT2_HAS_WEIGHT:
-            z = z * tl.load(w3_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        z = _norm(s.to(tl.float32), dim, eps3, w3_ptr, cols, mask, NEXT2_HAS_WEIGHT)
         tl.store(out3_ptr + row * stride_out3 + cols, z.to(dtype), mask=mask)
 
 
@@ -172,19 +181,13 @@ def _dual_norm_add_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     dtype = out_ptr.dtype.element_ty
-    a = tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
-    a = (a * tl.math.rsqrt(tl.sum(a * a, 0) / dim + eps_a) * tl.load(wa_ptr + cols, mask=mask, other=0.0).to(
-        tl.float32)).to(dtype)
-    b = tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-    b = (b * tl.math.rsqrt(tl.sum(b * b, 0) / dim + eps_b) * tl.load(wb_ptr + cols, mask=mask, other=0.0).to(
-        tl.float32)).to(dtype)
+    a = _norm(tl.load(a_ptr + row * stride_a + cols, mask=mask, other=0.0).to(tl.float32), dim, eps_a, wa_ptr, cols,
+              mask, True).to(dtype)
+    b = _norm(tl.load(b_ptr + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32), dim, eps_b, wb_ptr, cols,
+              mask, True).to(dtype)
     m = (a.to(tl.float32) + b.to(tl.float32)).to(dtype).to(tl.float32)
-    z = (m * tl.math.rsqrt(tl.sum(m * m, 0) / dim + eps) * tl.load(w_ptr + cols, mask=mask, other=0.0).to(
-        tl.float32)).to(dtype)
-    s = (tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32) + z.to(tl.float32))
-    s = s.to(dtype)
-    if HAS_SCALE:
-        s = (s.to(tl.float32) * tl.load(scale_ptr).to(tl.float32)).to(dtype)
+    z = _norm(m, dim, eps, w_ptr, cols, mask, True).to(dtype)
+    s = _residual_add(z, res_ptr, row * stride_res + cols, mask, scale_ptr, HAS_SCALE)
     tl.store(out_ptr + row * stride_out + cols, s, mask=mask)
 
 

@@ -47,8 +47,9 @@ def run_triton_cases_in_interpreter():
     return _run_triton_cases_in_interpreter
 
 
-def _run_triton_cases_in_interpreter(min_passed: int) -> None:
-    """Run tests/kernels' `triton_` tests in a child process with the interpreter on; all must pass."""
+def _run_triton_cases_in_interpreter(min_passed: int, path: Path | None = None) -> None:
+    """Run the `triton_` tests of tests/kernels (or of the one file ``path``) in a child process with the
+    interpreter on; all must pass, none skip."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     if torch.cuda.is_available() or interpreter_active():
@@ -56,9 +57,18 @@ def _run_triton_cases_in_interpreter(min_passed: int) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", **{FORCE_TRITON_ENV: "1"},
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_ and not in_interpreter",
-           str(Path(__file__).parent)]
+           str(path or Path(__file__).parent)]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"interpreter run failed:\n{output[-6000:]}"
     passed = re.search(r"(\d+) passed", output)
     assert passed and int(passed.group(1)) >= min_passed and "skipped" not in output, output[-3000:]
+
+
+def run_file_cases_in_interpreter(request, path: str, min_passed: int) -> None:
+    """A kernel test file run by itself on CPU: its ``triton_`` tests in a TRITON_INTERPRET=1 child. In a session
+    that collects test_paged_attention's ``test_triton_cases_in_interpreter`` (which re-runs every ``triton_`` test
+    of tests/kernels), it stands down."""
+    if any(item.name == "test_triton_cases_in_interpreter" for item in request.session.items):
+        pytest.skip("test_triton_cases_in_interpreter re-runs this file's triton_ tests in this session")
+    _run_triton_cases_in_interpreter(min_passed, Path(path))

@@ -3,11 +3,6 @@ the routers equal Step 3.5's router by its definition and transformers' ``Gemma4
 kernels match the reference (fp32 to 1e-5; bf16 / fp16 to a rounding: only the summation order differs)."""
 
 import logging
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +10,6 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from hf_specdec.kernels import fused_moe as fused_moe_module
-from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON
 from hf_specdec.kernels.fused_moe import (
     MoeConfig,
     _group_pairs,
@@ -30,7 +24,7 @@ from hf_specdec.kernels.fused_moe import (
 from hf_specdec.models.step3p5.configuration import Step3p5Config
 from hf_specdec.models.step3p5.layers import Step3p5MoE, clamped_swiglu
 
-from .conftest import REPO_ROOT, interpreter_active
+from .conftest import run_file_cases_in_interpreter
 
 ACTIVATIONS = [("gelu_tanh", None), ("silu", None), ("silu", 0.5)]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
@@ -385,24 +379,8 @@ def test_fused_moe_captures_in_a_cuda_graph():
 
 
 def test_fused_moe_cases_in_interpreter(request):
-    """Running this file by itself on CPU: its ``triton_`` tests in a TRITON_INTERPRET=1 child (all must pass,
-    none skip). In a run that collects test_paged_attention's ``test_triton_cases_in_interpreter``, that test
-    re-runs every ``triton_`` test of tests/kernels, this file's included, so this one stands down."""
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available() or interpreter_active():
-        pytest.skip("the triton tests run directly in this process")
-    if any(item.name == "test_triton_cases_in_interpreter" for item in request.session.items):
-        pytest.skip("test_triton_cases_in_interpreter re-runs this file's triton_ tests in this session")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{FORCE_TRITON_ENV: "1"},
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_ and not in_interpreter",
-           str(Path(__file__))]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"interpreter run failed:\n{output[-6000:]}"
-    passed = re.search(r"(\d+) passed", output)
-    assert passed and int(passed.group(1)) >= 20 and "skipped" not in output, output[-3000:]
+    """This file by itself on CPU: its ``triton_`` tests in the interpreter (``conftest.run_file_cases_in_interpreter``)."""
+    run_file_cases_in_interpreter(request, __file__, min_passed=20)
 
 
 def test_triton_gemma4_moe_model_through_the_experts_interface(triton_device):
