@@ -73,15 +73,21 @@ def paged_query_attention(paged_cache, layer_idx: int, query: torch.Tensor, rows
     query [batch, 1, heads, head_dim] sits at ``rows.kv_lens[b]``, one past the row's last cached token, and
     sees the last ``sliding_window`` cached keys ``kv_lens[b] - sliding_window <= j < kv_lens[b]`` (all of
     them if None). Returns [batch, 1, heads, head_dim]. ``block_tables`` replaces the cache's own tables of
-    the layer's group (e.g. static ones, padded, under a CUDA graph)."""
+    the layer's group (e.g. static ones, padded, under a CUDA graph). Over a tensor-parallel rank's pages
+    (``paged_cache.head_shard``) the query heads of this rank's KV heads attend, and the ranks' outputs are
+    gathered, so every rank returns all heads."""
     if block_tables is None:
         k_cache, v_cache, block_tables = paged_cache.context_pages(layer_idx)
     else:
         k_cache, v_cache = paged_cache.layer_storage(layer_idx)
+    shard = paged_cache.head_shard  # tensor parallel: these pages hold this rank's KV heads only
+    if shard is not None:
+        query = shard.local_heads(query, dim=2)
     # The kernel's window counts the query's own position; masking as if the query sat on the last cached
     # key makes the window exactly the last `sliding_window` keys.
-    return paged_attention(query, k_cache, v_cache, block_tables, rows.kv_lens, rows.q_pos0, rows.q_lens,
-                           scale=scaling, sliding_window=sliding_window, validate=False)
+    out = paged_attention(query, k_cache, v_cache, block_tables, rows.kv_lens, rows.q_pos0, rows.q_lens,
+                          scale=scaling, sliding_window=sliding_window, validate=False)
+    return out if shard is None else shard.gather_heads(out, dim=2)
 
 
 def _fallback(module: torch.nn.Module):

@@ -80,6 +80,10 @@ class PagedKVCache(Cache):
             layout, storage_blocks or num_blocks, block_size, dtype, self.device)
         self.meta: ForwardMeta | None = None
         self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards
+        # When the cache holds one tensor-parallel rank's contiguous share of every layer's KV heads: the ranks'
+        # group (``local_heads`` / ``gather_heads``), with which a drafter's Q-only attention over these pages
+        # (``paged_query_attention``) attends with the matching query heads and gathers the others. None otherwise.
+        self.head_shard = None
 
     @property
     def num_used_blocks(self) -> list[int]:
@@ -220,6 +224,12 @@ class PagedKVCache(Cache):
         batch, heads, q_len, dim = key_states.shape
         if q_len != self.meta.q_len:
             raise ValueError(f"layer {layer_idx} stores {q_len} tokens per row, the forward has {self.meta.q_len}.")
+        if heads != self.layout.groups[group].num_kv_heads:
+            raise ValueError(
+                f"layer {layer_idx} stores {heads} KV heads but its KV group holds "
+                f"{self.layout.groups[group].num_kv_heads}: the cache layout does not describe this model's attention "
+                "(was the model changed or re-sharded after hf_specdec.enable? call hf_specdec.enable(model) again)."
+            )
         store_kv(key_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
                  value_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
                  self.k_storage[group][index], self.v_storage[group][index], self.meta.slot_mapping[group],

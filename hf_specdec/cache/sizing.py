@@ -13,6 +13,7 @@ its pool while running stops with :class:`CacheExhaustedError` (``generation`` a
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -36,22 +37,28 @@ class CacheExhaustedError(CacheCapacityError):
 
 def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: list[int], max_new_tokens: int,
                       lookahead: int, *, dtype: torch.dtype, device, storage_pool=None,
-                      storage_owner: str = "target") -> PagedKVCache:
+                      storage_owner: str = "target",
+                      shared_budget: Callable[[int | None], int | None] | None = None) -> PagedKVCache:
     """A cache for the request (see the module docstring); raises :class:`CacheCapacityError` before allocating
     anything when it does not fit what ``cache_config`` allows. ``storage_pool`` (a GraphStore) lends pooled
-    storage kept under ``storage_owner`` between requests (CUDA graphs write into fixed addresses)."""
+    storage kept under ``storage_owner`` between requests (CUDA graphs write into fixed addresses).
+    ``shared_budget`` maps this process's memory budget to the one every process of a tensor-parallel group uses
+    (their smallest), so the ranks size their caches alike and refuse or run out together."""
     bs, device = cache_config.block_size, torch.device(device)
     bounded = cache_config.num_blocks is not None or cache_config.max_cache_tokens is not None
     budget = None
     if bounded:
         need = blocks_needed(layout, cache_config, prompt_lens, max_new_tokens, lookahead)
         if cache_config.max_cache_tokens is None:  # num_blocks alone: still within the device's memory
-            _check_fits(layout, need, bs, dtype, *memory_budget(device, cache_config))
+            limit, knob = memory_budget(device, cache_config)
+            _check_fits(layout, need, bs, dtype, limit if shared_budget is None else shared_budget(limit), knob)
     else:
         # the owner's pooled storage is freed before a larger one is allocated: it counts as free memory
         pooled = storage_pool.storages.get(storage_owner) if storage_pool is not None else None
         held = sum(t.numel() * t.element_size() for t in (*pooled[2], *pooled[3])) if pooled else 0
         budget, knob = memory_budget(device, cache_config, held)
+        if shared_budget is not None:
+            budget = shared_budget(budget)
         need = within_budget(layout, cache_config, prompt_lens, max_new_tokens, lookahead, dtype, budget, knob)
     if storage_pool is not None:
         # with num_blocks the pool holds at least that many blocks (exactly that many when it allocates), and

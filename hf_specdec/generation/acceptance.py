@@ -57,6 +57,8 @@ class Acceptance:
     ``scores`` are the target's after the logits processors (its raw logits when greedy without processors)."""
 
     lossless = True
+    # whether its decisions depend on random draws (under tensor parallelism they are then broadcast from rank 0)
+    draws_random = True
 
     def __call__(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, scores: torch.Tensor):
         raise NotImplementedError
@@ -64,6 +66,8 @@ class Acceptance:
 
 class GreedyAcceptance(Acceptance):
     """The longest prefix of drafts equal to the target's argmax, then the target's argmax."""
+
+    draws_random = False
 
     def __call__(self, draft_tokens, draft_probs, scores):
         return greedy_accept_no_sync(draft_tokens, scores.argmax(dim=-1))

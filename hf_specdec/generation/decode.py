@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hf_specdec.generation.sampling import mask_finished, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
-from hf_specdec.runtime import ModelRunner, Readback, exhausted, real_token_counts
+from hf_specdec.runtime import Readback, exhausted, real_token_counts
 
 
 def paged_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -34,7 +34,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
-    runner = ModelRunner(model, state.layout, state.cache_config, state.graph_store_for(model.device))
+    runner = state.runner(model)
     runner.start(prompt_lens, generation_config.max_length - input_ids.shape[1])
     try:
         # 1. prefill: every prompt token of every row, logits of the last one
@@ -48,7 +48,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             # 2. pick the next token of each row from the processed scores
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
             scores = logits_processor(input_ids, logits)
-            next_tokens = select_tokens(scores, generation_config.do_sample)
+            next_tokens = select_tokens(scores, generation_config.do_sample, state.ranks)
             if has_eos:
                 next_tokens = mask_finished(next_tokens, unfinished, generation_config._pad_token_tensor)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_specdec.generation.sampling import PositionScorer
+from hf_specdec.generation.sampling import PositionScorer, same_on_every_rank
 from hf_specdec.runtime import RequestContext
 
 
@@ -84,12 +84,15 @@ class DraftSelector:
     ``dense_logits()`` (a sparse head such as Gemma 4's centroid head, kept sparse when greedy)."""
 
     def __init__(self, do_sample: bool, scorer: PositionScorer, vocab_size: int, prefixes: list[torch.Tensor],
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, ranks=None):
+        """``ranks``: the target's tensor-parallel group; sampled drafts are then rank 0's on every rank (a
+        sequential drafter feeds each one to its next step)."""
         self.do_sample = do_sample
         self.scorer = scorer
         self.vocab_size = vocab_size
         self.prefixes = prefixes
         self.generator = generator
+        self.ranks = ranks
 
     def select(self, head, drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """drafted [batch, j]: drafts so far this step -> (token [batch], q [batch, vocab] or None)."""
@@ -109,7 +112,7 @@ class DraftSelector:
             return logits[:, 0].argmax(dim=-1), None
         probs = torch.softmax(logits[:, 0], dim=-1)
         token = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        return token, probs
+        return same_on_every_rank(token, self.ranks), probs
 
     def select_block(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens [batch, k] (and q [batch, k, vocab] when sampling) for ``logits`` [batch, k, vocab] of k draft
@@ -133,4 +136,4 @@ class DraftSelector:
             return scores.argmax(dim=-1), None
         probs = torch.softmax(scores, dim=-1)
         tokens = torch.multinomial(probs.view(-1, vocab), 1, generator=self.generator).view(batch, k)
-        return tokens, probs
+        return same_on_every_rank(tokens, self.ranks), probs

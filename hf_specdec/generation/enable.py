@@ -18,8 +18,9 @@ from hf_specdec.generation.experts import restore_experts, select_experts
 from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
 from hf_specdec.generation.generate import generate
 from hf_specdec.generation.stats import SpecStats
-from hf_specdec.runtime import GraphStore, cuda_graphs_wanted
+from hf_specdec.runtime import GraphStore, ModelRunner, cuda_graphs_wanted
 from hf_specdec.runtime.cuda_graphs import check_max_graphs
+from hf_specdec.runtime.distributed import RankGroup, key_head_splits, local_kv_layout, tensor_parallel_group
 
 
 @dataclass
@@ -35,6 +36,8 @@ class EnabledState:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one generate at a time per model
     owner: int | None = None  # thread id of the generate call holding the lock
     original_experts: dict | None = None  # the MoE experts implementation before enable (None: no such experts)
+    ranks: RankGroup | None = None  # the tensor-parallel group the model is sharded over (runtime/distributed.py)
+    head_shard: RankGroup | None = None  # ``ranks`` when they split the KV heads (the layout holds this rank's)
 
     def __deepcopy__(self, memo):
         """A copied model gets its own state: a fresh lock and an empty graph store (graphs and pooled storage
@@ -43,11 +46,19 @@ class EnabledState:
                               self.original_attention, self.cuda_graphs,
                               GraphStore(self.graph_store.max_graphs), copy.deepcopy(self.last_stats, memo))
         copied.original_experts = copy.deepcopy(self.original_experts, memo)
+        copied.ranks, copied.head_shard = self.ranks, self.head_shard
         return copied
 
     def graph_store_for(self, device: torch.device) -> GraphStore | None:
-        """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off."""
-        return self.graph_store if cuda_graphs_wanted(self.cuda_graphs, device) else None
+        """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off; never
+        for a tensor-parallel model (its forwards run eagerly, see runtime/distributed.py)."""
+        wanted = cuda_graphs_wanted(self.cuda_graphs, device) and self.ranks is None
+        return self.graph_store if wanted else None
+
+    def runner(self, model) -> ModelRunner:
+        """A ModelRunner for one call on ``model`` (this state's model)."""
+        return ModelRunner(model, self.layout, self.cache_config, self.graph_store_for(model.device), self.ranks,
+                           self.head_shard)
 
 
 def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool | None = None,
@@ -68,17 +79,23 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
             _update(model, state, cache_config, cuda_graphs, max_cuda_graphs)
         return model
     _check_supported(model)
+    ranks = tensor_parallel_group(model)
     layout = kv_layout_from_config(model.config)
+    split = ranks is not None and bool(key_head_splits(model))
+    if split:  # each rank's cache holds the KV heads of its shard
+        layout = local_kv_layout(model, layout)
     register()
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     model._hf_specdec = EnabledState(layout, cache_config or CacheConfig(), original,
-                                     cuda_graphs=True if cuda_graphs is None else cuda_graphs)
+                                     cuda_graphs=True if cuda_graphs is None else cuda_graphs, ranks=ranks,
+                                     head_shard=ranks if split else None)
     if max_cuda_graphs is not None:
         model._hf_specdec.graph_store.max_graphs = max_cuda_graphs
     model.generate = types.MethodType(generate, model)
-    fuse_modules(model)
-    model._hf_specdec.original_experts = select_experts(model)
+    if ranks is None:  # a sharded model keeps transformers' tensor-parallel forwards (single-device kernels)
+        fuse_modules(model)
+        model._hf_specdec.original_experts = select_experts(model)
     return model
 
 

@@ -55,8 +55,10 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
         raise ValueError("acceptance= without a drafter: pass assistant_model=... or spec_mode=..., or drop it.")
     if speculative:
         drafter = build_drafter(self, assistant_model, spec_mode, num_speculative_tokens)
+        # the model whose attention writes the drafter's own caches: the assistant, or the target's own layers
+        draft_model = assistant_model if isinstance(assistant_model, torch.nn.Module) else self
         decode = functools.partial(speculative_decode, streamer=streamer, drafter=drafter, acceptance=acceptance,
-                                   adaptive=num_speculative_tokens == AUTO)
+                                   adaptive=num_speculative_tokens == AUTO, draft_model=draft_model)
     else:
         decode = functools.partial(paged_decode, streamer=streamer)
     unsupported = _paged_loop_unsupported(self, inputs, generation_config, kwargs)

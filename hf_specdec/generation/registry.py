@@ -18,6 +18,7 @@ import torch
 from hf_specdec.config import SpecDecodingConfig
 from hf_specdec.generation.drafter import Drafter
 from hf_specdec.generation.fusion import FusedForward, register_fused_forwards
+from hf_specdec.runtime.distributed import check_replicated
 
 __all__ = ["DrafterBuilder", "FusedForward", "build_drafter", "register_drafter", "register_fused_forwards"]
 
@@ -68,12 +69,14 @@ def build_drafter(target, assistant, spec_mode: str | None = None,
 
 def _check_placement(target, assistant) -> None:
     """An assistant model must sit on the target's device in the target's dtype: the drafter reads the target's
-    pages and feeds its hidden states. Refused rather than copied (a silent copy of a large model can OOM)."""
+    pages and feeds its hidden states. Refused rather than copied (a silent copy of a large model can OOM). It runs
+    replicated on every rank of a tensor-parallel target (runtime/distributed.py), so it is never sharded itself."""
     if not isinstance(assistant, torch.nn.Module):
         return
     param = next(assistant.parameters(), None)
     if param is None:
         return
+    check_replicated(assistant, "assistant_model")
     device, dtype = target.device, target.dtype
     if param.device != device:
         raise ValueError(f"assistant_model is on {param.device} but the target on {device}; move it first: "

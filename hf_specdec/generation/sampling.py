@@ -8,12 +8,19 @@ import torch
 from transformers import LogitsProcessorList
 
 
-def select_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """scores [batch, vocab] (after logits processors) -> tokens [batch]."""
+def select_tokens(scores: torch.Tensor, do_sample: bool, ranks=None) -> torch.Tensor:
+    """scores [batch, vocab] (after logits processors) -> tokens [batch]. ``ranks`` (a tensor-parallel group):
+    sampled tokens are rank 0's on every rank."""
     if do_sample:
         probs = torch.nn.functional.softmax(scores, dim=-1)
-        return torch.multinomial(probs, num_samples=1).squeeze(1)
+        return same_on_every_rank(torch.multinomial(probs, num_samples=1).squeeze(1), ranks)
     return torch.argmax(scores, dim=-1)
+
+
+def same_on_every_rank(tensor: torch.Tensor, ranks) -> torch.Tensor:
+    """``tensor``, with the values of rank 0 of the tensor-parallel group ``ranks`` on every rank (as it is when
+    ``ranks`` is None): what one rank drew at random, every rank then feeds to the sharded model."""
+    return tensor if ranks is None else ranks.broadcast(tensor)
 
 
 def mask_finished(tokens: torch.Tensor, unfinished: torch.Tensor, pad_token_id: torch.Tensor | None) -> torch.Tensor:

@@ -26,10 +26,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
 from hf_specdec.generation.adaptive_k import AdaptiveK
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector
-from hf_specdec.generation.sampling import PositionScorer, select_tokens
+from hf_specdec.generation.sampling import PositionScorer, same_on_every_rank, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
-from hf_specdec.runtime import ModelRunner, Readback, exhausted, real_token_counts
+from hf_specdec.runtime import Readback, exhausted, real_token_counts
 
 
 class RowStopper:
@@ -56,11 +56,12 @@ class RowStopper:
 
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                        streamer=None, *, drafter: Drafter, acceptance: Acceptance | None = None, adaptive: bool = False,
-                       **model_kwargs):
+                       draft_model: torch.nn.Module | None = None, **model_kwargs):
     """Speculative decoding of ``input_ids`` [batch, prompt_len] (left-padded) with ``drafter``; ``adaptive``: k
-    chosen per round (up to the drafter's k) where the drafter allows it."""
+    chosen per round (up to the drafter's k) where the drafter allows it; ``draft_model``: the model whose attention
+    writes the drafter's own caches (its assistant, or the target)."""
     loop = SpeculativeLoop(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                           streamer, acceptance or acceptance_for(generation_config.do_sample), adaptive)
+                           streamer, acceptance or acceptance_for(generation_config.do_sample), adaptive, draft_model)
     sequences = loop.run(input_ids, model_kwargs)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
@@ -71,7 +72,7 @@ class SpeculativeLoop:
     """One speculative ``generate`` call: the request's state lives here, a step is :meth:`step`."""
 
     def __init__(self, model, drafter: Drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                 streamer, acceptance: Acceptance, adaptive: bool = False):
+                 streamer, acceptance: Acceptance, adaptive: bool = False, draft_model: torch.nn.Module | None = None):
         state = model._hf_specdec
         self.model, self.drafter, self.acceptance, self.streamer = model, drafter, acceptance, streamer
         self.k = drafter.num_speculative_tokens  # the most drafts a round may have: caches are sized for them
@@ -87,7 +88,9 @@ class SpeculativeLoop:
         self.rows = [input_ids[b].tolist() for b in range(batch)]
         self.row_ids = RowIds(input_ids, generation_config.max_length + self.k + 1)
         self.running = [True] * batch
-        self.runner = ModelRunner(model, state.layout, state.cache_config, state.graph_store_for(model.device))
+        self.runner = state.runner(model)
+        self.ranks = state.ranks  # tensor parallel: what a rank draws, every rank uses (runtime/distributed.py)
+        self.draft_model = model if draft_model is None else draft_model
         self.readback = Readback(input_ids.device)
         self.vocab_size = model.config.get_text_config().vocab_size
         self.context = self.captured = None
@@ -97,7 +100,7 @@ class SpeculativeLoop:
         """Decode until every row stops; returns the rows padded to one width [batch, length]."""
         prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
         self.context = self.runner.start(prompt_lens, self.config.max_length - input_ids.shape[1],
-                                         lookahead=self.k + 1)
+                                         lookahead=self.k + 1, draft_model=self.draft_model)
         try:
             with self.drafter.capture(self.model) as self.captured:
                 # graphs captured while other hooks recorded into another kind of holder are not replayed here
@@ -128,7 +131,7 @@ class SpeculativeLoop:
         self.drafter.begin(self.context, self.captured)
         logits = outputs.logits[:, -1].to(dtype=torch.float32)
         scores = self.logits_processor(input_ids, logits)
-        next_tokens = select_tokens(scores, self.config.do_sample)
+        next_tokens = select_tokens(scores, self.config.do_sample, self.ranks)
         emitted = self._emit(next_tokens.tolist(), [[]] * len(self.rows), scores[:, None])
         self.stats.record_step(emitted)
         return next_tokens
@@ -138,9 +141,11 @@ class SpeculativeLoop:
         row's is never used); returns each row's next token."""
         # the rows' ids go to the device only if a drafter or logits processor reads them this step
         selector = DraftSelector(self.config.do_sample, self.scorer, self.vocab_size,
-                                 LazyPrefixes(self.row_ids, self.rows))
-        # 1. draft (unless the previous step queued this round's drafts before its host sync)
+                                 LazyPrefixes(self.row_ids, self.rows), ranks=self.ranks)
+        # 1. draft (unless the previous step queued this round's drafts before its host sync); under tensor
+        #    parallelism every rank verifies rank 0's drafts (in place: a drafter that keeps them sees the same)
         proposal = self.ahead if self.ahead is not None else self.drafter.propose(last_tokens, self.context, selector)
+        same_on_every_rank(proposal.tokens, self.ranks)
         # 2. verify [last token, drafts] in one target forward
         k = proposal.tokens.shape[1]  # this round's (the drafter's k when the round was drafted)
         verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
@@ -151,8 +156,11 @@ class SpeculativeLoop:
             # greedy, no processors: only argmax reads the scores, and it is the same on the model's dtype (the
             # cast to fp32 is exact and keeps the order), so the [batch, k+1, vocab] fp32 copy is skipped
             scores = logits
-        # 3. accept on device
+        # 3. accept on device (a random decision: rank 0's, on every rank)
         num_accepted, next_token = self.acceptance(proposal.tokens, proposal.probs, scores)
+        if self.ranks is not None and self.acceptance.draws_random:
+            decision = same_on_every_rank(torch.stack([num_accepted, next_token.to(num_accepted.dtype)]), self.ranks)
+            num_accepted, next_token = decision[0], decision[1].to(next_token.dtype)
         # 4. the one host sync of the step, with the next round's drafts queued before it where the drafter can
         accepted, nxt, drafts = self._read_back(proposal, num_accepted, next_token, selector)
         # 5. emit (stopping inside the chunk), commit, let the drafter catch up

@@ -14,6 +14,7 @@ import torch
 from hf_specdec.cache import ForwardMeta, KVLayout, PagedKVCache, sizing
 from hf_specdec.config import CacheConfig
 from hf_specdec.runtime.cuda_graphs import GraphStore
+from hf_specdec.runtime.distributed import RankGroup, local_kv_layout
 from hf_specdec.runtime.drafter_graphs import DrafterGraphs
 
 
@@ -27,16 +28,25 @@ class RequestContext:
     graph_store: GraphStore | None = None  # the model's, when this request uses CUDA graphs
     graph_table_width: int | None = None  # the widest block table a row can reach, bucketed
     forward_meta: ForwardMeta | None = None  # the target's last forward, until the runner's commit
+    ranks: RankGroup | None = None  # the tensor-parallel group the target is sharded over
+    # the model whose attention modules write a drafter's own caches: its assistant, or the target itself when the
+    # drafter drafts with the target's own extra layers (Step 3.5's MTP layers); under tensor parallelism a
+    # drafter cache holds the KV heads this rank's shard of that model produces
+    draft_model: torch.nn.Module | None = None
 
     def new_cache(self, layout: KVLayout, owner: str, *, dtype: torch.dtype,
                   lookahead: int | None = None) -> PagedKVCache:
         """A drafter's own paged cache, sized for this request like the target's (``lookahead``: the drafter's,
         default the target's); its storage is pooled under ``owner`` when graphs are on (kept graphs write
-        into it in later requests too)."""
+        into it in later requests too). Under tensor parallelism its KV groups hold this rank's share of the heads
+        of the :attr:`draft_model` layers they serve."""
+        if self.ranks is not None and self.draft_model is not None:
+            layout = local_kv_layout(self.draft_model, layout)
         return sizing.cache_for_request(
             layout, self.cache_config, self.prompt_lens, self.max_new_tokens,
             self.lookahead if lookahead is None else lookahead, dtype=dtype, device=self.cache.device,
-            storage_pool=self.graph_store, storage_owner=owner)
+            storage_pool=self.graph_store, storage_owner=owner,
+            shared_budget=None if self.ranks is None else self.ranks.smallest)
 
     def drafter_graphs(self, *owner) -> DrafterGraphs:
         """The CUDA graphs of a drafter identified by ``owner`` for this request (eager when graphs are off)."""

@@ -15,6 +15,7 @@ from hf_specdec.compat import cache_argument
 from hf_specdec.config import CacheConfig
 from hf_specdec.runtime.context import RequestContext
 from hf_specdec.runtime.cuda_graphs import GraphRunner, GraphStore, HookedState, table_width_bucket
+from hf_specdec.runtime.distributed import RankGroup
 
 # Keys of HF's prepared model_kwargs that the runner replaces with its own.
 _RUNNER_KEYS = {
@@ -65,12 +66,17 @@ def check_mask_shape(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
 class ModelRunner:
     """One paged forward at a time for ``model`` (an HF causal LM enabled by hf_specdec)."""
 
-    def __init__(self, model, layout: KVLayout, cache_config: CacheConfig, graph_store: GraphStore | None = None):
-        """``graph_store``: the model's store of CUDA graphs and pooled K/V storage, or None for eager forwards."""
+    def __init__(self, model, layout: KVLayout, cache_config: CacheConfig, graph_store: GraphStore | None = None,
+                 ranks: RankGroup | None = None, head_shard: RankGroup | None = None):
+        """``graph_store``: the model's store of CUDA graphs and pooled K/V storage, or None for eager forwards.
+        ``ranks``: the tensor-parallel group ``model`` is sharded over; ``head_shard``: the same group when it splits
+        the KV heads (``layout`` then holds this rank's share)."""
         self.model = model
         self.layout = layout
         self.cache_config = cache_config
         self.graph_store = graph_store
+        self.ranks = ranks
+        self.head_shard = head_shard
         self.cache: PagedKVCache | None = None
         self.context: RequestContext | None = None
         self.graphs: GraphRunner | None = None
@@ -78,15 +84,20 @@ class ModelRunner:
         self._mask_stub: torch.Tensor | None = None
         self._cache_argument = cache_argument(model.forward)
 
-    def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0) -> RequestContext:
+    def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0,
+              draft_model: torch.nn.Module | None = None) -> RequestContext:
         """Build the request's cache (raises ``CacheCapacityError`` before anything runs when it does not fit)
-        and its context."""
+        and its context. ``draft_model``: the model whose attention writes a drafter's own caches, if any."""
         dtype = self.model.get_input_embeddings().weight.dtype
         device = self.model.device
         store = self.graph_store if self.graph_store is not None and device.type == "cuda" else None
+        shared_budget = None if self.ranks is None else self.ranks.smallest
         self.cache = sizing.cache_for_request(self.layout, self.cache_config, prompt_lens, max_new_tokens, lookahead,
-                                              dtype=dtype, device=device, storage_pool=store)
-        self.context = RequestContext(self.cache, self.cache_config, list(prompt_lens), max_new_tokens, lookahead)
+                                              dtype=dtype, device=device, storage_pool=store,
+                                              shared_budget=shared_budget)
+        self.cache.head_shard = self.head_shard
+        self.context = RequestContext(self.cache, self.cache_config, list(prompt_lens), max_new_tokens, lookahead,
+                                      ranks=self.ranks, draft_model=draft_model)
         # A 4D mask is passed through transformers' mask builders untouched; the paged attention ignores it.
         self._mask_stub = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         if store is not None:

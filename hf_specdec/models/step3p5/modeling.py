@@ -59,12 +59,43 @@ from hf_specdec.models.step3p5.layers import (
     Step3p5RotaryEmbedding,
     layer_inv_freq,
 )
+from hf_specdec.runtime.distributed import LOCAL_SHARDS_ALL_REDUCE, register_parallel_styles
 
 logger = logging.get_logger(__name__)
 
 # Load-time key renames (applied by `from_pretrained`, never on save): some Step 3.5 checkpoints
 # spell the MTP head `shared_head.output`.
 CHECKPOINT_KEY_MAPPING = {r"\.shared_head\.output\.": ".shared_head.head."}
+
+# Tensor parallelism (``from_pretrained(..., tp_plan="auto")``): attention heads, the head-wise gate and every MLP's
+# intermediate dim split over the ranks (MTP blocks alike: they sit in the same ``layers``). Routed experts are
+# sharded too, each along its intermediate dim: they are nearly all of Step 3.5's weights, so replicating them
+# would leave each rank holding almost the whole model. Their packed ``[E, out, in]`` weights go to one fused
+# kernel, not through a Linear forward that transformers' styles wrap, so the MoE module runs on the local shards
+# and sums its output over the ranks (``local_shards_all_reduce``); the fp32 router stays replicated, so every
+# rank routes alike. The embedding is split over the vocabulary.
+BASE_MODEL_TP_PLAN = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.g_proj": "colwise",
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    "layers.*.share_expert.gate_proj": "colwise",
+    "layers.*.share_expert.up_proj": "colwise",
+    "layers.*.share_expert.down_proj": "rowwise",
+    "layers.*.moe.gate_proj.weight": "colwise",
+    "layers.*.moe.up_proj.weight": "colwise",
+    "layers.*.moe.down_proj.weight": "rowwise",
+    "layers.*.moe": LOCAL_SHARDS_ALL_REDUCE,
+    "layers.*.shared_head.head": "colwise_gather_output",
+}
+register_parallel_styles()
 
 @dataclass
 class Step3p5ModelOutputWithPast(BaseModelOutputWithPast):
@@ -204,6 +235,8 @@ class Step3p5PreTrainedModel(PreTrainedModel):
 class Step3p5Model(Step3p5PreTrainedModel):
     """Embedding, ``L`` decoder layers, final norm, and the ``M`` MTP layers (run only by ``mtp_forward``)."""
 
+    _tp_plan = BASE_MODEL_TP_PLAN
+
     def __init__(self, config: Step3p5Config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
@@ -319,6 +352,7 @@ class Step3p5ForCausalLM(Step3p5PreTrainedModel, GenerationMixin):
     """Step 3.5 causal LM; ``generate`` decodes with the main layers, ``mtp_step`` drafts with MTP layer k."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: Step3p5Config):
         super().__init__(config)

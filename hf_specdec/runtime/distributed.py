@@ -1,0 +1,237 @@
+"""Tensor parallelism: a model that transformers sharded over several processes (``from_pretrained(...,
+tp_plan="auto")`` under ``torchrun``) decodes through hf_specdec on every rank of its group at once.
+
+transformers shards the weights (DTensors) and wraps the sharded projections' forwards with their collectives;
+every rank runs the same hf_specdec loop over the same rows, and this module keeps the ranks in step:
+
+- **KV heads.** A column-parallel key projection gives each rank a contiguous slice of every layer's KV heads,
+  so each rank's paged cache holds only those: :func:`local_kv_layout` derives the layout's head counts from the
+  local shard of each layer's key projection. A layer whose KV heads do not split evenly is refused by name.
+- **Drafters** stay replicated (loaded without ``tp_plan``): a DFlash drafter reads the target's hidden states,
+  which are replicated after each row-parallel reduction, and the target's LM head, which gathers its output.
+  A drafter that queries the target's sharded pages with its own query heads (Gemma 4's MTP assistant, through
+  ``paged_query_attention``) attends with the query heads matching this rank's KV heads
+  (:meth:`RankGroup.local_heads`) and gathers every rank's output heads (:meth:`RankGroup.gather_heads`): one
+  all-gather of ``[batch, heads, head_dim]`` per assistant layer and draft step.
+- **Tokens.** What a rank draws at random (a sampled token, a sampled draft, a rejection-sampling decision) and
+  every round's drafts are broadcast from the group's rank 0 (:meth:`RankGroup.broadcast`), so every rank feeds
+  the same ids to the next sharded forward and commits the same tokens. Greedy choices of the target are
+  argmaxes of logits that are equal on every rank (the LM head gathers them), so they need none.
+- **Cache sizes.** Each rank sizes its caches from the smallest memory budget of the group
+  (:meth:`RankGroup.smallest`): the ranks allocate alike, so none runs out of blocks (and stops) alone while the
+  others wait in a collective.
+
+Fused forwards, stacked weights, the experts kernel and CUDA graphs are single-device paths: a sharded model
+keeps transformers' own (TP-wrapped) forwards and runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hf_specdec.cache import KVLayout
+
+_NO_BOUND = 2**62  # stands for "no memory bound" in the group's minimum
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """The ranks that hold one tensor-parallel model's shards and run the same steps."""
+
+    group: "dist.ProcessGroup"
+    rank: int  # within the group
+    size: int
+    source: int  # global rank of the group's rank 0: what it draws, every rank uses
+    device: torch.device  # where the collectives' tensors live (the model's device)
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` with rank 0's values on every rank (in place when contiguous)."""
+        out = tensor if tensor.is_contiguous() else tensor.contiguous()
+        dist.broadcast(out, src=self.source, group=self.group)
+        if out is not tensor:
+            tensor.copy_(out)
+        return tensor
+
+    def smallest(self, value: int | None) -> int | None:
+        """The smallest ``value`` over the group (None: no bound, larger than any number)."""
+        mine = torch.tensor([_NO_BOUND if value is None else value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.group)
+        smallest = int(mine.item())
+        return None if smallest == _NO_BOUND else smallest
+
+    def local_heads(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous share of the heads on axis ``dim`` of ``x`` (the query heads that read this rank's
+        KV heads: a column-parallel projection gives rank r heads ``[r * n / size, (r + 1) * n / size)``)."""
+        heads = x.shape[dim]
+        if heads % self.size:
+            raise ValueError(f"{heads} query heads do not split over the {self.size} ranks of the tensor-parallel "
+                             "group; the drafter's heads must be a multiple of the group size.")
+        share = heads // self.size
+        return x.narrow(dim, self.rank * share, share)
+
+    def gather_heads(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's :meth:`local_heads` output, concatenated in rank order on axis ``dim``."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+def tensor_parallel_group(model: torch.nn.Module) -> RankGroup | None:
+    """The group ``model``'s weights are sharded over, or None when it is not tensor-parallel (a single process,
+    or a process group whose model was loaded without ``tp_plan``)."""
+    if not (dist.is_available() and dist.is_initialized()) or (getattr(model, "_tp_size", None) or 1) <= 1:
+        return None
+    mesh = _sharding_mesh(model)
+    if mesh is None:
+        return None
+    group = mesh.get_group()
+    return RankGroup(group, mesh.get_local_rank(), mesh.size(), dist.get_global_rank(group, 0),
+                     next(model.parameters()).device)
+
+
+def _sharding_mesh(model: torch.nn.Module):
+    """The one-dimensional device mesh of the model's sharded parameters, or None."""
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.device_mesh.size() > 1:
+            return param.device_mesh
+    return None
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether any parameter of ``module`` is a DTensor (sharded or placed by a tensor-parallel plan)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+# Names transformers' models give the projection whose output holds a layer's keys (fused ones included).
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+
+
+def key_head_splits(model: torch.nn.Module) -> dict[int, int]:
+    """Layer index -> over how many ranks the layer's key heads are split (layers whose key projection is a
+    column-parallel DTensor; layers absent keep all their heads). Attention modules are found by their
+    ``layer_idx`` (what transformers' attention modules, and hf_specdec's paged attention, key layers by)."""
+    if not dist.is_available():
+        return {}
+    from torch.distributed.tensor import DTensor, Shard
+
+    splits = {}
+    for module in model.modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if not isinstance(layer_idx, int):
+            continue
+        for name in _KEY_PROJECTIONS:
+            weight = getattr(getattr(module, name, None), "weight", None)
+            if isinstance(weight, DTensor):
+                rows = weight.ndim - 2  # the output features of a [out, in] weight
+                if any(isinstance(p, Shard) and p.dim in (rows, -2) for p in weight.placements):
+                    splits[layer_idx] = weight.device_mesh.size()
+    return splits
+
+
+def local_kv_layout(model: torch.nn.Module, layout: KVLayout) -> KVLayout:
+    """``layout`` with each KV group's head count reduced to this rank's share: the heads of the layers that
+    ``model``'s column-parallel key projections split (unchanged for a model that is not sharded). Raises a
+    ``ValueError`` naming the fix for heads that do not split evenly, or layers of one group split differently."""
+    splits = key_head_splits(model)
+    if not splits:
+        return layout
+    groups = []
+    for group in layout.groups:
+        ways = {splits.get(layer, 1) for layer in group.layers}
+        if len(ways) > 1:
+            raise ValueError(f"layers {list(group.layers)} share one KV group but their key projections are split "
+                             f"over different numbers of ranks ({sorted(ways)}); shard them alike in the tp_plan.")
+        split = ways.pop()
+        if group.num_kv_heads % split:
+            layer = group.layers[0]
+            raise ValueError(
+                f"layer {layer} has {group.num_kv_heads} KV heads, which do not split over the {split} ranks of the "
+                f"tensor-parallel group: every rank must hold whole KV heads. Run with a tensor-parallel size that "
+                f"divides every layer's KV-head count (at most {group.num_kv_heads} here), or load the model with a "
+                f"tp_plan that keeps the attention projections replicated (the style 'replicate' for their q/k/v/o "
+                f"projections where transformers has it, else a plan without their entries)."
+            )
+        groups.append(dataclasses.replace(group, num_kv_heads=group.num_kv_heads // split))
+    return KVLayout(groups=groups, layer_slot=dict(layout.layer_slot), producer=dict(layout.producer))
+
+
+def check_replicated(module: torch.nn.Module, role: str) -> None:
+    """Refuse a drafter loaded with a tensor-parallel plan: drafters run replicated on every rank."""
+    if is_sharded(module):
+        raise ValueError(f"the {role} is sharded (loaded with tp_plan), but hf_specdec runs drafters replicated on "
+                         f"every rank of the target's tensor-parallel group; load it without tp_plan (and with "
+                         f"device_map set to this rank's device).")
+
+
+# ---------------------------------------------------------------- a tensor-parallel style for packed experts
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group in the forward; the gradient of the replicated sum passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@contextlib.contextmanager
+def _local_parameters(module: torch.nn.Module):
+    """While open, every DTensor parameter of ``module`` and of its submodules is its local shard."""
+    from torch.distributed.tensor import DTensor
+
+    swapped = []
+    for owner in module.modules():
+        for name, param in list(owner._parameters.items()):
+            if isinstance(param, DTensor):
+                owner._parameters[name] = param.to_local()
+                swapped.append((owner, name, param))
+    try:
+        yield
+    finally:
+        for owner, name, param in swapped:
+            owner._parameters[name] = param
+
+
+LOCAL_SHARDS_ALL_REDUCE = "local_shards_all_reduce"
+
+
+def register_parallel_styles() -> None:
+    """Register hf_specdec's tensor-parallel styles with transformers (idempotent), so a model's ``tp_plan`` may
+    name them:
+
+    ``"local_shards_all_reduce"``: for a module whose forward reads the weights of its submodules directly (e.g.
+    packed experts ``[num_experts, out, in]`` handed to one fused kernel) and whose output is a sum over the
+    sharded dimension: its forward runs on the local shards of every descendant parameter (shard them with
+    ``colwise`` / ``rowwise`` entries for those parameters) and its output is summed over the group.
+    """
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
+
+    if LOCAL_SHARDS_ALL_REDUCE in ALL_PARALLEL_STYLES:
+        return
+
+    class LocalShardsAllReduce(TensorParallelLayer):
+        def context_around_forward(self, module, mesh):
+            return _local_parameters(module)
+
+        def transform_output_post_forward(self, module, output, mesh):
+            return _AllReduceSum.apply(output, mesh.get_group())
+
+    ALL_PARALLEL_STYLES.register(LOCAL_SHARDS_ALL_REDUCE, LocalShardsAllReduce())

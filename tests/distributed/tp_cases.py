@@ -1,0 +1,155 @@
+"""The decoding cases of the tensor-parallel tests, run alike by every rank of a group and by one plain process.
+
+Models (fp32):
+- ``step``: the bundled tiny Step 3.5 as it is (2 KV heads in every layer, 4 experts, 3 MTP layers);
+- ``gemma``: the bundled tiny Gemma 4 with its full layers' single KV head stored twice
+  (:func:`write_shardable_gemma`): the same function (each pair of query heads reads an identical copy of the
+  head), but two KV heads that split over two ranks; its MTP assistant (whose config then says two full-layer KV
+  heads) and its DFlash drafter load unchanged;
+- ``gemma_replicated_attention``: the bundled tiny Gemma 4 itself, whose one full-layer KV head cannot split:
+  loaded with a tp_plan that keeps the attention projections replicated (the fix hf_specdec's error names), so
+  only its MLPs and embedding are sharded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import shutil
+from dataclasses import dataclass
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import hf_specdec
+from hf_specdec.assets import asset_path
+
+MAX_NEW_TOKENS = 12
+SEED = 1234
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str  # "gemma", "gemma_replicated_attention" or "step"
+    mode: str  # "plain", "mtp" or "dflash"
+    do_sample: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}_{self.mode}_{'sampled' if self.do_sample else 'greedy'}"
+
+
+CASES = [
+    Case(family, mode, sample)
+    for family, modes in (("gemma", ("plain", "mtp", "dflash")), ("step", ("plain", "mtp")))
+    for mode in modes for sample in (False, True)
+] + [Case("gemma_replicated_attention", "mtp", False)]
+
+
+def write_shardable_gemma(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The bundled tiny Gemma 4 family under ``root``, its target's full-layer KV head stored twice; returns the
+    directories of the target, its assistant and its DFlash drafter."""
+    target, assistant = root / "tiny-gemma4-2kv", root / "tiny-gemma4-2kv-assistant"
+    shutil.copytree(asset_path("tiny-gemma4"), target)
+    shutil.copytree(asset_path("tiny-gemma4-assistant"), assistant)
+    config = json.loads((target / "config.json").read_text())
+    weights = load_file(target / "model.safetensors")
+    for layer, kind in enumerate(config["layer_types"]):
+        key = f"model.layers.{layer}.self_attn.k_proj.weight"
+        if kind == "full_attention" and key in weights:  # KV-shared layers have no projection
+            weights[key] = weights[key].repeat(2, 1)
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    config["num_global_key_value_heads"] = 2
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    assistant_config = json.loads((assistant / "config.json").read_text())
+    assistant_config["text_config"]["num_global_key_value_heads"] = 2
+    (assistant / "config.json").write_text(json.dumps(assistant_config, indent=2))
+    return {"target": target, "assistant": assistant, "dflash": asset_path("tiny-gemma4-dflash")}
+
+
+@functools.lru_cache(maxsize=None)
+def load(path: str, placement: str):
+    """A model (enabled if it is a target) loaded for one process ("single"), sharded by its own tp_plan ("tp"), or
+    sharded with its attention projections replicated ("tp_replicated_attention")."""
+    kwargs = dict(dtype=torch.float32)
+    if placement == "tp":
+        kwargs["tp_plan"] = "auto"
+    elif placement == "tp_replicated_attention":
+        from transformers.distributed import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(tp_size=torch.distributed.get_world_size(),
+                                                         tp_plan=replicated_attention_plan())
+    return hf_specdec.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def replicated_attention_plan() -> dict[str, str]:
+    """A Gemma 4 tp_plan that keeps the attention projections replicated: an override of them with the style
+    "replicate" where transformers merges a given plan into the model's own (5.24), else the model's own plan
+    without them (5.17 replaces the model's plan with the given one, and has no "replicate" style)."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    own = {f"model.{key}": style for key, style in transformers.Gemma4TextConfig.base_model_tp_plan.items()}
+    own |= transformers.Gemma4ForCausalLM._tp_plan
+    attention = {key for key in own if key.rsplit(".", 1)[-1] in ATTENTION_PROJECTIONS}
+    if "replicate" in ALL_PARALLEL_STYLES:
+        return dict.fromkeys(attention, "replicate")
+    return {key: style for key, style in own.items() if key not in attention}
+
+
+def target_of(family: str, gemma_dirs: dict[str, pathlib.Path], tp: bool):
+    if family == "step":
+        return load(str(asset_path("tiny-step3p5")), "tp" if tp else "single")
+    if family == "gemma":
+        return load(str(gemma_dirs["target"]), "tp" if tp else "single")
+    return load(str(asset_path("tiny-gemma4")), "tp_replicated_attention" if tp else "single")
+
+
+def drafter_kwargs(case: Case, gemma_dirs: dict[str, pathlib.Path]) -> dict:
+    """The generate() arguments of the case's speculative mode; drafters load replicated on every rank."""
+    if case.mode == "plain":
+        return {}
+    if case.family == "step":
+        return dict(spec_mode="mtp", num_speculative_tokens=3)
+    if case.mode == "dflash":
+        return dict(assistant_model=load(str(gemma_dirs["dflash"]), "single"), spec_mode="dflash",
+                    num_speculative_tokens=4)
+    assistant = gemma_dirs["assistant"] if case.family == "gemma" else asset_path("tiny-gemma4-assistant")
+    return dict(assistant_model=load(str(assistant), "single"), num_speculative_tokens=3)
+
+
+@functools.lru_cache(maxsize=None)
+def prompts(family: str):
+    """input_ids, attention_mask: two left-padded prompts of different lengths."""
+    tok = transformers.AutoTokenizer.from_pretrained(asset_path("tiny-step3p5" if family == "step" else "tiny-gemma4"))
+    tok.padding_side = "left"
+    texts = ["def fibonacci(n):\n    if n < 2:\n        return n\n", "import os\n\nclass Path"]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def run_case(case: Case, gemma_dirs: dict[str, pathlib.Path], tp: bool) -> dict:
+    """The tokens ``case`` generates and its stats (every rank of a tensor-parallel group runs it alike when
+    ``tp``)."""
+    model = target_of(case.family, gemma_dirs, tp)
+    input_ids, attention_mask = prompts(case.family)
+    sampling = dict(do_sample=True, temperature=0.8, top_k=50) if case.do_sample else dict(do_sample=False)
+    # each rank draws from its own random stream: only what rank 0 drew (as one process seeded alike) may count
+    torch.manual_seed(SEED + (torch.distributed.get_rank() if tp else 0))
+    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, **sampling,
+                         **drafter_kwargs(case, gemma_dirs))
+    stats = hf_specdec.last_generation_stats(model)
+    return dict(tokens=out.tolist(), target_forwards=stats.num_target_forwards,
+                accepted=stats.num_accepted_tokens)
+
+
+def run_cases(gemma_dirs: dict[str, pathlib.Path], tp: bool) -> dict[str, dict]:
+    return {case.name: run_case(case, gemma_dirs, tp) for case in CASES}
+
+
+def kv_heads(gemma_dirs: dict[str, pathlib.Path], tp: bool) -> dict[str, list[int]]:
+    """The KV heads each KV group of every target's paged cache holds in this process."""
+    families = ("gemma", "step", "gemma_replicated_attention")
+    return {f: [g.num_kv_heads for g in target_of(f, gemma_dirs, tp)._hf_specdec.layout.groups] for f in families}

@@ -1,0 +1,78 @@
+"""One rank of the tensor-parallel tests: joins a gloo group on the loopback address, loads the tiny models with
+their tp_plan, runs every case of ``tp_cases`` and writes what it generated, its KV layouts and the errors of the
+refused placements to ``out_dir/rank{rank}.json`` (a traceback under "failure" if it failed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import traceback
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+GROUP_TIMEOUT_S = 90  # a rank left waiting in a collective fails instead of hanging the test
+
+
+def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    _quiet()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    result = {}
+    try:
+        from tests.distributed import tp_cases
+
+        dirs = {name: pathlib.Path(path) for name, path in gemma_dirs.items()}
+        result["cases"] = tp_cases.run_cases(dirs, tp=True)
+        result["kv_heads"] = tp_cases.kv_heads(dirs, tp=True)
+        result["errors"] = refused_placements(dirs)
+    except BaseException:
+        result["failure"] = traceback.format_exc()
+        raise
+    finally:
+        pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def refused_placements(gemma_dirs: dict[str, pathlib.Path]) -> dict[str, str]:
+    """The messages of placements that cannot work (every rank raises alike, before any collective)."""
+    import transformers
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import hf_specdec
+    from hf_specdec.assets import asset_path
+    from tests.distributed import tp_cases
+
+    errors = {}
+    # the bundled target with its own plan: its full layers have one KV head, which two ranks cannot split
+    bundled = transformers.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4"), dtype=torch.float32,
+                                                                tp_plan="auto")
+    try:
+        hf_specdec.enable(bundled)
+    except ValueError as error:
+        errors["one_kv_head"] = str(error)
+    # a drafter with sharded weights (here one weight placed as a DTensor on the target's mesh)
+    target = tp_cases.target_of("gemma", gemma_dirs, tp=True)
+    assistant = transformers.AutoModelForCausalLM.from_pretrained(gemma_dirs["assistant"], dtype=torch.float32)
+    mesh = next(p for p in target.parameters() if hasattr(p, "device_mesh")).device_mesh
+    weight = assistant.pre_projection.weight.detach()
+    assistant.pre_projection.weight = torch.nn.Parameter(distribute_tensor(weight, mesh, [Replicate()]))
+    try:
+        target.generate(torch.tensor([[2, 100, 200]]), max_new_tokens=2, assistant_model=assistant)
+    except ValueError as error:
+        errors["sharded_drafter"] = str(error)
+    return errors
+
+
+def _quiet() -> None:
+    """Keep the test's output to what fails: no load progress bars or deprecation notes from every rank."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
