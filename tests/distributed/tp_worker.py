@@ -18,8 +18,11 @@ GROUP_TIMEOUT_S = 90  # a rank left waiting in a collective fails instead of han
 
 
 def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_dir: str) -> None:
+    # CPU ranks even on a GPU machine (before anything initialises CUDA): with a GPU visible transformers would
+    # place rank r on cuda:r, which a one-GPU machine does not have
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      CUDA_VISIBLE_DEVICES="")
     torch.set_num_threads(1)
     _quiet()
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
