@@ -1,6 +1,7 @@
 """decode: plain greedy decoding, transformers (dynamic cache; static cache + torch.compile) vs hf_specdec, beside the bandwidth floor.
 
-    python -m benchmarks.decode [--shapes gemma4-31b gemma4-e4b gemma4-26b-a4b step3p5] [--layers N] [--batch 1 8] [--quick | --smoke]
+    python -m benchmarks.decode [--shapes gemma4-31b gemma4-e4b gemma4-26b-a4b step3p5] [--layers N] [--batch 1 8]
+                                [--weights bf16 | fp8] [--quick | --smoke]
 
 Gemma 4 31B and E4B shapes with random bf16 weights (benchmarks/shapes.py; ``--layers`` cuts the depth and
 is recorded in model_shape). Backends: ``hf_dynamic`` (``generate``, DynamicCache), ``hf_static_compile``
@@ -10,6 +11,11 @@ uncompiled and the row says ``compiled: false``; a failure is recorded as the ro
 batch*(N-1) / (t(N) - t(1)). ``floor_tokens_per_s`` = measured copy bandwidth / bytes streamed per step
 (weights once, K/V of the context per row). Tokens are compared with ``hf_dynamic``; a mismatch is reported
 with the reference's top-2 logit gap there (``near_tie`` when within 2 bf16 ulps, docs/architecture.md, "Exactness").
+
+``--weights fp8`` quantizes each target to FP8 first (benchmarks/shapes.py: transformers' FP8 layers, 128 x 128
+blocks); the floor counts the stored bytes (one per weight plus the block scales). transformers' rows then run
+its own FP8 layers, which quantize the activations too (W8A8, a GPU kernel; on the CPU they do not run and the
+row says why): their tokens are a different product's and are not compared (``same_tokens`` empty).
 """
 
 from __future__ import annotations
@@ -20,11 +26,11 @@ import torch
 
 import hf_specdec
 from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, first_mismatch, free_device_memory
-from benchmarks.shapes import floor_tokens_per_s, random_prompt, shape_name, target_for
+from benchmarks.shapes import WEIGHTS, floor_tokens_per_s, random_prompt, shape_name, target_for
 
 NAME = "decode"
 BACKENDS = ("hf_dynamic", "hf_static_compile", "hf_specdec")
-COLUMNS = ["model_shape", "backend", "batch", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor",
+COLUMNS = ["model_shape", "weights", "backend", "batch", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor",
            "speedup_vs_hf_dynamic", "same_tokens", "skipped"]
 PRESETS = {
     "smoke": dict(shapes=["smoke-31b", "smoke-e4b"], batch=[1, 2], prompt=12, new_tokens=5),
@@ -43,6 +49,8 @@ def add_arguments(parser) -> None:
                         help="batch sizes that run hf_static_compile (default: all; each costs a compile)")
     parser.add_argument("--compile-shapes", nargs="+", default=None,
                         help="shapes that run hf_static_compile (default: all)")
+    parser.add_argument("--weights", choices=WEIGHTS, default="bf16",
+                        help="the targets' weights: dense in the bench dtype, or quantized to FP8 (128 x 128 blocks)")
 
 
 def run(args, progress) -> list[dict]:
@@ -50,7 +58,7 @@ def run(args, progress) -> list[dict]:
     progress.total(len(args.shapes) * len(args.batch) * len(args.backends))
     rows = []
     for shape in args.shapes:
-        model = target_for(shape, args.layers, args.device, args.dtype)
+        model = target_for(shape, args.layers, args.device, args.dtype, args.weights)
         for batch in args.batch:
             rows += bench_batch(model, shape_name(shape, args.layers), batch, bandwidth, args, progress)
         del model
@@ -61,9 +69,10 @@ def run(args, progress) -> list[dict]:
 def bench_batch(model, model_shape: str, batch: int, bandwidth: float, args, progress) -> list[dict]:
     ids = random_prompt(batch, args.prompt, model.config.vocab_size, args.device)
     floor = floor_tokens_per_s(model, batch, args.prompt + args.new_tokens // 2, bandwidth)
-    common = dict(model_shape=model_shape, batch=batch, k=None, prompt=args.prompt, new_tokens=args.new_tokens,
-                  copy_gb_s=round(bandwidth, 1), floor_tokens_per_s=floor["floor_tokens_per_s"],
-                  weight_gb=floor["weight_bytes"] / 1e9, kv_gb=floor["kv_bytes"] / 1e9)
+    common = dict(model_shape=model_shape, weights=args.weights, batch=batch, k=None, prompt=args.prompt,
+                  new_tokens=args.new_tokens, copy_gb_s=round(bandwidth, 1),
+                  floor_tokens_per_s=floor["floor_tokens_per_s"], weight_gb=floor["weight_bytes"] / 1e9,
+                  kv_gb=floor["kv_bytes"] / 1e9)
     rows, reference = [], None
     for backend in args.backends:
         row = dict(common, backend=backend, tokens_per_s=None, same_tokens=None, skipped=None)
@@ -76,7 +85,9 @@ def bench_batch(model, model_shape: str, batch: int, bandwidth: float, args, pro
             except Exception as err:  # a baseline that does not run on this version/device is a result too
                 row["skipped"] = f"{type(err).__name__}: {err}"[:300]
                 measured = None
-            if measured is not None:
+            if measured is not None and not _compared(args, backend):
+                row.update(tokens_per_s=measured["tokens_per_s"], **measured.get("extra", {}))
+            elif measured is not None:
                 reference = _fill(row, measured, reference)
         rows.append(row)
         progress.step(f"{model_shape} b{batch} {backend}")
@@ -86,6 +97,12 @@ def bench_batch(model, model_shape: str, batch: int, bandwidth: float, args, pro
             r["pct_of_floor"] = 100 * r["tokens_per_s"] / r["floor_tokens_per_s"]
             r["speedup_vs_hf_dynamic"] = r["tokens_per_s"] / base if base else None
     return rows
+
+
+def _compared(args, backend: str) -> bool:
+    """Whether a row's tokens are compared: always with dense weights; with FP8 weights only hf_specdec's rows
+    among themselves (transformers' FP8 layers compute another product, W8A8)."""
+    return args.weights == "bf16" or backend.startswith("hf_specdec")
 
 
 def _compiles(args, model_shape: str, batch: int) -> bool:

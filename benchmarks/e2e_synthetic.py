@@ -1,7 +1,7 @@
 """e2e_synthetic: end-to-end Gemma 4 MTP and DFlash decoding at a fixed acceptance rate, beside plain decoding.
 
     python -m benchmarks.e2e_synthetic [--shape gemma4-31b | gemma4-26b-a4b | step3p5] [--layers N] [--alpha 0.6 0.8] [--k 3 7] [--batch 1 32]
-        [--drafter mtp dflash] [--quick | --smoke]
+        [--drafter mtp dflash] [--weights bf16 | fp8] [--quick | --smoke]
 
 Random weights accept almost no drafts, so the speculative rows run a real drafter — the Gemma 4 MTP
 assistant, and a DFlash drafter of an assumed shape (``--drafter``) — with its real draft cost, but accept
@@ -11,6 +11,10 @@ throughput at a given tau (expected tau = sum_{i<=k} alpha^i), as vLLM's synthet
 Beside them: ``hf_dynamic`` (transformers ``generate``) and ``hf_specdec`` plain on the same shape.
 tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)). ``vs_floor_tau`` =
 tokens/s / (tau * floor tokens/s), the fraction of the ideal "tau tokens per bandwidth-bound step".
+
+``--weights fp8`` quantizes the target to FP8 first (benchmarks/shapes.py); the drafters stay in the bench dtype
+(a bf16 assistant beside an FP8 target, as it is loaded in practice) and the floors count the stored bytes. The
+transformers row runs its own FP8 layers (W8A8, a GPU kernel); where they do not run, the row says why.
 """
 
 from __future__ import annotations
@@ -21,12 +25,20 @@ import hf_specdec
 from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, free_device_memory
 from benchmarks.draft_cost import _dflash_drafter
 from benchmarks.drafters import SyntheticAcceptance, expected_tau
-from benchmarks.shapes import STEP3P5, floor_tokens_per_s, gemma4_assistant, random_prompt, shape_name, target_for
+from benchmarks.shapes import (
+    STEP3P5,
+    WEIGHTS,
+    floor_tokens_per_s,
+    gemma4_assistant,
+    random_prompt,
+    shape_name,
+    target_for,
+)
 from hf_specdec.generation.registry import build_drafter
 
 NAME = "e2e_synthetic"
-COLUMNS = ["model_shape", "backend", "batch", "k", "alpha", "tau", "expected_tau", "tokens_per_s",
-           "speedup_vs_plain", "vs_floor_tau", "lossless"]
+COLUMNS = ["model_shape", "weights", "backend", "batch", "k", "alpha", "tau", "expected_tau", "tokens_per_s",
+           "speedup_vs_plain", "vs_floor_tau", "lossless", "skipped"]
 PRESETS = {
     "smoke": dict(shape="smoke-31b", batch=[1, 4], prompt=12, new_tokens=8, k=[3]),
     # 128 new tokens: at batch 32 every row accepts at its own pace and the call lasts until the slowest row
@@ -51,11 +63,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--drafter", nargs="+", choices=["mtp", "dflash"], default=["mtp", "dflash"],
                         help="drafters to run: the Gemma 4 MTP assistant and/or a DFlash drafter (assumed shape, "
                              "as in draft_cost)")
+    parser.add_argument("--weights", choices=WEIGHTS, default="bf16",
+                        help="the target's weights: dense in the bench dtype, or quantized to FP8 (128 x 128 blocks); "
+                             "drafters stay dense")
 
 
 def run(args, progress) -> list[dict]:
     bandwidth = copy_bandwidth_gb_s(args.device)
-    target = target_for(args.shape, args.layers, args.device, args.dtype)
+    target = target_for(args.shape, args.layers, args.device, args.dtype, args.weights)
     # a Step 3.5 target drafts with its own MTP layers (spec_mode="mtp", k <= 3); Gemma 4 with its assistant
     assistant = None if args.shape in STEP3P5 else gemma4_assistant(args.shape, target, args.device, args.dtype)
     model_shape = shape_name(args.shape, args.layers)
@@ -65,12 +80,12 @@ def run(args, progress) -> list[dict]:
         ids = random_prompt(batch, args.prompt, target.config.vocab_size, args.device)
         context = args.prompt + args.new_tokens // 2
         floor = floor_tokens_per_s(target, batch, context, bandwidth)["floor_tokens_per_s"]
-        common = dict(model_shape=model_shape, batch=batch, prompt=args.prompt, new_tokens=args.new_tokens,
-                      floor_tokens_per_s=floor, repeats=args.repeats)
+        common = dict(model_shape=model_shape, weights=args.weights, batch=batch, prompt=args.prompt,
+                      new_tokens=args.new_tokens, floor_tokens_per_s=floor, repeats=args.repeats)
         batch_rows = []
         if not args.skip_hf:
             batch_rows.append(dict(common, backend="hf_dynamic", k=None, alpha=None, lossless=True,
-                                   **_speed(target, ids, args, {})))
+                                   **_transformers_speed(target, ids, args)))
             progress.step(f"b{batch} hf_dynamic")
         hf_specdec.enable(target)
         batch_rows.append(dict(common, backend="hf_specdec", k=None, alpha=None, lossless=True,
@@ -93,6 +108,8 @@ def run(args, progress) -> list[dict]:
         hf_specdec.disable(target)
         plain = next(r["tokens_per_s"] for r in batch_rows if r["backend"] == "hf_specdec")
         for r in batch_rows:
+            if r["tokens_per_s"] is None:
+                continue
             r["speedup_vs_plain"] = r["tokens_per_s"] / plain
             r["vs_floor_tau"] = r["tokens_per_s"] / (r["tau"] * floor)
             if "verify_floor_tokens_per_s" in r:
@@ -101,6 +118,17 @@ def run(args, progress) -> list[dict]:
     del target, assistant
     free_device_memory()
     return rows
+
+
+def _transformers_speed(target, ids, args) -> dict:
+    """transformers' own generate on the target; with FP8 weights its FP8 layers need their GPU kernel, and a row
+    that cannot run says why."""
+    try:
+        return dict(_speed(target, ids, args, {}), skipped=None)
+    except Exception as err:  # a baseline that does not run on this version/device is a result too
+        if args.weights == "bf16":
+            raise
+        return dict(tokens_per_s=None, tau=None, skipped=f"{type(err).__name__}: {err}"[:300])
 
 
 def _speed(target, ids, args, extra: dict) -> dict:

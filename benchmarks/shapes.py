@@ -27,6 +27,11 @@ one (hidden 1024, 32 heads, intermediate 8192) is inferred from its published si
 
 Random weights are created on the device in the benchmark dtype by the models' own initialisers (normal,
 std 0.02): a 60 GB model is ready in seconds, no checkpoint is read.
+
+``weights="fp8"`` then quantizes the target in place into transformers' fine-grained FP8 layers (``FP8Linear``,
+and ``FP8Experts`` for Gemma 4's experts; e4m3 weights with 128 x 128 block scales, as FP8 checkpoints ship;
+the LM head and the embedding stay in the bench dtype, Step 3.5's routed experts too), one layer at a time, so
+the peak is the dense model plus one layer (the 31B shape: 62 GB in bf16, then 31 GB).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from __future__ import annotations
 import torch
 
 S, F = "sliding_attention", "full_attention"
+WEIGHTS = ("bf16", "fp8")  # bf16: dense in the bench dtype (fp32 for --smoke on the CPU)
+FP8_BLOCK = (128, 128)
 
 GEMMA4_TARGETS = {
     "gemma4-31b": dict(
@@ -216,10 +223,23 @@ def step3p5_target(shape: str, layers: int | None, device: str, dtype: torch.dty
     return build_on_device(Step3p5ForCausalLM, step3p5_config(shape, layers), device, dtype)
 
 
-def target_for(shape: str, layers: int | None, device: str, dtype: torch.dtype):
-    """The target of any shape above (Gemma 4 or Step 3.5)."""
+def target_for(shape: str, layers: int | None, device: str, dtype: torch.dtype, weights: str = "bf16"):
+    """The target of any shape above (Gemma 4 or Step 3.5), its weights in ``weights`` (:data:`WEIGHTS`)."""
     build = step3p5_target if shape in STEP3P5 else gemma4_target
-    return build(shape, layers, device, dtype)
+    return with_weights(build(shape, layers, device, dtype), weights)
+
+
+def with_weights(model, weights: str):
+    """``model`` with its weights as ``weights`` says: as built ("bf16"), or quantized in place to FP8 ("fp8")."""
+    if weights == "fp8":
+        from hf_specdec.generation.quantization import fp8_quantize_model
+
+        fp8_quantize_model(model, FP8_BLOCK)
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()  # the dense weights' blocks go back to the device for the KV cache
+    elif weights != "bf16":
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    return model
 
 
 def random_prompt(batch: int, length: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -228,9 +248,10 @@ def random_prompt(batch: int, length: int, vocab: int, device: str, seed: int = 
     return torch.randint(3, vocab, (batch, length), generator=gen).to(device)
 
 
-# packed expert weights [num_experts, ...] of the MoE shapes (Gemma 4 experts, Step 3.5 routed experts)
+# packed expert weights [num_experts, ...] of the MoE shapes (Gemma 4 experts, Step 3.5 routed experts), and the
+# block scales of FP8 experts
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj", "moe.gate_proj.weight", "moe.up_proj.weight",
-                  "moe.down_proj.weight")
+                  "moe.down_proj.weight", "experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv")
 
 
 def expected_active_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -241,9 +262,10 @@ def expected_active_experts(num_experts: int, top_k: int, tokens: int) -> float:
 
 
 def streamed_bytes_per_step(model, batch: int, context: int, tokens_per_row: int = 1) -> dict:
-    """Bytes a decode step must read: every weight once (lookup tables: one row per token), of an MoE layer's
-    experts only those the step's ``batch * tokens_per_row`` tokens select (:func:`expected_active_experts`),
-    plus the K/V of ``context`` tokens (the window on sliding layers) per row in each layer that owns K/V."""
+    """Bytes a decode step must read: every weight once as stored (FP8: one byte per weight plus its block
+    scales; lookup tables: one row per token), of an MoE layer's experts only those the step's
+    ``batch * tokens_per_row`` tokens select (:func:`expected_active_experts`), plus the K/V of ``context`` tokens
+    (the window on sliding layers) per row in each layer that owns K/V."""
     config = model.config.get_text_config()
     lookups = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     head = model.get_output_embeddings()
@@ -258,7 +280,7 @@ def streamed_bytes_per_step(model, batch: int, context: int, tokens_per_row: int
         else:
             weight_bytes += p.numel() * p.element_size()
     kv_bytes = 0
-    element = next(model.parameters()).element_size()
+    element = model.get_input_embeddings().weight.element_size()  # the activation dtype (weights may be FP8)
     for heads, dim, window in _kv_layers(config):
         kv_bytes += 2 * batch * min(context, window or context) * heads * dim * element
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bytes_per_step": weight_bytes + kv_bytes}

@@ -1,7 +1,7 @@
 """verify_cost: time of one hf_specdec verify step (k+1 tokens per row) / one plain decode step.
 
     python -m benchmarks.verify_cost [--shape gemma4-31b] [--layers N] [--k 1 3 7 15] [--batch 1 8] [--repeats 3]
-                                     [--quick | --smoke]
+                                     [--weights bf16 | fp8] [--quick | --smoke]
 
 Method: both steps are timed through ``generate`` as users run it, so the loop's own work per step (and
 CUDA graphs, when the loop uses them) is included. The verify step runs with ``FixedDrafter``
@@ -11,7 +11,8 @@ hf_specdec's plain loop. Each step time comes from two calls, N and 1 new tokens
 SpecStats.num_target_forwards: (t(N) - t(1)) / (forwards(N) - forwards(1)), so prefill cancels out; the
 median of ``--repeats`` such pairs (single pairs of 24 steps read k=7 at 1.39x and k=15 at 1.07x in one run).
 ``ratio`` = verify step / decode step. (Random weights: drafts are rejected, so tokens/s of the verify rows
-is that of a step that commits one token, not a speculative speed.)
+is that of a step that commits one token, not a speculative speed.) ``--weights fp8`` quantizes the target to
+FP8 first (benchmarks/shapes.py); each row also gives the bytes a decode step streams (``weight_gb``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from __future__ import annotations
 import hf_specdec
 from benchmarks.common import bench_main, decode_rate, free_device_memory
 from benchmarks.drafters import FixedDrafter
-from benchmarks.shapes import gemma4_target, random_prompt, shape_name
+from benchmarks.shapes import WEIGHTS, gemma4_target, random_prompt, shape_name, streamed_bytes_per_step, with_weights
 
 NAME = "verify_cost"
-COLUMNS = ["model_shape", "backend", "batch", "k", "step_ms", "ratio_to_decode", "tokens_per_s"]
+COLUMNS = ["model_shape", "weights", "backend", "batch", "k", "step_ms", "ratio_to_decode", "tokens_per_s"]
 PRESETS = {
     "smoke": dict(shape="smoke-31b", k=[1, 3], batch=[1, 2], prompt=12, new_tokens=6, repeats=1),
     "quick": dict(layers=12, prompt=256, new_tokens=64, k=[1, 3, 7, 15], repeats=3),
@@ -37,15 +38,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
+    parser.add_argument("--weights", choices=WEIGHTS, default="bf16",
+                        help="the target's weights: dense in the bench dtype, or quantized to FP8 (128 x 128 blocks)")
 
 
 def run(args, progress) -> list[dict]:
-    model = hf_specdec.enable(gemma4_target(args.shape, args.layers, args.device, args.dtype))
+    model = hf_specdec.enable(with_weights(gemma4_target(args.shape, args.layers, args.device, args.dtype),
+                                           args.weights))
     progress.total(len(args.batch) * (1 + len(args.k)))
     rows = []
     for batch in args.batch:
         ids = random_prompt(batch, args.prompt, model.config.vocab_size, args.device)
-        common = dict(model_shape=shape_name(args.shape, args.layers), batch=batch, prompt=args.prompt)
+        weight_gb = streamed_bytes_per_step(model, batch, args.prompt)["weight_bytes"] / 1e9
+        common = dict(model_shape=shape_name(args.shape, args.layers), weights=args.weights, batch=batch,
+                      prompt=args.prompt, weight_gb=weight_gb)
         decode = _step(model, ids, args.new_tokens, args.repeats, {})
         rows.append(dict(common, backend="hf_specdec", k=None, step_ms=decode["step_ms"], ratio_to_decode=1.0,
                          tokens_per_s=decode["tokens_per_s"]))

@@ -130,3 +130,36 @@ def test_report_adds_the_rows_of_runs_made_apart(tmp_path):
     both = load_records(tmp_path, also=["20260101T000000"])
     assert [r["model_shape"] for r in both] == ["s/L12", "s/L60"]
     assert "cmd s/L60" in markdown(both)
+
+
+def test_fp8_weights_rows_count_the_stored_bytes(tmp_path):
+    """``--weights fp8``: the records say so, the floor counts one byte per weight plus the block scales (below
+    the dense rows' floor), hf_specdec's rows run (the MoE shape's experts in FP8 too), and transformers' own FP8
+    layers, which need a GPU kernel, say why they did not."""
+    import benchmarks.decode as decode
+    import benchmarks.e2e_synthetic as e2e
+    import benchmarks.verify_cost as verify
+
+    args = ["--smoke", "--results-dir", str(tmp_path), "--batch", "2"]
+    rows = {w: run_bench(decode, args + ["--shapes", "smoke-26b-a4b", "--weights", w, "--backends", "hf_dynamic",
+                                         "hf_specdec"], quiet=True) for w in ("bf16", "fp8")}
+    assert all(r["weights"] == w for w in rows for r in rows[w])
+    dense, fp8 = ({r["backend"]: r for r in rows[w]} for w in ("bf16", "fp8"))
+    assert fp8["hf_specdec"]["weight_gb"] < 0.6 * dense["hf_specdec"]["weight_gb"]
+    assert fp8["hf_specdec"]["floor_tokens_per_s"] > dense["hf_specdec"]["floor_tokens_per_s"]
+    assert fp8["hf_specdec"]["same_tokens"] and fp8["hf_specdec"]["tokens_per_s"]
+    assert fp8["hf_dynamic"]["skipped"] and fp8["hf_dynamic"]["same_tokens"] is None
+    verify_rows = run_bench(verify, args + ["--k", "3", "--weights", "fp8"], quiet=True)
+    assert {r["weights"] for r in verify_rows} == {"fp8"} and all(r["step_ms"] > 0 for r in verify_rows)
+    synthetic = run_bench(e2e, args + ["--k", "3", "--alpha", "0.8", "--weights", "fp8"], quiet=True)
+    assert {r["weights"] for r in synthetic} == {"fp8"}
+    assert all(r["tau"] > 1 for r in synthetic if r["backend"].endswith("_synthetic"))
+
+
+def test_multi_gpu_rows_decode_the_single_device_tokens(smoke):
+    records = smoke("multi_gpu")
+    run = {(r["model_shape"], r["placement"], r["spec_mode"]) for r in records if not r["skipped"]}
+    for shape, modes in (("tiny-gemma4", ("none", "mtp", "dflash")), ("tiny-step3p5", ("none", "mtp"))):
+        assert {(shape, p, m) for p in ("offload", "tp") for m in modes} <= run
+    assert all(r["same_tokens"] for r in records if not r["skipped"])
+    assert all("GPUs" in r["skipped"] for r in records if r["placement"] == "device_map")

@@ -164,5 +164,8 @@ def test_the_reported_commands_exit_2_without_a_traceback(options):
     result = subprocess.run([sys.executable, "-m", "hf_specdec", "generate", "tiny-gemma4", "--prompt", "x",
                              *options], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stdout == ""
-    assert "Traceback" not in result.stderr and result.stderr.startswith("hf-specdec generate: error: ")
-    assert len(result.stderr.strip().splitlines()) == 1
+    # the one line is ours; anything before it is import-time noise of third-party packages (transformers imports
+    # an installed torchao, which logs the extensions it cannot load), not a traceback of ours
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and lines[-1].startswith("hf-specdec generate: error: ")
+    assert not any(line.startswith("hf-specdec") for line in lines[:-1])

@@ -4,10 +4,17 @@ A decode step of a big model is bound by weight bytes, but each of its norms, ro
 seams runs as several tiny kernels in eager torch; those launches cost ~20% of a step even inside a CUDA
 graph. ``enable`` swaps the ``forward`` of such modules, on that model's instances only, for forwards with the
 same arithmetic over fused kernels. Model packages register theirs (:func:`register_fused_forwards`, keyed by
-the module class); this module registers the one every model has: bias-free ``nn.Linear`` layers take a GEMM
-for a few rows that streams the weights faster than cuBLAS does. Each fused forward runs the module's own
+the module class); this module registers the ones every model may have: bias-free ``nn.Linear`` layers take a
+GEMM for a few rows that streams the weights faster than cuBLAS does. Each fused forward runs the module's own
 forward on CPU, for variants it does not cover, and whenever autograd tracks the input (the kernels have no
 backward).
+
+transformers' FP8 layers (``FP8Linear`` and ``FP8Experts`` of its fine-grained FP8 quantizer,
+``CompressedTensorsFP8Linear`` of compressed-tensors FP8 checkpoints) are the exception: their own forwards
+quantize the activations too (W8A8) and need a GPU kernel, so an enabled model's FP8 layers always take the
+weight-only forwards of ``kernels/fp8_gemm.py`` — the FP8 GEMM on the device, its dequantize-then-matmul
+reference elsewhere. Plain, verify and draft forwards of the target then compute the same products, which is
+what makes its speculative output equal its plain output (see ``generation/quantization.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,13 @@ from typing import Callable
 import torch
 
 from hf_specdec.kernels import use_triton
+from hf_specdec.kernels.fp8_gemm import (
+    compressed_fp8_linear_forward,
+    fp8_experts_forward,
+    fp8_experts_fusible,
+    fp8_linear_forward,
+    fp8_linear_fusible,
+)
 from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import stack_weights
 
@@ -91,3 +105,25 @@ def _fusible_linear(module) -> bool:
 
 
 register_fused_forwards(FusedForward(torch.nn.Linear, linear_forward, _fusible_linear))
+
+
+def fp8_fused_forwards() -> list[FusedForward]:
+    """The weight-only forwards of transformers' FP8 layers, for the classes this transformers version has."""
+    fused = []
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+    except ImportError:  # pragma: no cover - every supported version has them
+        pass
+    else:
+        fused += [FusedForward(FP8Linear, fp8_linear_forward, fp8_linear_fusible),
+                  FusedForward(FP8Experts, fp8_experts_forward, fp8_experts_fusible)]
+    try:
+        from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        fused.append(FusedForward(CompressedTensorsFP8Linear, compressed_fp8_linear_forward))
+    return fused
+
+
+register_fused_forwards(*fp8_fused_forwards())

@@ -2,8 +2,10 @@
 
 A decode or verify step of an FP8 weight-only target streams each weight once; reading the stored e4m3 bytes
 (and their scales) instead of a bf16 copy halves the bytes a step reads. The kernel has the shape of
-:mod:`.skinny_gemm`: each program owns ``BLOCK_N`` output columns, walks K in ``BLOCK_K`` tiles, converts each
-weight tile to the activation dtype in registers and multiplies the rows, padded to 16, on the tensor cores.
+:mod:`.skinny_gemm`: each program owns 16 rows (padded) and ``BLOCK_N`` output columns, walks K in ``BLOCK_K``
+tiles, converts each weight tile to the activation dtype in registers and multiplies on the tensor cores. More
+than 16 rows (a verify step of a batch, a prefill) take several row tiles; the programs of one column block are
+launched next to each other, so the tiles after the first read the weight tile from L2.
 
 Formats. ``weight`` is float8_e4m3fn ``[N, K]``; the real weight is ``weight * scale`` (the scale multiplies:
 transformers' fine-grained FP8 stores it as ``weight_scale_inv``, compressed-tensors as ``weight_scale``). The
@@ -28,9 +30,16 @@ builds each value by integer ops (:func:`_e4m3_bits_to_float`, bit-exact). Trito
 float8_e4m3fn tensors and converts every finite value exactly (NaN codes read as +-480; quantized weights hold
 none), so the tests run both paths on CPU.
 
-Every row is computed by the same program with the same K order whatever the number of rows (1-16), so a
-row's result does not depend on the batch. Wider inputs (prefill), fp32 activations and anything autograd
-tracks take the reference, which materializes an fp32 copy of the weight.
+Every row is computed by a program of the same shape with the same K order whatever the number of rows, so a
+row's result does not depend on the batch. More than ``MAX_KERNEL_ROWS`` rows, fp32 activations and anything
+autograd tracks take the reference, which materializes an fp32 copy of the weight.
+
+Mixture-of-experts weights (``[E, N, K]`` e4m3 with ``[E, ceil(N / bn), ceil(K / bk)]`` scales, transformers'
+``FP8Experts``) go through :func:`fp8_expert_linear`: each (token, expert) pair is one matrix-vector product of
+its expert's weight (:func:`fp8_expert_matmul`, one program per pair and ``BLOCK_N`` columns), so a decode or
+verify step reads the selected experts' bytes with no host sync (CUDA-graph capturable); the products are exact
+in fp32 and summed in fp32 as the reference does. A pair's result does not depend on the other pairs. Many
+pairs (prefill) take one dequantized GEMM per selected expert instead.
 """
 
 import torch
@@ -38,7 +47,8 @@ import torch.nn.functional as F
 
 from ._dispatch import check, check_same_device, interpreting, needs_grad, tl, triton, use_triton
 
-MAX_ROWS = 16
+MAX_ROWS = 16  # rows per program (tl.dot's smallest M)
+MAX_KERNEL_ROWS = 8192  # more rows take the reference
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPE = torch.float8_e4m3fn
 E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
@@ -72,8 +82,8 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SCALE_PER_K: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr,
                      UPCAST: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row tiles of one column block run side by side
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     row_ok = rows < M
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
@@ -103,6 +113,36 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
         acc = acc * _load_scale(s_rows, col_ok, SCALE_E8M0)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _fp8_expert_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xp, stride_we, stride_wn,
+                            stride_se, stride_sn, stride_sk, stride_yp, scale_bn, scale_bk,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_K: tl.constexpr,
+                            NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn
+    x_row = x_ptr + pair * stride_xp
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        w = w.to(tl.float32) if NATIVE_FP8 else _e4m3_bits_to_float(w)
+        x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+        part = tl.sum(w * x[None, :], axis=1)  # e4m3 x bf16/fp16 products are exact in fp32
+        if SCALE_PER_K:
+            acc += part * _load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)
+        else:
+            acc += part
+    if not SCALE_PER_K:
+        acc = acc * _load_scale(s_rows, col_ok, SCALE_E8M0)
+    tl.store(y_ptr + pair * stride_yp + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
 # ---------------------------------------------------------------- scale layouts
@@ -170,7 +210,7 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
     return 64, 512, 4, 4
 
 
-def fp8_matmul(x: torch.Tensor,  # [rows <= 16, K] bf16 / fp16
+def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
                weight: torch.Tensor,  # [N, K] float8_e4m3fn, rows contiguous
                scale: torch.Tensor,  # block [ceil(N/bn), ceil(K/bk)], channel [N] / [N, 1] / [1, N], or one element
                block_size=None, config: tuple[int, int, int, int] | None = None,
@@ -197,7 +237,7 @@ def fp8_matmul(x: torch.Tensor,  # [rows <= 16, K] bf16 / fp16
     # casts: there the tiles go to fp32 and torch rounds the fp32 result
     upcast = x.dtype == torch.bfloat16 and interpreting(_fp8_gemm_kernel)
     out = torch.empty(rows, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
-    _fp8_gemm_kernel[(triton.cdiv(n, block_n),)](
+    _fp8_gemm_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n))](
         x, weight if native_fp8 else weight.view(torch.uint8), grid.view(torch.uint8) if e8m0 else grid, out,
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0), grid.stride(0), grid.stride(1), bn, bk,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_PER_K=scale_per_k, NATIVE_FP8=native_fp8,
@@ -206,8 +246,9 @@ def fp8_matmul(x: torch.Tensor,  # [rows <= 16, K] bf16 / fp16
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
-    check(x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS,
-          f"fp8_matmul takes [1..{MAX_ROWS}, K] rows (reshape(-1, K); fp8_linear takes any), got {tuple(x.shape)}")
+    check(x.dim() == 2 and 0 < x.shape[0] <= MAX_KERNEL_ROWS,
+          f"fp8_matmul takes [1..{MAX_KERNEL_ROWS}, K] rows (reshape(-1, K); fp8_linear takes any), got "
+          f"{tuple(x.shape)}")
     check(x.dtype in ACTIVATION_DTYPES, f"activations must be bfloat16 or float16, got {x.dtype}")
     check(weight.dtype == FP8_DTYPE, f"weight must be float8_e4m3fn, got {weight.dtype}")
     check(weight.dim() == 2 and weight.shape[1] == x.shape[1],
@@ -239,7 +280,7 @@ def fp8_eligible(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     rows = x.numel() // max(1, x.shape[-1])
     ok = (use_triton(x) and x.device == weight.device == scale.device and x.dtype in ACTIVATION_DTYPES
           and weight.dtype == FP8_DTYPE and type(weight) in (torch.Tensor, torch.nn.Parameter)
-          and weight.layout == torch.strided and weight.stride(1) == 1 and 0 < rows <= MAX_ROWS
+          and weight.layout == torch.strided and weight.stride(1) == 1 and 0 < rows <= MAX_KERNEL_ROWS
           and not needs_grad(x) and not needs_grad(weight) and not needs_grad(scale))
     if not ok:
         return False
@@ -276,3 +317,148 @@ def compressed_fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias.to(y.dtype)
+
+
+# ---------------------------------------------------------------- mixture-of-experts weights [E, N, K]
+
+MAX_EXPERT_PAIRS = 512  # (token, expert) pairs above which fp8_expert_linear runs one GEMM per selected expert
+
+
+def expert_scale_blocks(scale: torch.Tensor, block_size, n: int, k: int) -> tuple[int, int]:
+    """``(bn, bk)`` of per-expert scales ``[E, sn, sk]`` for ``[E, n, k]`` weights: ``weight[e, i, j]`` takes
+    ``scale[e, i // bn, j // bk]``. ``block_size=None``: the grid spans the weight (one scale per expert, or one
+    per half of a stacked gate/up). Rows past ``ceil(n / bn)`` are unused (transformers allocates at least two
+    for a stacked gate/up)."""
+    check(isinstance(scale, torch.Tensor) and scale.dtype in SCALE_DTYPES and scale.dim() == 3,
+          f"expert scales must be a [E, sn, sk] tensor of {[str(d) for d in SCALE_DTYPES]}, got "
+          f"{getattr(scale, 'dtype', type(scale).__name__)} {tuple(getattr(scale, 'shape', ()))}")
+    sn, sk = scale.shape[1:]
+    if block_size is None:
+        return -(-n // sn), -(-k // sk)
+    check(len(block_size) == 2 and all(isinstance(b, int) and b > 0 for b in block_size),
+          f"block_size must be two positive ints (bn, bk) or None, got {block_size!r}")
+    bn, bk = block_size
+    check(sk == -(-k // bk) and sn >= -(-n // bn), f"block scales for [E, {n}, {k}] weights with block_size="
+          f"{tuple(block_size)} must be [E, ceil({n}/{bn}), ceil({k}/{bk})], got {list(scale.shape)}")
+    return bn, bk
+
+
+def fp8_expert_matmul(x: torch.Tensor,  # [pairs, K] bf16 / fp16
+                      weight: torch.Tensor,  # [E, N, K] float8_e4m3fn, rows contiguous
+                      scale: torch.Tensor,  # [E, sn, sk]
+                      expert_ids: torch.Tensor,  # [pairs] int, each in [0, E)
+                      block_size=None, block_n: int = 32, block_k: int = 256,
+                      native_fp8: bool | None = None) -> torch.Tensor:
+    """``y[p] = x[p] @ dequantize(weight[expert_ids[p]]).T`` by the kernel, in ``x.dtype`` ([pairs, N])."""
+    check(x.dim() == 2 and x.dtype in ACTIVATION_DTYPES, f"x must be [pairs, K] bfloat16 or float16, got "
+          f"{x.dtype} {tuple(x.shape)}")
+    check(weight.dtype == FP8_DTYPE and weight.dim() == 3 and weight.shape[2] == x.shape[1]
+          and weight.stride(2) == 1, f"weight must be [E, N, K={x.shape[1]}] float8_e4m3fn with contiguous rows, "
+          f"got {weight.dtype} {tuple(weight.shape)} strides {weight.stride()}")
+    check(expert_ids.shape == (x.shape[0],) and not expert_ids.is_floating_point(),
+          f"expert_ids must be [pairs={x.shape[0]}] integers, got {expert_ids.dtype} {tuple(expert_ids.shape)}")
+    check_same_device(x=x, weight=weight, scale=scale, expert_ids=expert_ids)
+    pairs, k = x.shape
+    n = weight.shape[1]
+    bn, bk = expert_scale_blocks(scale, block_size, n, k)
+    scale_per_k = scale.shape[2] > 1
+    if scale_per_k:  # a K tile must not straddle two scale blocks
+        block_k = min(block_k, bk & -bk)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if native_fp8 is None:
+        native_fp8 = _has_native_fp8(x.device)
+    e8m0 = scale.dtype == E8M0_DTYPE
+    # the interpreter truncates fp32 -> bf16 casts (see fp8_matmul): there torch rounds the fp32 result
+    upcast = x.dtype == torch.bfloat16 and interpreting(_fp8_expert_gemv_kernel)
+    out = torch.empty(pairs, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
+    if pairs == 0:
+        return out.to(x.dtype)
+    _fp8_expert_gemv_kernel[(pairs, triton.cdiv(n, block_n))](
+        x, expert_ids, weight if native_fp8 else weight.view(torch.uint8),
+        scale.view(torch.uint8) if e8m0 else scale, out, n, k, x.stride(0), weight.stride(0), weight.stride(1),
+        scale.stride(0), scale.stride(1), scale.stride(2), out.stride(0), bn, bk,
+        BLOCK_N=block_n, BLOCK_K=block_k, SCALE_PER_K=scale_per_k, NATIVE_FP8=native_fp8, SCALE_E8M0=e8m0,
+        num_warps=4)
+    return out.to(x.dtype)
+
+
+def fp8_expert_linear_reference(x: torch.Tensor,  # [pairs, K]
+                                weight: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor,
+                                block_size=None) -> torch.Tensor:
+    """The contract of :func:`fp8_expert_matmul` for any pairs and dtypes: per selected expert, its weight
+    dequantized in fp32 and the pairs' product accumulated in fp32, rounded once to ``x.dtype`` ([pairs, N]).
+    Reads the selected experts on the host (a sync)."""
+    n, k = weight.shape[1:]
+    bn, bk = expert_scale_blocks(scale, block_size, n, k)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for expert in expert_ids.unique().tolist():
+        rows = (expert_ids == expert).nonzero().squeeze(1)
+        grid = scale[expert, :-(-n // bn), :-(-k // bk)]
+        out[rows] = fp8_linear_reference(x[rows], weight[expert], grid, (bn, bk))
+    return out
+
+
+def fp8_expert_eligible(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor,
+                        block_size=None) -> bool:
+    """Whether :func:`fp8_expert_linear` runs the kernel (else a GEMM per selected expert)."""
+    if not (use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_EXPERT_PAIRS and x.dtype in ACTIVATION_DTYPES
+            and weight.dtype == FP8_DTYPE and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and weight.dim() == 3 and weight.stride(2) == 1 and scale.dtype in SCALE_DTYPES
+            and x.device == weight.device == scale.device == expert_ids.device
+            and not needs_grad(x) and not needs_grad(weight) and not needs_grad(scale)):
+        return False
+    bn, bk = expert_scale_blocks(scale, block_size, *weight.shape[1:])
+    return scale.shape[2] == 1 or (bk & -bk) >= MIN_BLOCK_K
+
+
+def fp8_expert_linear(x: torch.Tensor,  # [pairs, K]
+                      weight: torch.Tensor,  # [E, N, K] float8_e4m3fn
+                      scale: torch.Tensor,  # [E, sn, sk]
+                      expert_ids: torch.Tensor,  # [pairs]
+                      block_size=None) -> torch.Tensor:
+    """``x[p] @ dequantize(weight[expert_ids[p]]).T`` for every pair ([pairs, N]): the kernel when
+    :func:`fp8_expert_eligible` (no host sync), else :func:`fp8_expert_linear_reference`."""
+    if fp8_expert_eligible(x, weight, scale, expert_ids, block_size):
+        return fp8_expert_matmul(x, weight, scale, expert_ids, block_size)
+    return fp8_expert_linear_reference(x, weight, scale, expert_ids, block_size)
+
+
+def fp8_experts_forward(self, hidden_states: torch.Tensor,  # [tokens, hidden]
+                        top_k_index: torch.Tensor,  # [tokens, top_k]
+                        top_k_weights: torch.Tensor) -> torch.Tensor:  # [tokens, top_k] -> [tokens, hidden]
+    """``forward`` of transformers' ``FP8Experts`` (``gate_up_proj`` [E, 2I, H] or ``up_proj`` [E, I, H], and
+    ``down_proj`` [E, H, I], e4m3 with ``*_scale_inv`` block scales) through :func:`fp8_expert_linear`, weight-only:
+    each (token, slot) pair runs its expert's up projection, the module's own gate (``_apply_gate``) or
+    activation, and its down projection; the top-k outputs, times their routing weights, are summed in fp32 in
+    slot order. Expert-parallel sentinels (``top_k_index == E``) are not handled: such models keep their own
+    forward (``fp8_experts_fusible``)."""
+    tokens, top_k = top_k_index.shape
+    ids = top_k_index.reshape(-1)
+    x = hidden_states[:, None].expand(tokens, top_k, hidden_states.shape[-1]).reshape(tokens * top_k, -1)
+    if self.has_gate:
+        h = self._apply_gate(fp8_expert_linear(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids,
+                                               self.block_size))
+    else:
+        h = self.act_fn(fp8_expert_linear(x, self.up_proj, self.up_proj_scale_inv, ids, self.block_size))
+    out = fp8_expert_linear(h, self.down_proj, self.down_proj_scale_inv, ids, self.block_size)
+    out = out.view(tokens, top_k, -1) * top_k_weights[..., None].to(out.dtype)
+    return out.float().sum(dim=1).to(hidden_states.dtype)
+
+
+def fp8_experts_fusible(module) -> bool:
+    """Whether :func:`fp8_experts_forward` computes what this ``FP8Experts`` module computes: e4m3 weights (not
+    FP4-packed), no biases, not expert-parallel."""
+    names = ("gate_up_proj", "gate_up_proj_scale_inv") if getattr(module, "has_gate", True) else (
+        "up_proj", "up_proj_scale_inv")
+    tensors = [getattr(module, n, None) for n in (*names, "down_proj", "down_proj_scale_inv")]
+    return (all(isinstance(t, torch.Tensor) for t in tensors) and tensors[0].dtype == FP8_DTYPE
+            and tensors[2].dtype == FP8_DTYPE and not getattr(module, "has_bias", False)
+            and not getattr(module, "_is_expert_parallel", False) and hasattr(module, "_apply_gate"))
+
+
+def fp8_linear_fusible(module) -> bool:
+    """Whether :func:`fp8_linear_forward` serves this ``FP8Linear``: e4m3 weights (or a weight the loader left
+    dense), not FP4-packed int8 ones."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and (weight.dtype == FP8_DTYPE or weight.element_size() > 1)

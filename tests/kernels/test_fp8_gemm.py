@@ -10,27 +10,29 @@ the layers, then each takes the quantized weight and block scales of the layer i
 
 import copy
 import os
-import re
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import FineGrainedFP8Config
 from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
-from transformers.integrations.finegrained_fp8 import FP8Linear, replace_with_fp8_linear
+from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
-from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON
+from hf_specdec.generation.quantization import fp8_quantize_model
+from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV
 from hf_specdec.kernels.fp8_gemm import (
     E8M0_DTYPE,
+    MAX_KERNEL_ROWS,
     MAX_ROWS,
     compressed_fp8_linear_forward,
     dequantize_fp8,
     fp8_eligible,
+    fp8_expert_eligible,
+    fp8_expert_linear,
+    fp8_expert_linear_reference,
+    fp8_expert_matmul,
+    fp8_experts_forward,
     fp8_linear,
     fp8_linear_forward,
     fp8_linear_reference,
@@ -38,8 +40,8 @@ from hf_specdec.kernels.fp8_gemm import (
     quantize_fp8,
 )
 
-from ..tiny_models import gemma4_31b_style
-from .conftest import REPO_ROOT, interpreter_active
+from ..tiny_models import gemma4_26b_style, gemma4_31b_style
+from .conftest import run_file_cases_in_interpreter
 
 SMALL = (16, 32, 4, 2)  # BLOCK_N, BLOCK_K, warps, stages: several programs and K tiles at test sizes
 # one rounding of the activation dtype apart (only the summation order differs)
@@ -78,17 +80,9 @@ def fp8_layer(in_features, out_features, block_size=(16, 16), bias=False, seed=0
 
 def fp8_quantized_model(model: nn.Module, block_size=(16, 16)) -> nn.Module:
     """``model`` (in place) as transformers' fine-grained FP8 quantizer leaves it after loading on a GPU: every
-    ``nn.Linear`` but the LM head becomes an ``FP8Linear`` (transformers' own ``replace_with_fp8_linear``) holding
-    the quantized weight, block scales and bias of the layer it replaced."""
-    originals = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
-    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"],
-                            quantization_config=FineGrainedFP8Config(weight_block_size=block_size))
-    for name, original in originals.items():
-        layer = model.get_submodule(name)
-        if isinstance(layer, FP8Linear):
-            layer.to_empty(device=original.weight.device)
-            _load_quantized(layer, original)
-    return model
+    ``nn.Linear`` but the LM head an ``FP8Linear``, every experts module an ``FP8Experts``, holding the quantized
+    weights and block scales of the layers they replaced."""
+    return fp8_quantize_model(model, block_size)
 
 
 def _load_quantized(layer: FP8Linear, dense: nn.Linear) -> None:
@@ -188,6 +182,17 @@ def test_triton_fp8_rows_do_not_depend_on_the_batch(triton_device):
     assert torch.equal(fp8_matmul(x[:3], weight, scale, (32, 32), SMALL), full[:3])
 
 
+def test_triton_fp8_many_rows_take_row_tiles(triton_device):
+    """40 rows (a verify step of a batch): three row tiles; each row equals the reference and its own result
+    computed alone."""
+    weight, scale = make_fp8(48, 96, (32, 32), seed=24, device=triton_device)
+    _check_kernel(triton_device, torch.bfloat16, 40, weight, scale, (32, 32), seed=24)
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(24)).to(torch.bfloat16).to(triton_device)
+    full = fp8_matmul(x, weight, scale, (32, 32), SMALL)
+    for r in (0, 17, 39):
+        assert torch.equal(fp8_matmul(x[r:r + 1], weight, scale, (32, 32), SMALL), full[r:r + 1])
+
+
 def test_triton_fp8_linear_on_strided_rows(triton_device):
     """The dispatcher takes the kernel for the last position of each sequence (a strided [2, 1, K] view)."""
     weight, scale = make_fp8(40, 64, (16, 32), seed=6, device=triton_device)
@@ -211,25 +216,57 @@ def test_triton_fp8_linear_forward_takes_the_kernel(triton_device):
                                rtol=2e-2, atol=1e-2)
 
 
+def make_fp8_experts(num_experts, n, k, block_size, seed=0, device="cpu"):
+    """(fp8 weights [E, n, k], fp32 scales [E, sn, sk]) quantized expert by expert, scales spread over powers of
+    two; block_size None: one scale per expert."""
+    pairs = [make_fp8(n, k, block_size or "tensor", seed=seed + e) for e in range(num_experts)]
+    weight = torch.stack([w for w, _ in pairs])
+    scale = torch.stack([s.reshape(1, 1) if block_size is None else s for _, s in pairs])
+    return weight.to(device), scale.to(device)
+
+
+@pytest.mark.parametrize("native_fp8", [True, False])
+@pytest.mark.parametrize("block_size", [(32, 32), None])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fp8_experts_gemv(triton_device, dtype, block_size, native_fp8):
+    """Pairs of a decode step (repeated experts, odd N and K): each pair's row equals its expert's reference."""
+    weight, scale = make_fp8_experts(5, 70, 100, block_size, seed=20, device=triton_device)
+    ids = torch.tensor([3, 0, 3, 4, 1, 1, 2], device=triton_device)
+    x = torch.randn(len(ids), 100, generator=torch.Generator().manual_seed(20)).to(dtype).to(triton_device)
+    got = fp8_expert_matmul(x, weight, scale, ids, block_size, block_n=16, block_k=32, native_fp8=native_fp8)
+    expected = fp8_expert_linear_reference(x.cpu(), weight.cpu(), scale.cpu(), ids.cpu(), block_size)
+    assert got.shape == (len(ids), 70) and got.dtype == dtype
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[dtype])
+    assert torch.equal(fp8_expert_matmul(x[2:3], weight, scale, ids[2:3], block_size, block_n=16, block_k=32,
+                                         native_fp8=native_fp8), got[2:3])  # a pair alone: the same bits
+
+
+def test_triton_fp8_experts_forward(triton_device):
+    """transformers' FP8Experts of a 26B-A4B-style model (gelu-tanh gate, 8 experts, top-2), 128 x 128 blocks over
+    its small projections: the kernel's forward equals the reference forward to a rounding."""
+    model = fp8_quantized_model(gemma4_26b_style(), block_size=(128, 128))
+    experts = model.model.layers[0].experts.to(triton_device)
+    assert isinstance(experts, FP8Experts) and experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(21)
+    hidden = torch.randn(3, 32, generator=gen).bfloat16().to(triton_device)
+    index = torch.tensor([[0, 5], [5, 7], [2, 0]], device=triton_device)
+    weights = torch.rand(3, 2, generator=gen).to(triton_device)
+    with torch.no_grad():
+        assert fp8_expert_eligible(hidden, experts.gate_up_proj, experts.gate_up_proj_scale_inv, index.reshape(-1),
+                                   experts.block_size)
+        got = fp8_experts_forward(experts, hidden, index, weights)
+        experts_cpu = experts.cpu()
+        os.environ[FORCE_TRITON_ENV] = "0"
+        try:
+            expected = fp8_experts_forward(experts_cpu, hidden.cpu(), index.cpu(), weights.cpu())
+        finally:
+            os.environ[FORCE_TRITON_ENV] = "1"
+    torch.testing.assert_close(got.float().cpu(), expected.float(), rtol=2e-2, atol=1e-2)
+
+
 def test_fp8_gemm_cases_in_interpreter(request):
-    """Running this file by itself on CPU: its ``triton_`` tests in a TRITON_INTERPRET=1 child (all must pass,
-    none skip). In a run that collects test_paged_attention's ``test_triton_cases_in_interpreter``, that test
-    re-runs every ``triton_`` test of tests/kernels, this file's included, so this one stands down."""
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available() or interpreter_active():
-        pytest.skip("the triton tests run directly in this process")
-    if any(item.name == "test_triton_cases_in_interpreter" for item in request.session.items):
-        pytest.skip("test_triton_cases_in_interpreter re-runs this file's triton_ tests in this session")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{FORCE_TRITON_ENV: "1"},
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_ and not in_interpreter",
-           str(Path(__file__))]
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"interpreter run failed:\n{output[-6000:]}"
-    passed = re.search(r"(\d+) passed", output)
-    assert passed and int(passed.group(1)) >= 29 and "skipped" not in output, output[-3000:]
+    """This file by itself on CPU: its ``triton_`` tests in the interpreter (``conftest.run_file_cases_in_interpreter``)."""
+    run_file_cases_in_interpreter(request, __file__, min_passed=38)
 
 
 # ---------------------------------------------------------------- reference, dispatch, launcher checks (CPU)
@@ -264,7 +301,8 @@ def test_dispatch_keeps_the_reference_where_the_kernel_does_not_apply(monkeypatc
     assert fp8_eligible(x, weight, scale, (16, 32))
     assert fp8_eligible(x.half(), weight, scale, (16, 32))
     assert not fp8_eligible(x.float(), weight, scale, (16, 32))  # fp32 activations
-    assert not fp8_eligible(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16), weight, scale, (16, 32))  # prefill
+    assert fp8_eligible(torch.zeros(MAX_ROWS + 1, 64, dtype=torch.bfloat16), weight, scale, (16, 32))  # row tiles
+    assert not fp8_eligible(torch.zeros(MAX_KERNEL_ROWS + 1, 64, dtype=torch.bfloat16), weight, scale, (16, 32))
     assert not fp8_eligible(torch.zeros(0, 64, dtype=torch.bfloat16), weight, scale, (16, 32))
     assert not fp8_eligible(x, weight.float(), scale, (16, 32))  # a dense weight
     assert not fp8_eligible(x, weight.T.contiguous().T, scale, (16, 32))  # columns contiguous
@@ -288,7 +326,7 @@ def test_launcher_and_dispatcher_name_bad_arguments():
     weight, scale = make_fp8(70, 100, (32, 32))
     x = torch.zeros(2, 100, dtype=torch.bfloat16)
     cases = [
-        (dict(x=torch.zeros(MAX_ROWS + 1, 100, dtype=torch.bfloat16)), r"\[1..16, K\] rows"),
+        (dict(x=torch.zeros(MAX_KERNEL_ROWS + 1, 100, dtype=torch.bfloat16)), r"\[1..8192, K\] rows"),
         (dict(x=torch.zeros(2, 100)), "bfloat16 or float16"),
         (dict(weight=weight.float()), "float8_e4m3fn"),
         (dict(x=torch.zeros(2, 96, dtype=torch.bfloat16)), r"weight must be \[N, K=96\]"),
@@ -387,3 +425,52 @@ def test_tiny_fp8_model_matches_its_dequantized_twin():
         got, expected = fp8_model(ids).logits, dense_model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(expected, model(ids).logits.detach(), atol=1e-3)  # the weights did change
+
+
+# ---------------------------------------------------------------- mixture-of-experts weights (CPU)
+
+
+@pytest.mark.parametrize("block_size", [(16, 32), None])
+def test_expert_reference_is_each_experts_dequantized_matmul(block_size):
+    weight, scale = make_fp8_experts(4, 40, 64, block_size, seed=22)
+    ids = torch.tensor([2, 2, 0, 3])
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(22))
+    got = fp8_expert_linear_reference(x, weight, scale, ids, block_size)
+    grid = (lambda e: scale[e]) if block_size else (lambda e: scale[e].reshape(()))
+    for p, e in enumerate(ids.tolist()):
+        expected = F.linear(x[p:p + 1], dequantize_fp8(weight[e], grid(e), block_size))
+        torch.testing.assert_close(got[p:p + 1], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fp8_expert_linear(x, weight, scale, ids, block_size), got)  # CPU: the reference
+
+
+def test_fp8_experts_forward_is_the_dense_experts_on_dequantized_weights():
+    """FP8Experts of a 26B-A4B-style model through fp8_experts_forward: transformers' own experts forward on the
+    dequantized weights (the same routing, the same gate)."""
+    model = gemma4_26b_style()
+    dense = copy.deepcopy(model.model.layers[0].experts)
+    experts = fp8_quantized_model(model, block_size=(16, 16)).model.layers[0].experts
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            w, s = getattr(experts, name), getattr(experts, f"{name}_scale_inv")
+            getattr(dense, name).copy_(torch.stack([dequantize_fp8(w[e], s[e], (16, 16)) for e in range(len(w))]))
+    gen = torch.Generator().manual_seed(23)
+    hidden, index = torch.randn(5, 32, generator=gen), torch.randint(0, 8, (5, 2), generator=gen)
+    weights = torch.rand(5, 2, generator=gen)
+    with torch.no_grad():
+        got = fp8_experts_forward(experts, hidden, index, weights)
+        dense.config._experts_implementation = "eager"
+        expected = dense(hidden, index, weights)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_launcher_names_bad_arguments():
+    weight, scale = make_fp8_experts(3, 40, 64, (16, 32))
+    x, ids = torch.zeros(2, 64, dtype=torch.bfloat16), torch.tensor([0, 2])
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        fp8_expert_matmul(x.float(), weight, scale, ids, (16, 32))
+    with pytest.raises(ValueError, match=r"\[E, N, K=64\] float8_e4m3fn"):
+        fp8_expert_matmul(x, weight.float(), scale, ids, (16, 32))
+    with pytest.raises(ValueError, match=r"expert_ids must be \[pairs=2\] integers"):
+        fp8_expert_matmul(x, weight, scale, ids.float(), (16, 32))
+    with pytest.raises(ValueError, match=r"must be \[E, ceil\(40/16\), ceil\(64/32\)\]"):
+        fp8_expert_matmul(x, weight, scale[:, :, :1], ids, (16, 32))
