@@ -1,12 +1,13 @@
 """The FP8 weight-only skinny GEMM (``hf_specdec.kernels.fp8_gemm``) against its reference and beside the bf16
 skinny GEMM at the Gemma-4-31B decode shapes, on one CUDA GPU.
 
-    python -m benchmarks.fp8_gpu_check [--rows 1 4 16]
+    python -m benchmarks.fp8_gpu_check [--rows 1 4 16] [--sweep]
 
 Per (shape, scale format, rows): the kernel's error against the dequantize-then-matmul reference (pass:
 bf16 rounding), its graph-replayed time (``triton.testing.do_bench_cudagraph``) and TB/s counting the fp8 weight
 and scale bytes once, beside the bf16 kernel on the same weights (``skinny_matmul``) and the speedup. Prints a
-table, then one JSON line.
+table, then one JSON line. ``--sweep`` times (BLOCK_N, BLOCK_K, num_warps, num_stages) configs of the kernel at one
+row instead and prints the best few per (shape, format).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ def main() -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--sweep", action="store_true", help="time tile configs at one row instead")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.sweep:
+        return sweep(triton, fp8_matmul, quantize_fp8)
     rows_out, ok = [], True
     print(f"{'N':>6} {'K':>6} {'format':9} {'rows':>4} {'fp8 us':>8} {'fp8 TB/s':>8} {'bf16 us':>8} "
           f"{'bf16 TB/s':>9} {'speedup':>7} {'rel err':>8}")
@@ -54,6 +58,33 @@ def main() -> int:
                       f"{r['bf16_tb_s']:9.2f} {r['speedup']:7.2f} {err:8.1e}")
     print(json.dumps(dict(bench="fp8_gpu_check", gpu=torch.cuda.get_device_name(), ok=ok, rows=rows_out)))
     return 0 if ok else 1
+
+
+def sweep(triton, fp8_matmul, quantize_fp8) -> int:
+    from itertools import product
+
+    results = []
+    for n, k in SHAPES:
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        for fmt, block in FORMATS.items():
+            w8, scale = quantize_fp8(w, block)
+            timed = []
+            for config in product((16, 32, 64), (128, 256, 512, 1024), (2, 4, 8), (3, 4, 6, 8)):
+                try:
+                    ms = triton.testing.do_bench_cudagraph(lambda c=config: fp8_matmul(x, w8, scale, block, c))
+                except Exception as error:  # a config the device cannot run (shared memory)
+                    print(f"  {config}: {type(error).__name__}")
+                    continue
+                timed.append((ms * 1e3, config))
+            timed.sort()
+            best = [dict(us=us, config=config, tb_s=(w8.numel() + scale.numel() * scale.element_size()) / us / 1e6)
+                    for us, config in timed[:5]]
+            print(f"[{n}, {k}] {fmt}: " + "; ".join(f"{b['config']} {b['us']:.1f} us {b['tb_s']:.2f} TB/s"
+                                                      for b in best))
+            results.append(dict(n=n, k=k, format=fmt, best=best))
+    print(json.dumps(dict(bench="fp8_gpu_check_sweep", gpu=torch.cuda.get_device_name(), rows=results)))
+    return 0
 
 
 if __name__ == "__main__":
