@@ -9,7 +9,6 @@ the layers, then each takes the quantized weight and block scales of the layer i
 """
 
 import copy
-import os
 import types
 
 import pytest
@@ -256,11 +255,9 @@ def test_triton_fp8_experts_forward(triton_device):
                                    experts.block_size)
         got = fp8_experts_forward(experts, hidden, index, weights)
         experts_cpu = experts.cpu()
-        os.environ[FORCE_TRITON_ENV] = "0"
-        try:
+        with pytest.MonkeyPatch.context() as patch:  # the reference, then the session's setting back as it was
+            patch.setenv(FORCE_TRITON_ENV, "0")
             expected = fp8_experts_forward(experts_cpu, hidden.cpu(), index.cpu(), weights.cpu())
-        finally:
-            os.environ[FORCE_TRITON_ENV] = "1"
     torch.testing.assert_close(got.float().cpu(), expected.float(), rtol=2e-2, atol=1e-2)
 
 
