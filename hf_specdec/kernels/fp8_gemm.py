@@ -202,12 +202,14 @@ def quantize_fp8(weight: torch.Tensor,  # [N, K]
 # ---------------------------------------------------------------- launcher, reference, dispatch
 
 
-def config_for(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight: :func:`.skinny_gemm.config_for`'s
-    tiles with K tiles of the same bytes (twice the elements). Not yet tuned on a GPU."""
-    if n >= 65536 or n < 4096:
-        return 32, 1024, 4, 4
-    return 64, 512, 4, 4
+def config_for(n: int, k: int, block_scales: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight, from ``fp8_gpu_check --sweep`` on an
+    H100 at the Gemma-4-31B shapes (one row, graph-timed): 32-column programs throughout; block scales hold
+    BLOCK_K to the scale block (128), one more stage in flight on wide outputs; per-channel scales stream 256-wide
+    K tiles, 512 on narrow outputs (fewer programs, each walking a long K)."""
+    if block_scales:
+        return 32, 128, 4, 6 if n >= 32768 else 4
+    return 32, 512 if n < 8192 else 256, 4, 4
 
 
 def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
@@ -222,8 +224,8 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     rows, k = x.shape
     n = weight.shape[0]
     grid, bn, bk = scale_grid(scale, block_size, n, k)
-    block_n, block_k, warps, stages = config or config_for(n, k)
     scale_per_k = grid.shape[1] > 1
+    block_n, block_k, warps, stages = config or config_for(n, k, scale_per_k)
     if scale_per_k:  # a K tile must not straddle two scale blocks
         block_k = min(block_k, bk & -bk)
         check(block_k >= MIN_BLOCK_K, f"block_size[1]={bk} must be a multiple of {MIN_BLOCK_K} for the kernel "
