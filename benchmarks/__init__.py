@@ -14,6 +14,7 @@ BENCHES = {
     "hf_native_step_mtp": "transformers' Step 3.7 generate(use_mtp=True) vs hf_specdec Step 3.5 MTP on identical weights",
     "e2e_tiny": "the bundled tiny family: plain vs every speculative mode, real tau",
     "soak": "many generate calls on the bundled family: device memory, leaked blocks, repeat answers per call",
+    "multi_gpu": "device_map over N GPUs, offload and tensor parallelism in every mode vs one device",
 }
 
 # ``all``: benchmarks/run_all.py

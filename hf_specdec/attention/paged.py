@@ -38,16 +38,18 @@ def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, sc
     """Attention of this forward's queries [batch, heads, q_len, head_dim] over a layer's pages.
 
     The model may have dropped leading query slots (Gemma 4 slices to ``logits_to_keep`` before its
-    KV-shared layers): the kept slots are the last ones, so their positions follow from q_len."""
-    meta = paged_cache.meta
+    KV-shared layers): the kept slots are the last ones, so their positions follow from q_len. A layer whose pages
+    live on another device (a KV-shared layer placed apart from its producer) sends its queries there and back."""
     k_cache, v_cache, block_tables, window = paged_cache.layer_pages(layer_idx)
+    meta = paged_cache.meta_on(k_cache.device)
     q_len = query.shape[2]
     q_lens, q_pos0 = meta.q_lens, meta.q_pos0
     if q_len != meta.q_len:
         q_pos0 = q_pos0 + (meta.q_len - q_len)
         q_lens = q_lens.clamp(max=q_len)
-    return paged_attention(query.transpose(1, 2), k_cache, v_cache, block_tables, meta.kv_lens, q_pos0, q_lens,
-                           scale=scaling, sliding_window=window, validate=False)
+    out = paged_attention(query.transpose(1, 2).to(k_cache.device), k_cache, v_cache, block_tables, meta.kv_lens,
+                          q_pos0, q_lens, scale=scaling, sliding_window=window, validate=False)
+    return out.to(query.device)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,11 @@ class QueryRows:
     kv_lens: torch.Tensor  # [batch] int32: cached keys per row; the query sits at this position
     q_pos0: torch.Tensor  # [batch] int32: kv_lens - 1 (see paged_query_attention)
     q_lens: torch.Tensor  # [batch] int32: ones
+
+    def to(self, device: torch.device) -> "QueryRows":
+        if self.kv_lens.device == device:
+            return self
+        return QueryRows(self.kv_lens.to(device), self.q_pos0.to(device), self.q_lens.to(device))
 
     @classmethod
     def at(cls, positions: torch.Tensor) -> "QueryRows":
@@ -81,13 +88,16 @@ def paged_query_attention(paged_cache, layer_idx: int, query: torch.Tensor, rows
     else:
         k_cache, v_cache = paged_cache.layer_storage(layer_idx)
     shard = paged_cache.head_shard  # tensor parallel: these pages hold this rank's KV heads only
+    home, pages = query.device, k_cache.device  # a drafter placed apart from a producer: its query goes there
+    query, rows = query.to(pages), rows.to(pages)
+    block_tables = block_tables.to(pages)
     if shard is not None:
         query = shard.local_heads(query, dim=2)
     # The kernel's window counts the query's own position; masking as if the query sat on the last cached
     # key makes the window exactly the last `sliding_window` keys.
     out = paged_attention(query, k_cache, v_cache, block_tables, rows.kv_lens, rows.q_pos0, rows.q_lens,
                           scale=scaling, sliding_window=sliding_window, validate=False)
-    return out if shard is None else shard.gather_heads(out, dim=2)
+    return (out if shard is None else shard.gather_heads(out, dim=2)).to(home)
 
 
 def _fallback(module: torch.nn.Module):

@@ -24,6 +24,7 @@ class KVGroup:
     head_dim: int
     sliding_window: int | None  # None: full attention
     layers: tuple[int, ...]  # producer layers, in storage order
+    device: str | None = None  # where its pages live; None: the cache's device (set when layers run on several)
 
     @property
     def is_sliding(self) -> bool:
@@ -61,6 +62,24 @@ class KVLayout:
         owned = {layer: (g, i) for g, grp in enumerate(groups) for i, layer in enumerate(grp.layers)}
         layer_slot = {layer: owned[producer[layer]] for layer in range(len(specs))}
         return cls(groups=groups, layer_slot=layer_slot, producer=dict(producer))
+
+
+def split_by_device(layout: KVLayout, devices: dict[int, str]) -> KVLayout:
+    """``layout`` with each group split by the device its producer layers run on (``devices[layer]``, from
+    accelerate's placement), so every layer's pages live beside it; the layout itself when they all run on one
+    device. Layers missing from ``devices`` stay with the first device named."""
+    if len(set(devices.values())) <= 1:
+        return layout
+    fallback = next(iter(devices.values()))
+    groups: list[KVGroup] = []
+    slot: dict[int, tuple[int, int]] = {}
+    for group in layout.groups:
+        for device in dict.fromkeys(devices.get(layer, fallback) for layer in group.layers):
+            members = tuple(layer for layer in group.layers if devices.get(layer, fallback) == device)
+            slot.update({layer: (len(groups), i) for i, layer in enumerate(members)})
+            groups.append(KVGroup(group.num_kv_heads, group.head_dim, group.sliding_window, members, device))
+    layer_slot = {layer: slot[layout.groups[g].layers[i]] for layer, (g, i) in layout.layer_slot.items()}
+    return KVLayout(groups=groups, layer_slot=layer_slot, producer=dict(layout.producer))
 
 
 def text_config_of(config):

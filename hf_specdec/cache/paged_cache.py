@@ -56,6 +56,12 @@ class ForwardMeta:
     slot_mapping: list[torch.Tensor]  # per group: [batch * q_len] int64, -1 for padding
     block_tables: list[torch.Tensor]  # per group: [batch, max_blocks] int32, -1 where released/unused
 
+    def to(self, device: torch.device) -> "ForwardMeta":
+        """The same description on another device (for layers whose pages live there)."""
+        moved = {name: getattr(self, name).to(device) for name in ("kv_lens", "q_pos0", "q_lens", "position_ids")}
+        return ForwardMeta(q_len=self.q_len, slot_mapping=[t.to(device) for t in self.slot_mapping],
+                           block_tables=[t.to(device) for t in self.block_tables], **moved)
+
 
 class PagedKVCache(Cache):
     def __init__(self, layout: KVLayout, num_blocks: list[int], batch_size: int, *, block_size: int,
@@ -79,6 +85,7 @@ class PagedKVCache(Cache):
         self.k_storage, self.v_storage = storage if storage is not None else allocate_storage(
             layout, storage_blocks or num_blocks, block_size, dtype, self.device)
         self.meta: ForwardMeta | None = None
+        self._meta_copies: dict[torch.device, ForwardMeta] = {}  # ``meta`` on the devices of other groups' pages
         self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards
         # When the cache holds one tensor-parallel rank's contiguous share of every layer's KV heads: the ranks'
         # group (``local_heads`` / ``gather_heads``), with which a drafter's Q-only attention over these pages
@@ -107,6 +114,7 @@ class PagedKVCache(Cache):
             raise ValueError(f"each row needs 0 <= num_new <= q_len={q_len}, got {num_new}.")
         before = self.seq_lens
         self._context_tables.clear()
+        self._meta_copies.clear()
         self.manager.append({s: n for s, n in zip(self.seq_ids, num_new) if n})
         self._fit_storage()
         kv_lens = torch.tensor([b + n for b, n in zip(before, num_new)], dtype=torch.int32)
@@ -152,10 +160,11 @@ class PagedKVCache(Cache):
         """While open, layers store and read K/V as described by ``meta`` (e.g. a CUDA graph's static copy of
         a forward's metadata) instead of the forward :meth:`begin_forward` set up."""
         live, self.meta = self.meta, meta
+        copies, self._meta_copies = self._meta_copies, {}
         try:
             yield meta
         finally:
-            self.meta = live
+            self.meta, self._meta_copies = live, copies
 
     def block_table_tensor(self, group: int, device="cache") -> torch.Tensor:
         """[batch, max_blocks] int32 block tables of a group (-1 where released or unused); on the cache's
@@ -163,7 +172,21 @@ class PagedKVCache(Cache):
         rows = [self.manager.block_table(s, group) for s in self.seq_ids]
         width = max(1, max(len(r) for r in rows))
         table = torch.tensor([r + [RELEASED] * (width - len(r)) for r in rows], dtype=torch.int32)
-        return table if device is None else to_device_async([table], self.device)[0]
+        return table if device is None else to_device_async([table], self.group_device(group))[0]
+
+    def group_device(self, group: int) -> torch.device:
+        """Where a group's pages live: its own device when the layout names one (layers placed on several devices),
+        else the cache's."""
+        device = self.layout.groups[group].device
+        return self.device if device is None else torch.device(device)
+
+    def meta_on(self, device: torch.device) -> ForwardMeta:
+        """This forward's :class:`ForwardMeta` on ``device`` (copied once per forward for each other device)."""
+        if device == self.meta.kv_lens.device:
+            return self.meta
+        if device not in self._meta_copies:
+            self._meta_copies[device] = self.meta.to(device)
+        return self._meta_copies[device]
 
     def commit(self, new_lens: list[int]) -> None:
         """Keep ``new_lens[b]`` tokens of each row (rollback of rejected drafts) and slide the windows."""
@@ -172,6 +195,7 @@ class PagedKVCache(Cache):
             self.manager.slide(s)
         self.meta = None
         self._context_tables.clear()
+        self._meta_copies.clear()
 
     def context_pages(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache, block_tables) of a layer's pages between forwards (for a drafter reading the
@@ -198,7 +222,8 @@ class PagedKVCache(Cache):
         layer; a KV-shared layer gets its producer's pages."""
         group, index = self.layout.layer_slot[layer_idx]
         window = self.layout.groups[group].sliding_window
-        return self.k_storage[group][index], self.v_storage[group][index], self.meta.block_tables[group], window
+        tables = self.meta_on(self.k_storage[group].device).block_tables[group]
+        return self.k_storage[group][index], self.v_storage[group][index], tables, window
 
     def gather(self, row: int, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Dense K/V ``[kv_heads, n, head_dim]`` of the live positions ``[start, len)`` of one row, and start."""
@@ -207,7 +232,8 @@ class PagedKVCache(Cache):
         length = self.manager.num_tokens(seq)
         table = self.manager.block_table(seq, group)
         start = next((j * self.block_size for j, b in enumerate(table) if b != RELEASED), length)
-        slots = torch.tensor(self.manager.slots(seq, group, start, length), dtype=torch.long, device=self.device)
+        slots = torch.tensor(self.manager.slots(seq, group, start, length), dtype=torch.long,
+                             device=self.k_storage[group].device)
         k = self.k_storage[group][index].flatten(0, 1)[slots].transpose(0, 1)
         v = self.v_storage[group][index].flatten(0, 1)[slots].transpose(0, 1)
         return k, v, start
@@ -230,9 +256,10 @@ class PagedKVCache(Cache):
                 f"{self.layout.groups[group].num_kv_heads}: the cache layout does not describe this model's attention "
                 "(was the model changed or re-sharded after hf_specdec.enable? call hf_specdec.enable(model) again)."
             )
-        store_kv(key_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
-                 value_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
-                 self.k_storage[group][index], self.v_storage[group][index], self.meta.slot_mapping[group],
+        pages = self.k_storage[group].device  # a layer's own device (split_by_device)
+        store_kv(key_states.transpose(1, 2).reshape(batch * q_len, heads, dim).to(pages),
+                 value_states.transpose(1, 2).reshape(batch * q_len, heads, dim).to(pages),
+                 self.k_storage[group][index], self.v_storage[group][index], self.meta_on(pages).slot_mapping[group],
                  validate=False)
         return key_states, value_states
 
@@ -280,10 +307,12 @@ class PagedKVCache(Cache):
 
 def allocate_storage(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype,
                      device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Zeroed K and V storage ``[layers_in_group, num_blocks[g], block_size, kv_heads, head_dim]`` per group."""
+    """Zeroed K and V storage ``[layers_in_group, num_blocks[g], block_size, kv_heads, head_dim]`` per group, on the
+    group's own device where the layout names one, else on ``device``."""
     k_storage, v_storage = [], []
     for grp, n in zip(layout.groups, num_blocks):
         shape = (len(grp.layers), n, block_size, grp.num_kv_heads, grp.head_dim)
-        k_storage.append(torch.zeros(shape, dtype=dtype, device=device))
-        v_storage.append(torch.zeros(shape, dtype=dtype, device=device))
+        where = device if grp.device is None else torch.device(grp.device)
+        k_storage.append(torch.zeros(shape, dtype=dtype, device=where))
+        v_storage.append(torch.zeros(shape, dtype=dtype, device=where))
     return k_storage, v_storage

@@ -12,15 +12,17 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_specdec.attention import ATTENTION_NAME, register
-from hf_specdec.cache import KVLayout, kv_layout_from_config
+from hf_specdec.cache import KVLayout, kv_layout_from_config, split_by_device
 from hf_specdec.config import CacheConfig
 from hf_specdec.generation.experts import restore_experts, select_experts
 from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
 from hf_specdec.generation.generate import generate
+from hf_specdec.generation.quantization import check_target_weights
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.runtime import GraphStore, ModelRunner, cuda_graphs_wanted
 from hf_specdec.runtime.cuda_graphs import check_max_graphs
 from hf_specdec.runtime.distributed import RankGroup, key_head_splits, local_kv_layout, tensor_parallel_group
+from hf_specdec.runtime.placement import input_device, is_dispatched, layer_devices
 
 
 @dataclass
@@ -38,6 +40,7 @@ class EnabledState:
     original_experts: dict | None = None  # the MoE experts implementation before enable (None: no such experts)
     ranks: RankGroup | None = None  # the tensor-parallel group the model is sharded over (runtime/distributed.py)
     head_shard: RankGroup | None = None  # ``ranks`` when they split the KV heads (the layout holds this rank's)
+    dispatched: bool = False  # accelerate placed the model over several devices or offloads part of it
 
     def __deepcopy__(self, memo):
         """A copied model gets its own state: a fresh lock and an empty graph store (graphs and pooled storage
@@ -46,18 +49,20 @@ class EnabledState:
                               self.original_attention, self.cuda_graphs,
                               GraphStore(self.graph_store.max_graphs), copy.deepcopy(self.last_stats, memo))
         copied.original_experts = copy.deepcopy(self.original_experts, memo)
-        copied.ranks, copied.head_shard = self.ranks, self.head_shard
+        copied.ranks, copied.head_shard, copied.dispatched = self.ranks, self.head_shard, self.dispatched
         return copied
 
     def graph_store_for(self, device: torch.device) -> GraphStore | None:
         """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off; never
-        for a tensor-parallel model (its forwards run eagerly, see runtime/distributed.py)."""
-        wanted = cuda_graphs_wanted(self.cuda_graphs, device) and self.ranks is None
+        for a tensor-parallel model (its forwards run eagerly, see runtime/distributed.py) nor for one accelerate
+        dispatched (its hooks move weights and activations between devices, see runtime/placement.py)."""
+        wanted = cuda_graphs_wanted(self.cuda_graphs, device) and self.ranks is None and not self.dispatched
         return self.graph_store if wanted else None
 
     def runner(self, model) -> ModelRunner:
         """A ModelRunner for one call on ``model`` (this state's model)."""
-        return ModelRunner(model, self.layout, self.cache_config, self.graph_store_for(model.device), self.ranks,
+        device = input_device(model)
+        return ModelRunner(model, self.layout, self.cache_config, self.graph_store_for(device), self.ranks,
                            self.head_shard)
 
 
@@ -84,12 +89,15 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
     split = ranks is not None and bool(key_head_splits(model))
     if split:  # each rank's cache holds the KV heads of its shard
         layout = local_kv_layout(model, layout)
+    dispatched = is_dispatched(model)
+    if dispatched:  # each layer's pages beside it (runtime/placement.py)
+        layout = split_by_device(layout, {layer: str(d) for layer, d in layer_devices(model).items()})
     register()
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     model._hf_specdec = EnabledState(layout, cache_config or CacheConfig(), original,
                                      cuda_graphs=True if cuda_graphs is None else cuda_graphs, ranks=ranks,
-                                     head_shard=ranks if split else None)
+                                     head_shard=ranks if split else None, dispatched=dispatched)
     if max_cuda_graphs is not None:
         model._hf_specdec.graph_store.max_graphs = max_cuda_graphs
     model.generate = types.MethodType(generate, model)
@@ -179,3 +187,4 @@ def _check_supported(model) -> None:
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
             "hf_specdec cannot plug its paged attention in. Use the model without hf_specdec.enable()."
         )
+    check_target_weights(model)  # a quantization format the kernels and the loop do not take is refused

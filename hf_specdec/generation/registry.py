@@ -18,7 +18,9 @@ import torch
 from hf_specdec.config import SpecDecodingConfig
 from hf_specdec.generation.drafter import Drafter
 from hf_specdec.generation.fusion import FusedForward, register_fused_forwards
+from hf_specdec.generation.quantization import check_drafter_weights
 from hf_specdec.runtime.distributed import check_replicated
+from hf_specdec.runtime.placement import input_device
 
 __all__ = ["DrafterBuilder", "FusedForward", "build_drafter", "register_drafter", "register_fused_forwards"]
 
@@ -68,19 +70,22 @@ def build_drafter(target, assistant, spec_mode: str | None = None,
 
 
 def _check_placement(target, assistant) -> None:
-    """An assistant model must sit on the target's device in the target's dtype: the drafter reads the target's
-    pages and feeds its hidden states. Refused rather than copied (a silent copy of a large model can OOM). It runs
-    replicated on every rank of a tensor-parallel target (runtime/distributed.py), so it is never sharded itself."""
+    """An assistant model must have loaded weights in the target's dtype (refused rather than converted: a silent
+    copy of a large model can OOM). Its device is the drafter's to choose: each draft runner moves it beside the
+    target layers it reads (runtime/placement.py). It runs replicated on every rank of a tensor-parallel target
+    (runtime/distributed.py), so it is never sharded itself."""
     if not isinstance(assistant, torch.nn.Module):
         return
     param = next(assistant.parameters(), None)
     if param is None:
         return
     check_replicated(assistant, "assistant_model")
-    device, dtype = target.device, target.dtype
-    if param.device != device:
-        raise ValueError(f"assistant_model is on {param.device} but the target on {device}; move it first: "
-                         f"assistant_model.to({str(device)!r}) (or load it with device_map={str(device)!r}).")
+    check_drafter_weights(assistant)  # drafters stay in the dtype they were loaded in: quantized ones are refused
+    device, dtype = input_device(target), target.dtype
+    if param.device.type == "meta":
+        raise ValueError(f"assistant_model is on meta but the target on {device}; move it first: "
+                         f"assistant_model.to({str(device)!r}) works once its weights are loaded (load it with "
+                         f"from_pretrained, without device_map='meta').")
     if param.dtype != dtype:
         raise ValueError(f"assistant_model is in {param.dtype} but the target in {dtype}; load both in one dtype "
                          f"(from_pretrained(..., dtype={dtype})) or call assistant_model.to({dtype}).")

@@ -34,17 +34,17 @@ class RequestContext:
     # drafter cache holds the KV heads this rank's shard of that model produces
     draft_model: torch.nn.Module | None = None
 
-    def new_cache(self, layout: KVLayout, owner: str, *, dtype: torch.dtype,
-                  lookahead: int | None = None) -> PagedKVCache:
+    def new_cache(self, layout: KVLayout, owner: str, *, dtype: torch.dtype, lookahead: int | None = None,
+                  device: torch.device | None = None) -> PagedKVCache:
         """A drafter's own paged cache, sized for this request like the target's (``lookahead``: the drafter's,
         default the target's); its storage is pooled under ``owner`` when graphs are on (kept graphs write
-        into it in later requests too). Under tensor parallelism its KV groups hold this rank's share of the heads
+        into it in later requests too); on ``device`` (default the target cache's), where the drafter runs. Under tensor parallelism its KV groups hold this rank's share of the heads
         of the :attr:`draft_model` layers they serve."""
         if self.ranks is not None and self.draft_model is not None:
             layout = local_kv_layout(self.draft_model, layout)
         return sizing.cache_for_request(
             layout, self.cache_config, self.prompt_lens, self.max_new_tokens,
-            self.lookahead if lookahead is None else lookahead, dtype=dtype, device=self.cache.device,
+            self.lookahead if lookahead is None else lookahead, dtype=dtype, device=device or self.cache.device,
             storage_pool=self.graph_store, storage_owner=owner,
             shared_budget=None if self.ranks is None else self.ranks.smallest)
 

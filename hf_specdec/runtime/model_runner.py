@@ -16,6 +16,7 @@ from hf_specdec.config import CacheConfig
 from hf_specdec.runtime.context import RequestContext
 from hf_specdec.runtime.cuda_graphs import GraphRunner, GraphStore, HookedState, table_width_bucket
 from hf_specdec.runtime.distributed import RankGroup
+from hf_specdec.runtime.placement import input_device
 
 # Keys of HF's prepared model_kwargs that the runner replaces with its own.
 _RUNNER_KEYS = {
@@ -89,7 +90,7 @@ class ModelRunner:
         """Build the request's cache (raises ``CacheCapacityError`` before anything runs when it does not fit)
         and its context. ``draft_model``: the model whose attention writes a drafter's own caches, if any."""
         dtype = self.model.get_input_embeddings().weight.dtype
-        device = self.model.device
+        device = input_device(self.model)  # model.device is the meta device when the first weight is on disk
         store = self.graph_store if self.graph_store is not None and device.type == "cuda" else None
         shared_budget = None if self.ranks is None else self.ranks.smallest
         self.cache = sizing.cache_for_request(self.layout, self.cache_config, prompt_lens, max_new_tokens, lookahead,

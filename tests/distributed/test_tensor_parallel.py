@@ -16,7 +16,6 @@ import socket
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException

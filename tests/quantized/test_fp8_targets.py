@@ -24,7 +24,6 @@ from tests.models.dflash.helpers import random_drafter
 from tests.models.gemma4.helpers import assistant_config_dict, random_state_dict, released_layout, write_checkpoint
 from tests.models.step3p5.tiny_step3p5 import tiny_model as tiny_step
 from tests.quantized.helpers import (
-    BLOCK,
     MODES,
     bundled_fp8,
     compressed_fp8_model,

@@ -32,6 +32,7 @@ import torch
 from hf_specdec.cache import ForwardMeta, KVGroup, KVLayout, PagedKVCache
 from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.kernels import paged_attention, store_kv
+from hf_specdec.runtime.placement import execution_device, input_device, loaded_weights, place_drafter
 
 from .modeling import DFlashDrafter
 from .target import capture_hidden_states, check_compatible
@@ -81,7 +82,8 @@ class DFlashDraftRunner(Drafter):
         check_compatible(drafter, target)
         self.num_speculative_tokens = _check_num_speculative_tokens(drafter, num_speculative_tokens)
         self.target = target
-        self.drafter = drafter.to(device=target.device)
+        # beside the target's LM head, which turns its hidden states into logits (runtime/placement.py)
+        self.drafter = place_drafter(drafter, execution_device(target.get_output_embeddings()) or input_device(target))
         self.layout = context_layout(drafter)
         self.cache: PagedKVCache | None = None
 
@@ -106,9 +108,9 @@ class DFlashDraftRunner(Drafter):
     def begin(self, context, captured):
         self.graphs = context.drafter_graphs("dflash", id(self.drafter), id(self.target), self.num_speculative_tokens)
         self.cache = context.new_cache(self.layout, "dflash", dtype=self.drafter.fc.weight.dtype,
-                                       lookahead=self.num_speculative_tokens + 1)
+                                       lookahead=self.num_speculative_tokens + 1, device=self.drafter.fc.weight.device)
         # prefill slots are right-aligned already; a prompt's width varies per request: no graph
-        self._append_context(list(captured), context.prompt_lens, graph=False)
+        self._append_context([h.to(self.drafter.fc.weight.device) for h in captured], context.prompt_lens, graph=False)
 
     @torch.inference_mode()
     def propose(self, last_tokens, context, selector) -> DraftProposal:
@@ -117,20 +119,21 @@ class DFlashDraftRunner(Drafter):
         meta = self.cache.begin_forward([k + 1] * len(lens), k + 1)  # block positions p .. p + k
         try:
             if not selector.do_sample and not selector.scorer.processors:  # greedy: the argmax of every position
-                return DraftProposal(self.graphs.run("block", self._greedy_block, [last_tokens], meta=meta,
-                                                     cache=self.cache), None)
+                drafts = self.graphs.run("block", self._greedy_block, [last_tokens], meta=meta, cache=self.cache)
+                return DraftProposal(drafts.to(last_tokens.device), None)
             # sampling or logits processors: the block forward (a graph replay on CUDA), then the selection on
             # its logits [batch, k, vocab] (processors are host code); a graph's logits are its static buffer,
             # read before the next replay
             logits = self.graphs.run("block_logits", self._block_logits, [last_tokens], meta=meta, cache=self.cache)
         finally:
             self.cache.commit(lens)  # drop the block: the context keeps accepted tokens only
-        return DraftProposal(*selector.select_block(logits))
+        return DraftProposal(*selector.select_block(logits.to(last_tokens.device)))
 
     def _block_logits(self, last_tokens, meta) -> torch.Tensor:
         """The drafts' logits [batch, k, vocab] of one block forward (its K/V stored in the block's slots)."""
-        embeds = self.drafter.embed_block(self.target, self.drafter.block_input_ids(last_tokens,
-                                                                                   self.num_speculative_tokens))
+        ids = self.drafter.block_input_ids(last_tokens, self.num_speculative_tokens)
+        with loaded_weights(self.target.get_input_embeddings()):  # an offloaded table is read directly
+            embeds = self.drafter.embed_block(self.target, ids).to(meta.position_ids.device)
         hidden = self.drafter(embeds, meta.position_ids, PagedDFlashContext(self.cache, meta))
         return self.drafter.draft_logits(self.target, hidden)
 
@@ -142,7 +145,9 @@ class DFlashDraftRunner(Drafter):
         q_len = captured[0].shape[1]
         shift = torch.tensor([q_len - n for n in kept], device=captured[0].device)
         index = (torch.arange(q_len, device=shift.device)[None, :] - shift[:, None]).clamp(min=0)
-        aligned = [h.gather(1, index[:, :, None].expand(-1, -1, h.shape[-1])) for h in captured]
+        device = self.drafter.fc.weight.device  # the target layers it reads may run elsewhere (device_map)
+        aligned = [h.gather(1, index[:, :, None].expand(-1, -1, h.shape[-1]).to(h.device)).to(device)
+                   for h in captured]
         self._append_context(aligned, kept)
         if self.cache.seq_lens != context.cache.seq_lens:
             raise RuntimeError(f"DFlash context lengths {self.cache.seq_lens} drifted from the target's "

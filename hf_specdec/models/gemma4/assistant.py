@@ -295,11 +295,12 @@ class Gemma4MTPAssistant(PreTrainedModel):
         """One draft step for every row; no host syncs, no K/V written. Differentiable (callers that only
         decode wrap it in `torch.inference_mode()`)."""
         dtype = self.pre_projection.weight.dtype
-        if embed_scale is not None and not needs_grad(hidden) and hidden.dtype == dtype:
+        beside = target_embed.weight.device == hidden.device == input_ids.device  # not offloaded, not elsewhere
+        if embed_scale is not None and not needs_grad(hidden) and hidden.dtype == dtype and beside:
             # lookup, scale and concatenation in one kernel on the GPU (the same arithmetic)
             x = embed_concat(input_ids, target_embed.weight, embed_scale, hidden)
-        else:
-            embeds = target_embed(input_ids).to(dtype)  # already x sqrt(backbone_hidden)
+        else:  # the module's own forward: accelerate's hook loads an offloaded table, runs it on its device
+            embeds = target_embed(input_ids).to(hidden.device, dtype)  # already x sqrt(backbone_hidden)
             x = torch.cat([embeds, hidden.to(embeds.dtype)], dim=-1)
         x = self.pre_projection(x).unsqueeze(1)
         normed = self.model(x, position_ids.unsqueeze(1), kv_source, rope).squeeze(1)  # [batch, hidden]

@@ -27,6 +27,7 @@ from hf_specdec.kernels.stacked_linear import stack_weights
 from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, fused_embedding_scale, target_embedding
 from hf_specdec.models.gemma4.assistant_config import check_compatible, producer_layer_for, target_text_config
 from hf_specdec.runtime.cuda_graphs import pad_table
+from hf_specdec.runtime.placement import input_device, layer_devices, place_drafter
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 
@@ -61,18 +62,25 @@ class Gemma4MTPDraftRunner(Drafter):
     def __init__(self, target, assistant: Gemma4MTPAssistant, num_speculative_tokens: int | None = None):
         check_compatible(assistant, target)
         self.target = target
-        self.assistant = assistant.to(device=target.device)
+        text_config = target_text_config(target)
+        self.producers = {t: producer_layer_for(text_config, t) for t in set(assistant.config.text_config.layer_types)}
+        # beside the producer layers whose pages it reads (the last of them if accelerate split them)
+        self.assistant = place_drafter(assistant, layer_devices(target).get(max(self.producers.values()))
+                                       or input_device(target))
         stack_assistant_weights(self.assistant)
         self.num_speculative_tokens = num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         self.embed = target_embedding(target)
         self.embed_scale = fused_embedding_scale(self.embed, self.assistant.pre_projection.weight.dtype)
-        text_config = target_text_config(target)
-        self.producers = {t: producer_layer_for(text_config, t) for t in set(assistant.config.text_config.layer_types)}
         self.layers = sorted(set(self.producers.values()))  # the producer layers whose pages the drafts read
         # a draft graph's inputs are tokens, hidden states, positions, then a block table per producer layer;
         # padding rows draft token 0 at position 0 over no pages: they only read, and their drafts are dropped
         self.pad_values = (0, 0, 0) + (-1,) * len(self.layers)
         self.hidden: torch.Tensor | None = None  # [batch, backbone_hidden] for the next round's step 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the assistant runs (runtime/placement.py)."""
+        return self.assistant.pre_projection.weight.device
 
     @contextlib.contextmanager
     def capture(self, target):
@@ -86,16 +94,16 @@ class Gemma4MTPDraftRunner(Drafter):
             handle.remove()
 
     def begin(self, context, captured):
-        self.hidden = captured.hidden[:, -1]  # the last slot is each row's last prompt token
+        self.hidden = captured.hidden[:, -1].to(self.device)  # the last slot is each row's last prompt token
         self.graphs = context.drafter_graphs("gemma4_mtp", id(self.assistant), id(self.embed))
         self._ahead = False  # propose_ahead already took the next round's hidden states
 
     @torch.inference_mode()
     def propose(self, last_tokens, context, selector) -> DraftProposal:
         cache = context.cache
-        positions = torch.tensor(cache.seq_lens, device=last_tokens.device)
+        positions = torch.tensor(cache.seq_lens, device=self.device)
         if not selector.do_sample and not selector.scorer.processors:
-            return DraftProposal(self._greedy(last_tokens, positions, cache), None)
+            return DraftProposal(self._greedy(last_tokens, positions, cache).to(last_tokens.device), None)
         # sampling or logits processors: each step's forward (one graph replay on CUDA), then the selection
         # (processors are arbitrary host code, and q is needed per step)
         tables = self._tables(cache)
@@ -103,6 +111,7 @@ class Gemma4MTPDraftRunner(Drafter):
         for _ in range(self.num_speculative_tokens):
             hidden, head = self.graphs.run("step", functools.partial(self._one_step, cache),
                                            [tokens, hidden, positions, *tables], pad_values=self.pad_values)
+            head = head.to(drafted.device) if isinstance(head, torch.Tensor) else head  # device_map: the loop's
             tokens, q = selector.select(head, drafted)
             drafted = torch.cat([drafted, tokens[:, None]], dim=1)
             probs.append(q)
@@ -133,7 +142,8 @@ class Gemma4MTPDraftRunner(Drafter):
         self._ahead = True
         # the verify's first query position is each row's committed length before it (stopped rows included)
         positions = context.forward_meta.q_pos0.to(torch.int64) + num_accepted.to(torch.int64) + 1
-        return DraftProposal(self._greedy(next_tokens, positions, context.cache), None)
+        drafts = self._greedy(next_tokens, positions.to(self.device), context.cache)
+        return DraftProposal(drafts.to(next_tokens.device), None)
 
     def _greedy(self, last_tokens, positions, cache) -> torch.Tensor:
         """Greedy drafts [batch, k] of all k steps: on CUDA one graph replay, kept for later requests of the same
@@ -162,8 +172,8 @@ class Gemma4MTPDraftRunner(Drafter):
 
     def _take_hidden(self, captured, num_accepted) -> None:
         """The next round's hidden state: the verify's final-normed state at each row's last accepted slot."""
-        index = num_accepted[:, None, None].expand(-1, 1, captured.hidden.shape[-1])
-        self.hidden = captured.hidden.gather(1, index).squeeze(1)
+        index = num_accepted[:, None, None].expand(-1, 1, captured.hidden.shape[-1]).to(captured.hidden.device)
+        self.hidden = captured.hidden.gather(1, index).squeeze(1).to(self.device)
 
 
 _STACKED: "weakref.WeakKeyDictionary[Gemma4MTPAssistant, tuple]" = weakref.WeakKeyDictionary()

@@ -24,6 +24,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import eager_attention_forward, rotate_half
 
 from hf_specdec.kernels.fused_moe import fused_moe, gated_activation_reference, sigmoid_bias_topk_route
+from hf_specdec.runtime.placement import loaded_weights
 from hf_specdec.models.step3p5.configuration import Step3p5Config
 
 
@@ -173,9 +174,10 @@ class Step3p5MoE(nn.Module):
         forward with no host sync (CUDA-graph capturable); elsewhere, and under autograd, its torch reference
         runs one pass per selected expert."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        weights, experts = self.route(x)
-        out = fused_moe(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, experts, weights,
-                        activation="silu", limit=self.limit)
+        with loaded_weights(self.gate, self.gate_proj, self.up_proj, self.down_proj):  # read without their forwards
+            weights, experts = self.route(x)
+            out = fused_moe(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, experts, weights,
+                            activation="silu", limit=self.limit)
         return out.reshape(hidden_states.shape)
 
 

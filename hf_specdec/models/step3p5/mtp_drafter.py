@@ -38,6 +38,7 @@ import torch
 
 from hf_specdec.cache import ForwardMeta, KVGroup, KVLayout, PagedKVCache, to_device_async
 from hf_specdec.generation.drafter import Drafter, DraftProposal
+from hf_specdec.runtime.placement import is_dispatched, layer_devices
 
 
 @dataclass
@@ -93,9 +94,11 @@ class Step3p5MTPDraftRunner(Drafter):
         config = self.target.config
         self.graphs = context.drafter_graphs("step3p5_mtp", id(self.target))
         self.caches = []
+        # each MTP layer's cache where accelerate put the layer (runtime/placement.py)
+        devices = {layer: str(d) for layer, d in layer_devices(self.target).items()} if is_dispatched(self.target) else {}
         for j, layer in enumerate(self.layer_indices):
             group = KVGroup(config.layer_num_kv_heads(layer), config.layer_head_dim(layer),
-                            config.layer_sliding_window(layer), layers=(layer,))
+                            config.layer_sliding_window(layer), layers=(layer,), device=devices.get(layer))
             layout = KVLayout(groups=[group], layer_slot={layer: (0, 0)}, producer={layer: layer})
             # pooled storage per layer: kept graphs write into it in later requests too
             self.caches.append(context.new_cache(layout, f"step3p5_mtp{j}", dtype=context.cache.dtype))

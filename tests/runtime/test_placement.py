@@ -1,0 +1,93 @@
+"""Placement under accelerate's device_map (runtime/placement.py, cache/kv_layout.split_by_device): the rules on
+fake devices — a module's execution device from its hook, KV groups split by the device of their layers, pages and
+forward descriptions on each group's device (the meta device stands in for a second device), the drafter rule."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+
+from hf_specdec.cache import KVLayout, PagedKVCache, split_by_device
+from hf_specdec.runtime.placement import execution_device, layer_devices, loaded_weights, place_drafter
+
+
+def _hooked(module: torch.nn.Module, device: str) -> torch.nn.Module:
+    module._hf_hook = types.SimpleNamespace(execution_device=device)
+    return module
+
+
+def test_execution_device_prefers_the_hook_then_weights_then_a_submodule_hook():
+    assert execution_device(_hooked(torch.nn.Linear(2, 2), "cuda:1")) == torch.device("cuda:1")
+    assert execution_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
+    offloaded = torch.nn.Sequential(_hooked(torch.nn.Linear(2, 2, device="meta"), "cuda:0"))
+    assert execution_device(offloaded) == torch.device("cuda:0")
+    assert execution_device(torch.nn.ReLU()) is None
+
+
+def test_layer_devices_reads_each_layer_idx_once():
+    layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+    for i, (layer, device) in enumerate(zip(layers, ["cuda:0", "cuda:0", "cuda:1"])):
+        layer.layer_idx = i
+        _hooked(layer, device)
+    assert layer_devices(layers) == {0: torch.device("cuda:0"), 1: torch.device("cuda:0"), 2: torch.device("cuda:1")}
+
+
+def _layout() -> KVLayout:
+    # layers 0, 2 sliding; 1, 3 full; layer 4 shares layer 2's pages (a KV-shared layer)
+    specs = [(2, 8, 4), (1, 16, None), (2, 8, 4), (1, 16, None), (2, 8, 4)]
+    return KVLayout.from_layers(specs, {0: 0, 1: 1, 2: 2, 3: 3, 4: 2})
+
+
+def test_split_by_device_keeps_one_device_layouts_and_splits_the_others():
+    layout = _layout()
+    assert split_by_device(layout, {i: "cpu" for i in range(5)}) is layout
+    split = split_by_device(layout, {0: "cuda:0", 1: "cuda:0", 2: "cuda:1", 3: "cuda:1", 4: "cuda:1"})
+    assert [(g.layers, g.device) for g in split.groups] == [
+        ((0,), "cuda:0"), ((2,), "cuda:1"), ((1,), "cuda:0"), ((3,), "cuda:1")]
+    assert split.layer_slot[4] == split.layer_slot[2]  # the shared layer still reads its producer's pages
+    assert all(g.sliding_window == 4 for g in split.groups[:2]) and split.groups[2].sliding_window is None
+
+
+def test_pages_and_forward_description_live_on_each_groups_device():
+    split = split_by_device(_layout(), {0: "cpu", 1: "cpu", 2: "meta", 3: "meta", 4: "meta"})
+    cache = PagedKVCache(split, [8] * len(split.groups), 2, block_size=4, dtype=torch.float32, device="cpu")
+    assert {str(k.device) for k in cache.k_storage} == {"cpu", "meta"}
+    cache.begin_forward([3, 2], 3)
+    for layer in range(5):
+        k, _, tables, _ = cache.layer_pages(layer)
+        assert tables.device == k.device == torch.device("meta" if layer >= 2 else "cpu")
+    assert cache.meta_on(torch.device("meta")) is cache.meta_on(torch.device("meta"))  # copied once per forward
+    cache.commit([3, 2])
+    assert cache.context_pages(3)[2].device.type == "meta" and cache.seq_lens == [3, 2]
+
+
+def test_loaded_weights_runs_the_hooks_around_the_block():
+    calls = []
+    module = torch.nn.Linear(2, 2)
+    module._hf_hook = types.SimpleNamespace(pre_forward=lambda m: calls.append("load"),
+                                            post_forward=lambda m, out: calls.append("offload"))
+    with loaded_weights(module, torch.nn.ReLU()):
+        calls.append("read")
+    assert calls == ["load", "read", "offload"]
+
+
+def test_place_drafter_moves_a_small_drafter_beside_its_layers_with_a_warning():
+    drafter = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert place_drafter(drafter, torch.device("cpu")) is drafter  # already there: no warning
+    with pytest.warns(UserWarning, match=r"moved the assistant_model from cpu to meta"):
+        place_drafter(drafter, torch.device("meta"))
+    assert drafter.weight.device.type == "meta"
+
+
+def test_place_drafter_refuses_what_cannot_move():
+    with pytest.raises(ValueError, match=r"meta device \(not loaded\); load it with from_pretrained"):
+        place_drafter(torch.nn.Linear(2, 2, device="meta"), torch.device("cpu"))
+    split = torch.nn.Linear(2, 2)
+    split.hf_device_map = {"a": 0, "b": 1}
+    with pytest.raises(ValueError, match=r"dispatched by accelerate .*load it without device_map"):
+        place_drafter(split, torch.device("cpu"), "DFlash drafter")
