@@ -196,6 +196,30 @@ class Progress:
             self.bar = None
 
 
+def add_pair_arguments(parser, prompt_help: str, layers_help: str) -> None:
+    """``--layers``, ``--repeats``, ``--prompt`` and ``--new-tokens`` of the benches that time transformers' and
+    hf_specdec's generate on the same weights."""
+    parser.add_argument("--layers", type=int, default=None, help=layers_help)
+    parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
+    parser.add_argument("--prompt", type=int, default=256, help=prompt_help)
+    parser.add_argument("--new-tokens", type=int, default=64)
+
+
+def rows_per_model(args, progress, model_rows) -> list[dict]:
+    """``model_rows(name, folder, args)`` for each of ``args.models`` in turn, each with a fresh temporary folder
+    (checkpoints written for the run) and the device memory freed before the next."""
+    import tempfile
+
+    progress.total(len(args.models))
+    rows = []
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as folder:
+            rows += model_rows(name, folder, args)
+        free_device_memory()
+        progress.step(name)
+    return rows
+
+
 def build_parser(module, prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog or f"python -m benchmarks.{module.NAME}",
                                      description=(module.__doc__ or "").strip().splitlines()[0])

@@ -16,12 +16,11 @@ pair of 32 tokens once read 3990 tok/s for a row that reads ~1300 in e2e_tiny: a
 
 from __future__ import annotations
 
-import tempfile
 
 import torch
 
 import hf_specdec
-from benchmarks.common import bench_main, decode_rate, first_mismatch, free_device_memory
+from benchmarks.common import add_pair_arguments, bench_main, decode_rate, first_mismatch, rows_per_model
 from benchmarks.shapes import gemma4_assistant, gemma4_target, random_prompt, shape_name
 
 NAME = "hf_native_assisted"
@@ -36,24 +35,16 @@ PRESETS = {
 def add_arguments(parser) -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "gemma4-e4b"],
                         help="'tiny' (the bundled family) and/or a Gemma 4 shape of benchmarks/shapes.py")
-    parser.add_argument("--layers", type=int, default=None, help="cut the random target to this many layers")
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
-    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens of the random pair")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    add_pair_arguments(parser, "prompt tokens of the random pair", "cut the random target to this many layers")
 
 
 def run(args, progress) -> list[dict]:
-    progress.total(len(args.models))
-    rows = []
-    for name in args.models:
-        with tempfile.TemporaryDirectory() as folder:
-            target, assistant_dir, ids, model_shape = _pair(name, folder, args)
-            rows += _rows(target, assistant_dir, ids, model_shape, args)
-        del target
-        free_device_memory()
-        progress.step(name)
-    return rows
+    return rows_per_model(args, progress, _model_rows)
+
+
+def _model_rows(name: str, folder: str, args) -> list[dict]:
+    return _rows(*_pair(name, folder, args), args)  # the pair is freed on return
 
 
 def _pair(name: str, folder: str, args):

@@ -30,13 +30,19 @@ logit gap there (``near_tie`` when within 2 bf16 ulps, docs/architecture.md, "Ex
 
 from __future__ import annotations
 
-import tempfile
 
 import torch
 import transformers
 
 import hf_specdec
-from benchmarks.common import bench_main, decode_rate, first_mismatch, free_device_memory
+from benchmarks.common import (
+    add_pair_arguments,
+    bench_main,
+    decode_rate,
+    first_mismatch,
+    free_device_memory,
+    rows_per_model,
+)
 from benchmarks.decode import _near_tie
 from benchmarks.shapes import random_prompt, shape_name, step3p5_target
 from hf_specdec.models.step3p5 import step3p7
@@ -55,23 +61,13 @@ PLAIN_OF = {"hf_dynamic": "hf_dynamic", "hf_native_mtp": "hf_dynamic", "hf_specd
 def add_arguments(parser) -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "step3p5"],
                         help="'tiny' (the bundled tiny-step3p5) and/or a Step 3.5 shape of benchmarks/shapes.py")
-    parser.add_argument("--layers", type=int, default=None, help="cut the random model to this many main layers")
     parser.add_argument("--k", type=int, default=3, help="hf_specdec's num_speculative_tokens (transformers: all "
                                                          "MTP layers)")
-    parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
-    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens of the random model")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    add_pair_arguments(parser, "prompt tokens of the random model", "cut the random model to this many main layers")
 
 
 def run(args, progress) -> list[dict]:
-    progress.total(len(args.models))
-    rows = []
-    for name in args.models:
-        with tempfile.TemporaryDirectory() as folder:
-            rows += _model_rows(name, folder, args)
-        free_device_memory()
-        progress.step(name)
-    return rows
+    return rows_per_model(args, progress, _model_rows)
 
 
 def _model_rows(name: str, folder: str, args) -> list[dict]:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import check, check_same_device, interpreting, needs_grad, tl, triton, use_triton
+from .skinny_gemm import load_k_tile
 
 MAX_ROWS = 16  # rows per program (tl.dot's smallest M)
 MAX_KERNEL_ROWS = 8192  # more rows take the reference
@@ -91,12 +92,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
     s_rows = s_ptr + (cols // scale_bn).to(tl.int64) * stride_sn  # each column's row of scales
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        # the weights are read once: keep them from evicting the rows (and everything else) from L2
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w, x = load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K)
         if NATIVE_FP8:
             w = w.to(x.dtype)
         else:
@@ -226,18 +222,11 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     grid, bn, bk = scale_grid(scale, block_size, n, k)
     scale_per_k = grid.shape[1] > 1
     block_n, block_k, warps, stages = config or config_for(n, k, scale_per_k)
-    if scale_per_k:  # a K tile must not straddle two scale blocks
-        block_k = min(block_k, bk & -bk)
-        check(block_k >= MIN_BLOCK_K, f"block_size[1]={bk} must be a multiple of {MIN_BLOCK_K} for the kernel "
+    if scale_per_k:
+        check((bk & -bk) >= MIN_BLOCK_K, f"block_size[1]={bk} must be a multiple of {MIN_BLOCK_K} for the kernel "
               "(fp8_linear takes the reference for such scales)")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if native_fp8 is None:
-        native_fp8 = _has_native_fp8(x.device)
-    e8m0 = grid.dtype == E8M0_DTYPE
-    # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits and truncates fp32 -> bf16
-    # casts: there the tiles go to fp32 and torch rounds the fp32 result
-    upcast = x.dtype == torch.bfloat16 and interpreting(_fp8_gemm_kernel)
+    x, block_k, native_fp8, e8m0, upcast = _launch_setup(x, grid, bk, block_k, scale_per_k, native_fp8,
+                                                         _fp8_gemm_kernel)
     out = torch.empty(rows, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
     _fp8_gemm_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n))](
         x, weight if native_fp8 else weight.view(torch.uint8), grid.view(torch.uint8) if e8m0 else grid, out,
@@ -245,6 +234,21 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_PER_K=scale_per_k, NATIVE_FP8=native_fp8,
         SCALE_E8M0=e8m0, UPCAST=upcast, num_warps=warps, num_stages=stages)
     return out.to(x.dtype)
+
+
+def _launch_setup(x, scale, bk, block_k, scale_per_k, native_fp8, kernel):
+    """What both launchers settle before a launch -> (x with contiguous rows, BLOCK_K (a K tile must not straddle
+    two scale blocks), native fp8 loads, e8m0 scales, upcast). Triton's CPU interpreter (3.9) multiplies bf16 tiles
+    as their raw uint16 bits and truncates fp32 -> bf16 casts: there the tiles go to fp32 (``upcast``) and torch
+    rounds the fp32 result."""
+    if scale_per_k:
+        block_k = min(block_k, bk & -bk)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if native_fp8 is None:
+        native_fp8 = _has_native_fp8(x.device)
+    upcast = x.dtype == torch.bfloat16 and interpreting(kernel)
+    return x, block_k, native_fp8, scale.dtype == E8M0_DTYPE, upcast
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
@@ -364,15 +368,8 @@ def fp8_expert_matmul(x: torch.Tensor,  # [pairs, K] bf16 / fp16
     n = weight.shape[1]
     bn, bk = expert_scale_blocks(scale, block_size, n, k)
     scale_per_k = scale.shape[2] > 1
-    if scale_per_k:  # a K tile must not straddle two scale blocks
-        block_k = min(block_k, bk & -bk)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    if native_fp8 is None:
-        native_fp8 = _has_native_fp8(x.device)
-    e8m0 = scale.dtype == E8M0_DTYPE
-    # the interpreter truncates fp32 -> bf16 casts (see fp8_matmul): there torch rounds the fp32 result
-    upcast = x.dtype == torch.bfloat16 and interpreting(_fp8_expert_gemv_kernel)
+    x, block_k, native_fp8, e8m0, upcast = _launch_setup(x, scale, bk, block_k, scale_per_k, native_fp8,
+                                                         _fp8_expert_gemv_kernel)
     out = torch.empty(pairs, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
     if pairs == 0:
         return out.to(x.dtype)

@@ -29,6 +29,17 @@ MIN_WEIGHT_BYTES = int(os.environ.get("HF_SPECDEC_SKINNY_MIN_BYTES", 48 << 20))
 
 
 @triton.jit
+def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
+    """The weight tile ``[BLOCK_N, BLOCK_K]`` and the rows' tile ``[BLOCK_M, BLOCK_K]`` at ``k0`` (zero past K). The
+    weights are read once: they are loaded evict-first, so they do not push the rows (or anything else) out of L2."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    return w, x
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRECISION: tl.constexpr):
@@ -40,12 +51,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        # the weights are read once: keep them from evicting the rows (and everything else) from L2
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w, x = load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -72,12 +72,8 @@ class ModelRunner:
         """``graph_store``: the model's store of CUDA graphs and pooled K/V storage, or None for eager forwards.
         ``ranks``: the tensor-parallel group ``model`` is sharded over; ``head_shard``: the same group when it splits
         the KV heads (``layout`` then holds this rank's share)."""
-        self.model = model
-        self.layout = layout
-        self.cache_config = cache_config
-        self.graph_store = graph_store
-        self.ranks = ranks
-        self.head_shard = head_shard
+        self.model, self.layout, self.cache_config, self.graph_store = model, layout, cache_config, graph_store
+        self.ranks, self.head_shard = ranks, head_shard
         self.cache: PagedKVCache | None = None
         self.context: RequestContext | None = None
         self.graphs: GraphRunner | None = None
