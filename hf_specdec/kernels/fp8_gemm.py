@@ -327,7 +327,10 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 # ---------------------------------------------------------------- mixture-of-experts weights [E, N, K]
 
-MAX_EXPERT_PAIRS = 512  # (token, expert) pairs above which fp8_expert_linear runs one GEMM per selected expert
+# (token, expert) pairs above which fp8_expert_linear runs one GEMM per selected expert (a host sync), outside CUDA
+# graph capture: a prefill's pairs. Decode and verify forwards stay on the kernel, whose pairs are computed one per
+# program (a pair's result does not depend on the others), so a verify step and a decode step round alike.
+MAX_EXPERT_PAIRS = 4096
 
 
 def expert_scale_blocks(scale: torch.Tensor, block_size, n: int, k: int) -> tuple[int, int]:
@@ -401,7 +404,8 @@ def fp8_expert_linear_reference(x: torch.Tensor,  # [pairs, K]
 def fp8_expert_eligible(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, expert_ids: torch.Tensor,
                         block_size=None) -> bool:
     """Whether :func:`fp8_expert_linear` runs the kernel (else a GEMM per selected expert)."""
-    if not (use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_EXPERT_PAIRS and x.dtype in ACTIVATION_DTYPES
+    if not (use_triton(x) and x.dim() == 2 and x.shape[0] > 0 and x.dtype in ACTIVATION_DTYPES
+            and (x.shape[0] <= MAX_EXPERT_PAIRS or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
             and weight.dtype == FP8_DTYPE and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and weight.dim() == 3 and weight.stride(2) == 1 and scale.dtype in SCALE_DTYPES
             and x.device == weight.device == scale.device == expert_ids.device

@@ -216,6 +216,7 @@ def _topk_route_kernel(scores_ptr, bias_ptr, scale_ptr, weights_ptr, index_ptr, 
     for slot in tl.static_range(TOP_K):
         best = tl.max(keys, 0)
         pick = tl.min(tl.where(valid & (keys == best), experts, BLOCK_E), 0)
+        pick = tl.where(pick < BLOCK_E, pick, tl.min(tl.where(valid, experts, BLOCK_E), 0))  # NaN keys: any valid id
         weight = tl.sum(tl.where(experts == pick, scores, 0.0), 0)
         total += weight
         chosen_weight = tl.where(slots == slot, weight, chosen_weight)

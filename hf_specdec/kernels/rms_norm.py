@@ -41,6 +41,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
     for name, vector in (("weight", weight), ("then_mul", then_mul)):
         check(vector is None or vector.shape == (x.shape[-1],),
               f"{name} must be [dim={x.shape[-1]}], got {None if vector is None else tuple(vector.shape)}")
+    check(then_mul is None or then_mul.dtype == x.dtype,
+          f"then_mul must be in x's dtype {x.dtype} (the product is rounded to it), got "
+          f"{None if then_mul is None else then_mul.dtype}")
     if not use_triton(x) or x.numel() == 0 or x.shape[-1] > 65536:
         return rms_norm_reference(x, weight, eps, then_mul=then_mul, then_scalar=then_scalar)
     rows = x.reshape(-1, x.shape[-1])

@@ -71,13 +71,21 @@ def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:
     """``layer_idx`` -> execution device of the first module carrying that ``layer_idx`` (a decoder layer or its
     attention: accelerate places whole layers, so both run on one device)."""
     devices: dict[int, torch.device] = {}
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if _in_encoder_tower(name):  # a vision / audio encoder numbers its own layers from 0 too
+            continue
         idx = getattr(module, "layer_idx", None)
         if isinstance(idx, int) and idx not in devices:
             device = execution_device(module)
             if device is not None:
                 devices[idx] = device
     return devices
+
+
+def _in_encoder_tower(name: str) -> bool:
+    """Whether the module at ``name`` belongs to a multimodal model's vision or audio encoder (not the decoder whose
+    layers own the KV pages)."""
+    return any(part.startswith(("vision", "audio", "embed_vision", "embed_audio")) for part in name.split("."))
 
 
 @contextlib.contextmanager
@@ -101,7 +109,8 @@ def place_drafter(drafter: torch.nn.Module, device: torch.device, role: str = "a
     the fix, when its weights cannot move: on the meta device, offloaded or dispatched over several devices."""
     if getattr(drafter, "hf_device_map", None) and len(set(drafter.hf_device_map.values())) > 1 or any(
             getattr(m, "_hf_hook", None) is not None for m in drafter.modules()):
-        raise ValueError(f"the {role} is dispatched by accelerate (device_map={dict(drafter.hf_device_map or {})}); "
+        device_map = dict(getattr(drafter, "hf_device_map", None) or {})  # hooks without a map: cpu_offload
+        raise ValueError(f"the {role} is dispatched by accelerate (device_map={device_map}); "
                          f"hf_specdec places a drafter whole beside the target layers it reads: load it without "
                          f"device_map, or with device_map={{'': {str(device)!r}}}.")
     weights = [*drafter.parameters(), *drafter.buffers()]

@@ -256,6 +256,15 @@ def test_triton_topk_route(triton_device, router, tokens, experts, top_k):
                                        rtol=1e-6, atol=0)
 
 
+def test_triton_topk_route_gives_valid_experts_for_a_nan_row(triton_device):
+    """A token whose scores are all NaN (a model that already diverged) still gets distinct experts in range."""
+    scores = torch.rand(2, 8)
+    scores[1] = float("nan")
+    weights, index = topk_route(scores.to(triton_device), 3, renormalize=True)
+    index = index.cpu()
+    assert index.min() >= 0 and index.max() < 8 and all(len(set(row.tolist())) == 3 for row in index)
+
+
 def test_topk_route_bad_arguments_name_the_fix():
     scores = torch.rand(3, 8)
     with pytest.raises(ValueError, match=r"num_experts >= top_k=9"):

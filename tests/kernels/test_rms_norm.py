@@ -145,6 +145,8 @@ def test_moe_block_norms_bad_arguments_name_the_fix():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"then_mul must be \[dim=8\]"):
         rms_norm(x, None, 1e-6, then_mul=torch.ones(7))
+    with pytest.raises(ValueError, match="then_mul must be in x's dtype"):
+        rms_norm(x, None, 1e-6, then_mul=torch.ones(8, dtype=torch.float64))
     with pytest.raises(ValueError, match="next2_eps needs next_eps"):
         norm_add(x, x, torch.ones(8), 1e-6, next2_eps=1e-6)
     with pytest.raises(ValueError, match=r"must be a's shape"):

@@ -91,3 +91,42 @@ def test_place_drafter_refuses_what_cannot_move():
     split.hf_device_map = {"a": 0, "b": 1}
     with pytest.raises(ValueError, match=r"dispatched by accelerate .*load it without device_map"):
         place_drafter(split, torch.device("cpu"), "DFlash drafter")
+
+
+def test_layer_devices_skip_an_encoder_towers_own_layer_numbers():
+    """A multimodal model's vision tower numbers its layers from 0 too: the text layers' devices are not its."""
+    from hf_specdec.runtime import placement
+
+    class Layer(torch.nn.Module):
+        def __init__(self, idx):
+            super().__init__()
+            self.layer_idx = idx
+
+    class Tower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(0), Layer(1)])
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision_tower = Tower()
+            self.language_model = Tower()
+
+    model = Model()
+    devices = {id(m): torch.device("meta") for m in model.vision_tower.modules()}
+    original = placement.execution_device
+    try:
+        placement.execution_device = lambda module: devices.get(id(module), torch.device("cpu"))
+        assert placement.layer_devices(model) == {0: torch.device("cpu"), 1: torch.device("cpu")}
+    finally:
+        placement.execution_device = original
+
+
+def test_a_hooked_drafter_without_a_device_map_gets_the_error_that_names_the_fix():
+    from hf_specdec.runtime.placement import place_drafter
+
+    drafter = torch.nn.Linear(2, 2)
+    drafter._hf_hook = object()  # what accelerate's cpu_offload leaves: hooks, no hf_device_map
+    with pytest.raises(ValueError, match="load it without device_map"):
+        place_drafter(drafter, torch.device("cpu"))
