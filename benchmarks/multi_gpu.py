@@ -241,13 +241,12 @@ def _load_tp(shape: str, world: int):
     from transformers.distributed import DistributedConfig
 
     import hf_specdec
+    from hf_specdec.runtime.distributed import replicated_attention_plan
 
     kwargs = dict(tp_plan="auto")
     if shape == "tiny-gemma4":
-        own = {f"model.{k}": v for k, v in transformers.Gemma4TextConfig.base_model_tp_plan.items()}
-        own |= transformers.Gemma4ForCausalLM._tp_plan
-        attention = [k for k in own if k.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        kwargs = dict(distributed_config=DistributedConfig(tp_size=world, tp_plan=dict.fromkeys(attention, "replicate")))
+        plan = replicated_attention_plan(transformers.Gemma4ForCausalLM)
+        kwargs = dict(distributed_config=DistributedConfig(tp_size=world, tp_plan=plan))
     model = hf_specdec.AutoModelForCausalLM.from_pretrained(_asset(shape), dtype=torch.float32, **kwargs)
     model.generation_config.eos_token_id = None
     return model

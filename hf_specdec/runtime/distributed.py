@@ -160,11 +160,30 @@ def local_kv_layout(model: torch.nn.Module, layout: KVLayout) -> KVLayout:
                 f"layer {layer} has {group.num_kv_heads} KV heads, which do not split over the {split} ranks of the "
                 f"tensor-parallel group: every rank must hold whole KV heads. Run with a tensor-parallel size that "
                 f"divides every layer's KV-head count (at most {group.num_kv_heads} here), or load the model with a "
-                f"tp_plan that keeps the attention projections replicated (the style 'replicate' for their q/k/v/o "
-                f"projections where transformers has it, else a plan without their entries)."
+                f"tp_plan that keeps the attention projections replicated "
+                f"(hf_specdec.runtime.distributed.replicated_attention_plan(type(model)) gives one)."
             )
         groups.append(dataclasses.replace(group, num_kv_heads=group.num_kv_heads // split))
     return KVLayout(groups=groups, layer_slot=dict(layout.layer_slot), producer=dict(layout.producer))
+
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def replicated_attention_plan(causal_lm_class) -> dict[str, str]:
+    """A tp_plan for ``causal_lm_class`` (a transformers causal LM class) that keeps the attention projections whole on
+    every rank: the fix for KV heads the group size does not divide. Where transformers merges a given plan into the
+    model's own and has the style "replicate" (5.24), an override of those projections with it; else (5.17, which
+    replaces the model's plan with the given one and has no such style) the model's own plan without them. Pass it
+    as ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=N, tp_plan=plan))``."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    own = {f"model.{key}": style for key, style in (causal_lm_class.config_class.base_model_tp_plan or {}).items()}
+    own |= getattr(causal_lm_class, "_tp_plan", None) or {}
+    attention = {key for key in own if key.rsplit(".", 1)[-1] in ATTENTION_PROJECTIONS}
+    if "replicate" in ALL_PARALLEL_STYLES:
+        return dict.fromkeys(attention, "replicate")
+    return {key: style for key, style in own.items() if key not in attention}
 
 
 def check_replicated(module: torch.nn.Module, role: str) -> None:

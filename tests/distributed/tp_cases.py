@@ -28,7 +28,6 @@ from hf_specdec.assets import asset_path
 
 MAX_NEW_TOKENS = 12
 SEED = 1234
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -86,17 +85,10 @@ def load(path: str, placement: str):
 
 
 def replicated_attention_plan() -> dict[str, str]:
-    """A Gemma 4 tp_plan that keeps the attention projections replicated: an override of them with the style
-    "replicate" where transformers merges a given plan into the model's own (5.24), else the model's own plan
-    without them (5.17 replaces the model's plan with the given one, and has no "replicate" style)."""
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+    """The bundled Gemma 4's tp_plan with its attention projections replicated (the fix hf_specdec's error names)."""
+    from hf_specdec.runtime.distributed import replicated_attention_plan as plan
 
-    own = {f"model.{key}": style for key, style in transformers.Gemma4TextConfig.base_model_tp_plan.items()}
-    own |= transformers.Gemma4ForCausalLM._tp_plan
-    attention = {key for key in own if key.rsplit(".", 1)[-1] in ATTENTION_PROJECTIONS}
-    if "replicate" in ALL_PARALLEL_STYLES:
-        return dict.fromkeys(attention, "replicate")
-    return {key: style for key, style in own.items() if key not in attention}
+    return plan(transformers.Gemma4ForCausalLM)
 
 
 def target_of(family: str, gemma_dirs: dict[str, pathlib.Path], tp: bool):
