@@ -38,8 +38,9 @@ class RequestContext:
                   device: torch.device | None = None) -> PagedKVCache:
         """A drafter's own paged cache, sized for this request like the target's (``lookahead``: the drafter's,
         default the target's); its storage is pooled under ``owner`` when graphs are on (kept graphs write
-        into it in later requests too); on ``device`` (default the target cache's), where the drafter runs. Under tensor parallelism its KV groups hold this rank's share of the heads
-        of the :attr:`draft_model` layers they serve."""
+        into it in later requests too); on ``device`` (default the target cache's), where the drafter runs. Under
+        tensor parallelism its KV groups hold this rank's share of the heads of the :attr:`draft_model` layers they
+        serve."""
         if self.ranks is not None and self.draft_model is not None:
             layout = local_kv_layout(self.draft_model, layout)
         return sizing.cache_for_request(

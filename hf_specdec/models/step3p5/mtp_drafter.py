@@ -95,7 +95,8 @@ class Step3p5MTPDraftRunner(Drafter):
         self.graphs = context.drafter_graphs("step3p5_mtp", id(self.target))
         self.caches = []
         # each MTP layer's cache where accelerate put the layer (runtime/placement.py)
-        devices = {layer: str(d) for layer, d in layer_devices(self.target).items()} if is_dispatched(self.target) else {}
+        devices = ({layer: str(d) for layer, d in layer_devices(self.target).items()}
+                   if is_dispatched(self.target) else {})
         for j, layer in enumerate(self.layer_indices):
             group = KVGroup(config.layer_num_kv_heads(layer), config.layer_head_dim(layer),
                             config.layer_sliding_window(layer), layers=(layer,), device=devices.get(layer))
