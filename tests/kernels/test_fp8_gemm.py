@@ -263,7 +263,7 @@ def test_triton_fp8_experts_forward(triton_device):
 
 def test_fp8_gemm_cases_in_interpreter(request):
     """This file by itself on CPU: its ``triton_`` tests in the interpreter (``conftest.run_file_cases_in_interpreter``)."""
-    run_file_cases_in_interpreter(request, __file__, min_passed=38)
+    run_file_cases_in_interpreter(request, __file__, min_passed=39)
 
 
 # ---------------------------------------------------------------- reference, dispatch, launcher checks (CPU)
@@ -312,10 +312,15 @@ def test_dispatch_keeps_the_reference_where_the_kernel_does_not_apply(monkeypatc
     assert not fp8_eligible(x, weight, scale, (16, 32))
 
 
-def test_reference_path_serves_what_the_kernel_does_not():
-    """Prefill widths, fp32 activations and K blocks of 8 give the reference's answer (CPU: always)."""
+def test_reference_path_serves_what_the_kernel_does_not(monkeypatch):
+    """With the kernels forced on, what they do not take (fp32 activations, K blocks of 8) gets the reference's
+    answer without a launch."""
+    from hf_specdec.kernels import fp8_gemm
+
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    monkeypatch.setattr(fp8_gemm, "fp8_matmul", lambda *a, **k: pytest.fail("the kernel was launched"))
     weight, scale = make_fp8(8, 64, (8, 8))
-    for x in (torch.randn(MAX_ROWS + 3, 64).bfloat16(), torch.randn(2, 4, 64)):
+    for x in (torch.randn(3, 64).bfloat16(), torch.randn(2, 4, 64)):
         assert torch.equal(fp8_linear(x, weight, scale, (8, 8)), fp8_linear_reference(x, weight, scale, (8, 8)))
 
 
@@ -428,7 +433,7 @@ def test_tiny_fp8_model_matches_its_dequantized_twin():
 
 
 @pytest.mark.parametrize("block_size", [(16, 32), None])
-def test_expert_reference_is_each_experts_dequantized_matmul(block_size):
+def test_expert_reference_is_each_experts_dequantized_matmul(block_size, monkeypatch):
     weight, scale = make_fp8_experts(4, 40, 64, block_size, seed=22)
     ids = torch.tensor([2, 2, 0, 3])
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(22))
@@ -437,7 +442,12 @@ def test_expert_reference_is_each_experts_dequantized_matmul(block_size):
     for p, e in enumerate(ids.tolist()):
         expected = F.linear(x[p:p + 1], dequantize_fp8(weight[e], grid(e), block_size))
         torch.testing.assert_close(got[p:p + 1], expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(fp8_expert_linear(x, weight, scale, ids, block_size), got)  # CPU: the reference
+    # fp32 activations are the reference's even with the kernels forced on: no launch, the same answer
+    from hf_specdec.kernels import fp8_gemm
+
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    monkeypatch.setattr(fp8_gemm, "fp8_expert_matmul", lambda *a, **k: pytest.fail("the kernel was launched"))
+    assert torch.equal(fp8_expert_linear(x, weight, scale, ids, block_size), got)
 
 
 def test_fp8_experts_forward_is_the_dense_experts_on_dequantized_weights():

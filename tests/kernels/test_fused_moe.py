@@ -224,8 +224,8 @@ def test_triton_topk_route(triton_device, router, tokens, experts, top_k):
     key values, lower ids first) and gives their weights to a last-bit difference of the renormalising sum."""
     gen = torch.Generator().manual_seed(experts * 10 + top_k)
     logits = torch.randn(tokens, experts, generator=gen) * 3
-    if experts >= 16:
-        logits[:, 9:13] = logits[:, 2:3]  # tied scores: experts 2 and 9-12
+    if experts >= 16:  # tied scores at the top of every row: experts 2 and 9-12 are all selected, ties included
+        logits[:, [2, 9, 10, 11, 12]] = logits.max(-1, keepdim=True).values + 1
     scale = torch.rand(experts, generator=gen) + 0.5
     bias = torch.randn(experts, generator=gen) * 0.1
     if router == "softmax":
@@ -242,12 +242,15 @@ def test_triton_topk_route(triton_device, router, tokens, experts, top_k):
         k: v.cpu() if torch.is_tensor(v) else v for k, v in kwargs.items()})
     weights, index = weights.cpu(), index.cpu()
     assert weights.dtype == torch.float32 and index.dtype == torch.int64 and index.shape == (tokens, top_k)
+    ties_checked = 0
     for t in range(tokens):
         assert len(set(index[t].tolist())) == top_k
         assert torch.equal(keys[t, index[t]], keys[t, expected_index[t]])  # the same keys, in the same order
         for slot in range(top_k - 1):  # equal keys: lower id first
             if keys[t, index[t, slot]] == keys[t, index[t, slot + 1]]:
                 assert index[t, slot] < index[t, slot + 1]
+                ties_checked += 1
+    assert ties_checked > 0 or experts < 16 or top_k == 1 or router == "sigmoid_bias"  # the tie branch ran
     order = [torch.argsort(i) for i in index]  # compare the weights expert by expert (tied slots may swap)
     expected_order = [torch.argsort(i) for i in expected_index]
     for t in range(tokens):
@@ -263,6 +266,9 @@ def test_triton_topk_route_gives_valid_experts_for_a_nan_row(triton_device):
     weights, index = topk_route(scores.to(triton_device), 3, renormalize=True)
     index = index.cpu()
     assert index.min() >= 0 and index.max() < 8 and all(len(set(row.tolist())) == 3 for row in index)
+    expected_weights, expected_index = topk_route_reference(scores[:1], 3, renormalize=True)
+    assert torch.equal(index[:1], expected_index)  # the other row is routed as without it
+    torch.testing.assert_close(weights[:1].cpu(), expected_weights, rtol=1e-6, atol=0)
 
 
 def test_topk_route_bad_arguments_name_the_fix():

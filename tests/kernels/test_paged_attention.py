@@ -277,7 +277,7 @@ def test_split_count_fills_the_gpu_only_for_long_ranges():
 
 
 def test_triton_cases_in_interpreter(run_triton_cases_in_interpreter):
-    run_triton_cases_in_interpreter(min_passed=61)
+    run_triton_cases_in_interpreter(min_passed=175)
 
 
 # ---------------------------------------------------------------- launcher errors
