@@ -70,8 +70,8 @@ def sweep(triton, fp8_matmul, quantize_fp8) -> int:
         for fmt, block in FORMATS.items():
             w8, scale = quantize_fp8(w, block)
             timed = []
-            # block scales cap BLOCK_K at the scale block (128): the tile's width and depth of pipelining vary
-            grid = (product((16, 32, 64), (128,), (2, 4), (4, 6, 8)) if block else
+            # block scales: a K tile of BLOCK_K is BLOCK_K / 128 dots, one per block of scales
+            grid = (product((16, 32, 64), (128, 256, 512), (4,), (3, 4, 6)) if block else
                     product((16, 32, 64), (256, 512, 1024), (4,), (4, 6)))
             for config in grid:
                 try:

@@ -18,8 +18,8 @@ Scales are fp32, bf16, fp16 or float8_e8m0fnu (powers of two).
 Numerics (the contract of :func:`fp8_linear_reference`): the weights dequantized in fp32, the product
 accumulated in fp32 and rounded once to the activation dtype. The kernel gets the same sums: e4m3 values are
 exact in bf16 and fp16, so the tensor cores form exact products, and each K tile's fp32 partial sum is
-multiplied by its scale block (per-block scales; a K tile never straddles two) or the finished sum by the
-row's scale (per channel / tensor). Only the summation order differs. This is not what transformers' own
+multiplied by its scale block (per-block scales: a K tile is one or several dots, none straddling two blocks,
+with the tile's scales read in one load) or the finished sum by the row's scale (per channel / tensor). Only the summation order differs. This is not what transformers' own
 ``FP8Linear`` and ``CompressedTensorsFP8Linear`` compute: they quantize the activations to FP8 too (W8A8); the
 weight-only product here is the more accurate of the two.
 
@@ -80,7 +80,7 @@ def _load_scale(ptrs, mask, E8M0: tl.constexpr):
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      stride_sn, stride_sk, scale_bn, scale_bk,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                      SCALE_PER_K: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr,
                      UPCAST: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row tiles of one column block run side by side
@@ -90,21 +90,27 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     s_rows = s_ptr + (cols // scale_bn).to(tl.int64) * stride_sn  # each column's row of scales
+    subs = tl.arange(0, BLOCK_K // SUB_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w, x = load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K)
-        if NATIVE_FP8:
-            w = w.to(x.dtype)
-        else:
-            w = _e4m3_bits_to_float(w).to(x.dtype)
-        if UPCAST:
-            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            part = tl.dot(x, tl.trans(w))
-        if SCALE_PER_K:  # the tile lies inside one block of scales along K
-            acc += part * _load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[None, :]
-        else:
-            acc += part
+        if SCALE_PER_K:
+            # the scales of the tile's SUB_K-wide parts (each inside one block of scales along K), in one load
+            sub_k = tl.minimum((k0 + subs * SUB_K) // scale_bk, (K - 1) // scale_bk)
+            scales = _load_scale(s_rows[:, None] + sub_k[None, :] * stride_sk, col_ok[:, None], SCALE_E8M0)
+        for j in tl.static_range(BLOCK_K // SUB_K):
+            w, x = load_k_tile(w_rows, x_rows, k0 + j * SUB_K, K, col_ok, row_ok, SUB_K)
+            if NATIVE_FP8:
+                w = w.to(x.dtype)
+            else:
+                w = _e4m3_bits_to_float(w).to(x.dtype)
+            if UPCAST:
+                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w))
+            if SCALE_PER_K:
+                acc += part * tl.sum(tl.where(subs[None, :] == j, scales, 0.0), axis=1)[None, :]
+            else:
+                acc += part
     if not SCALE_PER_K:
         acc = acc * _load_scale(s_rows, col_ok, SCALE_E8M0)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
@@ -225,20 +231,21 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     if scale_per_k:
         check((bk & -bk) >= MIN_BLOCK_K, f"block_size[1]={bk} must be a multiple of {MIN_BLOCK_K} for the kernel "
               "(fp8_linear takes the reference for such scales)")
-    x, block_k, native_fp8, e8m0, upcast = _launch_setup(x, grid, bk, block_k, scale_per_k, native_fp8,
-                                                         _fp8_gemm_kernel)
+    x, sub_k, native_fp8, e8m0, upcast = _launch_setup(x, grid, bk, block_k, scale_per_k, native_fp8,
+                                                       _fp8_gemm_kernel)
+    block_k = max(block_k, sub_k)  # a K tile of BLOCK_K / SUB_K parts, each inside one block of scales
     out = torch.empty(rows, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
     _fp8_gemm_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n))](
         x, weight if native_fp8 else weight.view(torch.uint8), grid.view(torch.uint8) if e8m0 else grid, out,
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0), grid.stride(0), grid.stride(1), bn, bk,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_PER_K=scale_per_k, NATIVE_FP8=native_fp8,
-        SCALE_E8M0=e8m0, UPCAST=upcast, num_warps=warps, num_stages=stages)
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k, SCALE_PER_K=scale_per_k,
+        NATIVE_FP8=native_fp8, SCALE_E8M0=e8m0, UPCAST=upcast, num_warps=warps, num_stages=stages)
     return out.to(x.dtype)
 
 
 def _launch_setup(x, scale, bk, block_k, scale_per_k, native_fp8, kernel):
-    """What both launchers settle before a launch -> (x with contiguous rows, BLOCK_K (a K tile must not straddle
-    two scale blocks), native fp8 loads, e8m0 scales, upcast). Triton's CPU interpreter (3.9) multiplies bf16 tiles
+    """What both launchers settle before a launch -> (x with contiguous rows, the K step of one dot (it must not
+    straddle two scale blocks), native fp8 loads, e8m0 scales, upcast). Triton's CPU interpreter (3.9) multiplies bf16 tiles
     as their raw uint16 bits and truncates fp32 -> bf16 casts: there the tiles go to fp32 (``upcast``) and torch
     rounds the fp32 result."""
     if scale_per_k:

@@ -21,7 +21,13 @@ num_kv_heads`` query heads of that kv head at once: its q tile is ``[BLOCK_T * g
 each K/V page is read once per kv head (GQA packing). It walks the row's block table from the first
 block inside the window of its earliest query to the last key its latest query sees, with an online
 (flash-decoding style) softmax in fp32. `_attend_key_range` is the loop over one key range: a split-KV
-variant for long contexts runs it on slices of the range and merges the (acc, max, sum) partials.
+variant for long contexts runs it on fixed chunks of keys and merges the (acc, max, sum) partials.
+
+Batch invariance. A query's output has the same bits whatever else the launch holds (more queries per row, a
+tile that starts earlier, a wider block table): key tiles start on BLOCK_N multiples of the key position,
+split-KV chunks are counted from key 0 with a size set by the batch and KV heads only (:func:`kv_chunk`), and
+the merge adds the chunks in key order. Keys a query cannot see leave its running sums exactly unchanged. So a
+verify step's k+1 queries per row get the bits of k+1 one-query decode steps at the same batch.
 """
 
 import math
@@ -91,14 +97,15 @@ def _paged_attention_kernel(
     stride_ob, stride_ot, stride_oh, stride_od,
     stride_table_row, q_len, num_kv_heads, head_dim, block_size, max_blocks_per_row,
     qk_scale, sliding_window,
-    part_acc_ptr, part_ml_ptr,  # split-KV partials: [batch, q_len, num_heads, NUM_SPLITS, head_dim] and [..., 2]
+    part_acc_ptr, part_ml_ptr,  # split-KV partials: [batch, q_len, num_heads, num_splits, head_dim] and [..., 2]
+    num_splits, chunk_keys,
     GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    tile = tl.program_id(0) // NUM_SPLITS
-    split = tl.program_id(0) % NUM_SPLITS
+    tile = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     kv_head = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
     kv_len = tl.load(kv_lens_ptr + row)
@@ -133,14 +140,14 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NUM_SPLITS > 1:
-        # Split-KV: this program takes one of NUM_SPLITS equal BLOCK_N-aligned slices of [kv_lo, kv_hi).
-        start = (kv_lo // BLOCK_N) * BLOCK_N
-        span = tl.maximum(kv_hi - start, 0)
-        per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        split_lo = start + split * per_split
-        kv_hi = tl.minimum(kv_hi, split_lo + per_split)
-        kv_lo = tl.maximum(kv_lo, split_lo)
+    if SPLIT:
+        # Split-KV: this program takes one chunk of chunk_keys keys, counted from key 0 (not from the tile's first
+        # key), so a query sees the same chunks, walked and merged in the same order, in a decode step and in a
+        # verify step whose tile starts earlier (batch invariance). Chunks before or after a query's keys are
+        # exact no-ops for it, here and in the merge.
+        chunk_lo = (kv_lo // chunk_keys + split) * chunk_keys
+        kv_hi = tl.minimum(kv_hi, chunk_lo + chunk_keys)
+        kv_lo = tl.maximum(kv_lo, chunk_lo)
     acc, m_i, l_i = _attend_key_range(
         q, pos, row_valid, acc, m_i, l_i,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + row * stride_table_row,
@@ -148,9 +155,9 @@ def _paged_attention_kernel(
         num_kv_heads, head_dim, block_size, max_blocks_per_row, qk_scale, sliding_window,
         BLOCK_N, BLOCK_D, CAUSAL, HAS_WINDOW, DOT_PRECISION,
     )
-    if NUM_SPLITS > 1:
+    if SPLIT:
         # Partials (unnormalised acc, max, sum) for _merge_splits_kernel; padding rows write acc 0, l 0.
-        part = ((row * q_len + slot) * (num_kv_heads * GROUP) + head) * NUM_SPLITS + split  # [BLOCK_M]
+        part = ((row * q_len + slot) * (num_kv_heads * GROUP) + head) * num_splits + split  # [BLOCK_M]
         tl.store(part_acc_ptr + part[:, None] * head_dim + d[None, :], acc, mask=in_tile[:, None] & d_mask[None, :])
         tl.store(part_ml_ptr + part * 2, m_i, mask=in_tile)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=in_tile)
@@ -164,31 +171,32 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr,  # [batch, q_len, num_heads, NUM_SPLITS, head_dim], [..., NUM_SPLITS, 2] fp32
+    part_acc_ptr, part_ml_ptr,  # [batch, q_len, num_heads, num_splits, head_dim], [..., num_splits, 2] fp32
     out_ptr,  # [batch, q_len, num_heads, head_dim], any strides
     stride_ob, stride_ot, stride_oh, stride_od,
-    q_len, num_heads, head_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_len, num_heads, head_dim, num_splits,
+    BLOCK_D: tl.constexpr,
 ):
-    # One program per (row, query slot, q head): softmax-weighted sum of the split partials.
+    # One program per (row, query slot, q head): softmax-weighted sum of the split partials, one split after the
+    # other in key order (a fixed order, whatever the number of splits: empty ones add exact zeros).
     row_slot = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = row_slot // q_len
     slot = row_slot % q_len
-    base = (row_slot * num_heads + head) * NUM_SPLITS
-    s = tl.arange(0, BLOCK_S)
-    s_mask = s < NUM_SPLITS
+    base = (row_slot * num_heads + head) * num_splits
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
-    m_s = tl.load(part_ml_ptr + (base + s) * 2, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_mask, other=0.0)
-    m = tl.max(m_s, 0)
+    m = tl.load(part_ml_ptr + base * 2)
+    for s in range(1, num_splits):
+        m = tl.maximum(m, tl.load(part_ml_ptr + (base + s) * 2))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))  # [BLOCK_S]
-    acc = tl.load(part_acc_ptr + (base + s)[:, None] * head_dim + d[None, :],
-                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    total = tl.sum(acc * w[:, None], 0)
-    l = tl.sum(l_s * w, 0)
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    l = 0.0
+    for s in range(num_splits):
+        m_s = tl.load(part_ml_ptr + (base + s) * 2)
+        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))
+        total += tl.load(part_acc_ptr + (base + s) * head_dim + d, mask=d_mask, other=0.0) * w
+        l += tl.load(part_ml_ptr + (base + s) * 2 + 1) * w
     out = total / tl.where(l == 0.0, 1.0, l)
     tl.store(out_ptr + row * stride_ob + slot * stride_ot + head * stride_oh + d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -205,10 +213,11 @@ class _Tiles:
 
 def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = None) -> _Tiles:
     """Tile sizes from head_dim: K, V and q tiles (x num_stages) must fit shared memory, and
-    head_dim 512 leaves room only for 16 x 32 tiles."""
+    head_dim 512 leaves room only for 16 x 32 tiles. At most 32 q rows: from 64 rows Hopper's dot becomes a
+    warpgroup MMA, whose rounding a one-query decode tile (16 rows) would not share."""
     block_d = max(16, next_power_of_2(head_dim))
-    max_m, default_n, num_warps = {16: (64, 64, 4), 32: (64, 64, 4), 64: (64, 64, 4),
-                                   128: (64, 64, 4), 256: (32, 32, 8), 512: (16, 32, 8)}[block_d]
+    max_m, default_n, num_warps = {16: (32, 64, 4), 32: (32, 64, 4), 64: (32, 64, 4),
+                                   128: (32, 64, 4), 256: (32, 32, 8), 512: (16, 32, 8)}[block_d]
     block_m = max(16, next_power_of_2(group), min(max_m, next_power_of_2(group * q_len)))
     return _Tiles(block_t=block_m // group, block_m=block_m, block_n=block_n or default_n,
                   block_d=block_d, num_warps=num_warps)
@@ -250,25 +259,39 @@ def paged_attention(
 
 
 # Split-KV: below this many programs per launch the GPU is underfilled (H100/H200: 132 SMs), so key ranges
-# are cut into slices that run in parallel and are merged after. Slices of 64 keys: at batch 1 a decode
-# step's 16 (sliding) or 4 (full) programs per layer otherwise each walk hundreds of keys one tile at a time.
+# are cut into chunks that run in parallel and are merged after. The chunk size depends on the batch and the
+# KV heads only (never on the number of queries per row, the block table's width or the lengths), so a decode
+# step and a verify step of the same batch cut a query's keys alike: chunks of at least 64 keys (at batch 1 a
+# decode step's few programs per layer would otherwise each walk hundreds of keys one tile at a time), sized
+# to give about TARGET_PROGRAMS programs at a context of TYPICAL_KEYS; a launch with half the target of
+# (row, kv head) pairs already fills the GPU and does not split.
 TARGET_PROGRAMS = 2 * 132
+TYPICAL_KEYS = 2048
 MIN_KEYS_PER_SPLIT = 64
+NO_SPLIT = 0
 
 
-def num_kv_splits(base_programs: int, max_keys: int, block_n: int) -> int:
-    """Slices per key range: enough programs to fill the GPU, each slice at least MIN_KEYS_PER_SPLIT keys.
-    Depends on shapes only (the block table width), never on lengths, so a CUDA graph can capture it."""
-    by_fill = TARGET_PROGRAMS // max(1, base_programs)
-    by_length = max_keys // max(MIN_KEYS_PER_SPLIT, block_n)
-    splits = max(1, min(by_fill, by_length, 64))
-    # a power of two: NUM_SPLITS is a compile-time constant, and a row's growing context must not compile a
-    # new kernel variant at every few blocks
-    return 1 << (splits.bit_length() - 1)
+def kv_chunk(rows_x_kv_heads: int, block_n: int) -> int:
+    """Keys per split-KV chunk for a launch of ``rows_x_kv_heads`` (row, kv head) pairs, a power of two and a
+    multiple of ``block_n``; NO_SPLIT when the pairs alone fill the GPU."""
+    if rows_x_kv_heads >= TARGET_PROGRAMS // 2:
+        return NO_SPLIT
+    chunk = max(MIN_KEYS_PER_SPLIT, block_n, TYPICAL_KEYS * rows_x_kv_heads // TARGET_PROGRAMS)
+    return next_power_of_2(chunk)
+
+
+def num_kv_splits(chunk: int, max_keys: int, aligned_start: bool) -> int:
+    """Chunks that cover any query tile's key range of at most ``max_keys`` keys (one more when the range may start
+    inside a chunk: sliding windows), rounded up to a power of two (a row's growing context then changes the
+    grid only at every doubling, and a CUDA graph keeps it); 1 without a chunk."""
+    if chunk == NO_SPLIT:
+        return 1
+    chunks = -(-max_keys // chunk) + (0 if aligned_start else 1)
+    return next_power_of_2(max(1, chunks))
 
 
 def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale,
-                            sliding_window, causal, out, block_n=None, num_splits=None) -> torch.Tensor:
+                            sliding_window, causal, out, block_n=None, kv_chunk_keys=None) -> torch.Tensor:
     batch, q_len, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check(head_dim <= MAX_TRITON_HEAD_DIM, f"the Triton kernel supports head_dim <= {MAX_TRITON_HEAD_DIM}, "
@@ -276,11 +299,11 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
     group = num_heads // num_kv_heads
     tiles = _pick_tiles(head_dim, group, q_len, block_n)
     tiles_per_row = triton.cdiv(q_len, tiles.block_t)
-    if num_splits is None:
-        max_keys = block_tables.shape[1] * block_size
-        if sliding_window is not None:
-            max_keys = min(max_keys, sliding_window + q_len)
-        num_splits = num_kv_splits(tiles_per_row * num_kv_heads * batch, max_keys, tiles.block_n)
+    chunk = kv_chunk(batch * num_kv_heads, tiles.block_n) if kv_chunk_keys is None else kv_chunk_keys
+    max_keys = block_tables.shape[1] * block_size
+    if sliding_window is not None and causal:  # a causal window bounds any tile's keys
+        max_keys = min(max_keys, sliding_window + q_len)
+    num_splits = num_kv_splits(chunk, max_keys, aligned_start=sliding_window is None)
     grid = (tiles_per_row * num_splits, num_kv_heads, batch)
     if num_splits > 1:
         part_acc = torch.empty(batch * q_len * num_heads * num_splits * head_dim, dtype=torch.float32, device=q.device)
@@ -294,18 +317,18 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
         *q.stride(), *out.stride(),
         block_tables.stride(0), q_len, num_kv_heads, head_dim, block_size, block_tables.shape[1],
         scale * math.log2(math.e), sliding_window or 0,
-        part_acc, part_ml,
+        part_acc, part_ml, num_splits, max(chunk, 1),
         GROUP=group, BLOCK_T=tiles.block_t, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=tiles.block_d, CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
         # fp32 inputs must not be rounded to tf32: fp32 is the exactness dtype of the tests.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast_dot else "tf32",
-        UPCAST_DOT=upcast_dot, NUM_SPLITS=num_splits,
+        UPCAST_DOT=upcast_dot, SPLIT=num_splits > 1,
         num_warps=tiles.num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch * q_len, num_heads)](
-            part_acc, part_ml, out, *out.stride(), q_len, num_heads, head_dim,
-            NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=tiles.block_d,
+            part_acc, part_ml, out, *out.stride(), q_len, num_heads, head_dim, num_splits,
+            BLOCK_D=tiles.block_d,
         )
     return out
 

@@ -1,16 +1,17 @@
 """skinny_linear: ``x @ weight.T`` for a few rows (decode, verify and draft steps) at the weights' streaming rate.
 
-A decode or verify step multiplies 1-16 rows by each weight matrix, so its GEMMs are bound by reading the
+A decode or verify step multiplies a few rows by each weight matrix, so its GEMMs are bound by reading the
 weights once. On an H100 cuBLAS streams the Gemma-4-31B shapes at 2.4-2.85 TB/s (a device copy moves 3.0);
 this kernel streams them at 2.85-3.1 (``docs/perf_log.md``, session 7): each program owns ``BLOCK_N`` output
 columns, walks the whole K dimension in ``BLOCK_K`` tiles through a deep software pipeline, and multiplies
 the rows, padded to 16, on the tensor cores. No split-K, so no reduction kernel and no memset.
 
-Every row is computed by the same program with the same K order whatever the number of rows (1-16), so a
-row's result does not depend on the batch while a forward has at most 16 rows (a decode step's logits equal a
-1-row verify's, bit for bit; wider forwards take cuBLAS). fp32
-weights keep the torch GEMM (the tensor cores would round them to tf32), as do wide inputs (prefill) and
-anything autograd tracks.
+Every row is computed by a program of the same shape (16 rows, the same tiles, the same K order) whatever the
+number of rows, so a row's result does not depend on the batch: a verify step's k+1 rows per sequence get the
+bits a one-row decode step gets (batch invariance: bf16 greedy speculative output equals plain greedy output).
+More than 16 rows take several row tiles; the row tiles of one column block are launched next to each other, so
+the tiles after the first read the weight tile from L2. Forwards wider than ``MAX_KERNEL_ROWS`` (prefill),
+fp32 weights (the tensor cores would round them to tf32) and anything autograd tracks keep the torch GEMM.
 """
 
 import os
@@ -22,10 +23,14 @@ from ._dispatch import needs_grad, tl, triton, use_triton
 
 # HF_SPECDEC_SKINNY_GEMM=0 keeps cuBLAS for every shape (read at import), e.g. to compare the two
 ENABLED = os.environ.get("HF_SPECDEC_SKINNY_GEMM", "1") != "0"
-MAX_ROWS = 16
-# smaller weights are launch- rather than bandwidth-bound; cuBLAS stays (see the perf log).
-# HF_SPECDEC_SKINNY_MIN_BYTES overrides it (read at import), e.g. to compare the two on smaller weights
-MIN_WEIGHT_BYTES = int(os.environ.get("HF_SPECDEC_SKINNY_MIN_BYTES", 48 << 20))
+MAX_ROWS = 16  # rows per program (tl.dot's smallest M)
+# wider forwards (prefill) take cuBLAS: a verify step of 16 rows x (k=7)+1 tokens still runs the kernel
+MAX_KERNEL_ROWS = 128
+# Every weight of a decode or verify step takes the kernel, small ones too: cuBLAS picks its algorithm (split-K
+# included) by the number of rows, so a verify row would not round like a decode row. On small weights the two
+# are within a few percent (perf log, session 10). HF_SPECDEC_SKINNY_MIN_BYTES (read at import) keeps cuBLAS
+# below that many bytes, e.g. to compare them; batch invariance then holds only for the larger weights.
+MIN_WEIGHT_BYTES = int(os.environ.get("HF_SPECDEC_SKINNY_MIN_BYTES", 0))
 
 
 @triton.jit
@@ -43,8 +48,8 @@ def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRECISION: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row tiles of one column block run side by side
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     row_ok = rows < M
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
@@ -75,7 +80,7 @@ def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // max(1, x.shape[-1])
     return (ENABLED and use_triton(x) and x.device == weight.device and x.dtype in (torch.bfloat16, torch.float16)
             and type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.layout == torch.strided  # no subclass
-            and weight.dtype == x.dtype and 0 < rows <= MAX_ROWS and weight.stride(1) == 1
+            and weight.dtype == x.dtype and 0 < rows <= MAX_KERNEL_ROWS and weight.stride(1) == 1
             and weight.numel() * weight.element_size() >= MIN_WEIGHT_BYTES
             and not needs_grad(x) and not needs_grad(weight))
 
@@ -88,18 +93,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ weight.T`` by the kernel for ``x`` of [rows <= 16, K] (any float dtype; the launcher does not
-    choose, :func:`skinny_linear` does)."""
+    """``x @ weight.T`` by the kernel for ``x`` of [rows <= MAX_KERNEL_ROWS, K] (any float dtype; the launcher does
+    not choose, :func:`skinny_linear` does)."""
     rows, k = x.shape
     n = weight.shape[0]
-    if rows > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"skinny_matmul takes [<= {MAX_ROWS}, K] rows and a [N, K] weight with contiguous rows, "
-                         f"got {tuple(x.shape)} and {tuple(weight.shape)} (strides {weight.stride()})")
+    if not 0 < rows <= MAX_KERNEL_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"skinny_matmul takes [1..{MAX_KERNEL_ROWS}, K] rows and a [N, K] weight with contiguous "
+                         f"rows, got {tuple(x.shape)} and {tuple(weight.shape)} (strides {weight.stride()})")
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_n, block_k, warps, stages = config or config_for(n, k)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+    _skinny_gemm_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n))](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fp32 inputs: no tf32 rounding

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hf_specdec.kernels import paged_attention, paged_attention_reference, use_triton
-from hf_specdec.kernels.paged_attention import _paged_attention_triton, num_kv_splits
+from hf_specdec.kernels.paged_attention import NO_SPLIT, _paged_attention_triton, kv_chunk, num_kv_splits
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 FAR_BLOCK = 10**6  # poison that makes torch indexing raise if a kernel dereferences it
@@ -254,30 +255,51 @@ def test_triton_strided_q_and_out(triton_device):
     torch.testing.assert_close(out, paged_attention_reference(*case.args(), scale=0.25), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("q_len,sliding_window,causal,num_splits", [
-    (1, None, True, 2), (1, None, True, 5), (4, None, True, 3), (3, 20, True, 4), (4, 5, False, 2),
+@pytest.mark.parametrize("q_len,sliding_window,causal,chunk", [
+    (1, None, True, 64), (1, None, True, 16), (4, None, True, 32), (3, 20, True, 16), (4, 5, False, 16),
 ])
-def test_triton_split_kv_matches_reference(triton_device, q_len, sliding_window, causal, num_splits):
-    # Rows long enough that every slice holds keys for some rows and none for the short row 2.
+def test_triton_split_kv_matches_reference(triton_device, q_len, sliding_window, causal, chunk):
+    # Rows long enough that every chunk holds keys for some rows and none for the short row 2.
     case = make_case([150, 97, 13], q_len=q_len, sliding_window=sliding_window, num_heads=8, num_kv_heads=2,
                      poison=NAN_BLOCK, seed=8, device=triton_device)
     expected = paged_attention_reference(*case.args(), scale=0.25, sliding_window=sliding_window, causal=causal)
     out = _paged_attention_triton(*case.args(), scale=0.25, sliding_window=sliding_window, causal=causal,
-                                  out=torch.full_like(case.q, float("nan")), block_n=16, num_splits=num_splits)
+                                  out=torch.full_like(case.q, float("nan")), block_n=16, kv_chunk_keys=chunk)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_split_count_fills_the_gpu_only_for_long_ranges():
-    assert num_kv_splits(base_programs=16, max_keys=8192, block_n=64) == 16  # decode, batch 1: 16 -> 256 programs
-    assert num_kv_splits(base_programs=16, max_keys=100, block_n=64) == 1  # short context: no split
-    assert num_kv_splits(base_programs=512, max_keys=8192, block_n=64) == 1  # big batch fills the GPU already
-    assert num_kv_splits(base_programs=1, max_keys=10**6, block_n=64) == 64  # capped
-    assert num_kv_splits(base_programs=16, max_keys=700, block_n=32) == 8  # 10 slices of 64 -> a power of two
-    assert num_kv_splits(base_programs=4, max_keys=600, block_n=32) == 8  # full layer, batch 1: 32 programs
+@pytest.mark.parametrize("sliding_window,chunk", [(None, NO_SPLIT), (None, 16), (20, 16), (20, 32)])
+def test_triton_verify_queries_equal_decode_queries(triton_device, sliding_window, chunk):
+    """Batch invariance: each query of a 4-query verify launch has the bits of a one-query decode launch at its
+    position (tiles of the same height, so only the key ranges, chunks and merge differ), and a wider block
+    table changes nothing."""
+    lens = [150, 97]
+    case = make_case(lens, q_len=4, sliding_window=sliding_window, num_heads=8, num_kv_heads=2, seed=9,
+                     device=triton_device)
+    run = dict(scale=0.25, sliding_window=sliding_window, causal=True, block_n=16, kv_chunk_keys=chunk)
+    verify = _paged_attention_triton(*case.args(), out=torch.empty_like(case.q), **run)
+    for i in range(4):
+        kv_lens = case.kv_lens - 3 + i  # the decode step of query i sees the keys up to its own position
+        for tables in (case.block_tables, F.pad(case.block_tables, (0, 5), value=-1)):
+            args = (case.q[:, i:i + 1].contiguous(), case.k_cache, case.v_cache, tables, kv_lens,
+                    kv_lens - 1, torch.ones_like(kv_lens))
+            decode = _paged_attention_triton(*args, out=torch.empty_like(case.q[:, :1]), **run)
+            assert torch.equal(decode[:, 0], verify[:, i]), (i, (decode[:, 0] - verify[:, i]).abs().max())
+
+
+def test_chunks_depend_on_batch_and_heads_only():
+    assert kv_chunk(rows_x_kv_heads=4, block_n=32) == 64  # full layer, batch 1: at least 64 keys per chunk
+    assert kv_chunk(rows_x_kv_heads=16, block_n=32) == 128  # ~16 chunks of a 2048-key context
+    assert kv_chunk(rows_x_kv_heads=64, block_n=64) == 512
+    assert kv_chunk(rows_x_kv_heads=132, block_n=64) == NO_SPLIT  # the pairs fill the GPU already
+    assert num_kv_splits(64, max_keys=600, aligned_start=True) == 16  # 10 chunks -> a power of two
+    assert num_kv_splits(64, max_keys=64, aligned_start=True) == 1
+    assert num_kv_splits(64, max_keys=64, aligned_start=False) == 2  # a window may straddle a chunk boundary
+    assert num_kv_splits(NO_SPLIT, max_keys=10**6, aligned_start=False) == 1
 
 
 def test_triton_cases_in_interpreter(run_triton_cases_in_interpreter):
-    run_triton_cases_in_interpreter(min_passed=175)
+    run_triton_cases_in_interpreter(min_passed=183)
 
 
 # ---------------------------------------------------------------- launcher errors

@@ -7,19 +7,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hf_specdec.kernels import skinny_gemm
-from hf_specdec.kernels.skinny_gemm import MAX_ROWS, linear_forward, skinny_eligible, skinny_linear, skinny_matmul
+from hf_specdec.kernels.skinny_gemm import (MAX_KERNEL_ROWS, MAX_ROWS, linear_forward, skinny_eligible, skinny_linear,
+                                           skinny_matmul)
 
 SMALL = (16, 32, 4, 2)  # BLOCK_N, BLOCK_K, warps, stages: several programs and K tiles at test sizes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS, 37])
 def test_triton_skinny_matmul(triton_device, dtype, rows):
     _check_skinny_matmul(triton_device, dtype, rows)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter does not multiply bf16 tiles as GPUs do")
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 40, MAX_KERNEL_ROWS])
 def test_skinny_matmul_bf16_on_the_gpu(rows):
     _check_skinny_matmul("cuda", torch.bfloat16, rows)
 
@@ -36,14 +37,16 @@ def _check_skinny_matmul(device, dtype, rows):
 
 
 def test_triton_skinny_rows_do_not_depend_on_the_batch(triton_device):
-    """A verify step's rows equal the decode step's row, bit for bit: the kernel pads to 16 rows either way."""
+    """A verify step's rows equal the decode step's row, bit for bit: the kernel pads to 16 rows either way, and
+    rows past 16 run in further row tiles of the same shape."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(MAX_ROWS, 96, generator=gen).to(torch.float16).to(triton_device)
+    x = torch.randn(2 * MAX_ROWS + 5, 96, generator=gen).to(torch.float16).to(triton_device)
     w = (torch.randn(48, 96, generator=gen) * 0.1).to(torch.float16).to(triton_device)
     full = skinny_matmul(x, w, SMALL)
-    for r in (0, 7, MAX_ROWS - 1):
+    for r in (0, 7, MAX_ROWS - 1, MAX_ROWS, 2 * MAX_ROWS + 4):
         assert torch.equal(skinny_matmul(x[r:r + 1], w, SMALL), full[r:r + 1])
     assert torch.equal(skinny_matmul(x[:3], w, SMALL), full[:3])
+    assert torch.equal(skinny_matmul(x[MAX_ROWS - 2:MAX_ROWS + 3], w, SMALL), full[MAX_ROWS - 2:MAX_ROWS + 3])
 
 
 def test_triton_skinny_linear_on_strided_rows(triton_device, monkeypatch):
@@ -66,7 +69,8 @@ def test_dispatch_keeps_torch_where_the_kernel_does_not_apply(monkeypatch):
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
     assert skinny_eligible(torch.zeros(3, 32, dtype=torch.bfloat16), w)
     assert not skinny_eligible(torch.zeros(3, 32), w.float())  # fp32: the tensor cores would round to tf32
-    assert not skinny_eligible(torch.zeros(MAX_ROWS + 1, 32, dtype=torch.bfloat16), w)  # prefill width
+    assert skinny_eligible(torch.zeros(MAX_KERNEL_ROWS, 32, dtype=torch.bfloat16), w)  # a verify of 16 x 8 rows
+    assert not skinny_eligible(torch.zeros(MAX_KERNEL_ROWS + 1, 32, dtype=torch.bfloat16), w)  # prefill width
     assert not skinny_eligible(torch.zeros(3, 32, dtype=torch.float16), w)  # mixed dtypes
     assert not skinny_eligible(torch.zeros(3, 32, dtype=torch.bfloat16), w.T.contiguous().T[:, :32])
     assert not skinny_eligible(torch.zeros(0, 32, dtype=torch.bfloat16), w)
@@ -86,7 +90,9 @@ def test_dispatch_keeps_torch_where_the_kernel_does_not_apply(monkeypatch):
 
 def test_skinny_matmul_names_its_limits():
     with pytest.raises(ValueError, match="rows and a"):
-        skinny_matmul(torch.zeros(MAX_ROWS + 1, 8), torch.zeros(4, 8))
+        skinny_matmul(torch.zeros(MAX_KERNEL_ROWS + 1, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="rows and a"):
+        skinny_matmul(torch.zeros(0, 8), torch.zeros(4, 8))
 
 
 def test_linear_forward_is_nn_linear_on_the_cpu():
