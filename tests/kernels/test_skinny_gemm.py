@@ -14,7 +14,7 @@ SMALL = (16, 32, 4, 2)  # BLOCK_N, BLOCK_K, warps, stages: several programs and 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS, 37])
+@pytest.mark.parametrize("rows", [1, 5, MAX_ROWS, 37, 100])
 def test_triton_skinny_matmul(triton_device, dtype, rows):
     _check_skinny_matmul(triton_device, dtype, rows)
 
