@@ -206,11 +206,11 @@ def quantize_fp8(weight: torch.Tensor,  # [N, K]
 
 def config_for(n: int, k: int, block_scales: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight, from ``fp8_gpu_check --sweep`` on an
-    H100 at the Gemma-4-31B shapes (one row, graph-timed): 32-column programs throughout; block scales hold
-    BLOCK_K to the scale block (128), one more stage in flight on wide outputs; per-channel scales stream 256-wide
-    K tiles, 512 on narrow outputs (fewer programs, each walking a long K)."""
+    H100 at the Gemma-4-31B shapes (one row, graph-timed): 32-column programs throughout; block scales: 256-deep K
+    tiles (two dots, one per 128-wide block of scales) in 3 stages; per-channel scales stream 256-wide K tiles, 512
+    on narrow outputs (fewer programs, each walking a long K)."""
     if block_scales:
-        return 32, 128, 4, 6 if n >= 32768 else 4
+        return 32, 256, 4, 3
     return 32, 512 if n < 8192 else 256, 4, 4
 
 

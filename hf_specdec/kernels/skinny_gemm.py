@@ -9,9 +9,9 @@ the rows, padded to 16, on the tensor cores. No split-K, so no reduction kernel 
 Every row is computed by the same dot (16 or 32 rows, the warp-level MMA) over the same tiles in the same K
 order whatever the number of rows, so a row's result does not depend on the batch: a verify step's k+1 rows
 per sequence get the bits a one-row decode step gets (batch invariance: bf16 greedy speculative output equals
-plain greedy output). A program multiplies each weight tile it reads with up to 4 row tiles (128 rows), so a
-verify step of a batch still reads each weight once. Forwards wider than ``MAX_KERNEL_ROWS`` (prefill), fp32
-weights (the tensor cores would round them to tf32) and anything autograd tracks keep the torch GEMM.
+plain greedy output) while a forward has at most ``MAX_KERNEL_ROWS`` rows. Wider forwards (prefill, a verify of
+a large batch), fp32 weights (the tensor cores would round them to tf32) and anything autograd tracks keep the
+torch GEMM.
 """
 
 import os
@@ -19,13 +19,14 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import needs_grad, next_power_of_2, tl, triton, use_triton
+from ._dispatch import needs_grad, tl, triton, use_triton
 
 # HF_SPECDEC_SKINNY_GEMM=0 keeps cuBLAS for every shape (read at import), e.g. to compare the two
 ENABLED = os.environ.get("HF_SPECDEC_SKINNY_GEMM", "1") != "0"
 MAX_ROWS = 16  # rows per program (tl.dot's smallest M)
-# wider forwards (prefill) take cuBLAS: a verify step of 16 rows x (k=7)+1 tokens still runs the kernel
-MAX_KERNEL_ROWS = 128
+# Wider forwards take cuBLAS: prefill, and verify steps of more than 32 rows (batch x (k+1)), where the
+# warp-level MMA of 64+ rows ran ~1.45x slower than cuBLAS on the 31B shape (perf log, session 11).
+MAX_KERNEL_ROWS = 32
 SHARED_MEMORY_BYTES = 160 << 10  # for the pipeline's stages (an H100 SM has 227 KB)
 # Every weight of a decode or verify step takes the kernel, small ones too: cuBLAS picks its algorithm (split-K
 # included) by the number of rows, so a verify row would not round like a decode row. On small weights the two
@@ -46,78 +47,42 @@ def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _rows_tile(x_ptr, rows, M, stride_xm, ks, k_ok):
-    """Rows ``rows`` of x at columns ``ks`` (zero past M and K)."""
-    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
-                   mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _store_rows(y_ptr, acc, rows, cols, M, N, stride_ym):
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-
-@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                        BLOCK_M: tl.constexpr, ROW_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # Each weight tile is read once and multiplied with up to ROW_TILES tiles of BLOCK_M rows, one dot each: the
-    # same dot (16 or 32 rows: the warp-level MMA, never Hopper's 64-row warpgroup one) for every row count.
-    rows = tl.program_id(0) * (BLOCK_M * ROW_TILES) + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
+    row_ok = rows < M
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    acc0 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        w = tl.trans(tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-                             eviction_policy="evict_first"))
-        acc0 += tl.dot(_rows_tile(x_ptr, rows, M, stride_xm, ks, k_ok), w, input_precision=PRECISION)
-        if ROW_TILES > 1:
-            acc1 += tl.dot(_rows_tile(x_ptr, rows + BLOCK_M, M, stride_xm, ks, k_ok), w, input_precision=PRECISION)
-        if ROW_TILES > 2:
-            acc2 += tl.dot(_rows_tile(x_ptr, rows + 2 * BLOCK_M, M, stride_xm, ks, k_ok), w,
-                           input_precision=PRECISION)
-            acc3 += tl.dot(_rows_tile(x_ptr, rows + 3 * BLOCK_M, M, stride_xm, ks, k_ok), w,
-                           input_precision=PRECISION)
-    _store_rows(y_ptr, acc0, rows, cols, M, N, stride_ym)
-    if ROW_TILES > 1:
-        _store_rows(y_ptr, acc1, rows + BLOCK_M, cols, M, N, stride_ym)
-    if ROW_TILES > 2:
-        _store_rows(y_ptr, acc2, rows + 2 * BLOCK_M, cols, M, N, stride_ym)
-        _store_rows(y_ptr, acc3, rows + 3 * BLOCK_M, cols, M, N, stride_ym)
-
-
-def row_tiling(rows: int) -> tuple[int, int]:
-    """(BLOCK_M, ROW_TILES) of a program for ``rows`` rows: 16 or 32 rows per dot, up to 4 dots per weight tile
-    (128 rows); wider inputs take several programs per column block."""
-    if rows <= MAX_ROWS:
-        return MAX_ROWS, 1
-    tiles = min(4, next_power_of_2(-(-rows // 32)))
-    return 32, tiles
+        w, x = load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def config_for(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a ``[n, k]`` weight, from the H100 sweep of the perf log
     (graph-timed, 1-16 rows): ~1 program per 64 columns keeps 84+ programs streaming on narrow outputs; LM heads
     and narrow outputs (< 4096 columns) stream longer K tiles in 32-column programs. More rows hold shorter K
-    tiles and fewer stages, so that a stage's weight and row tiles stay within shared memory."""
+    stages, so that a stage's weight and row tiles stay within shared memory."""
     if n >= 65536 or n < 4096:
         block_n, block_k, stages = 32, 512, 4
     elif n >= 32768:  # e.g. a stacked gate/up: one more stage in flight
         block_n, block_k, stages = 64, 256, 5
     else:
         block_n, block_k, stages = 64, 256, 4
-    block_m, tiles = row_tiling(rows)
-    if tiles > 1:
-        block_k = min(block_k, 128)
-    per_stage = 2 * block_k * (block_n + block_m * tiles)  # bytes of 16-bit tiles
+    per_stage = 2 * block_k * (block_n + block_rows(rows))  # bytes of 16-bit tiles
     return block_n, block_k, 4, max(2, min(stages, SHARED_MEMORY_BYTES // per_stage))
+
+
+def block_rows(rows: int) -> int:
+    """Rows of the kernel's dot for ``rows`` rows: 16, or 32 past 16."""
+    return MAX_ROWS if rows <= MAX_ROWS else 2 * MAX_ROWS
 
 
 def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -150,11 +115,10 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_n, block_k, warps, stages = config or config_for(n, k, rows)
-    block_m, row_tiles = row_tiling(rows)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _skinny_gemm_kernel[(triton.cdiv(rows, block_m * row_tiles), triton.cdiv(n, block_n))](
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, ROW_TILES=row_tiles, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fp32 inputs: no tf32 rounding
     return out
 
