@@ -25,12 +25,13 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=0)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs: every kernel launch shows up")
     parser.add_argument("--rows", type=int, default=18, help="rows of each profiler table")
+    parser.add_argument("--weights", default="bf16", help="the target's weights (benchmarks/shapes.py WEIGHTS)")
     args = parser.parse_args()
     import hf_specdec
     from benchmarks.shapes import target_for
     from hf_specdec.runtime import ModelRunner
 
-    target = target_for(args.shape, args.layers or None, "cuda", torch.bfloat16)
+    target = target_for(args.shape, args.layers or None, "cuda", torch.bfloat16, args.weights)
     model = hf_specdec.enable(target, cuda_graphs=not args.eager)
     state = model._hf_specdec
     ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt), device="cuda")

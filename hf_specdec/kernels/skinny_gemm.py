@@ -27,7 +27,7 @@ MAX_ROWS = 16  # rows per program (tl.dot's smallest M)
 # Wider forwards take cuBLAS: prefill, and verify steps of more than 32 rows (batch x (k+1)), where the
 # warp-level MMA of 64+ rows ran ~1.45x slower than cuBLAS on the 31B shape (perf log, session 11).
 MAX_KERNEL_ROWS = 32
-SHARED_MEMORY_BYTES = 160 << 10  # for the pipeline's stages (an H100 SM has 227 KB)
+SHARED_MEMORY_BYTES = 200 << 10  # for the pipeline's stages (an H100 SM has 227 KB)
 # Every weight of a decode or verify step takes the kernel, small ones too: cuBLAS picks its algorithm (split-K
 # included) by the number of rows, so a verify row would not round like a decode row. On small weights the two
 # are within a few percent (perf log, session 10). HF_SPECDEC_SKINNY_MIN_BYTES (read at import) keeps cuBLAS
@@ -66,11 +66,14 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 def config_for(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a ``[n, k]`` weight, from the H100 sweep of the perf log
-    (graph-timed, 1-16 rows): ~1 program per 64 columns keeps 84+ programs streaming on narrow outputs; LM heads
-    and narrow outputs (< 4096 columns) stream longer K tiles in 32-column programs. More rows hold shorter K
-    stages, so that a stage's weight and row tiles stay within shared memory."""
-    if n >= 65536 or n < 4096:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a ``[n, k]`` weight, from the H100 sweeps of the perf log
+    (graph-timed): up to 16 rows, ~1 program per 64 columns keeps 84+ programs streaming on narrow outputs, and LM
+    heads and narrow outputs (< 4096 columns) stream longer K tiles in 32-column programs; 17-32 rows stream
+    256-deep K tiles in 32-column programs (within 1-3% of cuBLAS on the E4B shapes, session 11). Stages are
+    capped so that they fit in shared memory."""
+    if rows > MAX_ROWS:
+        block_n, block_k, stages = 32, 256, 4
+    elif n >= 65536 or n < 4096:
         block_n, block_k, stages = 32, 512, 4
     elif n >= 32768:  # e.g. a stacked gate/up: one more stage in flight
         block_n, block_k, stages = 64, 256, 5
