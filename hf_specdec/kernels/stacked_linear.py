@@ -10,6 +10,10 @@ back to back, so every ``nn.Linear`` keeps its own ``Parameter`` object, name an
 ``load_state_dict(assign=True)``) simply makes :func:`stacked_weight` return None, and callers run the
 projections one by one. ``save_pretrained`` stores each weight under its own key (transformers clones
 disjoint views of one storage before writing).
+
+FP8 weight-only projections (transformers' fine-grained ``FP8Linear``: e4m3 ``weight`` and block scales
+``weight_scale_inv``) stack the same way, weights and scales each into one storage, when they share a block
+size and each one's outputs are whole blocks of scales; one :func:`fp8_linear` then reads them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .fp8_gemm import FP8_DTYPE, fp8_linear, fp8_linear_fusible
 from .skinny_gemm import skinny_linear
 
 
@@ -26,50 +31,92 @@ def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
     (a wrapped or hooked projection, e.g. an adapter, must run its own forward); otherwise None."""
     if not all(_plain_linear(linear) for linear in linears):
         return None
-    first = linears[0].weight
+    return _adjacent([linear.weight for linear in linears])
+
+
+def stacked_fp8(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+    """(weights, block scales, block size) of FP8 ``linears`` as one view each when both lie back to back in one
+    storage (:func:`stack_weights`), in this order; otherwise None."""
+    if not linears or not all(_stackable_fp8(linear, linears[0]) for linear in linears):
+        return None
+    weight = _adjacent([linear.weight for linear in linears])
+    scale = _adjacent([linear.weight_scale_inv for linear in linears])
+    return None if weight is None or scale is None else (weight, scale, tuple(linears[0].block_size))
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``tensors`` (2-D, one width and dtype) as one ``[sum of rows, width]`` view when they lie back to back in
+    one storage, in this order; otherwise None."""
+    first = tensors[0]
     if first.dim() != 2 or not first.is_contiguous() or first.device.type == "meta":
         return None
     width, rows, base = first.shape[1], 0, first.untyped_storage().data_ptr()
-    for linear in linears:
-        weight = linear.weight
-        if (linear.bias is not None or weight.dim() != 2 or weight.shape[1] != width or not weight.is_contiguous()
-                or weight.dtype != first.dtype or weight.untyped_storage().data_ptr() != base
-                or weight.storage_offset() != first.storage_offset() + rows * width):
+    for t in tensors:
+        if (t.dim() != 2 or t.shape[1] != width or not t.is_contiguous() or t.dtype != first.dtype
+                or t.untyped_storage().data_ptr() != base or t.storage_offset() != first.storage_offset() + rows * width):
             return None
-        rows += weight.shape[0]
+        rows += t.shape[0]
     return first.detach().as_strided((rows, width), (width, 1))
 
 
-def stack_weights(*linears: nn.Linear) -> bool:
+def stack_weights(*linears: nn.Module) -> bool:
     """Move the weights of ``linears`` into one storage, back to back (same values, same ``Parameter``
     objects); returns whether they are stacked now. Projections with a bias, different input widths, dtypes
-    or devices, or weights that are not plain dense tensors, are left as they are."""
+    or devices, or weights that are not plain dense tensors, are left as they are. FP8 projections
+    (:func:`stacked_fp8`) stack their weights and their scales."""
+    if linears and all(_stackable_fp8(linear, linears[0]) for linear in linears):
+        if stacked_fp8(*linears) is not None:
+            return True
+        return (_move_into_one_storage([linear.weight for linear in linears])
+                and _move_into_one_storage([linear.weight_scale_inv for linear in linears]))
     if not all(_plain_linear(linear) for linear in linears):
         return False
     if stacked_weight(*linears) is not None:
         return True
-    weights = [linear.weight for linear in linears]
-    first = weights[0]
-    if any(linear.bias is not None or type(w) is not nn.Parameter or w.dim() != 2 or w.layout != torch.strided
-           or w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device
-           or w.device.type == "meta" for linear, w in zip(linears, weights)):
+    if any(linear.bias is not None for linear in linears):
+        return False
+    return _move_into_one_storage([linear.weight for linear in linears])
+
+
+def _move_into_one_storage(params: list[torch.Tensor]) -> bool:
+    first = params[0]
+    if any(type(p) is not nn.Parameter or p.dim() != 2 or p.layout != torch.strided or p.shape[1] != first.shape[1]
+           or p.dtype != first.dtype or p.device != first.device or p.device.type == "meta" for p in params):
         return False
     with torch.no_grad():
-        stacked = torch.cat([w.detach() for w in weights])
+        # through bytes: cat has no kernel for every dtype (float8 on some devices)
+        stacked = torch.cat([p.detach().contiguous().view(torch.uint8) for p in params]).view(first.dtype)
         row = 0
-        for w in weights:
-            w.data = stacked[row:row + w.shape[0]]
-            row += w.shape[0]
+        for p in params:
+            p.data = stacked[row:row + p.shape[0]]
+            row += p.shape[0]
     return True
 
 
-def stacked_projections(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x) for linear in linears)``: one GEMM over the stacked weights when they are stacked
     (the outputs are then column slices of one tensor), else one call per projection."""
+    sizes = [linear.weight.shape[0] for linear in linears]
     weight = stacked_weight(*linears)
-    if weight is None:
-        return tuple(linear(x) for linear in linears)
-    return skinny_linear(x, weight).split([linear.weight.shape[0] for linear in linears], dim=-1)
+    if weight is not None:
+        return skinny_linear(x, weight).split(sizes, dim=-1)
+    fp8 = stacked_fp8(*linears)
+    if fp8 is not None:
+        return fp8_linear(x, *fp8).split(sizes, dim=-1)
+    return tuple(linear(x) for linear in linears)
+
+
+def _stackable_fp8(module, first) -> bool:
+    """An FP8 weight-only projection without bias or hooks, with block scales of ``first``'s block size that
+    cover whole blocks of its outputs."""
+    weight, scale = getattr(module, "weight", None), getattr(module, "weight_scale_inv", None)
+    block = getattr(module, "block_size", None)
+    return (isinstance(weight, torch.Tensor) and isinstance(scale, torch.Tensor) and weight.dtype == FP8_DTYPE
+            and fp8_linear_fusible(module) and getattr(module, "bias", None) is None and block is not None
+            and len(block) == 2 and tuple(block) == tuple(getattr(first, "block_size", None) or ())
+            and weight.dim() == 2 and weight.shape[0] % block[0] == 0 and scale.dim() == 2
+            and scale.shape[0] == weight.shape[0] // block[0]
+            and not module._forward_hooks and not module._forward_pre_hooks and not getattr(module, "_hf_hook", None))
 
 
 def _plain_linear(module) -> bool:

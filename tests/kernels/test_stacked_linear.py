@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hf_specdec.kernels.stacked_linear import stack_weights, stacked_projections, stacked_weight
+from hf_specdec.kernels.stacked_linear import stack_weights, stacked_fp8, stacked_projections, stacked_weight
 
 
 def _linears(*outs, width=12, bias=False, seed=0):
@@ -101,3 +101,58 @@ def test_a_model_with_stacked_projections_saves_and_loads_its_own_weights(tmp_pa
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
+
+
+def _fp8_linears(*outs, width=64, block=(32, 32), seed=0):
+    """transformers' FP8Linear layers holding the block-FP8 copies of random dense weights."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    from hf_specdec.kernels.fp8_gemm import quantize_fp8
+
+    torch.manual_seed(seed)
+    layers = []
+    for n in outs:
+        layer = FP8Linear(width, n, block_size=block)
+        weight, scale = quantize_fp8(torch.randn(n, width) * 0.1, block)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+            layer.weight_scale_inv.copy_(scale)
+        layers.append(layer)
+    return layers
+
+
+def test_fp8_projections_stack_weights_and_scales():
+    """q/k/v in FP8: weights and block scales each move into one storage (same parameters and values), and one
+    FP8 GEMM over the stacked views gives each projection's own FP8 GEMM, bit for bit (columns are computed
+    alike whatever the rows around them), within a rounding of the weight-only contract."""
+    from hf_specdec.kernels.fp8_gemm import fp8_linear, fp8_linear_reference
+
+    q, k, v = _fp8_linears(64, 32, 32)
+    params = [(m.weight, m.weight_scale_inv) for m in (q, k, v)]
+    values = [(w.detach().clone(), s.detach().clone()) for w, s in params]
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    want = [fp8_linear(x, m.weight, m.weight_scale_inv, m.block_size) for m in (q, k, v)]
+    for got, m in zip(want, (q, k, v)):
+        torch.testing.assert_close(got, fp8_linear_reference(x, m.weight, m.weight_scale_inv, m.block_size),
+                                   rtol=2 ** -7, atol=1e-5)
+    assert stacked_fp8(q, k, v) is None
+    assert stack_weights(q, k, v)
+    assert [(m.weight, m.weight_scale_inv) for m in (q, k, v)] == params
+    for (w, s), (w0, s0) in zip(params, values):
+        assert torch.equal(w.view(torch.uint8), w0.view(torch.uint8)) and torch.equal(s, s0)
+    weight, scale, block = stacked_fp8(q, k, v)
+    assert weight.shape == (128, 64) and scale.shape == (4, 2) and block == (32, 32)
+    assert weight.data_ptr() == q.weight.data_ptr() and scale.data_ptr() == q.weight_scale_inv.data_ptr()
+    for got, expected in zip(stacked_projections(x, q, k, v), want):
+        assert torch.equal(got, expected)
+    assert stacked_fp8(k, q, v) is None  # order matters
+
+
+@pytest.mark.parametrize("case", ["partial block", "block size", "bias"])
+def test_fp8_projections_that_cannot_share_a_gemm_are_left_alone(case):
+    a, = _fp8_linears(48 if case == "partial block" else 32)  # 48 rows: a scale block half used
+    b, = _fp8_linears(32, block=(16, 16) if case == "block size" else (32, 32), seed=1)
+    if case == "bias":
+        b.bias = nn.Parameter(torch.zeros(32))
+    assert not stack_weights(a, b)
+    assert stacked_fp8(a, b) is None
