@@ -79,7 +79,7 @@ def _load_scale(ptrs, mask, E8M0: tl.constexpr):
 
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     stride_sn, stride_sk, scale_bn, scale_bk,
+                     stride_sn, stride_sk, scale_bn, scale_bk, k_per_split, stride_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                      SCALE_PER_K: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr,
                      UPCAST: tl.constexpr):
@@ -91,8 +91,11 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     s_rows = s_ptr + (cols // scale_bn).to(tl.int64) * stride_sn  # each column's row of scales
     subs = tl.arange(0, BLOCK_K // SUB_K)
+    # split-K: program_id(2) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes an fp32 partial
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if SCALE_PER_K:
             # the scales of the tile's SUB_K-wide parts (each inside one block of scales along K), in one load
             sub_k = tl.minimum((k0 + subs * SUB_K) // scale_bk, (K - 1) // scale_bk)
@@ -113,8 +116,19 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
                 acc += part
     if not SCALE_PER_K:
         acc = acc * _load_scale(s_rows, col_ok, SCALE_E8M0)[None, :]
-    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    out = y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr):
+    """y = the sum of ``splits`` fp32 partials, one after the other (a fixed order: rows stay batch-invariant)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, splits):
+        acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -214,14 +228,34 @@ def config_for(n: int, k: int, block_scales: bool = False) -> tuple[int, int, in
     return 32, 512 if n < 8192 else 256, 4, 4
 
 
+# Split-K: a launch of fewer programs than this (2 per SM of an H100) splits K so that narrow outputs (o and down
+# projections: 168 programs of 32 columns on 132 SMs) keep more bytes in flight, up to MAX_SPLIT_K parts of at
+# least MIN_TILES_PER_SPLIT K tiles each; the fp32 partials are summed in split order by a second launch.
+SPLIT_K_BELOW_PROGRAMS = 264
+MAX_SPLIT_K = 4
+MIN_TILES_PER_SPLIT = 8
+
+
+def split_k_for(programs: int, k: int, block_k: int) -> int:
+    """Parts of K for a launch of ``programs`` (row tile, column block) programs; depends on the shapes only."""
+    if programs >= SPLIT_K_BELOW_PROGRAMS:
+        return 1
+    split = 1
+    while (split < MAX_SPLIT_K and programs * split < 2 * SPLIT_K_BELOW_PROGRAMS
+           and -(-k // block_k) >= 2 * split * MIN_TILES_PER_SPLIT):
+        split *= 2
+    return split
+
+
 def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
                weight: torch.Tensor,  # [N, K] float8_e4m3fn, rows contiguous
                scale: torch.Tensor,  # block [ceil(N/bn), ceil(K/bk)], channel [N] / [N, 1] / [1, N], or one element
                block_size=None, config: tuple[int, int, int, int] | None = None,
-               native_fp8: bool | None = None) -> torch.Tensor:
+               native_fp8: bool | None = None, split_k: int | None = None) -> torch.Tensor:
     """``x @ dequantize_fp8(weight, scale, block_size).T`` by the kernel, in ``x.dtype`` ([rows, N]).
     ``native_fp8``: load float8 values (default where the device has them: sm_89+, the interpreter) or bytes
-    converted by integer ops."""
+    converted by integer ops. ``split_k``: parts of K (default :func:`split_k_for`, from the shapes: a row's
+    result never depends on the number of rows)."""
     _check_args(x, weight, scale)
     rows, k = x.shape
     n = weight.shape[0]
@@ -234,13 +268,27 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     x, sub_k, native_fp8, e8m0, upcast = _launch_setup(x, grid, bk, block_k, scale_per_k, native_fp8,
                                                        _fp8_gemm_kernel)
     block_k = max(block_k, sub_k)  # a K tile of BLOCK_K / SUB_K parts, each inside one block of scales
-    out = torch.empty(rows, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
-    _fp8_gemm_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n))](
+    programs = triton.cdiv(rows, MAX_ROWS) * triton.cdiv(n, block_n)
+    split = split_k if split_k is not None else split_k_for(programs, k, block_k)
+    check(isinstance(split, int) and split >= 1, f"split_k must be a positive int, got {split!r}")
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # no empty part
+    dtype = torch.float32 if upcast or split > 1 else x.dtype
+    out = torch.empty(split, rows, n, dtype=dtype, device=x.device)
+    _fp8_gemm_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n), split)](
         x, weight if native_fp8 else weight.view(torch.uint8), grid.view(torch.uint8) if e8m0 else grid, out,
-        rows, n, k, x.stride(0), weight.stride(0), out.stride(0), grid.stride(0), grid.stride(1), bn, bk,
+        rows, n, k, x.stride(0), weight.stride(0), out.stride(1), grid.stride(0), grid.stride(1), bn, bk,
+        k_per_split, out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k, SCALE_PER_K=scale_per_k,
         NATIVE_FP8=native_fp8, SCALE_E8M0=e8m0, UPCAST=upcast, num_warps=warps, num_stages=stages)
-    return out.to(x.dtype)
+    if split == 1:
+        return out[0].to(x.dtype)
+    summed = torch.empty(rows, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(rows * n, SUM_BLOCK),)](out, summed, rows * n, split, BLOCK=SUM_BLOCK)
+    return summed.to(x.dtype)
+
+
+SUM_BLOCK = 1024
 
 
 def _launch_setup(x, scale, bk, block_k, scale_per_k, native_fp8, kernel):
