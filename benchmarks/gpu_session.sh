@@ -63,6 +63,8 @@ run_moe_spec() {
   local rc=0
   python -m benchmarks.verify_cost --shape gemma4-26b-a4b --k 3 7 --batch 1 8 \
     --results-dir "$out/results" >"$out/moe_verify.log" 2>&1 || rc=1
+  python -m benchmarks.verify_cost --shape step3p5 --layers 8 --k 3 --batch 1 8 \
+    --results-dir "$out/results" >>"$out/moe_verify.log" 2>&1 || rc=1
   python -m benchmarks.e2e_synthetic --shape gemma4-26b-a4b --skip-hf --alpha 0.8 --k 3 7 --batch 1 8 \
     --drafter mtp dflash --prompt 256 --new-tokens 128 --repeats 3 --results-dir "$out/results" >"$out/moe_e2e_26b.log" 2>&1 || rc=1
   python -m benchmarks.e2e_synthetic --shape step3p5 --layers 8 --skip-hf --alpha 0.8 --k 3 --batch 1 8 \

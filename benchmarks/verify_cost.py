@@ -1,7 +1,7 @@
 """verify_cost: time of one hf_specdec verify step (k+1 tokens per row) / one plain decode step.
 
-    python -m benchmarks.verify_cost [--shape gemma4-31b] [--layers N] [--k 1 3 7 15] [--batch 1 8] [--repeats 3]
-                                     [--weights bf16 | fp8] [--quick | --smoke]
+    python -m benchmarks.verify_cost [--shape gemma4-31b | gemma4-26b-a4b | step3p5] [--layers N] [--k 1 3 7 15]
+                                     [--batch 1 8] [--repeats 3] [--weights bf16 | fp8] [--quick | --smoke]
 
 Method: both steps are timed through ``generate`` as users run it, so the loop's own work per step (and
 CUDA graphs, when the loop uses them) is included. The verify step runs with ``FixedDrafter``
@@ -20,7 +20,7 @@ from __future__ import annotations
 import hf_specdec
 from benchmarks.common import bench_main, decode_rate, free_device_memory
 from benchmarks.drafters import FixedDrafter
-from benchmarks.shapes import WEIGHTS, gemma4_target, random_prompt, shape_name, streamed_bytes_per_step, with_weights
+from benchmarks.shapes import WEIGHTS, random_prompt, shape_name, streamed_bytes_per_step, target_for
 
 NAME = "verify_cost"
 COLUMNS = ["model_shape", "weights", "backend", "batch", "k", "step_ms", "ratio_to_decode", "tokens_per_s"]
@@ -43,8 +43,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args, progress) -> list[dict]:
-    model = hf_specdec.enable(with_weights(gemma4_target(args.shape, args.layers, args.device, args.dtype),
-                                           args.weights))
+    model = hf_specdec.enable(target_for(args.shape, args.layers, args.device, args.dtype, args.weights))
     progress.total(len(args.batch) * (1 + len(args.k)))
     rows = []
     for batch in args.batch:

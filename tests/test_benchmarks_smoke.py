@@ -56,6 +56,18 @@ def test_verify_and_draft_cost_ratios(smoke):
     assert all(r["ratio"] > 0 for r in draft if not r["skipped"])
 
 
+def test_verify_cost_runs_a_step3p5_target(tmp_path):
+    """The MoE shape's verify rows (the union of the experts a step's tokens select) come from the same bench."""
+    import benchmarks.verify_cost as verify
+
+    run_bench(verify, ["--smoke", "--shape", "smoke-step3p5", "--k", "3", "--batch", "1", "--results-dir",
+                       str(tmp_path)], quiet=True)
+    records = [json.loads(line) for line in (tmp_path / "verify_cost.jsonl").read_text().splitlines()]
+    assert {(r["model_shape"], r["backend"], r["k"]) for r in records} == {
+        ("smoke-step3p5", "hf_specdec", None), ("smoke-step3p5", "hf_specdec_verify", 3)}
+    assert all(r["step_ms"] > 0 and r["weight_gb"] > 0 for r in records)
+
+
 def test_synthetic_rows_are_flagged_not_lossless_and_accept_drafts(smoke):
     records = smoke("e2e_synthetic")
     synthetic = [r for r in records if r["backend"].endswith("_synthetic")]
