@@ -212,10 +212,15 @@ def _tensor_parallel(shape: str, modes: list[str], args) -> dict | str:
 
 
 def _tp_rank(rank: int, world: int, port: int, settings: dict) -> None:
+    import faulthandler
     from datetime import timedelta
     from types import SimpleNamespace
 
     import torch.distributed as dist
+
+    # A rank that dies on a signal (once, on a loaded CPU: "terminate called without an active exception" in the
+    # tiny-step3p5 gloo run) prints every thread's Python stack first.
+    faulthandler.enable(all_threads=True)
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
