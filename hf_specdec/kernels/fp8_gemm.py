@@ -19,9 +19,10 @@ Numerics (the contract of :func:`fp8_linear_reference`): the weights dequantized
 accumulated in fp32 and rounded once to the activation dtype. The kernel gets the same sums: e4m3 values are
 exact in bf16 and fp16, so the tensor cores form exact products, and each K tile's fp32 partial sum is
 multiplied by its scale block (per-block scales: a K tile is one or several dots, none straddling two blocks,
-with the tile's scales read in one load) or the finished sum by the row's scale (per channel / tensor). Only the summation order differs. This is not what transformers' own
-``FP8Linear`` and ``CompressedTensorsFP8Linear`` compute: they quantize the activations to FP8 too (W8A8); the
-weight-only product here is the more accurate of the two.
+with the tile's scales read in one load) or the finished sum by the row's scale (per channel / tensor). Only
+the summation order differs. This is not what transformers' own ``FP8Linear`` and ``CompressedTensorsFP8Linear``
+compute: they quantize the activations to FP8 too (W8A8); the weight-only product here is the more accurate of
+the two.
 
 Converting e4m3 on the GPU: from sm_89 (Ada, Hopper) Triton lowers ``fp8e4nv -> fp16`` to one
 ``cvt.rn.f16x2.e4m3x2`` per two values (plus one ``cvt`` each to reach bf16), so the kernel loads the fp8
@@ -116,7 +117,8 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
                 acc += part
     if not SCALE_PER_K:
         acc = acc * _load_scale(s_rows, col_ok, SCALE_E8M0)[None, :]
-    out = y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    out = (y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
+           + cols[None, :])
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -228,20 +230,22 @@ def config_for(n: int, k: int, block_scales: bool = False) -> tuple[int, int, in
     return 32, 512 if n < 8192 else 256, 4, 4
 
 
-# Split-K: a launch of fewer programs than this (2 per SM of an H100) splits K so that narrow outputs (o and down
-# projections: 168 programs of 32 columns on 132 SMs) keep more bytes in flight, up to MAX_SPLIT_K parts of at
+# Split-K: a weight of fewer column blocks than this (2 per SM of an H100) splits K so that narrow outputs (o and
+# down projections: 168 blocks of 32 columns on 132 SMs) keep more bytes in flight, up to MAX_SPLIT_K parts of at
 # least MIN_TILES_PER_SPLIT K tiles each; the fp32 partials are summed in split order by a second launch.
 SPLIT_K_BELOW_PROGRAMS = 264
 MAX_SPLIT_K = 4
 MIN_TILES_PER_SPLIT = 8
+SUM_BLOCK = 1024
 
 
-def split_k_for(programs: int, k: int, block_k: int) -> int:
-    """Parts of K for a launch of ``programs`` (row tile, column block) programs; depends on the shapes only."""
-    if programs >= SPLIT_K_BELOW_PROGRAMS:
+def split_k_for(column_blocks: int, k: int, block_k: int) -> int:
+    """Parts of K for a weight of ``column_blocks`` column blocks. The weight's shape alone decides (never the
+    number of rows), so a verify row is summed in the same parts as a decode row."""
+    if column_blocks >= SPLIT_K_BELOW_PROGRAMS:
         return 1
     split = 1
-    while (split < MAX_SPLIT_K and programs * split < 2 * SPLIT_K_BELOW_PROGRAMS
+    while (split < MAX_SPLIT_K and column_blocks * split < 2 * SPLIT_K_BELOW_PROGRAMS
            and -(-k // block_k) >= 2 * split * MIN_TILES_PER_SPLIT):
         split *= 2
     return split
@@ -254,8 +258,8 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
                native_fp8: bool | None = None, split_k: int | None = None) -> torch.Tensor:
     """``x @ dequantize_fp8(weight, scale, block_size).T`` by the kernel, in ``x.dtype`` ([rows, N]).
     ``native_fp8``: load float8 values (default where the device has them: sm_89+, the interpreter) or bytes
-    converted by integer ops. ``split_k``: parts of K (default :func:`split_k_for`, from the shapes: a row's
-    result never depends on the number of rows)."""
+    converted by integer ops. ``split_k``: parts of K (default :func:`split_k_for`, from the weight's shape: a
+    row's result never depends on the number of rows)."""
     _check_args(x, weight, scale)
     rows, k = x.shape
     n = weight.shape[0]
@@ -268,8 +272,7 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     x, sub_k, native_fp8, e8m0, upcast = _launch_setup(x, grid, bk, block_k, scale_per_k, native_fp8,
                                                        _fp8_gemm_kernel)
     block_k = max(block_k, sub_k)  # a K tile of BLOCK_K / SUB_K parts, each inside one block of scales
-    programs = triton.cdiv(rows, MAX_ROWS) * triton.cdiv(n, block_n)
-    split = split_k if split_k is not None else split_k_for(programs, k, block_k)
+    split = split_k if split_k is not None else split_k_for(triton.cdiv(n, block_n), k, block_k)
     check(isinstance(split, int) and split >= 1, f"split_k must be a positive int, got {split!r}")
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty part
@@ -288,14 +291,11 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     return summed.to(x.dtype)
 
 
-SUM_BLOCK = 1024
-
-
 def _launch_setup(x, scale, bk, block_k, scale_per_k, native_fp8, kernel):
     """What both launchers settle before a launch -> (x with contiguous rows, the K step of one dot (it must not
-    straddle two scale blocks), native fp8 loads, e8m0 scales, upcast). Triton's CPU interpreter (3.9) multiplies bf16 tiles
-    as their raw uint16 bits and truncates fp32 -> bf16 casts: there the tiles go to fp32 (``upcast``) and torch
-    rounds the fp32 result."""
+    straddle two scale blocks), native fp8 loads, e8m0 scales, upcast). Triton's CPU interpreter (3.9) multiplies
+    bf16 tiles as their raw uint16 bits and truncates fp32 -> bf16 casts: there the tiles go to fp32 (``upcast``)
+    and torch rounds the fp32 result."""
     if scale_per_k:
         block_k = min(block_k, bk & -bk)
     if x.stride(-1) != 1:

@@ -108,8 +108,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """``x @ weight.T`` by the kernel for ``x`` of [rows <= MAX_KERNEL_ROWS, K] (any float dtype; the launcher does
-    not choose, :func:`skinny_linear` does)."""
+    """``x @ weight.T`` by the kernel for ``x`` of [rows <= MAX_KERNEL_ROWS, K] (any float dtype; the launcher
+    does not choose, :func:`skinny_linear` does)."""
     rows, k = x.shape
     n = weight.shape[0]
     if not 0 < rows <= MAX_KERNEL_ROWS or weight.shape[1] != k or weight.stride(1) != 1:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .fp8_gemm import FP8_DTYPE, fp8_linear, fp8_linear_fusible
+from .fp8_gemm import FP8_DTYPE, fp8_linear
 from .skinny_gemm import skinny_linear
 
 
@@ -29,7 +29,7 @@ def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
     """The weights of ``linears`` as one ``[sum of out_features, in_features]`` view when they lie back to back
     in one storage, in this order, without biases, and each module is a plain ``nn.Linear`` without hooks
     (a wrapped or hooked projection, e.g. an adapter, must run its own forward); otherwise None."""
-    if not all(_plain_linear(linear) for linear in linears):
+    if not all(_plain_linear(linear) and linear.bias is None for linear in linears):
         return None
     return _adjacent([linear.weight for linear in linears])
 
@@ -53,7 +53,8 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     width, rows, base = first.shape[1], 0, first.untyped_storage().data_ptr()
     for t in tensors:
         if (t.dim() != 2 or t.shape[1] != width or not t.is_contiguous() or t.dtype != first.dtype
-                or t.untyped_storage().data_ptr() != base or t.storage_offset() != first.storage_offset() + rows * width):
+                or t.untyped_storage().data_ptr() != base
+                or t.storage_offset() != first.storage_offset() + rows * width):
             return None
         rows += t.shape[0]
     return first.detach().as_strided((rows, width), (width, 1))
@@ -112,7 +113,7 @@ def _stackable_fp8(module, first) -> bool:
     weight, scale = getattr(module, "weight", None), getattr(module, "weight_scale_inv", None)
     block = getattr(module, "block_size", None)
     return (isinstance(weight, torch.Tensor) and isinstance(scale, torch.Tensor) and weight.dtype == FP8_DTYPE
-            and fp8_linear_fusible(module) and getattr(module, "bias", None) is None and block is not None
+            and getattr(module, "bias", None) is None and block is not None
             and len(block) == 2 and tuple(block) == tuple(getattr(first, "block_size", None) or ())
             and weight.dim() == 2 and weight.shape[0] % block[0] == 0 and scale.dim() == 2
             and scale.shape[0] == weight.shape[0] // block[0]

@@ -20,6 +20,7 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
 from hf_specdec.generation.quantization import fp8_quantize_model
 from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV
+from hf_specdec.kernels import fp8_gemm
 from hf_specdec.kernels.fp8_gemm import (
     E8M0_DTYPE,
     MAX_KERNEL_ROWS,
@@ -205,12 +206,33 @@ def test_triton_fp8_split_k(triton_device, split_k, scales):
         assert torch.equal(fp8_matmul(x[r:r + 1], weight, scale, block, SMALL, split_k=split_k), full[r:r + 1])
 
 
+def test_triton_fp8_default_split_k_does_not_depend_on_the_rows(triton_device, monkeypatch):
+    """The split is chosen from the weight's shape alone: 1, 17 and 40 rows (one, two, three row tiles) split K
+    alike, so every row equals its own result computed alone, bit for bit (a split chosen from the launch's
+    programs would cut a 40-row verify into fewer parts than a 1-row decode)."""
+    # at test sizes: a short K splits too, and 5 column blocks split while 3 row tiles x 5 would not
+    monkeypatch.setattr(fp8_gemm, "MIN_TILES_PER_SPLIT", 1)
+    monkeypatch.setattr(fp8_gemm, "SPLIT_K_BELOW_PROGRAMS", 6)
+    weight, scale = make_fp8(70, 128, (32, 32), seed=26, device=triton_device)
+    assert split_k_for(-(-70 // SMALL[0]), 128, SMALL[1]) == 4 and split_k_for(15, 128, SMALL[1]) == 1
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(26)).to(torch.bfloat16).to(triton_device)
+    splits = []  # the parts each launch chose (bf16 outputs alone rarely show an fp32 summation order)
+    monkeypatch.setattr(fp8_gemm, "split_k_for", lambda *a: splits.append(split_k_for(*a)) or splits[-1])
+    full = fp8_matmul(x, weight, scale, (32, 32), SMALL)
+    torch.testing.assert_close(full.float().cpu(), fp8_linear_reference(x.cpu(), weight.cpu(), scale.cpu(), (32, 32))
+                               .float(), **TOLERANCE[torch.bfloat16])
+    for r in (0, 16, 39):
+        assert torch.equal(fp8_matmul(x[r:r + 1], weight, scale, (32, 32), SMALL), full[r:r + 1])
+    assert torch.equal(fp8_matmul(x[:17], weight, scale, (32, 32), SMALL), full[:17])
+    assert splits == [4] * 5
+
+
 def test_split_k_only_for_few_programs_and_long_k():
-    assert split_k_for(programs=168, k=21504, block_k=256) == 4  # the 31B down projection
-    assert split_k_for(programs=168, k=8192, block_k=256) == 4  # o
-    assert split_k_for(programs=512, k=5376, block_k=256) == 1  # q/k/v: enough programs
-    assert split_k_for(programs=88, k=2112, block_k=256) == 1  # short K: a second launch would not pay
-    assert split_k_for(programs=200, k=4096, block_k=256) == 2  # parts of at least 8 K tiles
+    assert split_k_for(column_blocks=168, k=21504, block_k=256) == 4  # the 31B down projection
+    assert split_k_for(column_blocks=168, k=8192, block_k=256) == 4  # o
+    assert split_k_for(column_blocks=512, k=5376, block_k=256) == 1  # q/k/v: enough programs
+    assert split_k_for(column_blocks=88, k=2112, block_k=256) == 1  # short K: a second launch would not pay
+    assert split_k_for(column_blocks=200, k=4096, block_k=256) == 2  # parts of at least 8 K tiles
 
 
 def test_triton_fp8_many_rows_take_row_tiles(triton_device):
@@ -295,7 +317,7 @@ def test_triton_fp8_experts_forward(triton_device):
 
 def test_fp8_gemm_cases_in_interpreter(request):
     """This file by itself on CPU: its ``triton_`` tests in the interpreter (``conftest.run_file_cases_in_interpreter``)."""
-    run_file_cases_in_interpreter(request, __file__, min_passed=45)
+    run_file_cases_in_interpreter(request, __file__, min_passed=46)
 
 
 # ---------------------------------------------------------------- reference, dispatch, launcher checks (CPU)
@@ -347,7 +369,6 @@ def test_dispatch_keeps_the_reference_where_the_kernel_does_not_apply(monkeypatc
 def test_reference_path_serves_what_the_kernel_does_not(monkeypatch):
     """With the kernels forced on, what they do not take (fp32 activations, K blocks of 8) gets the reference's
     answer without a launch."""
-    from hf_specdec.kernels import fp8_gemm
 
     monkeypatch.setenv(FORCE_TRITON_ENV, "1")
     monkeypatch.setattr(fp8_gemm, "fp8_matmul", lambda *a, **k: pytest.fail("the kernel was launched"))
@@ -475,8 +496,6 @@ def test_expert_reference_is_each_experts_dequantized_matmul(block_size, monkeyp
         expected = F.linear(x[p:p + 1], dequantize_fp8(weight[e], grid(e), block_size))
         torch.testing.assert_close(got[p:p + 1], expected, rtol=1e-5, atol=1e-5)
     # fp32 activations are the reference's even with the kernels forced on: no launch, the same answer
-    from hf_specdec.kernels import fp8_gemm
-
     monkeypatch.setenv(FORCE_TRITON_ENV, "1")
     monkeypatch.setattr(fp8_gemm, "fp8_expert_matmul", lambda *a, **k: pytest.fail("the kernel was launched"))
     assert torch.equal(fp8_expert_linear(x, weight, scale, ids, block_size), got)

@@ -103,6 +103,17 @@ def test_a_model_with_stacked_projections_saves_and_loads_its_own_weights(tmp_pa
         assert torch.equal(got[key], value), key
 
 
+def test_adjacent_weights_with_a_bias_do_not_share_a_gemm():
+    """Weights that lie back to back (stacked, then a bias given to one) run one by one: the stacked GEMM has no
+    bias."""
+    gate, up = _linears(6, 6)
+    assert stack_weights(gate, up)
+    up.bias = nn.Parameter(torch.ones(6))
+    assert stacked_weight(gate, up) is None
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(stacked_projections(x, gate, up)[1], up(x))
+
+
 def _fp8_linears(*outs, width=64, block=(32, 32), seed=0):
     """transformers' FP8Linear layers holding the block-FP8 copies of random dense weights."""
     from transformers.integrations.finegrained_fp8 import FP8Linear

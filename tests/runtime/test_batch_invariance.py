@@ -98,7 +98,8 @@ def test_bf16_speculative_greedy_is_plain_greedy_bit_for_bit(target, batch):
         differs = (spec != plain).nonzero()
         assert differs.numel() == 0, f"k={k}: first differing (row, position) {differs[0].tolist()}"
         # the speculative loop skips the criteria at a row's last token (max length decides): the others match
-        assert len(spec_scores.scores) == batch * (NEW_TOKENS - 1) and spec_scores.scores.keys() <= plain_scores.scores.keys()
+        assert len(spec_scores.scores) == batch * (NEW_TOKENS - 1)
+        assert spec_scores.scores.keys() <= plain_scores.scores.keys()
         differ = [(step, (spec_scores.scores[key] - row).abs().max().item())
                   for step, (key, row) in enumerate(plain_scores.scores.items())
                   if key in spec_scores.scores and not torch.equal(spec_scores.scores[key], row)]
