@@ -103,3 +103,15 @@ def test_training_path_matches_the_draft_block(drafter, target, prompts):
     train_dflash = pytest.importorskip("tools.tiny_family.train_dflash")
     ids = prompts["input_ids"][1:][:, prompts["attention_mask"][1].bool()]  # the unpadded row
     assert train_dflash.check_matches_draft_block(drafter, target, ids, drafter.block_size) < 1e-4
+
+
+def test_document_openings_are_the_first_tokens_of_long_enough_documents():
+    """The retraining tool's file openings (tools/tiny_family): each long enough document's first tokens, <bos>
+    included, in order; a document shorter than the prefix is skipped, never joined to the next one."""
+    train_dflash = pytest.importorskip("tools.tiny_family.train_dflash")
+    data = pytest.importorskip("tools.tiny_family.data")
+    bos = 2
+    stream = data.TokenStream.from_documents([[bos, 10, 11, 12, 1], [bos, 20, 1], [bos, 30, 31, 32, 33, 1]])
+    assert train_dflash.document_openings(stream, bos, 4).tolist() == [[bos, 10, 11, 12], [bos, 30, 31, 32]]
+    assert train_dflash.document_openings(stream, bos, 4, count=1).tolist() == [[bos, 10, 11, 12]]
+    assert train_dflash.document_openings(stream, bos, 7).shape == (0, 7)

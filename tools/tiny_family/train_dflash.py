@@ -67,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train-split prefixes continued greedily by the target, made before training (0: none)")
     p.add_argument("--generated-fraction", type=float, default=0.5, help="share of each batch drawn from them")
     p.add_argument("--generated-prefix", type=int, default=256, help="data tokens before the target's continuation")
+    p.add_argument("--generated-openings", type=int, default=0,
+                   help="also continue the openings (first --opening-prefix tokens) of up to N train documents: file "
+                        "openings, like the held-out snippets the drafter is measured on; validation then scores the "
+                        "continued openings of the validation documents")
+    p.add_argument("--opening-prefix", type=int, default=128, help="tokens of a document opening before its continuation")
     p.add_argument("--gamma", type=float, default=4.0, help="position decay of the loss weights")
     p.add_argument("--layer-types", default=",".join("S" if t == gemma4_dflash.SLIDING else "F"
                                                       for t in gemma4_dflash.LAYER_TYPES),
@@ -74,7 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-layer-ids", default=",".join(map(str, gemma4_dflash.TARGET_LAYER_IDS)))
     p.add_argument("--intermediate-size", type=int, default=gemma4_dflash.INTERMEDIATE_SIZE)
     cli.add_drafter_loop_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.generated_openings and not args.generated_windows:
+        p.error("--generated-openings adds to the generated windows: give --generated-windows too")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -244,6 +252,15 @@ def generate_windows(target, stream: TokenStream, count: int, prefix_len: int, s
     return torch.cat([continue_greedily(target, ids, seq_len) for ids in prefixes.split(chunk)])
 
 
+def document_openings(stream: TokenStream, bos_id: int, prefix_len: int, count: int | None = None) -> torch.Tensor:
+    """[n, prefix_len]: the first `prefix_len` tokens (`<bos>` included) of the first `count` documents of `stream`
+    that have that many tokens, in stream order."""
+    starts = (stream.ids == bos_id).nonzero().squeeze(1)
+    ends = torch.cat([starts[1:], starts.new_tensor([stream.ids.numel()])])
+    starts = starts[(ends - starts) >= prefix_len][:count]
+    return stream.ids[starts[:, None] + torch.arange(prefix_len, device=starts.device)]
+
+
 @torch.no_grad()
 def continue_greedily(target, prefixes: torch.Tensor, seq_len: int) -> torch.Tensor:
     """prefixes [n, prefix_len] continued greedily by the target to [n, seq_len] (fp32, stock transformers
@@ -344,8 +361,20 @@ def main(argv: list[str] | None = None) -> dict:
         generated = generate_windows(target, train_stream.to(device), args.generated_windows, args.generated_prefix,
                                      args.seq_len, args.seed + 2)
         val_generated = [continue_greedily(target, w[:, : args.generated_prefix], args.seq_len) for w in val_windows]
+        first_generated = args.generated_prefix
+        if args.generated_openings:
+            openings = document_openings(train_stream.to(device), tokenizer.bos_token_id, args.opening_prefix,
+                                         args.generated_openings)
+            generated = torch.cat([generated, *[continue_greedily(target, ids, args.seq_len)
+                                                for ids in openings.split(1024)]])
+            val_openings = document_openings(frozen.validation_stream.to(device), tokenizer.bos_token_id,
+                                             args.opening_prefix)
+            val_generated = [continue_greedily(target, ids, args.seq_len) for ids in val_openings.split(16)]
+            first_generated = args.opening_prefix
         batches = MixedWindows(batches, generated, args.generated_fraction, args.seed)
-        report["generated"] = {"windows": args.generated_windows, "prefix": args.generated_prefix,
+        report["generated"] = {"windows": len(generated), "prefix": args.generated_prefix,
+                               "openings": args.generated_openings and len(openings),
+                               "opening_prefix": args.opening_prefix,
                                "fraction": args.generated_fraction, "seconds": round(time.perf_counter() - start, 1)}
         print("generated", json.dumps(report["generated"]), flush=True)
     steps = args.steps
@@ -363,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             metrics = {"step": step or (len(curve) + 1) * args.eval_every} | objective.metrics(drafter, val_windows)
             if val_generated:
-                metrics["generated"] = objective.metrics(drafter, val_generated, first_anchor=args.generated_prefix)
+                metrics["generated"] = objective.metrics(drafter, val_generated, first_anchor=first_generated)
         curve.append(cli.rounded(metrics))
         print("validation", json.dumps(curve[-1]), flush=True)
         score = (metrics.get("generated") or metrics)["tau_estimate"][full_k]
