@@ -252,7 +252,16 @@ def paged_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.numel() == 0:
         return out
-    run = _paged_attention_triton if use_triton(q) else paged_attention_reference
+    if use_triton(q):
+        run = _paged_attention_triton
+    elif q.device.type == "cpu" and q.shape[0] == 1 and paged_attention_rows(
+            q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, scale=scale, sliding_window=sliding_window,
+            causal=causal, out=out):
+        # one row on CPU (the latency case): its keys without a gather or a mask. With several rows one SDPA per
+        # row costs as much as the reference's one padded, masked SDPA for all (measured on a 2-core CPU)
+        return out
+    else:
+        run = paged_attention_reference
     run(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
         scale=scale, sliding_window=sliding_window, causal=causal, out=out)
     return out
@@ -404,6 +413,103 @@ def _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_wind
         _PLANS.pop(next(iter(_PLANS)))
     _PLANS[key] = ((block_tables, kv_lens, q_pos0, q_lens), (slots, visible, sees_key))
     return slots, visible, sees_key
+
+
+def paged_attention_rows(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale, sliding_window,
+                         causal, out) -> bool:
+    """The CPU path of decode and verify forwards: each row attends over its own visible keys only (no padding to
+    the widest row, and no mask where every query sees every key, as for one query per row), one fp32 SDPA per
+    row. Where every row's keys lie in consecutive slots (blocks handed out in order, the usual case at batch 1)
+    they are views of the cache; otherwise one gather brings every row's keys together first. Writes ``out`` and
+    returns True, or returns False (nothing written) where a row has a padded query slot (a left-padded prefill)
+    or a query that sees no key: the reference then runs."""
+    plan = _row_plan(block_tables, kv_lens, q_pos0, q_lens, q.shape[1], k_cache.shape[1], sliding_window, causal,
+                     q.shape[2] // k_cache.shape[2])
+    if plan is None:
+        return False
+    slots, rows = plan
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    keys_from, values_from = (cache.view(-1, num_kv_heads, head_dim) for cache in (k_cache, v_cache))
+    if slots is not None:
+        keys_from, values_from = keys_from.index_select(0, slots), values_from.index_select(0, slots)
+    upcast = q.dtype != torch.float32
+    for b, (first, count, mask) in enumerate(rows):
+        # [1, kv heads, n, D] views: 4D, as the CPU's fused SDPA kernel takes (3D inputs run the ~3x slower math path)
+        shape, strides = (1, num_kv_heads, count, head_dim), (count * num_kv_heads * head_dim, head_dim,
+                                                              num_kv_heads * head_dim, 1)
+        keys = keys_from.as_strided(shape, strides, keys_from.storage_offset() + first * num_kv_heads * head_dim)
+        values = values_from.as_strided(shape, strides, values_from.storage_offset() + first * num_kv_heads * head_dim)
+        # GQA: a KV head's q heads are consecutive, stacked along the query axis (K/V are never repeated)
+        qg = q[b]
+        if q_len > 1:
+            qg = qg.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qg = qg.reshape(1, num_kv_heads, group * q_len, head_dim)
+        if upcast:
+            qg, keys, values = qg.float(), keys.float(), values.float()
+        result = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        result = result.view(num_kv_heads, group, q_len, head_dim)
+        out[b].view(q_len, num_kv_heads, group, head_dim).copy_(
+            result.view(q_len, num_kv_heads, group, head_dim) if q_len == 1 else result.permute(2, 0, 1, 3))
+    return True
+
+
+_ROW_PLANS: dict[tuple, tuple] = {}  # as _PLANS: one plan per forward and KV group, shared by its layers
+
+
+def _row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal, group):
+    """(slots, rows) for :func:`paged_attention_rows`, or None where it does not apply. ``slots``: None when every
+    row's keys lie in consecutive slots, else every row's key slots one row after the other (gathered once per
+    layer). Per row (its first key in the cache, or in the gathered keys; its number of keys; the mask
+    [group * q_len, keys], or None when every query sees every key)."""
+    key = (id(block_tables), id(kv_lens), id(q_pos0), id(q_lens), q_len, block_size, sliding_window, causal, group)
+    hit = _ROW_PLANS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], (block_tables, kv_lens, q_pos0, q_lens))):
+        return hit[1]
+    plan = _build_row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal, group)
+    if len(_ROW_PLANS) >= _MAX_PLANS:
+        _ROW_PLANS.pop(next(iter(_ROW_PLANS)))
+    _ROW_PLANS[key] = ((block_tables, kv_lens, q_pos0, q_lens), plan)
+    return plan
+
+
+def _build_row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal, group):
+    if any(n != q_len for n in q_lens.tolist()):
+        return None
+    rows, consecutive, ranges = [], True, []
+    for table, kv_len, pos0 in zip(block_tables.tolist(), kv_lens.tolist(), q_pos0.tolist()):
+        # the keys some query sees, as _visible_key_range (every query slot is real here)
+        hi = min(kv_len, pos0 + q_len) if causal else kv_len
+        lo = 0 if sliding_window is None else max(0, pos0 - sliding_window + 1)
+        ranges.append((lo, hi))
+        if hi <= lo:
+            return None
+        blocks = table[lo // block_size:(hi - 1) // block_size + 1]
+        if len(blocks) != (hi - 1) // block_size - lo // block_size + 1 or min(blocks) < 0:
+            return None  # a visible key without a block: left to the reference's checks
+        consecutive &= all(b == blocks[0] + i for i, b in enumerate(blocks))
+        mask = None
+        if q_len > 1 and (causal or sliding_window is not None):
+            key_pos = torch.arange(lo, hi)[None, :]
+            pos = torch.arange(pos0, pos0 + q_len)[:, None]
+            visible = torch.ones(q_len, hi - lo, dtype=torch.bool)
+            if causal:
+                visible &= key_pos <= pos
+            if sliding_window is not None:
+                visible &= key_pos > pos - sliding_window
+            if not bool(visible.any(-1).all()):
+                return None
+            mask = None if bool(visible.all()) else visible.repeat(group, 1)
+        rows.append((blocks[0] * block_size + lo % block_size, hi - lo, mask))
+    if consecutive:
+        return None, rows
+    kv_lo, kv_hi = torch.tensor(ranges, dtype=torch.int32).unbind(1)
+    slots, _, in_range = _key_slots(block_tables, block_size, kv_lo, kv_hi)
+    starts = [0]
+    for _, count, _ in rows[:-1]:
+        starts.append(starts[-1] + count)
+    return slots.view(in_range.shape)[in_range], [(start, count, mask) for start, (_, count, mask) in zip(starts, rows)]
 
 
 def _key_slots(block_tables, block_size, kv_lo, kv_hi):

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_specdec.kernels import paged_attention, paged_attention_reference, use_triton
-from hf_specdec.kernels.paged_attention import NO_SPLIT, _paged_attention_triton, kv_chunk, num_kv_splits
+from hf_specdec.kernels.paged_attention import (NO_SPLIT, _paged_attention_triton, kv_chunk, num_kv_splits,
+                                                paged_attention_rows)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 FAR_BLOCK = 10**6  # poison that makes torch indexing raise if a kernel dereferences it
@@ -171,13 +172,70 @@ def test_reference_strided_q_and_out():
     assert_matches_dense(case, out, scale=0.25)
 
 
-def test_cpu_dispatch_is_the_reference(monkeypatch):
+def test_cpu_dispatch_is_the_reference_where_rows_decline(monkeypatch):
     monkeypatch.delenv("HF_SPECDEC_FORCE_TRITON", raising=False)
-    case = make_case([9, 17], q_len=3, seed=7)
+    case = make_case([9, 17], q_len=5, q_lens=[3, 5], seed=7)  # a left-padded row: the per-row path declines
     assert not use_triton(case.q)
     torch.testing.assert_close(paged_attention(*case.args(), scale=0.25, sliding_window=4),
                                paged_attention_reference(*case.args(), scale=0.25, sliding_window=4),
                                atol=0, rtol=0)
+
+
+def with_consecutive_blocks(case: PagedCase) -> PagedCase:
+    """The same rows with each row's pages moved to consecutive blocks (as the pool hands them out at batch 1);
+    poisoned table entries stay as they are."""
+    table = case.block_tables.clone()
+    num_blocks = case.k_cache.shape[0]
+    k_cache, v_cache = torch.full_like(case.k_cache, math.nan), torch.full_like(case.v_cache, math.nan)
+    k_cache[-1], v_cache[-1] = case.k_cache[-1], case.v_cache[-1]
+    for b in range(table.shape[0]):
+        for j in range(table.shape[1]):
+            old = int(table[b, j])
+            if 0 <= old < num_blocks - 1:
+                new = b * table.shape[1] + j
+                k_cache[new], v_cache[new], table[b, j] = case.k_cache[old], case.v_cache[old], new
+    return PagedCase(case.q, k_cache, v_cache, table, case.kv_lens, case.q_pos0, case.q_lens)
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("kv_lens,q_len,q_pos0,sliding_window,causal", [
+    ([17], 1, None, None, True),  # decode
+    ([17], 1, None, 6, True),
+    ([9, 23, 14], 1, None, 5, True),
+    ([21], 4, None, 6, True),  # verify
+    ([9, 23, 14], 4, None, None, True),
+    ([9, 23, 14], 4, None, 6, True),
+    ([12, 20], 1, [12, 20], 4, True),  # a drafter's query one position after the last cached key
+    ([12, 20], 5, [8, 16], None, False),  # a bidirectional block
+    ([12, 20], 5, [8, 16], 7, False),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rows_path_matches_dense_and_reference(consecutive, kv_lens, q_len, q_pos0, sliding_window, causal,
+                                                   dtype):
+    case = make_case(kv_lens, q_len, q_pos0=q_pos0, num_heads=8, dtype=dtype, sliding_window=sliding_window,
+                     poison=NAN_BLOCK, seed=len(kv_lens) + q_len)
+    if consecutive:
+        case = with_consecutive_blocks(case)
+    out = torch.full_like(case.q, math.nan)
+    assert paged_attention_rows(*case.args(), scale=0.3, sliding_window=sliding_window, causal=causal, out=out)
+    assert_matches_dense(case, out, scale=0.3, sliding_window=sliding_window, causal=causal)
+    reference = paged_attention_reference(*case.args(), scale=0.3, sliding_window=sliding_window, causal=causal)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, reference, atol=tol, rtol=tol)
+    dispatched = paged_attention(*case.args(), scale=0.3, sliding_window=sliding_window, causal=causal)
+    # the CPU dispatch takes this path for one row, the reference for several
+    torch.testing.assert_close(dispatched, out if len(kv_lens) == 1 else reference, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("q_lens,q_pos0,sliding_window", [
+    ([3, 5], None, None),  # a left-padded prefill row
+    ([1], [40], 4),  # the one query is past every key of its window
+])
+def test_cpu_rows_path_declines_and_writes_nothing(q_lens, q_pos0, sliding_window):
+    case = make_case([9, 17][:len(q_lens)], q_len=max(q_lens), q_lens=q_lens, q_pos0=q_pos0, seed=3)
+    out = torch.full_like(case.q, math.nan)
+    assert not paged_attention_rows(*case.args(), scale=0.3, sliding_window=sliding_window, causal=True, out=out)
+    assert out.isnan().all()
 
 
 # ---------------------------------------------------------------- Triton vs reference

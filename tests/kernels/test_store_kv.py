@@ -60,9 +60,16 @@ def test_reference_writes_slots_and_skips_padding(key_dtype, cache_dtype, slot_d
     assert_stored(case, k_expected, v_expected)
 
 
-def test_cpu_dispatch_is_the_reference(monkeypatch):
+@pytest.mark.parametrize("padding", [True, False])
+@pytest.mark.parametrize("key_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_cpu_path_writes_slots_and_skips_padding(monkeypatch, padding, key_dtype, cache_dtype, slot_dtype):
+    """The CPU path (one index_copy_ per cache, padding filtered only when present) writes what the reference does."""
     monkeypatch.delenv("HF_SPECDEC_FORCE_TRITON", raising=False)
-    case = make_store_case(seed=1)
+    case = make_store_case(seed=1, key_dtype=key_dtype, cache_dtype=cache_dtype, slot_dtype=slot_dtype)
+    if not padding:  # a decode or verify forward: every token has a slot
+        free = [slot for slot in range(24) if slot not in case.slot_mapping.tolist()][:2]
+        case.slot_mapping[case.slot_mapping < 0] = torch.tensor(free, dtype=slot_dtype)
     assert not use_triton(case.key)
     k_expected, v_expected = case.expected_buffers()
     store_kv(*case.args())
