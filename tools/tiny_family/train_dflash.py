@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also continue the openings (first --opening-prefix tokens) of up to N train documents: file "
                         "openings, like the held-out snippets the drafter is measured on; validation then scores the "
                         "continued openings of the validation documents")
-    p.add_argument("--opening-prefix", type=int, default=128, help="tokens of a document opening before its continuation")
+    p.add_argument("--opening-prefix", type=int, default=128,
+                   help="tokens of a document opening before its continuation")
     p.add_argument("--gamma", type=float, default=4.0, help="position decay of the loss weights")
     p.add_argument("--layer-types", default=",".join("S" if t == gemma4_dflash.SLIDING else "F"
                                                       for t in gemma4_dflash.LAYER_TYPES),
