@@ -342,7 +342,12 @@ def test_triton_verify_queries_equal_decode_queries(triton_device, sliding_windo
             args = (case.q[:, i:i + 1].contiguous(), case.k_cache, case.v_cache, tables, kv_lens,
                     kv_lens - 1, torch.ones_like(kv_lens))
             decode = _paged_attention_triton(*args, out=torch.empty_like(case.q[:, :1]), **run)
-            assert torch.equal(decode[:, 0], verify[:, i]), (i, (decode[:, 0] - verify[:, i]).abs().max())
+            if case.q.is_cuda:
+                assert torch.equal(decode[:, 0], verify[:, i]), (i, (decode[:, 0] - verify[:, i]).abs().max())
+            else:
+                # the interpreter's dots are numpy matmuls, whose BLAS kernel (picked by the CPU) may sum a row's
+                # products in another order at another row of the tile: bits there are the CPU's, not the kernel's
+                torch.testing.assert_close(decode[:, 0], verify[:, i], atol=2e-6, rtol=2e-6)
 
 
 def test_chunks_depend_on_batch_and_heads_only():
