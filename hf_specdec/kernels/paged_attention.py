@@ -391,13 +391,29 @@ _PLANS: dict[tuple, tuple] = {}
 _MAX_PLANS = 8
 
 
+def _cached_plan(build, block_tables, kv_lens, q_pos0, q_lens, *args):
+    """``build(block_tables, kv_lens, q_pos0, q_lens, *args)``, once per forward: kept in ``_PLANS`` under the
+    metadata tensors' identities, ``build`` and ``args``."""
+    metadata = (block_tables, kv_lens, q_pos0, q_lens)
+    key = (build, *map(id, metadata), *args)
+    hit = _PLANS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], metadata)):
+        return hit[1]
+    plan = build(*metadata, *args)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = (metadata, plan)
+    return plan
+
+
 def _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal):
     """(slots [batch * L] into the flattened cache, visible [batch, q_len, L], which queries see some key
     [batch, q_len] or None if all do) for this forward's rows."""
-    key = (id(block_tables), id(kv_lens), id(q_pos0), id(q_lens), q_len, block_size, sliding_window, causal)
-    hit = _PLANS.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], (block_tables, kv_lens, q_pos0, q_lens))):
-        return hit[1]
+    return _cached_plan(_build_plan, block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window,
+                        causal)
+
+
+def _build_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal):
     kv_lo, kv_hi = _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal)
     slots, key_pos, in_range = _key_slots(block_tables, block_size, kv_lo, kv_hi)
     steps = torch.arange(q_len, device=kv_lens.device)
@@ -409,9 +425,6 @@ def _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_wind
         visible &= key_pos[:, None, :] > pos - sliding_window  # [batch, q_len, L]
     sees_key = visible.any(-1)  # [batch, q_len]; None when every query sees a key (nothing to zero)
     sees_key = None if bool(sees_key.all()) else sees_key
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = ((block_tables, kv_lens, q_pos0, q_lens), (slots, visible, sees_key))
     return slots, visible, sees_key
 
 
@@ -455,23 +468,13 @@ def paged_attention_rows(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_l
     return True
 
 
-_ROW_PLANS: dict[tuple, tuple] = {}  # as _PLANS: one plan per forward and KV group, shared by its layers
-
-
 def _row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal, group):
     """(slots, rows) for :func:`paged_attention_rows`, or None where it does not apply. ``slots``: None when every
     row's keys lie in consecutive slots, else every row's key slots one row after the other (gathered once per
     layer). Per row (its first key in the cache, or in the gathered keys; its number of keys; the mask
     [group * q_len, keys], or None when every query sees every key)."""
-    key = (id(block_tables), id(kv_lens), id(q_pos0), id(q_lens), q_len, block_size, sliding_window, causal, group)
-    hit = _ROW_PLANS.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], (block_tables, kv_lens, q_pos0, q_lens))):
-        return hit[1]
-    plan = _build_row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal, group)
-    if len(_ROW_PLANS) >= _MAX_PLANS:
-        _ROW_PLANS.pop(next(iter(_ROW_PLANS)))
-    _ROW_PLANS[key] = ((block_tables, kv_lens, q_pos0, q_lens), plan)
-    return plan
+    return _cached_plan(_build_row_plan, block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window,
+                        causal, group)
 
 
 def _build_row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal, group):
