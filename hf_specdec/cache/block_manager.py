@@ -71,6 +71,7 @@ class BlockManager:
         self.pools = [BlockPool(n) for n in num_blocks]
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
+        self.version = 0  # grows whenever a block table changes (a block allocated, released or dropped)
 
     @property
     def num_groups(self) -> int:
@@ -80,6 +81,7 @@ class BlockManager:
         seq_id = self._next_id
         self._next_id += 1
         self._seqs[seq_id] = _Sequence(tables=[[] for _ in self.pools])
+        self.version += 1
         return seq_id
 
     def num_tokens(self, seq_id: int) -> int:
@@ -122,8 +124,10 @@ class BlockManager:
         for seq_id, n in requests.items():
             seq = self._seqs[seq_id]
             extra = self.blocks_needed(seq_id, n)
-            for g, pool in enumerate(self.pools):
-                seq.tables[g].extend(pool.allocate() for _ in range(extra))
+            if extra:
+                self.version += 1
+                for g, pool in enumerate(self.pools):
+                    seq.tables[g].extend(pool.allocate() for _ in range(extra))
             seq.num_tokens += n
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
@@ -132,6 +136,8 @@ class BlockManager:
         if not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(f"cannot truncate sequence {seq_id} of {seq.num_tokens} tokens to {num_tokens}.")
         keep = -(-num_tokens // self.block_size)
+        if seq.tables and len(seq.tables[0]) > keep:
+            self.version += 1
         for g, pool in enumerate(self.pools):
             for block in seq.tables[g][keep:]:
                 if block != RELEASED:
@@ -151,10 +157,12 @@ class BlockManager:
                 if table[j] != RELEASED:
                     self.pools[g].release(table[j])
                     table[j] = RELEASED
+                    self.version += 1
 
     def free_sequence(self, seq_id: int) -> None:
         self.truncate(seq_id, 0)
         del self._seqs[seq_id]
+        self.version += 1
 
     def num_live_blocks(self, seq_id: int, group: int) -> int:
         return sum(b != RELEASED for b in self._seqs[seq_id].tables[group])

@@ -4,7 +4,8 @@ Storage of group ``g`` is two tensors ``[num_layers_in_group, num_blocks, block_
 head_dim]`` (K and V). Rows of a batch are independent sequences with their own lengths: a row's
 tokens occupy positions ``0 .. len-1`` (left padding is never stored). One forward goes:
 
-    meta = cache.begin_forward(num_new_tokens_per_row, q_len)   # allocate + slot mapping, host side
+    meta = cache.begin_forward(num_new_tokens_per_row, q_len)   # allocate on the host; positions, slot
+                                                                  # mappings and tables derived on the device
     model(..., cache=cache, paged_cache=cache)                   # update() stores K/V by slot mapping;
                                                                   # the "hf_specdec" attention reads pages
                                                                   # (past_key_values= before transformers 5.24)
@@ -17,7 +18,7 @@ Query slots of a forward are right-aligned: slot ``i`` of row ``b`` is padding i
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
@@ -25,6 +26,7 @@ from transformers.cache_utils import Cache
 from hf_specdec.cache.block_manager import RELEASED, BlockManager
 from hf_specdec.cache.kv_layout import KVLayout
 from hf_specdec.kernels import store_kv
+from hf_specdec.kernels.forward_meta import build_forward_meta, empty_forward_buffers
 
 
 def to_device_async(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -55,12 +57,58 @@ class ForwardMeta:
     position_ids: torch.Tensor  # [batch, q_len] int64, padding slots clamped to 0
     slot_mapping: list[torch.Tensor]  # per group: [batch * q_len] int64, -1 for padding
     block_tables: list[torch.Tensor]  # per group: [batch, max_blocks] int32, -1 where released/unused
+    # the storage these fields view when the metadata was built on the device (``build_forward_meta``'s buffers:
+    # slots and tables stacked over the groups), so it can be rebuilt in place; None otherwise
+    buffers: dict | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def over(cls, q_len: int, buffers: dict[str, torch.Tensor]) -> "ForwardMeta":
+        """The metadata viewing ``buffers`` (``empty_forward_buffers``), filled or to be filled in place."""
+        return cls(q_len=q_len, kv_lens=buffers["kv_lens"], q_pos0=buffers["q_pos0"], q_lens=buffers["q_lens"],
+                   position_ids=buffers["positions"], slot_mapping=list(buffers["slots"].unbind(0)),
+                   block_tables=list(buffers["tables"].unbind(0)), buffers=buffers)
+
+    def rows(self, n: int) -> "ForwardMeta":
+        """The first ``n`` rows (views), e.g. a CUDA graph's real rows of its batch bucket."""
+        if self.kv_lens.shape[0] == n:
+            return self
+        return ForwardMeta(q_len=self.q_len, kv_lens=self.kv_lens[:n], q_pos0=self.q_pos0[:n], q_lens=self.q_lens[:n],
+                           position_ids=self.position_ids[:n], slot_mapping=[s[:n * self.q_len] for s in self.slot_mapping],
+                           block_tables=[t[:n] for t in self.block_tables])
 
     def to(self, device: torch.device) -> "ForwardMeta":
         """The same description on another device (for layers whose pages live there)."""
         moved = {name: getattr(self, name).to(device) for name in ("kv_lens", "q_pos0", "q_lens", "position_ids")}
         return ForwardMeta(q_len=self.q_len, slot_mapping=[t.to(device) for t in self.slot_mapping],
                            block_tables=[t.to(device) for t in self.block_tables], **moved)
+
+
+@dataclass
+class ForwardPlan:
+    """What the host decided for one forward, on the device: per row the tokens the cache held before it and the
+    tokens it appends, and the rows' block tables. :meth:`meta` derives the :class:`ForwardMeta` the layers read
+    (one launch on CUDA), into new buffers or into a CUDA graph's static ones."""
+
+    q_len: int
+    counts: torch.Tensor  # [2, batch] int32: tokens before this forward, new tokens
+    tables: torch.Tensor  # [groups, batch, width] int32, -1 where released or unused
+    block_size: int
+
+    @property
+    def num_new(self) -> torch.Tensor:
+        """[batch] int32: the tokens each row appends (right-aligned in the query slots)."""
+        return self.counts[1]
+
+    def meta(self, rows: int | None = None, width: int | None = None, out: ForwardMeta | None = None) -> ForwardMeta:
+        """The forward's metadata, in ``out``'s buffers (a :meth:`ForwardMeta.over` view) or in new ones of ``rows``
+        rows (default the batch; rows past it are padding: no query, no key, no slot, no page) and block tables
+        ``width`` wide (default the rows' own)."""
+        if out is None:
+            groups, batch, own_width = self.tables.shape
+            out = ForwardMeta.over(self.q_len, empty_forward_buffers(
+                rows or batch, self.q_len, groups, width or own_width, self.counts.device))
+        build_forward_meta(self.counts, self.tables, self.q_len, self.block_size, out.buffers, validate=False)
+        return out
 
 
 class PagedKVCache(Cache):
@@ -86,7 +134,9 @@ class PagedKVCache(Cache):
             layout, storage_blocks or num_blocks, block_size, dtype, self.device)
         self.meta: ForwardMeta | None = None
         self._meta_copies: dict[torch.device, ForwardMeta] = {}  # ``meta`` on the devices of other groups' pages
-        self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards
+        self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards, per group
+        self._tables: torch.Tensor | None = None  # every group's block tables on the device (_device_tables)
+        self._tables_version = -1  # the manager's version they were built at
         # When the cache holds one tensor-parallel rank's contiguous share of every layer's KV heads: the ranks'
         # group (``local_heads`` / ``gather_heads``), with which a drafter's Q-only attention over these pages
         # (``paged_query_attention``) attends with the matching query heads and gathers the others. None otherwise.
@@ -106,39 +156,54 @@ class PagedKVCache(Cache):
     def seq_lens(self) -> list[int]:
         return [self.manager.num_tokens(s) for s in self.seq_ids]
 
-    def begin_forward(self, num_new: list[int], q_len: int) -> ForwardMeta:
-        """Allocate room for ``num_new[b]`` tokens per row and describe the forward for the kernels."""
+    def plan_forward(self, num_new: list[int], q_len: int) -> ForwardPlan:
+        """Allocate room for ``num_new[b]`` tokens per row (right-aligned in ``q_len`` query slots) and put what the
+        device needs to describe the forward there: two small per-row counts, and the block tables when a block
+        was allocated or released since the last forward (they are kept on the device between forwards)."""
         if len(num_new) != self.batch_size:
             raise ValueError(f"num_new has {len(num_new)} rows, the cache {self.batch_size}.")
         if any(n > q_len or n < 0 for n in num_new):
             raise ValueError(f"each row needs 0 <= num_new <= q_len={q_len}, got {num_new}.")
         before = self.seq_lens
+        self.meta = None
         self._context_tables.clear()
         self._meta_copies.clear()
         self.manager.append({s: n for s, n in zip(self.seq_ids, num_new) if n})
         self._fit_storage()
-        kv_lens = torch.tensor([b + n for b, n in zip(before, num_new)], dtype=torch.int32)
-        q_pos0 = kv_lens - q_len
-        q_lens = torch.tensor(num_new, dtype=torch.int32)
-        positions = (q_pos0[:, None].long() + torch.arange(q_len)[None, :]).clamp_(min=0)
-        # slot of each query slot's token per group; -1 for left padding (no token to store)
-        is_new = torch.arange(q_len)[None, :] >= (q_len - q_lens)[:, None]  # [batch, q_len]
-        tables = [self.block_table_tensor(g, device=None) for g in range(self.manager.num_groups)]
-        block_index, offset = positions // self.block_size, positions % self.block_size
-        slots = []
-        for g, table in enumerate(tables):
-            blocks = table.gather(1, block_index).long()  # the tables hold every new position
-            if bool((is_new & (blocks == RELEASED)).any()):
-                raise IndexError(f"a new token's position slid out of group {g}'s window.")
-            slots.append(torch.where(is_new, blocks * self.block_size + offset, -1).view(-1))
-        groups = len(slots)
-        small = to_device_async([kv_lens, q_pos0, q_lens, *tables], self.device)
-        wide = to_device_async([positions, *slots], self.device)
-        self.meta = ForwardMeta(
-            q_len=q_len, kv_lens=small[0], q_pos0=small[1], q_lens=small[2], position_ids=wide[0],
-            slot_mapping=wide[1:1 + groups], block_tables=small[3:3 + groups],
-        )
+        self._check_windows(before, num_new)
+        counts = to_device_async([torch.tensor([before, num_new], dtype=torch.int32)], self.device)[0]
+        return ForwardPlan(q_len=q_len, counts=counts, tables=self._device_tables(), block_size=self.block_size)
+
+    def begin(self, plan: ForwardPlan) -> ForwardMeta:
+        """Derive ``plan``'s metadata into new buffers and make it this forward's (what the layers store and read
+        by)."""
+        self.meta = plan.meta()
         return self.meta
+
+    def begin_forward(self, num_new: list[int], q_len: int) -> ForwardMeta:
+        """Allocate room for ``num_new[b]`` tokens per row and describe the forward for the kernels."""
+        return self.begin(self.plan_forward(num_new, q_len))
+
+    def _check_windows(self, before: list[int], num_new: list[int]) -> None:
+        """A row's new tokens start at its length; that position's block must not have slid out of a window."""
+        for g, window in enumerate(self.manager.windows):
+            if window is None:
+                continue
+            for seq, start, n in zip(self.seq_ids, before, num_new):
+                if n and self.manager.block_table(seq, g)[start // self.block_size] == RELEASED:
+                    raise IndexError(f"a new token's position slid out of group {g}'s window.")
+
+    def _device_tables(self) -> torch.Tensor:
+        """[groups, batch, width] int32 block tables on the cache's device, rebuilt when the manager's tables
+        changed (``width``: the longest table, at least 1)."""
+        if self._tables is None or self._tables_version != self.manager.version:
+            tables = [[self.manager.block_table(s, g) for s in self.seq_ids] for g in range(self.manager.num_groups)]
+            width = max(1, max((len(t) for group in tables for t in group), default=0))
+            host = torch.tensor([[t + [RELEASED] * (width - len(t)) for t in group] for group in tables],
+                                dtype=torch.int32)
+            self._tables = to_device_async([host], self.device)[0]
+            self._tables_version = self.manager.version
+        return self._tables
 
     def _fit_storage(self) -> None:
         """Grow a group's own storage (doubling, up to its pool) when a block past it was handed out; the
@@ -202,7 +267,7 @@ class PagedKVCache(Cache):
         committed context); the tables are built once per commit."""
         group, index = self.layout.layer_slot[layer_idx]
         if group not in self._context_tables:
-            self._context_tables[group] = self.block_table_tensor(group)
+            self._context_tables[group] = self._device_tables()[group].to(self.group_device(group))
         return self.k_storage[group][index], self.v_storage[group][index], self._context_tables[group]
 
     def layer_storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

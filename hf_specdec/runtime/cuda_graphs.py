@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hf_specdec.cache import ForwardMeta
+from hf_specdec.cache import ForwardMeta, ForwardPlan
 
 CUDA_GRAPHS_ENV = "HF_SPECDEC_CUDA_GRAPHS"
 MAX_GRAPH_QUERY_LEN = 32  # decode and verify forwards; prefills run eagerly
@@ -88,10 +88,9 @@ def _first_rows(saved, rows: int):
 class _Graph:
     graph: torch.cuda.CUDAGraph
     input_ids: torch.Tensor  # [bucket, q_len]
-    meta: ForwardMeta  # bucket rows; rows past live_rows are padding
+    meta: ForwardMeta  # bucket rows, rebuilt in place by each replay (rows past the batch are padding)
     logits: torch.Tensor
     hooked: object
-    live_rows: int  # real rows of the last replay (or of the capture)
 
 
 def batch_bucket(batch: int) -> int:
@@ -218,28 +217,30 @@ class GraphRunner:
     def has(self, key: tuple) -> bool:
         return key in self.store.graphs
 
-    def replay(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMeta):
+    def replay(self, key: tuple, input_ids: torch.Tensor, plan: ForwardPlan):
+        """(outputs, metadata of the real rows) of the graph ``key`` replayed for ``input_ids`` and ``plan``: the
+        ids are copied into its first rows and the plan's metadata is derived into its static buffers, rows past
+        the batch becoming padding (no query, no key, no slot, no page)."""
         g = self.store.get("graphs", key)
         rows = input_ids.shape[0]
         g.input_ids[:rows].copy_(input_ids)
-        _copy_meta(g.meta, meta, reset_from=rows if g.live_rows > rows else None)
-        g.live_rows = rows
+        plan.meta(out=g.meta)
         g.graph.replay()
         self.hooked.restore(g.hooked, rows)
-        return SimpleNamespace(logits=g.logits[:rows])
+        return SimpleNamespace(logits=g.logits[:rows]), g.meta.rows(rows)
 
-    def capture(self, key: tuple, input_ids: torch.Tensor, meta: ForwardMeta, forward) -> None:
-        """Capture ``forward(input_ids, meta)`` for ``key`` (after it ran eagerly with the same inputs, so a
-        warm-up replay rewrites the same K/V into the same slots). On failure, graphs are off for the model."""
+    def capture(self, key: tuple, input_ids: torch.Tensor, plan: ForwardPlan, forward) -> None:
+        """Capture ``forward(input_ids)`` for ``key`` over static metadata derived from ``plan`` (after it ran
+        eagerly with the same inputs, so a warm-up replay rewrites the same K/V into the same slots). On failure,
+        graphs are off for the model."""
         rows, bucket = input_ids.shape[0], key[1][0]
         static_ids = torch.nn.functional.pad(input_ids, (0, 0, 0, bucket - rows))  # padding rows: token 0
-        static_meta = _static_meta(meta, self.table_width, bucket)
+        static_meta = plan.meta(rows=bucket, width=self.table_width)
         recorded = self.hooked.snapshot()  # the eager forward's records: what the caller reads next
         try:
             with self.cache.forward_with(static_meta):
                 graph, out = capture_graph(forward, static_ids)
-            self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot(),
-                                                  rows))
+            self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot()))
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
             self.store.disabled_reason = f"{type(error).__name__}: {error}"
             warnings.warn(
@@ -269,46 +270,6 @@ def capture_graph(fn, *inputs):
 def table_width_bucket(blocks: int) -> int:
     """Block-table width a graph is captured for: a power of two >= 8, so requests of similar lengths share."""
     return max(8, 1 << max(0, blocks - 1).bit_length())
-
-
-def _static_meta(meta: ForwardMeta, table_width: int, bucket: int) -> ForwardMeta:
-    """Buffers of their own for every tensor of ``meta``, with padding rows up to ``bucket`` rows (block tables
-    padded to ``table_width``)."""
-    tables = [pad_table(t, table_width) for t in meta.block_tables]
-    static = ForwardMeta(
-        q_len=meta.q_len,
-        kv_lens=meta.kv_lens.new_zeros(bucket), q_pos0=meta.q_pos0.new_zeros(bucket),
-        q_lens=meta.q_lens.new_zeros(bucket), position_ids=meta.position_ids.new_zeros(bucket, meta.q_len),
-        slot_mapping=[s.new_full((bucket * meta.q_len,), -1) for s in meta.slot_mapping],
-        block_tables=[t.new_full((bucket, t.shape[1]), -1) for t in tables],
-    )
-    _copy_meta(static, meta)
-    return static
-
-
-def _copy_meta(static: ForwardMeta, meta: ForwardMeta, reset_from: int | None = None) -> None:
-    """Copy ``meta`` into the first rows of ``static``; with ``reset_from``, rows from there on become padding
-    again (no query tokens, no keys, no slots, no pages)."""
-    rows = meta.kv_lens.shape[0]
-    static.kv_lens[:rows].copy_(meta.kv_lens)
-    static.q_pos0[:rows].copy_(meta.q_pos0)
-    static.q_lens[:rows].copy_(meta.q_lens)
-    static.position_ids[:rows].copy_(meta.position_ids)
-    for dst, src in zip(static.slot_mapping, meta.slot_mapping):
-        dst[:src.shape[0]].copy_(src)
-    for dst, src in zip(static.block_tables, meta.block_tables):
-        width = src.shape[1]
-        if width > dst.shape[1]:
-            raise RuntimeError(f"block table of width {width} exceeds the captured width {dst.shape[1]}")
-        dst[:rows, :width].copy_(src)
-        dst[:rows, width:].fill_(-1)
-    if reset_from is not None:
-        for tensor in (static.kv_lens, static.q_pos0, static.q_lens, static.position_ids):
-            tensor[reset_from:].zero_()
-        for dst in static.slot_mapping:
-            dst[reset_from * static.q_len:].fill_(-1)
-        for dst in static.block_tables:
-            dst[reset_from:].fill_(-1)
 
 
 class CallGraph:
@@ -344,17 +305,15 @@ def pad_table(table: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(table, (0, width - table.shape[1]), value=-1)
 
 
-def meta_inputs(meta: ForwardMeta, bucket: int, table_width: int) -> list[torch.Tensor]:
-    """``meta`` as a drafter graph's flat inputs, padded to ``bucket`` rows: padding rows have no query, no key,
-    no slot and no page, and block tables are padded to ``table_width``. :func:`meta_of_inputs` inverts it."""
-    return [pad_rows(meta.kv_lens, bucket), pad_rows(meta.q_pos0, bucket), pad_rows(meta.q_lens, bucket),
-            pad_rows(meta.position_ids, bucket), *[pad_rows(m, bucket * meta.q_len, -1) for m in meta.slot_mapping],
-            *[pad_rows(pad_table(t, table_width), bucket, -1) for t in meta.block_tables]]
+def meta_inputs(meta: ForwardMeta) -> list[torch.Tensor]:
+    """``meta`` (built on the device, e.g. by ``ForwardPlan.meta`` at a graph's bucket and table width) as a drafter
+    graph's flat inputs; :func:`meta_of_inputs` inverts it."""
+    b = meta.buffers
+    return [b["kv_lens"], b["q_pos0"], b["q_lens"], b["positions"], b["slots"], b["tables"]]
 
 
 def meta_of_inputs(inputs, q_len: int) -> ForwardMeta:
     """The ForwardMeta over a graph's flat inputs from :func:`meta_inputs` (its tensors, not copies)."""
-    kv_lens, q_pos0, q_lens, position_ids, *per_group = inputs
-    groups = len(per_group) // 2
-    return ForwardMeta(q_len=q_len, kv_lens=kv_lens, q_pos0=q_pos0, q_lens=q_lens, position_ids=position_ids,
-                       slot_mapping=list(per_group[:groups]), block_tables=list(per_group[groups:]))
+    kv_lens, q_pos0, q_lens, positions, slots, tables = inputs
+    return ForwardMeta.over(q_len, dict(kv_lens=kv_lens, q_pos0=q_pos0, q_lens=q_lens, positions=positions,
+                                        slots=slots, tables=tables))

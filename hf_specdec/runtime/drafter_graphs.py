@@ -12,9 +12,10 @@ Two kinds of call:
 - a call that only reads (no forward metadata): a replay fills the first rows of the graph's inputs and the
   rows past a smaller batch keep an earlier call's inputs, which are read and dropped; the padding is built
   only for the capture;
-- a call that writes K/V by slot mapping (``meta=``, the forward metadata of ``cache``): every call pads to
-  the bucket, its metadata included (padding rows have no query, no key, no slot and no page), so rows a
-  larger batch left never store anything; the function runs with that metadata as the cache's forward.
+- a call that writes K/V by slot mapping (``plan=``, a forward planned on ``cache``): its tensors are filled
+  the same way, and its metadata is derived from the plan straight into the graph's static inputs for every
+  row of the bucket (padding rows have no query, no key, no slot and no page), so rows a larger batch left
+  never store anything; the function runs with that metadata as the cache's forward.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import warnings
 
 import torch
 
-from hf_specdec.cache import ForwardMeta
+from hf_specdec.cache import ForwardPlan
 from hf_specdec.runtime.cuda_graphs import (
     MAX_GRAPH_QUERY_LEN,
     CallGraph,
@@ -51,32 +52,37 @@ class DrafterGraphs:
         return self.store is not None and self.store.disabled_reason is None and not self.failed
 
     def run(self, name: str, fn, tensors: list[torch.Tensor], *, pad_values: tuple = (), key: tuple = (),
-            meta: ForwardMeta | None = None, cache=None):
-        """``fn(*tensors)`` — or ``fn(*tensors, meta)`` for a call that writes ``cache``'s K/V by ``meta`` — for
-        tensors [batch, ...]; ``fn`` must not sync with the host. Returns its outputs (tensors, tuples of them, or
-        objects with ``rows(n)``) for the real rows; a replay's outputs are the graph's static buffers, valid
-        until its next replay. ``pad_values[i]`` fills padding rows of ``tensors[i]`` (default 0); ``key`` adds
-        what else fixes the call's shapes."""
-        if not self.on or (meta is not None and meta.q_len > MAX_GRAPH_QUERY_LEN):
-            return fn(*tensors) if meta is None else fn(*tensors, meta)
+            plan: ForwardPlan | None = None, cache=None):
+        """``fn(*tensors)`` — or ``fn(*tensors, meta)`` for a call that writes ``cache``'s K/V by the metadata of
+        ``plan`` (``cache.plan_forward``'s) — for tensors [batch, ...]; ``fn`` must not sync with the host. Returns
+        its outputs (tensors, tuples of them, or objects with ``rows(n)``) for the real rows; a replay's outputs
+        are the graph's static buffers, valid until its next replay. ``pad_values[i]`` fills padding rows of
+        ``tensors[i]`` at the capture (default 0); ``key`` adds what else fixes the call's shapes."""
+        if not self.on or (plan is not None and plan.q_len > MAX_GRAPH_QUERY_LEN):
+            if plan is None:
+                return fn(*tensors)
+            with cache.forward_with(plan.meta()) as meta:
+                return fn(*tensors, meta)
         rows = tensors[0].shape[0]
         bucket = batch_bucket(rows)
         # (owner kind, call name, owner ids..., store generation, bucket, input shapes, table width, extra key)
         graph_key = (self.owner[0], name, *self.owner[1:], self.store.generation, bucket,
                      tuple(tuple(t.shape[1:]) for t in tensors), self.table_width, *key)
-        padded = functools.partial(_pad_all, tensors, bucket, pad_values)
-        if meta is None:
-            inputs, body, capture_inputs = tensors, fn, padded
-        else:
-            inputs = padded() + meta_inputs(meta, bucket, self.table_width)
-            body = functools.partial(_with_meta, fn, cache, len(tensors), meta.q_len)
-            graph_key, capture_inputs = (*graph_key, meta.q_len), lambda: inputs
+        if plan is not None:
+            graph_key = (*graph_key, plan.q_len)
         graph = self.store.get("calls", graph_key)
         if graph is not None:
-            return first_rows(graph(*inputs), rows)
+            if plan is not None:  # the metadata straight into the graph's static inputs, every row of the bucket
+                plan.meta(out=meta_of_inputs(graph.inputs[len(tensors):], plan.q_len))
+            return first_rows(graph(*tensors), rows)
+        inputs = _pad_all(tensors, bucket, pad_values)
+        body = fn
+        if plan is not None:
+            inputs += meta_inputs(plan.meta(rows=bucket, width=self.table_width))
+            body = functools.partial(_with_meta, fn, cache, len(tensors), plan.q_len)
         out = body(*inputs)
         try:
-            self.store.keep("calls", graph_key, CallGraph(body, capture_inputs()))
+            self.store.keep("calls", graph_key, CallGraph(body, inputs))
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
             warnings.warn(f"hf_specdec could not capture {name} of {self.owner[0]} as a CUDA graph ({error}); "
                           "running it eagerly.", RuntimeWarning, stacklevel=2)

@@ -126,19 +126,25 @@ class ModelRunner:
 
         Decode and verify forwards replay a CUDA graph of the batch's bucket from their second step on (see
         cuda_graphs); the logits they return live in the graph's memory until the next forward."""
-        meta = self.context.forward_meta = self.cache.begin_forward(num_new, input_ids.shape[1])
+        plan = self.cache.plan_forward(num_new, input_ids.shape[1])
         extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
         if prefill or self.graphs is None or not self.graphs.can_run(input_ids, extra):
-            return self._eager(input_ids, meta.position_ids, keep_logits, extra)
+            return self._eager(input_ids, plan, keep_logits, extra)
         key = self.graphs.key(input_ids, keep_logits)
         if self.graphs.has(key):
-            return self.graphs.replay(key, input_ids, meta)
-        out = self._eager(input_ids, meta.position_ids, keep_logits, extra)
-        self.graphs.capture(key, input_ids, meta,
-                            lambda ids: self._eager(ids, self.cache.meta.position_ids, keep_logits, {}))
+            out, meta = self.graphs.replay(key, input_ids, plan)
+            self.cache.meta = self.context.forward_meta = meta  # the real rows of the graph's static metadata
+            return out
+        out = self._eager(input_ids, plan, keep_logits, extra)
+        self.graphs.capture(key, input_ids, plan,
+                            lambda ids: self._forward(ids, self.cache.meta.position_ids, keep_logits, {}))
         return out
 
-    def _eager(self, input_ids, position_ids, keep_logits, extra):
+    def _eager(self, input_ids, plan, keep_logits, extra):
+        meta = self.context.forward_meta = self.cache.begin(plan)
+        return self._forward(input_ids, meta.position_ids, keep_logits, extra)
+
+    def _forward(self, input_ids, position_ids, keep_logits, extra):
         return self.model(
             input_ids=input_ids, position_ids=position_ids,
             attention_mask=self._mask_stub.expand(input_ids.shape[0], -1, -1, -1),  # a graph's rows: its bucket

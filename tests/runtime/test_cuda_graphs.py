@@ -50,14 +50,15 @@ def test_batch_buckets():
         batch_bucket(0)
 
 
-def _meta(rows, q_len=2, width=3, fill=1):
-    from hf_specdec.cache.paged_cache import ForwardMeta
+def _plan(lens, q_len=2, width=3, first_block=1):
+    """A forward of ``q_len`` new tokens per row after ``lens[b]`` cached ones, rows' blocks numbered from
+    ``first_block`` (row b: first_block + b * width ..), one KV group of block size 4."""
+    from hf_specdec.cache import ForwardPlan
 
-    return ForwardMeta(
-        q_len=q_len, kv_lens=torch.full((rows,), 7 * fill, dtype=torch.int32),
-        q_pos0=torch.full((rows,), 5 * fill, dtype=torch.int32), q_lens=torch.full((rows,), q_len, dtype=torch.int32),
-        position_ids=torch.full((rows, q_len), 6 * fill), slot_mapping=[torch.full((rows * q_len,), 9 * fill)],
-        block_tables=[torch.full((rows, width), 2 * fill, dtype=torch.int32)])
+    rows = len(lens)
+    counts = torch.tensor([lens, [q_len] * rows], dtype=torch.int32)
+    tables = (first_block + torch.arange(rows * width, dtype=torch.int32)).view(1, rows, width)
+    return ForwardPlan(q_len=q_len, counts=counts, tables=tables, block_size=4)
 
 
 def _assert_padding(meta, start):
@@ -68,19 +69,21 @@ def _assert_padding(meta, start):
 
 def test_a_graph_of_a_bucket_pads_its_rows_and_resets_the_rows_a_larger_batch_left():
     """A batch of 3 in the graph of bucket 4: the 4th row has no queries, keys, slots or pages. A later batch
-    of 2 leaves the 3rd row's slots of the batch of 3 behind unless reset: a replay would store K/V there."""
-    from hf_specdec.runtime.cuda_graphs import _copy_meta, _static_meta
-
-    static = _static_meta(_meta(3), table_width=8, bucket=4)
+    of 2 derived into the same static buffers leaves none of the 3rd row's slots behind (a replay would store
+    K/V there)."""
+    static = _plan([5, 2, 8]).meta(rows=4, width=8)
     assert static.block_tables[0].shape == (4, 8) and static.slot_mapping[0].shape == (8,)
-    assert (static.kv_lens[:3] == 7).all() and (static.slot_mapping[0][:6] == 9).all()
-    assert (static.block_tables[0][:3, :3] == 2).all() and (static.block_tables[0][:3, 3:] == -1).all()
+    assert static.kv_lens.tolist() == [7, 4, 10, 0] and static.q_pos0[:3].tolist() == [5, 2, 8]
+    # row 0: positions 5, 6 in its second block (2: slots 8..11); row 1: 2, 3 in block 4; row 2: 8, 9 in block 9
+    assert static.slot_mapping[0][:6].tolist() == [9, 10, 18, 19, 36, 37]
+    assert (static.block_tables[0][:3, :3] == _plan([5, 2, 8]).tables[0]).all()
+    assert (static.block_tables[0][:3, 3:] == -1).all()
     _assert_padding(static, 3)
-    _copy_meta(static, _meta(2, fill=2), reset_from=2)
-    assert (static.kv_lens[:2] == 14).all() and (static.slot_mapping[0][:4] == 18).all()
+    _plan([1, 1], first_block=20).meta(out=static)
+    assert static.kv_lens[:2].tolist() == [3, 3] and static.slot_mapping[0][:4].tolist() == [81, 82, 93, 94]
     _assert_padding(static, 2)
-    _copy_meta(static, _meta(4, width=2, fill=3))  # a wider table than before: the rest of each row has no page
-    assert (static.block_tables[0][:, :2] == 6).all() and (static.block_tables[0][:, 2:] == -1).all()
+    _plan([0, 0, 0, 0], width=2).meta(out=static)  # a narrower table than before: the rest of each row has no page
+    assert (static.block_tables[0][:, :2] >= 1).all() and (static.block_tables[0][:, 2:] == -1).all()
 
 
 def test_hooked_state_of_a_padded_batch_gives_back_the_real_rows():
@@ -293,9 +296,9 @@ def test_drafter_graphs_replay_a_kept_graph_or_run_eagerly_and_capture(monkeypat
 
 
 def test_drafter_graphs_pad_every_call_that_writes_kv_and_set_its_metadata(monkeypatch):
-    """A call that writes K/V by slot (``meta=``) pads every call to the bucket, metadata included (padding
-    rows: no query, no slot, no page), and runs with that metadata as the cache's forward."""
-    from hf_specdec.cache import ForwardMeta
+    """A call that writes K/V by slot (``plan=``) derives its metadata at the bucket's rows and the graphs' table
+    width (padding rows: no query, no slot, no page), runs with it as the cache's forward, and a replay derives
+    the next plan's metadata straight into the graph's static inputs."""
     from hf_specdec.runtime import drafter_graphs
     from hf_specdec.runtime.drafter_graphs import DrafterGraphs
     from hf_specdec.runtime.cuda_graphs import GraphStore
@@ -315,13 +318,15 @@ def test_drafter_graphs_pad_every_call_that_writes_kv_and_set_its_metadata(monke
                     self.meta = live
             return scope()
 
-    class Captured:
+    class Captured:  # a "graph" that reruns its function over its static inputs
         def __init__(self, fn, inputs):
-            self.fn = fn
-            self.outputs = fn(*inputs)
+            self.fn, self.inputs = fn, [t.clone() for t in inputs]
+            self.outputs = fn(*self.inputs)
 
         def __call__(self, *inputs):
-            return self.fn(*inputs)
+            for static, new in zip(self.inputs, inputs):
+                static[:new.shape[0]].copy_(new)
+            return self.fn(*self.inputs)
 
     monkeypatch.setattr(drafter_graphs, "CallGraph", Captured)
     cache, seen = Cache(), []
@@ -330,19 +335,19 @@ def test_drafter_graphs_pad_every_call_that_writes_kv_and_set_its_metadata(monke
         seen.append((cache.meta is meta, ids.shape[0], meta.slot_mapping[0].tolist(), meta.block_tables[0].tolist()))
         return ids + 1
 
-    meta = ForwardMeta(q_len=1, kv_lens=torch.tensor([3, 4], dtype=torch.int32),
-                       q_pos0=torch.tensor([2, 3], dtype=torch.int32), q_lens=torch.tensor([1, 1], dtype=torch.int32),
-                       position_ids=torch.tensor([[2], [3]]), slot_mapping=[torch.tensor([2, 7])],
-                       block_tables=[torch.tensor([[0], [1]], dtype=torch.int32)])
-    graphs = DrafterGraphs(GraphStore(), 2, ("owner",))
-    out = graphs.run("write", body, [torch.tensor([[5], [6]])], meta=meta, cache=cache)
+    graphs = DrafterGraphs(GraphStore(), 3, ("owner",))
+    out = graphs.run("write", body, [torch.tensor([[5], [6]])], plan=_plan([2, 3], q_len=1, width=1), cache=cache)
     assert torch.equal(out, torch.tensor([[6], [7]])) and cache.meta == "live"
-    assert seen[0] == (True, 2, [2, 7], [[0, -1], [1, -1]])  # tables padded to the graphs' width
-    one = ForwardMeta(q_len=1, kv_lens=meta.kv_lens[:1], q_pos0=meta.q_pos0[:1], q_lens=meta.q_lens[:1],
-                      position_ids=meta.position_ids[:1], slot_mapping=[meta.slot_mapping[0][:1]],
-                      block_tables=[meta.block_tables[0][:1]])
-    graphs.run("write", body, [torch.tensor([[5], [6], [7]])[:1]], meta=one, cache=cache)  # bucket 1: own graph
-    assert seen[-1][1:] == (1, [2], [[0, -1]])
+    assert seen[-1] == (True, 2, [6, 11], [[1, -1, -1], [2, -1, -1]])  # tables padded to the graphs' width
+    out = graphs.run("write", body, [torch.tensor([[8], [9]])], plan=_plan([5, 0], q_len=1, width=2), cache=cache)
+    assert torch.equal(out, torch.tensor([[9], [10]]))  # the replay: the new plan's metadata in the static inputs
+    assert seen[-1] == (True, 2, [9, 12], [[1, 2, -1], [3, 4, -1]])
+    graphs.run("write", body, [torch.tensor([[5], [6], [7]])[:1]], plan=_plan([2], q_len=1, width=1),
+               cache=cache)  # bucket 1: its own graph
+    assert seen[-1][1:] == (1, [6], [[1, -1, -1]])
+    graphs.run("write", body, [torch.tensor([[1], [2], [3], [4]])], plan=_plan([0, 1, 2, 3], q_len=1), cache=cache)
+    graphs.run("write", body, [torch.tensor([[1], [2], [3]])], plan=_plan([0, 1, 2], q_len=1), cache=cache)
+    assert seen[-1][1:] == (4, [4, 17, 30, -1], [[1, 2, 3], [4, 5, 6], [7, 8, 9], [-1, -1, -1]])  # row 4 left: padding
 
 
 @cuda

@@ -116,15 +116,15 @@ class DFlashDraftRunner(Drafter):
     def propose(self, last_tokens, context, selector) -> DraftProposal:
         k = self.num_speculative_tokens
         lens = self.cache.seq_lens
-        meta = self.cache.begin_forward([k + 1] * len(lens), k + 1)  # block positions p .. p + k
+        plan = self.cache.plan_forward([k + 1] * len(lens), k + 1)  # block positions p .. p + k
         try:
             if not selector.do_sample and not selector.scorer.processors:  # greedy: the argmax of every position
-                drafts = self.graphs.run("block", self._greedy_block, [last_tokens], meta=meta, cache=self.cache)
+                drafts = self.graphs.run("block", self._greedy_block, [last_tokens], plan=plan, cache=self.cache)
                 return DraftProposal(drafts.to(last_tokens.device), None)
             # sampling or logits processors: the block forward (a graph replay on CUDA), then the selection on
             # its logits [batch, k, vocab] (processors are host code); a graph's logits are its static buffer,
             # read before the next replay
-            logits = self.graphs.run("block_logits", self._block_logits, [last_tokens], meta=meta, cache=self.cache)
+            logits = self.graphs.run("block_logits", self._block_logits, [last_tokens], plan=plan, cache=self.cache)
         finally:
             self.cache.commit(lens)  # drop the block: the context keeps accepted tokens only
         return DraftProposal(*selector.select_block(logits.to(last_tokens.device)))
@@ -157,12 +157,12 @@ class DFlashDraftRunner(Drafter):
     def _append_context(self, hidden: list[torch.Tensor], num_new: list[int], graph: bool = True) -> None:
         """Append the context K/V of the last num_new[b] slots of `hidden` (one [batch, q_len, target_hidden]
         per target layer id) to every draft layer's group."""
-        meta = self.cache.begin_forward(num_new, hidden[0].shape[1])
+        plan = self.cache.plan_forward(num_new, hidden[0].shape[1])
         if graph:
-            self.graphs.run("context", self._store_context, hidden, meta=meta, cache=self.cache)
+            self.graphs.run("context", self._store_context, hidden, plan=plan, cache=self.cache)
         else:
-            self._store_context(*hidden, meta)
-        self.cache.commit(self.cache.seq_lens)  # begin_forward grew the lengths; keep every new token
+            self._store_context(*hidden, self.cache.begin(plan))
+        self.cache.commit(self.cache.seq_lens)  # the plan grew the lengths; keep every new token
 
     def _store_context(self, *hidden_and_meta) -> None:
         *hidden, meta = hidden_and_meta

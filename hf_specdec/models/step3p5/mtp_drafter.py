@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_specdec.cache import ForwardMeta, KVGroup, KVLayout, PagedKVCache, to_device_async
+from hf_specdec.cache import ForwardMeta, ForwardPlan, KVGroup, KVLayout, PagedKVCache, to_device_async
 from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.runtime.placement import is_dispatched, layer_devices
 
@@ -114,11 +114,11 @@ class Step3p5MTPDraftRunner(Drafter):
         slots = torch.arange(width, device=tokens.device)
         drafted, probs = tokens[:, :0], []
         for j, mtp_cache in enumerate(self.caches):
-            meta = mtp_cache.begin_forward([n - s for s, n in zip(mtp_cache.seq_lens, lens)], width)
-            new = slots[None, :] >= (width - meta.q_lens)[:, None]  # [batch, width]: the row's new entries
+            plan = mtp_cache.plan_forward([n - s for s, n in zip(mtp_cache.seq_lens, lens)], width)
+            new = slots[None, :] >= (width - plan.num_new)[:, None]  # [batch, width]: the row's new entries
             ids = torch.cat([tokens, drafted], dim=1)[:, 1 + j: 1 + j + width]  # t[i+1+j] at position i
             logits, outputs = self._run_layer(j, torch.where(new, ids, 0), torch.where(new[..., None], states, 0),
-                                              meta, graph=shift is not None)  # graphs at the fixed width only
+                                              plan, graph=shift is not None)  # graphs at the fixed width only
             mtp_cache.commit(mtp_cache.seq_lens)
             token, q = selector.select(logits, drafted)
             drafted = torch.cat([drafted, token[:, None]], dim=1)
@@ -156,14 +156,14 @@ class Step3p5MTPDraftRunner(Drafter):
         self.below[j] = _last_columns(outputs, self.width)
         return outputs
 
-    def _run_layer(self, j: int, ids: torch.Tensor, states: torch.Tensor, meta: ForwardMeta, graph: bool):
+    def _run_layer(self, j: int, ids: torch.Tensor, states: torch.Tensor, plan: ForwardPlan, graph: bool):
         """MTP layer j over ids [batch, width] and states [batch, width, hidden] (right-aligned), appending its new
         entries' K/V to its cache -> (the last slot's logits [batch, vocab], outputs [batch, width, hidden]):
         eagerly, or replayed from a CUDA graph of the batch's bucket (its outputs are the graph's buffers,
         rewritten by the next replay: read them before)."""
         if not graph:
-            return self._layer_forward(j, ids, states, meta)
-        return self.graphs.run(f"layer{j}", functools.partial(self._layer_forward, j), [ids, states], meta=meta,
+            return self._layer_forward(j, ids, states, self.caches[j].begin(plan))
+        return self.graphs.run(f"layer{j}", functools.partial(self._layer_forward, j), [ids, states], plan=plan,
                                cache=self.caches[j])
 
     def _layer_forward(self, j: int, ids: torch.Tensor, states: torch.Tensor, meta: ForwardMeta):

@@ -9,26 +9,24 @@ import torch
 
 import hf_specdec
 from hf_specdec.runtime.cuda_graphs import batch_bucket, meta_inputs, meta_of_inputs
-from tests.runtime.test_cuda_graphs import _assert_graphs_give_eager_drafts, _bundled_on_cuda, _meta
+from tests.runtime.test_cuda_graphs import _assert_graphs_give_eager_drafts, _bundled_on_cuda, _plan
 from tests.tiny_models import left_padded_batch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
-def test_meta_inputs_pad_rows_to_the_bucket_and_give_the_meta_back():
-    meta = _meta(3, q_len=2, width=3)
-    flat = meta_inputs(meta, bucket=4, table_width=8)
+def test_meta_inputs_are_the_buffers_of_the_meta_and_give_it_back():
+    meta = _plan([5, 2, 8], q_len=2, width=3).meta(rows=4, width=8)
+    flat = meta_inputs(meta)
     static = meta_of_inputs(flat, q_len=2)
     assert static.q_len == 2 and static.block_tables[0].shape == (4, 8) and static.slot_mapping[0].shape == (8,)
-    assert torch.equal(static.kv_lens[:3], meta.kv_lens)
-    assert torch.equal(static.slot_mapping[0][:6], meta.slot_mapping[0])
-    assert torch.equal(static.block_tables[0][:3, :3], meta.block_tables[0])
-    assert (static.block_tables[0][:, 3:] == -1).all()
-    # the padding row: no query, no key, no slot, no page
-    assert static.kv_lens[3] == 0 and static.q_lens[3] == 0 and static.q_pos0[3] == 0
-    assert not static.position_ids[3].any()
-    assert (static.slot_mapping[0][6:] == -1).all() and (static.block_tables[0][3] == -1).all()
-    assert static.kv_lens is flat[0] and static.block_tables[0] is flat[-1]  # the graph's inputs themselves
+    for field in ("kv_lens", "q_pos0", "q_lens", "position_ids"):
+        assert getattr(static, field) is getattr(meta, field)  # the graph's inputs themselves
+    assert all(torch.equal(a, b) for a, b in zip(static.slot_mapping + static.block_tables,
+                                                 meta.slot_mapping + meta.block_tables))
+    assert static.buffers["slots"] is flat[4] and static.buffers["tables"] is flat[5]
+    _plan([1], q_len=2, width=3).meta(out=static)  # rebuilt in place: the meta's own buffers change
+    assert meta.kv_lens.tolist() == [3, 0, 0, 0] and (meta.block_tables[0][1:] == -1).all()
 
 
 def _mtp_calls(store) -> set:
