@@ -46,6 +46,38 @@ def to_device_async(tensors: list[torch.Tensor], device: torch.device) -> list[t
     return out
 
 
+class CountsStaging:
+    """Small int32 rows to the device without waiting for it and without a pinned allocation per call: a ring of
+    pinned host slots and device slots, each host slot reused once its last copy completed (an event per slot;
+    with a ring of ``slots`` forwards that has long happened). What it returns is valid until ``slots`` more puts
+    (every reader is a kernel queued before then, on the same stream)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device, slots: int = 16):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = torch.empty((slots, *shape), dtype=torch.int32, pin_memory=True)
+            self.host_view = self.host.numpy()
+            self.on_device = torch.empty((slots, *shape), dtype=torch.int32, device=device)
+            self.events: list[torch.cuda.Event | None] = [None] * slots
+            self.next = 0
+
+    def put(self, rows: list[list[int]]) -> torch.Tensor:
+        if not self.cuda:
+            return torch.tensor(rows, dtype=torch.int32, device=self.device)
+        i = self.next
+        self.next = (i + 1) % len(self.events)
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        else:
+            self.events[i] = torch.cuda.Event()
+        self.host_view[i] = rows
+        out = self.on_device[i]
+        out.copy_(self.host[i], non_blocking=True)
+        self.events[i].record()
+        return out
+
+
 @dataclass
 class ForwardMeta:
     """Device-side description of the tokens of one forward (shared by every layer)."""
@@ -137,6 +169,7 @@ class PagedKVCache(Cache):
         self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards, per group
         self._tables: torch.Tensor | None = None  # every group's block tables on the device (_device_tables)
         self._tables_version = -1  # the manager's version they were built at
+        self._counts = CountsStaging((2, batch_size), self.device)  # each forward's per-row counts (plan_forward)
         # When the cache holds one tensor-parallel rank's contiguous share of every layer's KV heads: the ranks'
         # group (``local_heads`` / ``gather_heads``), with which a drafter's Q-only attention over these pages
         # (``paged_query_attention``) attends with the matching query heads and gathers the others. None otherwise.
@@ -171,7 +204,7 @@ class PagedKVCache(Cache):
         self.manager.append({s: n for s, n in zip(self.seq_ids, num_new) if n})
         self._fit_storage()
         self._check_windows(before, num_new)
-        counts = to_device_async([torch.tensor([before, num_new], dtype=torch.int32)], self.device)[0]
+        counts = self._counts.put([before, num_new])
         return ForwardPlan(q_len=q_len, counts=counts, tables=self._device_tables(), block_size=self.block_size)
 
     def begin(self, plan: ForwardPlan) -> ForwardMeta:

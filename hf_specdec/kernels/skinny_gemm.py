@@ -10,8 +10,9 @@ Every row is computed by the same dot (16 or 32 rows, the warp-level MMA) over t
 order whatever the number of rows, so a row's result does not depend on the batch: a verify step's k+1 rows
 per sequence get the bits a one-row decode step gets (batch invariance: bf16 greedy speculative output equals
 plain greedy output) while a forward has at most ``MAX_KERNEL_ROWS`` rows. Wider forwards (prefill, a verify of
-a large batch), fp32 weights (the tensor cores would round them to tf32) and anything autograd tracks keep the
-torch GEMM.
+a large batch), fp32 weights and anything autograd tracks keep the torch GEMM: fp32 tiles must multiply in full
+fp32 (``ieee``: the tensor cores would round them to tf32), where this kernel took ~20 us per small weight against
+cuBLAS's 2-10 us (perf log, session 13; an H200). ``skinny_matmul`` itself takes fp32 rows that way.
 """
 
 import os
@@ -65,12 +66,12 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def config_for(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
+def config_for(n: int, k: int, rows: int = 1, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a ``[n, k]`` weight, from the H100 sweeps of the perf log
     (graph-timed): up to 16 rows, ~1 program per 64 columns keeps 84+ programs streaming on narrow outputs, and LM
     heads and narrow outputs (< 4096 columns) stream longer K tiles in 32-column programs; 17-32 rows stream
     256-deep K tiles in 32-column programs (within 1-3% of cuBLAS on the E4B shapes, session 11). Stages are
-    capped so that they fit in shared memory."""
+    capped so that tiles of ``element_size`` bytes fit in shared memory."""
     if rows > MAX_ROWS:
         block_n, block_k, stages = 32, 256, 4
     elif n >= 65536 or n < 4096:
@@ -79,7 +80,7 @@ def config_for(n: int, k: int, rows: int = 1) -> tuple[int, int, int, int]:
         block_n, block_k, stages = 64, 256, 5
     else:
         block_n, block_k, stages = 64, 256, 4
-    per_stage = 2 * block_k * (block_n + block_rows(rows))  # bytes of 16-bit tiles
+    per_stage = element_size * block_k * (block_n + block_rows(rows))
     return block_n, block_k, 4, max(2, min(stages, SHARED_MEMORY_BYTES // per_stage))
 
 
@@ -117,7 +118,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
                          f"rows, got {tuple(x.shape)} and {tuple(weight.shape)} (strides {weight.stride()})")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block_n, block_k, warps, stages = config or config_for(n, k, rows)
+    block_n, block_k, warps, stages = config or config_for(n, k, rows, x.element_size())
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),

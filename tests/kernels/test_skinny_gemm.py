@@ -68,7 +68,7 @@ def test_dispatch_keeps_torch_where_the_kernel_does_not_apply(monkeypatch):
     monkeypatch.setattr(skinny_gemm, "MIN_WEIGHT_BYTES", 0)
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
     assert skinny_eligible(torch.zeros(3, 32, dtype=torch.bfloat16), w)
-    assert not skinny_eligible(torch.zeros(3, 32), w.float())  # fp32: the tensor cores would round to tf32
+    assert not skinny_eligible(torch.zeros(3, 32), w.float())  # fp32: cuBLAS (full-fp32 tiles are slow here)
     assert skinny_eligible(torch.zeros(MAX_KERNEL_ROWS, 32, dtype=torch.bfloat16), w)  # a verify of 4 x 8 rows
     assert not skinny_eligible(torch.zeros(MAX_KERNEL_ROWS + 1, 32, dtype=torch.bfloat16), w)  # prefill width
     assert not skinny_eligible(torch.zeros(3, 32, dtype=torch.float16), w)  # mixed dtypes
