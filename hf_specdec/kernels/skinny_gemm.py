@@ -101,11 +101,27 @@ def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not needs_grad(x) and not needs_grad(weight))
 
 
+# fp32 rows of this many take cuBLAS through the transposed product: for 7-16 rows cuBLAS picked kernels of 25-52 us
+# for F.linear on small fp32 weights (n <= 768, k 256-640) where w @ x.T took 6-8 us (H200, perf log session 13;
+# at 1-6 and 17-32 rows F.linear was as fast or faster)
+FP32_TRANSPOSED_ROWS = range(7, 17)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias): the kernel when :func:`skinny_eligible`, else torch."""
     if not skinny_eligible(x, weight):
+        if _fp32_transposed(x, weight):
+            rows = x.reshape(-1, x.shape[-1])
+            return torch.mm(weight, rows.t()).t().contiguous().view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight)
     return skinny_matmul(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+
+
+def _fp32_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether an fp32 product of a few rows on CUDA takes ``weight @ rows.T`` (see FP32_TRANSPOSED_ROWS)."""
+    return (x.dtype == torch.float32 and x.is_cuda and weight.dtype == torch.float32 and weight.dim() == 2
+            and type(weight) in (torch.Tensor, torch.nn.Parameter) and x.dim() > 0 and x.shape[-1] == weight.shape[1]
+            and x.numel() // max(1, x.shape[-1]) in FP32_TRANSPOSED_ROWS)
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:

@@ -101,3 +101,22 @@ def test_linear_forward_is_nn_linear_on_the_cpu():
         layer = nn.Linear(12, 7, bias=bias)
         x = torch.randn(2, 3, 12, generator=gen)
         assert torch.equal(linear_forward(layer, x), layer(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the transposed fp32 product is taken on CUDA only")
+@pytest.mark.parametrize("rows", [1, 6, 7, 8, 16, 17])
+def test_fp32_rows_give_f_linear_through_either_product(rows):
+    """fp32 rows of 7-16 take ``weight @ rows.T`` (FP32_TRANSPOSED_ROWS); the result is F.linear's, contiguous."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 256, generator=gen).cuda()
+    w = torch.randn(128, 256, generator=gen).cuda()
+    assert skinny_gemm._fp32_transposed(x, w) == (7 <= rows <= 16)
+    got = skinny_linear(x, w)
+    assert got.shape == (1, rows, 128) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_the_transposed_fp32_product_is_for_cuda_fp32_rows_only():
+    w = torch.zeros(8, 32)
+    assert not skinny_gemm._fp32_transposed(torch.zeros(8, 32), w)  # CPU
+    assert not skinny_gemm._fp32_transposed(torch.zeros(8, 32, dtype=torch.bfloat16), w.bfloat16())
