@@ -6,6 +6,7 @@ from hf_specdec.cache.paged_cache import ForwardMeta, ForwardPlan, PagedKVCache,
 from hf_specdec.cache.sizing import CacheCapacityError, CacheExhaustedError, cache_for_request
 
 __all__ = [
-    "BlockManager", "BlockPool", "CacheCapacityError", "CacheExhaustedError", "ForwardMeta", "ForwardPlan", "KVGroup", "KVLayout", "OutOfBlocksError",
+    "BlockManager", "BlockPool", "CacheCapacityError", "CacheExhaustedError", "ForwardMeta", "ForwardPlan", "KVGroup",
+    "KVLayout", "OutOfBlocksError",
     "PagedKVCache", "cache_for_request", "kv_layout_from_config", "split_by_device", "to_device_async",
 ]

@@ -105,7 +105,8 @@ class ForwardMeta:
         if self.kv_lens.shape[0] == n:
             return self
         return ForwardMeta(q_len=self.q_len, kv_lens=self.kv_lens[:n], q_pos0=self.q_pos0[:n], q_lens=self.q_lens[:n],
-                           position_ids=self.position_ids[:n], slot_mapping=[s[:n * self.q_len] for s in self.slot_mapping],
+                           position_ids=self.position_ids[:n],
+                           slot_mapping=[s[:n * self.q_len] for s in self.slot_mapping],
                            block_tables=[t[:n] for t in self.block_tables])
 
     def to(self, device: torch.device) -> "ForwardMeta":

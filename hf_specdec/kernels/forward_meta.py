@@ -139,7 +139,8 @@ def _check_args(counts, tables, q_len, block_size, out) -> None:
     check(groups == tables.shape[0] and out_rows >= rows and width >= tables.shape[2],
           f"out holds {groups} groups x {out_rows} rows x {width} blocks; the forward has {tables.shape[0]} x "
           f"{rows} x {tables.shape[2]}")
-    check(tuple(out["positions"].shape) == (out_rows, q_len) and tuple(out["slots"].shape) == (groups, out_rows * q_len),
+    check(tuple(out["positions"].shape) == (out_rows, q_len)
+          and tuple(out["slots"].shape) == (groups, out_rows * q_len),
           f"out's positions {tuple(out['positions'].shape)} / slots {tuple(out['slots'].shape)} do not match "
           f"{out_rows} rows of {q_len} query slots")
     check(all(t.is_contiguous() and t.device == counts.device for t in out.values()) and tables.device == counts.device,

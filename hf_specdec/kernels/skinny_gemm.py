@@ -101,10 +101,12 @@ def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not needs_grad(x) and not needs_grad(weight))
 
 
-# fp32 rows of this many take cuBLAS through the transposed product: for 7-16 rows cuBLAS picked kernels of 25-52 us
-# for F.linear on small fp32 weights (n <= 768, k 256-640) where w @ x.T took 6-8 us (H200, perf log session 13;
-# at 1-6 and 17-32 rows F.linear was as fast or faster)
+# fp32 rows of this many, on weights of fewer output columns, take cuBLAS through the transposed product: for 7-16
+# rows cuBLAS picked kernels of 25-52 us for F.linear on small fp32 weights (n <= 768, k 256-640) where w @ x.T took
+# 6-8 us (H200, benchmarks/results/fp32_small_rows_gemm_h200.log; at 1-6 and 17-32 rows, and on a 4096-column
+# weight, F.linear was as fast or faster; at 12-16 rows on some weights by up to 4 us)
 FP32_TRANSPOSED_ROWS = range(7, 17)
+FP32_TRANSPOSED_MAX_COLUMNS = 4095
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -121,6 +123,7 @@ def _fp32_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an fp32 product of a few rows on CUDA takes ``weight @ rows.T`` (see FP32_TRANSPOSED_ROWS)."""
     return (x.dtype == torch.float32 and x.is_cuda and weight.dtype == torch.float32 and weight.dim() == 2
             and type(weight) in (torch.Tensor, torch.nn.Parameter) and x.dim() > 0 and x.shape[-1] == weight.shape[1]
+            and weight.shape[0] <= FP32_TRANSPOSED_MAX_COLUMNS
             and x.numel() // max(1, x.shape[-1]) in FP32_TRANSPOSED_ROWS)
 
 

@@ -106,7 +106,8 @@ def test_reference_pads_rows_past_the_batch_and_tables_past_their_width(seed):
                                                                                 tables)
 
 
-@pytest.mark.parametrize("case", [dict(), dict(groups=1, rows=1, out_rows=1, q_len=1), dict(rows=8, out_rows=8, q_len=32),
+@pytest.mark.parametrize("case", [dict(), dict(groups=1, rows=1, out_rows=1, q_len=1),
+                                  dict(rows=8, out_rows=8, q_len=32),
                                   dict(groups=3, rows=2, out_rows=8, q_len=300, block_size=16)],
                          ids=["verify", "decode", "wide", "prefill"])
 def test_triton_forward_meta_matches_the_reference(triton_device, case):
