@@ -136,10 +136,16 @@ class ForwardPlan:
         """The forward's metadata, in ``out``'s buffers (a :meth:`ForwardMeta.over` view) or in new ones of ``rows``
         rows (default the batch; rows past it are padding: no query, no key, no slot, no page) and block tables
         ``width`` wide (default the rows' own)."""
+        groups, batch, own_width = self.tables.shape
         if out is None:
-            groups, batch, own_width = self.tables.shape
             out = ForwardMeta.over(self.q_len, empty_forward_buffers(
                 rows or batch, self.q_len, groups, width or own_width, self.counts.device))
+        else:
+            have_rows, have_width = out.buffers["tables"].shape[1:]
+            if have_rows < batch or have_width < own_width or out.q_len != self.q_len:
+                raise RuntimeError(f"a forward of {batch} rows x {self.q_len} slots with block tables {own_width} wide "
+                                   f"does not fit metadata buffers of {have_rows} rows x {out.q_len} slots, "
+                                   f"{have_width} wide")
         build_forward_meta(self.counts, self.tables, self.q_len, self.block_size, out.buffers, validate=False)
         return out
 

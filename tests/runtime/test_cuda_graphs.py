@@ -84,6 +84,9 @@ def test_a_graph_of_a_bucket_pads_its_rows_and_resets_the_rows_a_larger_batch_le
     _assert_padding(static, 2)
     _plan([0, 0, 0, 0], width=2).meta(out=static)  # a narrower table than before: the rest of each row has no page
     assert (static.block_tables[0][:, :2] >= 1).all() and (static.block_tables[0][:, 2:] == -1).all()
+    for too_big in (_plan([0] * 5), _plan([0], width=9), _plan([0], q_len=3)):  # never cut to fit
+        with pytest.raises(RuntimeError, match="does not fit metadata buffers"):
+            too_big.meta(out=static)
 
 
 def test_hooked_state_of_a_padded_batch_gives_back_the_real_rows():
