@@ -116,6 +116,11 @@ class ForwardMeta:
                            block_tables=[t.to(device) for t in self.block_tables], **moved)
 
 
+# On CPU a forward of at most this many query slots (batch x q_len: decode and verify steps) gets its metadata from
+# the host's lists directly, a few small tensors: the torch derivation's ~20 ops cost ~60-90 us more per forward.
+HOST_META_SLOTS = 256
+
+
 @dataclass
 class ForwardPlan:
     """What the host decided for one forward, on the device: per row the tokens the cache held before it and the
@@ -126,6 +131,8 @@ class ForwardPlan:
     counts: torch.Tensor  # [2, batch] int32: tokens before this forward, new tokens
     tables: torch.Tensor  # [groups, batch, width] int32, -1 where released or unused
     block_size: int
+    # on CPU, for a small forward: (tokens before, new tokens, each group's rows' tables padded to one width) as lists
+    host: tuple[list[int], list[int], list[list[list[int]]]] | None = None
 
     @property
     def num_new(self) -> torch.Tensor:
@@ -136,6 +143,8 @@ class ForwardPlan:
         """The forward's metadata, in ``out``'s buffers (a :meth:`ForwardMeta.over` view) or in new ones of ``rows``
         rows (default the batch; rows past it are padding: no query, no key, no slot, no page) and block tables
         ``width`` wide (default the rows' own)."""
+        if out is None and rows is None and width is None and self.host is not None:
+            return self._meta_from_host()
         groups, batch, own_width = self.tables.shape
         if out is None:
             out = ForwardMeta.over(self.q_len, empty_forward_buffers(
@@ -148,6 +157,21 @@ class ForwardPlan:
                                    f"{have_width} wide")
         build_forward_meta(self.counts, self.tables, self.q_len, self.block_size, out.buffers, validate=False)
         return out
+
+    def _meta_from_host(self) -> ForwardMeta:
+        """:meth:`meta` from the host's lists (what ``build_forward_meta`` derives, computed in Python)."""
+        before, num_new, tables = self.host
+        q_len, size = self.q_len, self.block_size
+        kv_lens = [b + n for b, n in zip(before, num_new)]
+        positions = [[max(kv - q_len + i, 0) for i in range(q_len)] for kv in kv_lens]
+        slots = [[table[p // size] * size + p % size if i >= q_len - n else -1
+                  for table, row, n in zip(group, positions, num_new) for i, p in enumerate(row)]
+                 for group in tables]
+        i32 = torch.int32
+        return ForwardMeta.over(q_len, dict(
+            kv_lens=torch.tensor(kv_lens, dtype=i32), q_pos0=torch.tensor([kv - q_len for kv in kv_lens], dtype=i32),
+            q_lens=torch.tensor(num_new, dtype=i32), positions=torch.tensor(positions, dtype=torch.int64),
+            slots=torch.tensor(slots, dtype=torch.int64), tables=torch.tensor(tables, dtype=i32)))
 
 
 class PagedKVCache(Cache):
@@ -212,7 +236,11 @@ class PagedKVCache(Cache):
         self._fit_storage()
         self._check_windows(before, num_new)
         counts = self._counts.put([before, num_new])
-        return ForwardPlan(q_len=q_len, counts=counts, tables=self._device_tables(), block_size=self.block_size)
+        host = None
+        if self.device.type == "cpu" and len(num_new) * q_len <= HOST_META_SLOTS:
+            host = (before, list(num_new), self._device_tables().tolist())
+        return ForwardPlan(q_len=q_len, counts=counts, tables=self._device_tables(), block_size=self.block_size,
+                           host=host)
 
     def begin(self, plan: ForwardPlan) -> ForwardMeta:
         """Derive ``plan``'s metadata into new buffers and make it this forward's (what the layers store and read

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
+from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache, paged_cache
 from hf_specdec.cache.block_manager import RELEASED
 from hf_specdec.kernels.forward_meta import build_forward_meta, build_forward_meta_reference, empty_forward_buffers
 from tests.kernels.conftest import run_file_cases_in_interpreter
@@ -38,10 +38,14 @@ def _host_reference(cache: PagedKVCache, before: list[int], num_new: list[int], 
     return kv_lens, [k - q_len for k in kv_lens], positions, slots, tables
 
 
+@pytest.mark.parametrize("path", ["derived", "host_lists"])
 @pytest.mark.parametrize("seed", range(6))
-def test_device_metadata_equals_the_host_reference_over_appends_rollbacks_and_windows(seed):
+def test_device_metadata_equals_the_host_reference_over_appends_rollbacks_and_windows(seed, path, monkeypatch):
     """A request's life on one cache: a left-padded prefill, then verify-like forwards of q_len slots with a random
-    number of new tokens per row (0 for a stopped row), each rolled back to a random accepted length and slid."""
+    number of new tokens per row (0 for a stopped row), each rolled back to a random accepted length and slid. Both
+    CPU paths: the derivation (build_forward_meta's reference, as on a GPU) and small forwards built from the
+    host's lists."""
+    monkeypatch.setattr(paged_cache, "HOST_META_SLOTS", 0 if path == "derived" else 10 ** 6)
     rng = random.Random(seed)
     batch = rng.choice([1, 2, 5])
     cache = _cache(batch)
