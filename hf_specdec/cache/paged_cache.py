@@ -73,8 +73,8 @@ class CountsStaging:
             self.events[i] = torch.cuda.Event()
         self.host_view[i] = rows
         out = self.on_device[i]
-        out.copy_(self.host[i], non_blocking=True)
-        self.events[i].record()
+        out.copy_(self.host[i], non_blocking=True)  # on the device's current stream, which the event marks
+        self.events[i].record(torch.cuda.current_stream(self.device))
         return out
 
 
