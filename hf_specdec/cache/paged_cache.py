@@ -200,6 +200,7 @@ class PagedKVCache(Cache):
         self._context_tables: dict[int, torch.Tensor] = {}  # device block tables between forwards, per group
         self._tables: torch.Tensor | None = None  # every group's block tables on the device (_device_tables)
         self._tables_version = -1  # the manager's version they were built at
+        self._table_lists: list[list[list[int]]] = []  # the same tables as host lists (CPU metadata, ForwardPlan.host)
         self._counts = CountsStaging((2, batch_size), self.device)  # each forward's per-row counts (plan_forward)
         # When the cache holds one tensor-parallel rank's contiguous share of every layer's KV heads: the ranks'
         # group (``local_heads`` / ``gather_heads``), with which a drafter's Q-only attention over these pages
@@ -237,10 +238,10 @@ class PagedKVCache(Cache):
         self._check_windows(before, num_new)
         counts = self._counts.put([before, num_new])
         host = None
+        tables = self._device_tables()
         if self.device.type == "cpu" and len(num_new) * q_len <= HOST_META_SLOTS:
-            host = (before, list(num_new), self._device_tables().tolist())
-        return ForwardPlan(q_len=q_len, counts=counts, tables=self._device_tables(), block_size=self.block_size,
-                           host=host)
+            host = (before, list(num_new), self._table_lists)
+        return ForwardPlan(q_len=q_len, counts=counts, tables=tables, block_size=self.block_size, host=host)
 
     def begin(self, plan: ForwardPlan) -> ForwardMeta:
         """Derive ``plan``'s metadata into new buffers and make it this forward's (what the layers store and read
@@ -267,9 +268,8 @@ class PagedKVCache(Cache):
         if self._tables is None or self._tables_version != self.manager.version:
             tables = [[self.manager.block_table(s, g) for s in self.seq_ids] for g in range(self.manager.num_groups)]
             width = max(1, max((len(t) for group in tables for t in group), default=0))
-            host = torch.tensor([[t + [RELEASED] * (width - len(t)) for t in group] for group in tables],
-                                dtype=torch.int32)
-            self._tables = to_device_async([host], self.device)[0]
+            self._table_lists = [[t + [RELEASED] * (width - len(t)) for t in group] for group in tables]
+            self._tables = to_device_async([torch.tensor(self._table_lists, dtype=torch.int32)], self.device)[0]
             self._tables_version = self.manager.version
         return self._tables
 
