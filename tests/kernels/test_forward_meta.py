@@ -79,12 +79,14 @@ def test_tables_reach_the_device_again_only_when_a_block_changed():
     cache.begin_forward([3, 2], 3)
     tables = cache.begin_forward([1, 1], 1).block_tables[0]
     cache.commit([4, 3])
-    meta = cache.begin_forward([0, 1], 1)  # row 1's 4th token fits its first block: no table changed
-    assert meta.buffers is not None and cache._device_tables() is cache._tables
+    sent = cache._device_tables()
+    cache.begin_forward([0, 1], 1)  # row 1's 4th token fits its first block: no table changed
+    assert cache._device_tables() is sent  # the tables on the device were not sent again
     version = cache.manager.version
     cache.commit([4, 4])
     cache.begin_forward([1, 1], 1)  # row 0's 5th token takes a new block
-    assert cache.manager.version > version and cache.meta.block_tables[0].shape[1] == tables.shape[1] + 1
+    assert cache.manager.version > version and cache._device_tables() is not sent
+    assert cache.meta.block_tables[0].shape[1] == tables.shape[1] + 1
 
 
 def _random_case(seed: int, device: str, groups=2, rows=3, out_rows=4, q_len=5, block_size=4):
