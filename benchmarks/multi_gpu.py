@@ -1,7 +1,8 @@
 """multi_gpu: hf_specdec over several devices — accelerate device_map, offload, transformers tensor parallelism.
 
     python -m benchmarks.multi_gpu [--gpus 2] [--placements device_map tp offload] [--modes none mtp dflash]
-                                   [--batch 1 4] [--new-tokens 32] [--quick | --smoke]
+                                   [--batch 1 4] [--new-tokens 32] [--shape tiny | gemma4-31b ...] [--layers N]
+                                   [--quick | --smoke]
 
 The bundled tiny family (fp32: tiny-gemma4 with its MTP assistant and DFlash drafter, tiny-step3p5 with its MTP
 layers), each placement beside the single-device run of the same weights in the same process:
@@ -13,6 +14,12 @@ layers), each placement beside the single-device run of the same weights in the 
 Rows: tokens/s (steady state, prefill excluded), ``speedup_vs_plain`` (the same placement without drafts),
 ``speedup_vs_single_gpu`` (the same mode on one device), ``same_tokens`` (against that single-device run).
 Where fewer GPUs exist than a placement needs, its rows say ``skipped`` and why.
+
+``--shape gemma4-31b --layers 12`` (any Gemma 4 shape of benchmarks/shapes.py) runs a random-weight bf16 target of that
+shape instead: plain decoding and MTP with its assistant at a synthetic acceptance of ``--alpha`` (k=3, as
+e2e_synthetic), on one GPU, then split over ``--gpus`` GPUs by accelerate's balanced device map (what
+``device_map="balanced"`` gives), then under ``tp_plan="auto"`` (the ranks load the same weights from a checkpoint
+written to a temporary folder). ``same_tokens`` compares plain decoding only (the synthetic rows are not lossless).
 """
 
 from __future__ import annotations
@@ -45,9 +52,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--modes", nargs="+", default=["none", "mtp", "dflash"], choices=["none", "mtp", "dflash"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--shape", default="tiny",
+                        help="'tiny' (the bundled family, fp32) or a Gemma 4 shape of benchmarks/shapes.py (bf16)")
+    parser.add_argument("--layers", type=int, default=None, help="cut a shape to this many layers")
+    parser.add_argument("--alpha", type=float, default=0.8, help="synthetic acceptance of a shape's MTP rows")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens of a shape's rows")
 
 
 def run(args, progress) -> list[dict]:
+    if args.shape != "tiny":
+        return _shape_rows(args, progress)
     progress.total(len(MODES) * len(args.placements))
     rows = []
     for shape, modes in MODES.items():
@@ -97,8 +111,9 @@ def _load(shape: str, args, device_map=None, **kwargs):
     return model
 
 
-def _modules(shape: str) -> tuple[list[str], int]:
-    """(the top-level module names of a model of this shape, apart from its layers; its layer count)."""
+def _modules(shape: str) -> tuple[list[str], int, bool]:
+    """(the top-level module names of a model of this shape, apart from its layers; its layer count; whether its LM
+    head is tied to its input embedding)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(_asset(shape))
@@ -107,14 +122,15 @@ def _modules(shape: str) -> tuple[list[str], int]:
     if shape == "tiny-gemma4":
         extra += ["model.embed_tokens_per_layer", "model.per_layer_model_projection", "model.per_layer_projection_norm"]
     layers = text.num_hidden_layers + (getattr(text, "num_nextn_predict_layers", 0) or 0)
-    return extra, layers
+    return extra, layers, bool(config.tie_word_embeddings)
 
 
 def _split_map(shape: str, args, devices: list[str]) -> dict[str, str]:
-    """Layers split evenly over ``devices``; embedding on the first, norm and head on the last."""
-    extra, layers = _modules(shape)
+    """Layers split evenly over ``devices``; embedding on the first, norm and head on the last (a head tied to the
+    embedding is one tensor: it stays on the first)."""
+    extra, layers, tied = _modules(shape)
     placement = {name: devices[0] for name in extra}
-    placement.update({"model.norm": devices[-1], "lm_head": devices[-1]} if shape != "tiny-gemma4" else {})
+    placement.update({"model.norm": devices[-1], "lm_head": devices[-1]} if not tied else {})
     placement.update({f"model.layers.{i}": devices[i * len(devices) // layers] for i in range(layers)})
     return placement
 
@@ -122,7 +138,7 @@ def _split_map(shape: str, args, devices: list[str]) -> dict[str, str]:
 def _offload_map(shape: str, args, elsewhere: str) -> dict[str, str]:
     """Odd layers ``elsewhere`` ("cpu" memory on a GPU, "disk" on the CPU), the rest on the device; on the CPU the
     embedding, final norm and (tied) LM head too."""
-    extra, layers = _modules(shape)
+    extra, layers, _ = _modules(shape)
     home = args.device if args.device != "cuda" else "cuda:0"
     placement = {name: home for name in extra}
     if elsewhere == "disk":
@@ -173,7 +189,7 @@ def _measure_all(model, shape: str, modes: list[str], args) -> dict:
 
 
 def _rows(shape: str, placement: str, measured, single: dict, args) -> list[dict]:
-    gpus = {"device_map": args.gpus, "tp": args.gpus, "offload": 1}[placement]
+    gpus = {"device_map": args.gpus, "tp": args.gpus, "offload": 1, "single": 1}[placement]
     gpus = gpus if args.device.startswith("cuda") else 0
     rows = []
     for (mode, batch), base in single.items():
@@ -185,7 +201,8 @@ def _rows(shape: str, placement: str, measured, single: dict, args) -> list[dict
             continue
         got = measured[(mode, batch)]
         plain = measured[("none", batch)]["tokens_per_s"] if ("none", batch) in measured else None
-        rows.append(row | dict(tokens_per_s=got["tokens_per_s"], same_tokens=got["output"] == base["output"],
+        same = got["output"] == base["output"] if base.get("output") is not None else None
+        rows.append(row | dict(tokens_per_s=got["tokens_per_s"], same_tokens=same,
                                speedup_vs_plain=got["tokens_per_s"] / plain if plain else None,
                                speedup_vs_single_gpu=got["tokens_per_s"] / base["tokens_per_s"]))
     return rows
@@ -194,9 +211,9 @@ def _rows(shape: str, placement: str, measured, single: dict, args) -> list[dict
 # ---------------------------------------------------------------- tensor parallel: one process per rank
 
 
-def _tensor_parallel(shape: str, modes: list[str], args) -> dict | str:
-    """Spawn ``--gpus`` ranks (torchrun's environment, set by hand) that load ``shape`` with tp_plan and measure
-    every mode; rank 0's measurements come back through a file."""
+def _tensor_parallel(shape: str, modes: list[str], args, **shape_settings) -> dict | str:
+    """Spawn ``--gpus`` ranks (torchrun's environment, set by hand) that load ``shape`` with tp_plan (a shape: from
+    ``shape_settings["folder"]``) and measure every mode; rank 0's measurements come back through a file."""
     import torch.multiprocessing as mp
 
     world = args.gpus if args.device.startswith("cuda") else 2
@@ -205,7 +222,7 @@ def _tensor_parallel(shape: str, modes: list[str], args) -> dict | str:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as folder:
         settings = dict(shape=shape, modes=modes, batch=args.batch, new_tokens=args.new_tokens,
-                        cuda=args.device.startswith("cuda"), out=os.path.join(folder, "rank0.json"))
+                        cuda=args.device.startswith("cuda"), out=os.path.join(folder, "rank0.json"), **shape_settings)
         mp.start_processes(_tp_rank, args=(world, port, settings), nprocs=world, join=True, start_method="spawn")
         with open(settings["out"]) as f:
             return {(r["mode"], r["batch"]): r for r in json.load(f)}
@@ -230,9 +247,14 @@ def _tp_rank(rank: int, world: int, port: int, settings: dict) -> None:
     dist.init_process_group("nccl" if settings["cuda"] else "gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        model = _load_tp(settings["shape"], world)
-        args = SimpleNamespace(batch=settings["batch"], new_tokens=settings["new_tokens"])
-        measured = _measure_all(model, settings["shape"], settings["modes"], args)
+        if "folder" in settings:  # a random-weight shape, written by the parent process
+            model = _load_tp(settings["folder"], world, settings["replicate_attention"],
+                             getattr(torch, settings["dtype"]))
+            measured = _measure_shape(model, settings)
+        else:
+            model = _load_tp(_asset(settings["shape"]), world, settings["shape"] == "tiny-gemma4", torch.float32)
+            args = SimpleNamespace(batch=settings["batch"], new_tokens=settings["new_tokens"])
+            measured = _measure_all(model, settings["shape"], settings["modes"], args)
         if rank == 0:
             with open(settings["out"], "w") as f:
                 json.dump([dict(mode=m, batch=b, **v) for (m, b), v in measured.items()], f)
@@ -240,8 +262,9 @@ def _tp_rank(rank: int, world: int, port: int, settings: dict) -> None:
         dist.destroy_process_group()
 
 
-def _load_tp(shape: str, world: int):
-    """``tp_plan="auto"``; the tiny Gemma 4 with its attention replicated (one full-layer KV head does not split)."""
+def _load_tp(path: str, world: int, replicate_attention: bool, dtype: torch.dtype):
+    """``tp_plan="auto"``, or with the attention replicated where a layer's KV heads do not split over ``world``
+    ranks (the tiny Gemma 4's full layers have one)."""
     import transformers
     from transformers.distributed import DistributedConfig
 
@@ -249,12 +272,117 @@ def _load_tp(shape: str, world: int):
     from hf_specdec.runtime.distributed import replicated_attention_plan
 
     kwargs = dict(tp_plan="auto")
-    if shape == "tiny-gemma4":
+    if replicate_attention:
         plan = replicated_attention_plan(transformers.Gemma4ForCausalLM)
         kwargs = dict(distributed_config=DistributedConfig(tp_size=world, tp_plan=plan))
-    model = hf_specdec.AutoModelForCausalLM.from_pretrained(_asset(shape), dtype=torch.float32, **kwargs)
+    model = hf_specdec.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     model.generation_config.eos_token_id = None
     return model
+
+
+# ---------------------------------------------------------------- a random-weight Gemma 4 shape
+
+
+def _shape_rows(args, progress) -> list[dict]:
+    """``--shape``: plain and synthetic-acceptance MTP rows of a random-weight target on one device, split by a
+    balanced device map, and under tensor parallelism."""
+    from benchmarks.shapes import STEP3P5, shape_name, target_for
+
+    if args.shape in STEP3P5:
+        raise SystemExit("multi_gpu --shape takes a Gemma 4 shape; Step 3.5 runs as the bundled tiny-step3p5")
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    home = "cuda:0" if cuda else args.device
+    modes = [m for m in args.modes if m in ("none", "mtp")]
+    settings = dict(layers=args.layers, alpha=args.alpha, prompt=args.prompt, dtype=str(dtype).split(".")[-1])
+    progress.total(1 + len(args.placements))
+    target = target_for(args.shape, args.layers, home, dtype)
+    with tempfile.TemporaryDirectory() as folder:
+        if "tp" in args.placements:  # before enable: it stacks projections into shared storages
+            target.save_pretrained(folder)
+        run_settings = dict(settings, shape=args.shape, modes=modes, batch=args.batch,
+                                   new_tokens=args.new_tokens)
+        single = _measure_shape(target, run_settings, enable=True)
+        progress.step("one device")
+        measured = {}
+        for placement in args.placements:
+            if placement == "offload":
+                measured[placement] = "offload rows run on the bundled tiny family (--shape tiny)"
+            elif placement == "device_map":
+                gpus = torch.cuda.device_count() if cuda else 0
+                if gpus < max(2, args.gpus):
+                    measured[placement] = f"device_map needs {max(2, args.gpus)} GPUs, {gpus} present"
+                else:
+                    _dispatch_balanced(target, args.gpus, dtype)
+                    measured[placement] = _measure_shape(target, run_settings, enable=True)
+            progress.step(placement)
+        kv_heads = {layer.self_attn.k_proj.out_features // layer.self_attn.head_dim for layer in target.model.layers}
+        del target
+        free_device_memory()
+        if "tp" in args.placements:
+            gpus = torch.cuda.device_count() if cuda else 2
+            world = args.gpus if cuda else 2
+            replicate = any(heads % world for heads in kv_heads)
+            measured["tp"] = (f"tp needs {args.gpus} GPUs, {gpus} present" if gpus < args.gpus else
+                              _tensor_parallel(args.shape, modes, args, folder=folder,
+                                               replicate_attention=replicate, **settings))
+            progress.step("tp")
+    name = shape_name(args.shape, args.layers)
+    rows = []
+    measured["single"] = single
+    for placement in ["single", *args.placements]:
+        for row in _rows(name, placement, measured[placement], single, args):
+            rows.append(row | dict(dtype=settings["dtype"], alpha=args.alpha if row["spec_mode"] == "mtp" else None,
+                                   prompt=args.prompt))
+    return rows
+
+
+def _dispatch_balanced(model, gpus: int, dtype: torch.dtype) -> None:
+    """Place ``model`` over ``gpus`` GPUs as ``from_pretrained(device_map="balanced")`` does (accelerate's balanced
+    memory, then its device map and hooks)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = model._no_split_modules
+    memory = get_balanced_memory(model, max_memory={i: torch.cuda.mem_get_info(i)[0] for i in range(gpus)},
+                                 no_split_module_classes=no_split, dtype=dtype)
+    device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=no_split, dtype=dtype)
+    dispatch_model(model, device_map=device_map)
+
+
+def _measure_shape(model, settings: dict, enable: bool = False) -> dict:
+    """{(mode, batch): tokens/s (and plain decoding's tokens)} of an (enabled, or enabled here) random-weight
+    target: plain, and MTP with its assistant at synthetic acceptance ``settings["alpha"]``, k = :data:`K`."""
+    import hf_specdec
+    from benchmarks.drafters import SyntheticAcceptance
+    from benchmarks.shapes import gemma4_assistant, random_prompt
+    from hf_specdec.generation.registry import build_drafter
+    from hf_specdec.runtime.placement import input_device
+
+    model.generation_config.eos_token_id = None  # random weights: every row runs the full length
+    model.generation_config.pad_token_id = 0
+    if enable:
+        hf_specdec.enable(model)
+    device = str(input_device(model))
+    out = {}
+    try:
+        for mode in settings["modes"]:
+            extra = {}
+            if mode == "mtp":  # seeded: every rank of a tensor-parallel group builds the same assistant
+                assistant = gemma4_assistant(settings["shape"], model, device, getattr(torch, settings["dtype"]))
+                extra = dict(assistant_model=build_drafter(model, assistant, "mtp", K),
+                             acceptance=SyntheticAcceptance(settings["alpha"]))
+            for batch in settings["batch"]:
+                ids = random_prompt(batch, settings["prompt"], model.config.vocab_size, device)
+                measured = decode_rate(lambda n: model.generate(ids, attention_mask=torch.ones_like(ids),
+                                                                max_new_tokens=n, do_sample=False, **extra),
+                                       batch, settings["new_tokens"])
+                out[(mode, batch)] = dict(tokens_per_s=measured["tokens_per_s"], output=(
+                    measured["output"].cpu().tolist() if mode == "none" else None))
+    finally:
+        if enable:
+            hf_specdec.disable(model)
+    return out
 
 
 main = bench_main(__import__(__name__, fromlist=["NAME"]))

@@ -38,7 +38,7 @@ import torch
 
 from hf_specdec.cache import ForwardMeta, ForwardPlan, KVGroup, KVLayout, PagedKVCache, to_device_async
 from hf_specdec.generation.drafter import Drafter, DraftProposal
-from hf_specdec.runtime.placement import is_dispatched, layer_devices
+from hf_specdec.runtime.placement import input_device, is_dispatched, layer_devices
 
 
 @dataclass
@@ -104,6 +104,8 @@ class Step3p5MTPDraftRunner(Drafter):
             # pooled storage per layer: kept graphs write into it in later requests too
             self.caches.append(context.new_cache(layout, f"step3p5_mtp{j}", dtype=context.cache.dtype))
         self.hidden = captured.pre_norm  # the prompt's states, right-aligned (left padding first)
+        # the round's tensors live on the input device; layers that accelerate put elsewhere get theirs moved
+        self.device = input_device(self.target)
         self.tokens = self.drafted = self.accepted = self.kept = None
         self.below = [None] * (self.num_speculative_tokens - 1)
 
@@ -115,10 +117,12 @@ class Step3p5MTPDraftRunner(Drafter):
         drafted, probs = tokens[:, :0], []
         for j, mtp_cache in enumerate(self.caches):
             plan = mtp_cache.plan_forward([n - s for s, n in zip(mtp_cache.seq_lens, lens)], width)
-            new = slots[None, :] >= (width - plan.num_new)[:, None]  # [batch, width]: the row's new entries
+            # [batch, width]: the row's new entries
+            new = slots[None, :] >= (width - plan.num_new.to(self.device))[:, None]
             ids = torch.cat([tokens, drafted], dim=1)[:, 1 + j: 1 + j + width]  # t[i+1+j] at position i
             logits, outputs = self._run_layer(j, torch.where(new, ids, 0), torch.where(new[..., None], states, 0),
                                               plan, graph=shift is not None)  # graphs at the fixed width only
+            logits, outputs = logits.to(self.device), outputs.to(self.device)  # no-ops unless the layer is apart
             mtp_cache.commit(mtp_cache.seq_lens)
             token, q = selector.select(logits, drafted)
             drafted = torch.cat([drafted, token[:, None]], dim=1)
@@ -135,10 +139,11 @@ class Step3p5MTPDraftRunner(Drafter):
         if self.tokens is None:
             width = max(lens)
             tokens = torch.stack([p[p.shape[0] - (width + 1):] for p in selector.prefixes])
-            return width, tokens, self.hidden[:, self.hidden.shape[1] - width:], None
-        slots = torch.arange(self.width, device=self.kept.device)
+            return width, tokens.to(self.device), self.hidden[:, self.hidden.shape[1] - width:].to(self.device), None
+        self.kept, self.accepted = self.kept.to(self.device), self.accepted.to(self.device)
+        slots = torch.arange(self.width, device=self.device)
         shift = (self.kept[:, None] + slots).clamp(max=self.width - 1)  # a row that kept n tokens moved n slots
-        return self.width, self._committed_tokens(last_tokens), self.hidden, shift
+        return self.width, self._committed_tokens(last_tokens.to(self.device)), self.hidden.to(self.device), shift
 
     def _committed_tokens(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """t[L-width .. L] per row [batch, width + 1]: the last round's t[L_old-width .. L_old], its drafts with the

@@ -1,0 +1,72 @@
+"""accelerate placements over two GPUs (skipped on machines with fewer): the bundled family with its decoder layers
+split between cuda:0 and cuda:1 decodes the tokens of the same weights on one GPU, in every mode, with the drafter
+loaded on the CPU (generate moves it beside what it reads)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec.assets import asset_path
+from tests.bundled import batch
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+GREEDY = dict(max_new_tokens=12, do_sample=False)
+
+
+def _split(asset: str, second_from: int) -> dict[str, str]:
+    """Layers ``second_from`` and later (the MTP layers of Step 3.5 among them) on cuda:1; everything else, the tied
+    embedding and LM head too, on cuda:0."""
+    import transformers
+
+    text = transformers.AutoConfig.from_pretrained(asset_path(asset)).get_text_config()
+    layers = text.num_hidden_layers + (getattr(text, "num_nextn_predict_layers", 0) or 0)
+    names = ["model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head"]
+    if asset == "tiny-gemma4":
+        names += ["model.embed_tokens_per_layer", "model.per_layer_model_projection", "model.per_layer_projection_norm"]
+    placement = {name: "cuda:0" for name in names}
+    placement.update({f"model.layers.{i}": "cuda:1" if i >= second_from else "cuda:0" for i in range(layers)})
+    return placement
+
+
+@functools.lru_cache(maxsize=None)
+def _model(asset: str, second_from: int | None):
+    device_map = {"": "cuda:0"} if second_from is None else _split(asset, second_from)
+    model = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path(asset), dtype=torch.float32,
+                                                            device_map=device_map)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _drafter(mode: str):
+    if mode in ("plain", "step_plain"):
+        return {}
+    if mode == "step_mtp":
+        return dict(spec_mode="mtp", num_speculative_tokens=3)
+    name = "tiny-gemma4-assistant" if mode == "mtp" else "tiny-gemma4-dflash"
+    drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path(name), dtype=torch.float32)
+    return dict(assistant_model=drafter, spec_mode=mode, num_speculative_tokens=3)
+
+
+# second_from: the first layer on cuda:1. The tiny Gemma 4 has 8 layers, the last two sharing the KV of layers 5
+# (sliding) and 3 (full): 4 leaves layer 7 apart from its producer, 6 both shared layers. Step 3.5 has 5 layers and
+# 3 MTP layers: 5 puts exactly the MTP layers apart.
+SPLITS = {"tiny-gemma4": [4, 6], "tiny-step3p5": [3, 5]}
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp", "dflash", "step_plain", "step_mtp"])
+@pytest.mark.parametrize("split", [0, 1])
+def test_layers_on_two_gpus_decode_the_one_gpu_tokens(mode, split):
+    asset = "tiny-step3p5" if mode.startswith("step") else "tiny-gemma4"
+    second_from = SPLITS[asset][split]
+    model, single = _model(asset, second_from), _model(asset, None)
+    assert {str(d) for d in model.hf_device_map.values()} == {"cuda:0", "cuda:1"}
+    ids, mask = (t.to("cuda:0") for t in batch(3))
+    expected = single.generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode))
+    got = model.generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode))
+    assert torch.equal(got, expected)
+    assert model._hf_specdec.dispatched
