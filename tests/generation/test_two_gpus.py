@@ -70,3 +70,20 @@ def test_layers_on_two_gpus_decode_the_one_gpu_tokens(mode, split):
     got = model.generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode))
     assert torch.equal(got, expected)
     assert model._hf_specdec.dispatched
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp", "dflash", "step_plain", "step_mtp"])
+def test_a_main_device_apart_from_the_embedding(mode):
+    """accelerate picks a dispatched model's main device (where its top-level hook moves the arguments) from a set,
+    so either GPU of a two-GPU map: here cuda:1, while the embedding, final norm and head sit on cuda:0."""
+    import transformers
+    from accelerate import dispatch_model
+
+    asset = "tiny-step3p5" if mode.startswith("step") else "tiny-gemma4"
+    model = transformers.AutoModelForCausalLM.from_pretrained(asset_path(asset), dtype=torch.float32)
+    dispatch_model(model, device_map=_split(asset, SPLITS[asset][0]), main_device="cuda:1")
+    model = hf_specdec.enable(model)
+    model.generation_config.eos_token_id = None
+    ids, mask = (t.to("cuda:0") for t in batch(3))
+    expected = _model(asset, None).generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode))
+    assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode)).to("cuda:0"), expected)

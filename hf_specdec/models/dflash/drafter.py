@@ -26,6 +26,7 @@ query, no key, no slot and no page.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -192,22 +193,26 @@ def _check_num_speculative_tokens(drafter: DFlashDrafter, requested: int | None)
 @contextlib.contextmanager
 def _every_position(target, layer_ids):
     """Gemma 4 with KV-shared layers computes only the kept positions in those layers for an integer
-    `logits_to_keep` (the runner's prefill asks for 1): while open, turn it into the equivalent index tensor
-    on this target instance, so hooks on those layers still see every position."""
+    `logits_to_keep` (the runner's prefill asks for 1; transformers versions whose text model takes the argument):
+    while open, hand its text model the equivalent index tensor instead, so hooks on those layers still see every
+    position. The LM head keeps slicing with the integer: an index tensor there would have to be on the device of
+    the final norm, and accelerate moves a model's tensor arguments to a device of its choosing."""
     text = target.config.get_text_config()
     first_shared = text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", 0) or 0)
-    if max(layer_ids) < first_shared:
+    decoder = target.get_decoder()
+    if max(layer_ids) < first_shared or "logits_to_keep" not in inspect.signature(decoder.forward).parameters:
         yield
         return
 
     def keep_as_index(module, args, kwargs):
-        keep, ids = kwargs.get("logits_to_keep"), kwargs.get("input_ids")
-        if isinstance(keep, int) and keep > 0 and ids is not None:
+        keep = kwargs.get("logits_to_keep")
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if isinstance(keep, int) and keep > 0 and ids is not None:  # a multimodal model hands its text model embeds
             width = ids.shape[1]
             kwargs["logits_to_keep"] = torch.arange(max(width - keep, 0), width, device=ids.device)
         return args, kwargs
 
-    handle = target.register_forward_pre_hook(keep_as_index, with_kwargs=True)
+    handle = decoder.register_forward_pre_hook(keep_as_index, with_kwargs=True)
     try:
         yield
     finally:

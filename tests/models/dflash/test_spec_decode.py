@@ -274,3 +274,24 @@ def test_paged_block_forward_equals_the_dense_context(variant):
     finally:
         runner.finish()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_target_gets_an_integer_logits_to_keep_with_kv_shared_layers_captured():
+    """The drafter reads a KV-shared layer of an E2B-style target, which the text model would compute only at the
+    kept position for an integer ``logits_to_keep``; the index tensor that keeps every position goes to the text
+    model only. Given to the causal LM it would reach its LM head on the device accelerate moved the arguments to,
+    which under a two-GPU map need not be the final norm's (the error a two-GPU run hit)."""
+    _, target, drafter = trained_pair("gemma4_e2b", 8)
+    seen, forward = [], target.forward
+
+    def recording_forward(*args, **kwargs):  # what the forward gets after every pre-hook ran
+        seen.append(type(kwargs.get("logits_to_keep")))
+        return forward(*args, **kwargs)
+
+    target.forward = recording_forward
+    try:
+        ids, mask = prompt_batch()
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4, do_sample=False)
+    finally:
+        del target.forward
+    assert seen and all(t is int for t in seen)
