@@ -300,7 +300,9 @@ def shape_memory(args) -> list[dict]:
     names = _as_list(getattr(args, "shapes", None)) + _as_list(getattr(args, "shape", None))
     names += _as_list(getattr(args, "models", None))
     batch = max(_as_list(getattr(args, "batch", None)) or [1])
-    context = sum(max(_as_list(getattr(args, name, None)) or [0]) for name in ("prompt", "new_tokens", "k"))
+    # a k of "auto" drafts at most 7 per round (e2e_synthetic.AUTO_K_MAX)
+    context = sum(max([7 if v == "auto" else v for v in _as_list(getattr(args, name, None))] or [0])
+                  for name in ("prompt", "new_tokens", "k"))
     needs = []
     for name in dict.fromkeys(names):
         if name in shapes.GEMMA4_TARGETS:

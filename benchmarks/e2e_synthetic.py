@@ -51,8 +51,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shape", default="gemma4-31b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--alpha", type=float, nargs="+", default=[0.6, 0.8])
-    parser.add_argument("--k", type=int, nargs="+", default=[7],
-                        help="drafts per step; several values give one row each (a large batch may want fewer)")
+    parser.add_argument("--k", type=_k_value, nargs="+", default=[7],
+                        help="drafts per step; several values give one row each (a large batch may want fewer); "
+                             f"\"auto\": chosen per round, up to {AUTO_K_MAX} (DFlash: up to its block size - 1)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -66,6 +67,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--weights", choices=WEIGHTS, default="bf16",
                         help="the target's weights: dense in the bench dtype, or quantized to FP8 (128 x 128 blocks); "
                              "drafters stay dense")
+
+
+AUTO_K_MAX = 7  # the most drafts a round of an "auto" row may have (Step 3.5: its MTP layers)
+
+
+def _k_value(text: str):
+    return text if text == "auto" else int(text)
 
 
 def run(args, progress) -> list[dict]:
@@ -94,14 +102,20 @@ def run(args, progress) -> list[dict]:
         for kind in args.drafter:
             for k in args.k:
                 for alpha in args.alpha:
-                    inner = (build_drafter(target, assistant, "mtp", k) if kind == "mtp"
-                             else _dflash_drafter(target, args, k))
-                    synthetic = dict(assistant_model=inner, acceptance=SyntheticAcceptance(alpha))
+                    # "auto": up to AUTO_K_MAX drafts (Step 3.5: its MTP layers; DFlash: its block's default)
+                    most = (k if k != "auto" else None if kind == "dflash" else
+                            min(AUTO_K_MAX, target.num_mtp_layers) if args.shape in STEP3P5 else AUTO_K_MAX)
+                    inner = (build_drafter(target, assistant, "mtp", most) if kind == "mtp"
+                             else _dflash_drafter(target, args, most))
+                    most = inner.num_speculative_tokens
+                    synthetic = dict(assistant_model=inner, acceptance=SyntheticAcceptance(alpha),
+                                     num_speculative_tokens=k if k == "auto" else None)
                     # the bytes a verify step of k+1 tokens per row reads (an MoE target: the union of the
                     # experts its tokens select), so vs_verify_floor_tau is reachable where vs_floor_tau is not
-                    verify_floor = floor_tokens_per_s(target, batch, context, bandwidth, tokens_per_row=k + 1)
+                    verify_floor = floor_tokens_per_s(target, batch, context, bandwidth, tokens_per_row=most + 1)
                     batch_rows.append(dict(common, backend=f"hf_specdec_{kind}_synthetic", k=k, alpha=alpha,
-                                           lossless=False, expected_tau=expected_tau(alpha, k),
+                                           lossless=False,
+                                           expected_tau=None if k == "auto" else expected_tau(alpha, k),
                                            verify_floor_tokens_per_s=verify_floor["floor_tokens_per_s"],
                                            **_speed(target, ids, args, synthetic)))
                     progress.step(f"b{batch} {kind} k {k} alpha {alpha}")

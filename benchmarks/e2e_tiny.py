@@ -4,7 +4,8 @@
 
 Prompts are the bundled held-out snippets (code no member was trained on). Rows per family member
 (float32): transformers ``generate`` (hf_dynamic), hf_specdec plain, and every bundled drafter (tiny Gemma 4:
-the MTP assistant at several k and DFlash when bundled; tiny Step 3.5: its own MTP layers, k = 1..3).
+the MTP assistant at several k and DFlash when bundled; tiny Step 3.5: its own MTP layers, k = 1..3; each mode also
+with ``num_speculative_tokens="auto"``, k chosen per round).
 Greedy, no early stop at EOS (every row decodes the full length); every hf_specdec row is checked token for
 token against transformers. tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)), the
 median of ``--repeats`` timed pairs (a call lasts tens of milliseconds: single pairs of the same row moved by
@@ -23,7 +24,7 @@ from hf_specdec.assets import asset_path, available_assets, held_out_snippets
 NAME = "e2e_tiny"
 COLUMNS = ["model_shape", "backend", "batch", "k", "tokens_per_s", "tau", "speedup", "same_tokens"]
 PRESETS = {
-    "smoke": dict(batch=[2], new_tokens=8, mtp_k=[4], repeats=1),
+    "smoke": dict(batch=[2], new_tokens=8, mtp_k=[4, "auto"], repeats=1),
     "quick": dict(batch=[1, 4], new_tokens=64),
 }
 MEMBERS = ("tiny-gemma4", "tiny-step3p5")
@@ -33,8 +34,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
-    parser.add_argument("--mtp-k", type=int, nargs="+", default=[2, 4, 7], help="k of the Gemma 4 MTP assistant rows")
+    parser.add_argument("--mtp-k", type=_k_value, nargs="+", default=[2, 4, 7, "auto"],
+                        help="k of the Gemma 4 MTP assistant rows (\"auto\": chosen per round)")
+    parser.add_argument("--no-auto", dest="auto", action="store_false",
+                        help="leave out the num_speculative_tokens=\"auto\" rows of DFlash and Step 3.5 MTP")
+
+
     parser.add_argument("--members", nargs="+", default=list(MEMBERS), choices=MEMBERS)
+
+
+def _k_value(text: str):
+    return text if text == "auto" else int(text)
 
 
 def _prompts(tokenizer, batch: int, device):
@@ -56,8 +66,10 @@ def _runs(model_name: str, args):
             drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"),
                                                                       dtype=torch.float32).to(args.device)
             yield "hf_specdec_dflash", None, dict(assistant_model=drafter)
+            if args.auto:
+                yield "hf_specdec_dflash", "auto", dict(assistant_model=drafter, num_speculative_tokens="auto")
     elif model_name == "tiny-step3p5":
-        for k in (1, 2, 3):
+        for k in (1, 2, 3, "auto") if args.auto else (1, 2, 3):
             yield "hf_specdec_mtp", k, dict(spec_mode="mtp", num_speculative_tokens=k)
 
 

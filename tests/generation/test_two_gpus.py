@@ -81,7 +81,8 @@ def test_a_main_device_apart_from_the_embedding(mode):
 
     asset = "tiny-step3p5" if mode.startswith("step") else "tiny-gemma4"
     model = transformers.AutoModelForCausalLM.from_pretrained(asset_path(asset), dtype=torch.float32)
-    dispatch_model(model, device_map=_split(asset, SPLITS[asset][0]), main_device="cuda:1")
+    dispatch_model(model, device_map=_split(asset, SPLITS[asset][0]), main_device="cuda:1",
+                   skip_keys=model._skip_keys_device_placement)  # as from_pretrained dispatches
     model = hf_specdec.enable(model)
     model.generation_config.eos_token_id = None
     ids, mask = (t.to("cuda:0") for t in batch(3))
