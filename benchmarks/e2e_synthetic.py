@@ -40,7 +40,7 @@ NAME = "e2e_synthetic"
 COLUMNS = ["model_shape", "weights", "backend", "batch", "k", "alpha", "tau", "expected_tau", "tokens_per_s",
            "speedup_vs_plain", "vs_floor_tau", "lossless", "skipped"]
 PRESETS = {
-    "smoke": dict(shape="smoke-31b", batch=[1, 4], prompt=12, new_tokens=8, k=[3]),
+    "smoke": dict(shape="smoke-31b", batch=[1, 4], prompt=12, new_tokens=8, k=[3, "auto"]),
     # 128 new tokens: at batch 32 every row accepts at its own pace and the call lasts until the slowest row
     # is done; with 32 tokens that ragged end, not the steady state, set the speed (1.01x vs 1.40x plain at k=3)
     "quick": dict(layers=12, prompt=256, new_tokens=128, k=[3, 7]),

@@ -95,7 +95,9 @@ def plot(records: list[dict], path, k_benches=None, batch_benches=None) -> pathl
         print("matplotlib is not installed (pip install -e '.[dev]'): no plot written")
         return None
     fig, (by_k, by_batch) = plt.subplots(1, 2, figsize=(13, 5))
-    _lines(by_k, records, x="k", where=lambda r: r.get("k") is not None and r["bench"] in (k_benches or [r["bench"]]))
+    # an "auto" k has no place on the k axis (it is one line per batch in the other plot)
+    _lines(by_k, records, x="k",
+           where=lambda r: isinstance(r.get("k"), int) and r["bench"] in (k_benches or [r["bench"]]))
     by_k.set(xlabel="k (drafts per step)", ylabel="tokens/s", title="speculative decoding: tokens/s vs k")
     _lines(by_batch, records, x="batch", where=lambda r: r["bench"] in (batch_benches or [r["bench"]]))
     by_batch.set(xlabel="batch", ylabel="tokens/s", title="tokens/s vs batch", xscale="log", yscale="log")

@@ -74,6 +74,7 @@ def test_synthetic_rows_are_flagged_not_lossless_and_accept_drafts(smoke):
     assert {r["backend"] for r in synthetic} == {"hf_specdec_mtp_synthetic", "hf_specdec_dflash_synthetic"}
     assert all(r["lossless"] is False for r in synthetic)
     assert all(r["tau"] > 1 for r in synthetic)  # random weights alone would accept ~nothing
+    assert {r["k"] for r in synthetic} == {3, "auto"}
     assert all(r["lossless"] is True for r in records if r not in synthetic)
 
 
@@ -85,6 +86,9 @@ def test_assisted_and_tiny_rows_give_transformers_tokens(smoke):
     tiny = smoke("e2e_tiny")
     assert all(r["same_tokens"] for r in tiny)
     assert any(r["model_shape"] == "tiny-step3p5" and r["backend"] == "hf_specdec_mtp" for r in tiny)
+    # num_speculative_tokens="auto" beside the fixed k, in every mode
+    assert {(r["model_shape"], r["backend"]) for r in tiny if r["k"] == "auto"} == {
+        ("tiny-gemma4", "hf_specdec_mtp"), ("tiny-gemma4", "hf_specdec_dflash"), ("tiny-step3p5", "hf_specdec_mtp")}
 
 
 def test_step_mtp_rows_give_transformers_step3p7_tokens(smoke):
@@ -174,4 +178,19 @@ def test_multi_gpu_rows_decode_the_single_device_tokens(smoke):
     for shape, modes in (("tiny-gemma4", ("none", "mtp", "dflash")), ("tiny-step3p5", ("none", "mtp"))):
         assert {(shape, p, m) for p in ("offload", "tp") for m in modes} <= run
     assert all(r["same_tokens"] for r in records if not r["skipped"])
+    assert all("GPUs" in r["skipped"] for r in records if r["placement"] == "device_map")
+
+
+def test_multi_gpu_shape_rows(tmp_path):
+    """``--shape``: a random-weight Gemma 4 target on one device and under tensor parallelism (two gloo ranks on the
+    CPU), plain decoding with the one-device tokens, MTP at synthetic acceptance."""
+    import benchmarks.multi_gpu as multi_gpu
+
+    run_bench(multi_gpu, ["--shape", "smoke-31b", "--placements", "tp", "device_map", "--batch", "1",
+                          "--new-tokens", "6", "--prompt", "12", "--results-dir", str(tmp_path)], quiet=True)
+    records = [json.loads(line) for line in (tmp_path / "multi_gpu.jsonl").read_text().splitlines()]
+    ran = {(r["placement"], r["spec_mode"]): r for r in records if not r["skipped"]}
+    assert set(ran) == {(p, m) for p in ("single", "tp") for m in ("none", "mtp")}
+    assert ran["tp", "none"]["same_tokens"] is True and ran["tp", "mtp"]["same_tokens"] is None
+    assert ran["tp", "mtp"]["alpha"] == 0.8 and all(r["tokens_per_s"] > 0 for r in ran.values())
     assert all("GPUs" in r["skipped"] for r in records if r["placement"] == "device_map")
