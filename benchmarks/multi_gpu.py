@@ -300,8 +300,7 @@ def _shape_rows(args, progress) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         if "tp" in args.placements:  # before enable: it stacks projections into shared storages
             target.save_pretrained(folder)
-        run_settings = dict(settings, shape=args.shape, modes=modes, batch=args.batch,
-                                   new_tokens=args.new_tokens)
+        run_settings = dict(settings, shape=args.shape, modes=modes, batch=args.batch, new_tokens=args.new_tokens)
         single = _measure_shape(target, run_settings, enable=True)
         progress.step("one device")
         measured = {}

@@ -199,8 +199,8 @@ def _every_position(target, layer_ids):
     the final norm, and accelerate moves a model's tensor arguments to a device of its choosing."""
     text = target.config.get_text_config()
     first_shared = text.num_hidden_layers - (getattr(text, "num_kv_shared_layers", 0) or 0)
-    decoder = target.get_decoder()
-    if max(layer_ids) < first_shared or "logits_to_keep" not in inspect.signature(decoder.forward).parameters:
+    decoder = target.get_decoder() if max(layer_ids) >= first_shared else None
+    if decoder is None or "logits_to_keep" not in inspect.signature(decoder.forward).parameters:
         yield
         return
 
