@@ -1,35 +1,89 @@
-"""``num_speculative_tokens="auto"``: k chosen per round from the acceptance measured so far and the batch size.
+"""``num_speculative_tokens="auto"``: k chosen per round from the acceptance measured so far and what a round costs.
 
 A round with k drafts whose drafts are each accepted with probability alpha commits, per row, on average
-``tau(k) = (1 - alpha^(k+1)) / (1 - alpha)`` tokens, and costs about ``1 + v * k`` target steps of verify (the
-k extra tokens per row of the verify forward: ``v`` grows with the batch, as the forward turns from
-memory-bound to compute-bound) plus the drafter's ``draft_cost(k)``. The controller picks the k in 1..k_max
-with the most tokens per unit of cost. alpha is the maximum-likelihood estimate over the rounds so far (a
-row that accepted a of k drafts saw a acceptances and, if a < k, one rejection), weighted towards recent
-rounds. A run whose drafts are never accepted settles at k = 1; the output is lossless whatever k is.
+``tau(k) = (1 - alpha^(k+1)) / (1 - alpha)`` tokens. The controller picks the k in 1..k_max with the most tokens
+per unit of cost. alpha is the maximum-likelihood estimate over the rounds so far (a row that accepted a of k
+drafts saw a acceptances and, if a < k, one rejection), weighted towards recent rounds. A run whose drafts are
+never accepted settles at k = 1; the output is lossless whatever k is.
 
-The verify cost per token (``v``) follows the H100 measurements in docs/perf_log.md (verify with k=7 at
-1.14x a decode step at batch 1; at batch 32 k=3 beat k=7).
+What a round costs is measured where it can be: the loop reports the wall time between its rounds' host syncs
+(:meth:`AdaptiveK.observe`), and once steady rounds at two values of k have been timed, the cost is the line
+through them (``seconds = a + b * k``). Until then, and under tensor parallelism (every rank must choose the same
+k, and each would time its own rounds), it is the prior: ``1 + v * k`` target steps of verify (the k extra tokens
+per row of the verify forward: ``v`` grows with the batch, as the forward turns from memory-bound to
+compute-bound) plus the drafter's ``draft_cost(k)``, after the H100 measurements in docs/perf_log.md (verify with
+k=7 at 1.14x a decode step at batch 1; at batch 32 k=3 beat k=7). The prior's constants missed by up to 8% on
+another card (docs/perf_log.md, session 14), hence the measurement. To get a second k timed, a call whose costs
+have one timed k runs a few rounds at another (:data:`PROBE_ROUNDS`). Timings are kept per model, drafter and
+batch size (:class:`RoundCosts`), so later calls start from them.
 """
 
 from __future__ import annotations
 
-
 SWITCH_GAIN = 1.03  # k changes when another k promises this many more tokens per unit of cost
+STEADY_ROUNDS = 2  # a round is timed only after this many rounds at the same k (graph captures, ahead drafts)
+MIN_TIMED = 3  # rounds a k needs before its timing counts
+# rounds a call spends at a second k to get it timed (the first of them still verifies drafts queued at the old k)
+PROBE_ROUNDS = 1 + STEADY_ROUNDS + MIN_TIMED
+KEEP = 50  # a k's mean round time follows its last ~KEEP rounds
+
+
+class RoundCosts:
+    """Mean wall seconds of a steady round at each k, for one model, drafter and batch size."""
+
+    def __init__(self):
+        self.seconds: dict[int, tuple[float, int]] = {}  # k -> (mean seconds, rounds)
+
+    def add(self, k: int, seconds: float) -> None:
+        mean, n = self.seconds.get(k, (0.0, 0))
+        n = min(n + 1, KEEP)
+        self.seconds[k] = (mean + (seconds - mean) / n, n)
+
+    def timed(self) -> dict[int, float]:
+        """{k: mean seconds} of the k with enough rounds."""
+        return {k: mean for k, (mean, n) in self.seconds.items() if n >= MIN_TIMED}
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) of ``seconds = a + b * k`` through the timed k (least squares), or None below two; b is kept
+        above zero (a draft never makes a round cheaper)."""
+        timed = self.timed()
+        if len(timed) < 2:
+            return None
+        ks, ts = list(timed), list(timed.values())
+        k_mean, t_mean = sum(ks) / len(ks), sum(ts) / len(ts)
+        b = sum((k - k_mean) * (t - t_mean) for k, t in zip(ks, ts)) / sum((k - k_mean) ** 2 for k in ks)
+        b = max(b, 1e-3 * t_mean)
+        return max(t_mean - b * k_mean, 1e-9), b
 
 
 class AdaptiveK:
-    def __init__(self, k_max: int, draft_cost, batch: int, prior_alpha: float = 0.6, decay: float = 0.9):
+    def __init__(self, k_max: int, draft_cost, batch: int, prior_alpha: float = 0.6, decay: float = 0.9,
+                 costs: RoundCosts | None = None):
+        """``costs``: the timings to use and extend (None: the prior cost model only, e.g. under tensor
+        parallelism)."""
         self.k_max = k_max
         self.draft_cost = draft_cost  # (k) -> cost in target steps
         self.verify_per_token = 0.02 + 0.006 * batch
         self.accepted, self.trials = prior_alpha * 4, 4.0  # a weak prior: 4 pseudo-trials
         self.decay = decay
+        self.costs = costs
+        self.recent: list[int] = []  # the k of the last rounds, newest last
+        self.probe: int | None = None  # the k this call is getting timed, while it does
+        self.probe_left = 0
         self.k = self._best()
 
     @property
     def alpha(self) -> float:
         return self.accepted / self.trials
+
+    def observe(self, k: int, seconds: float) -> None:
+        """A round of ``k`` drafts took ``seconds`` (from the previous round's host sync to its own). Counted only
+        when the rounds before it ran the same k: the first rounds at a new k capture its graphs, and a round's
+        time includes the drafting of the next round, queued before its sync."""
+        steady = len(self.recent) >= STEADY_ROUNDS and all(r == k for r in self.recent[-STEADY_ROUNDS:])
+        self.recent = (self.recent + [k])[-STEADY_ROUNDS:]
+        if self.costs is not None and steady:
+            self.costs.add(k, seconds)
 
     def update(self, accepted: list[int], k: int) -> None:
         """After a round of ``k`` drafts per row: ``accepted[b]`` drafts row b accepted."""
@@ -37,6 +91,8 @@ class AdaptiveK:
             return
         self.accepted = self.decay * self.accepted + sum(accepted)
         self.trials = self.decay * self.trials + sum(accepted) + sum(a < k for a in accepted)
+        if self._probing():
+            return
         best, alpha = self._best(), min(self.alpha, 0.999)
         # near its optimum the curve is flat (at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%):
         # move only for a clear gain, so that noise in the estimate does not make each round run another k (a k
@@ -44,10 +100,38 @@ class AdaptiveK:
         if self.tokens_per_cost(alpha, best) > SWITCH_GAIN * self.tokens_per_cost(alpha, self.k):
             self.k = best
 
+    def _probing(self) -> bool:
+        """Whether this round's k is a probe: with one k timed and none other, run a few rounds at a second k
+        (half or twice the timed one) so that the cost becomes a measured line."""
+        if self.probe is not None:
+            self.probe_left -= 1
+            if self.probe_left > 0:
+                return True
+            self.probe = None  # done: the line decides from here
+            return False
+        if self.costs is None or self.k_max < 2:
+            return False
+        timed = self.costs.timed()
+        if len(timed) != 1:
+            return False
+        (known,) = timed
+        self.probe = known // 2 if known > 2 else min(self.k_max, 2 * known)
+        if self.probe == known:
+            self.probe = known + 1 if known < self.k_max else known - 1
+        self.probe_left, self.k = PROBE_ROUNDS, self.probe
+        return True
+
     def _best(self) -> int:
         alpha = min(self.alpha, 0.999)
         return max(range(1, self.k_max + 1), key=lambda k: self.tokens_per_cost(alpha, k))
 
+    def cost(self, k: int) -> float:
+        """A round of k drafts: measured seconds on the timed line, else the prior's target steps."""
+        line = self.costs.line() if self.costs is not None else None
+        if line is not None:
+            return line[0] + line[1] * k
+        return 1 + self.verify_per_token * k + self.draft_cost(k)
+
     def tokens_per_cost(self, alpha: float, k: int) -> float:
         tau = (1 - alpha ** (k + 1)) / (1 - alpha)
-        return tau / (1 + self.verify_per_token * k + self.draft_cost(k))
+        return tau / self.cost(k)

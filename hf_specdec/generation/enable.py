@@ -41,6 +41,8 @@ class EnabledState:
     ranks: RankGroup | None = None  # the tensor-parallel group the model is sharded over (runtime/distributed.py)
     head_shard: RankGroup | None = None  # ``ranks`` when they split the KV heads (the layout holds this rank's)
     dispatched: bool = False  # accelerate placed the model over several devices or offloads part of it
+    # "auto" k: timed rounds per (drafter, draft model, batch size), kept between calls (generation/adaptive_k.py)
+    round_costs: dict = field(default_factory=dict)
 
     def __deepcopy__(self, memo):
         """A copied model gets its own state: a fresh lock and an empty graph store (graphs and pooled storage

@@ -17,6 +17,7 @@ distribution (rejection sampling), whatever the drafter proposes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +25,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
-from hf_specdec.generation.adaptive_k import AdaptiveK
+from hf_specdec.generation.adaptive_k import AdaptiveK, RoundCosts
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector
 from hf_specdec.generation.sampling import PositionScorer, same_on_every_rank, select_tokens
 from hf_specdec.generation.stats import SpecStats
@@ -76,8 +77,14 @@ class SpeculativeLoop:
         state = model._hf_specdec
         self.model, self.drafter, self.acceptance, self.streamer = model, drafter, acceptance, streamer
         self.k = drafter.num_speculative_tokens  # the most drafts a round may have: caches are sized for them
-        self.adaptive_k = (AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0])
-                           if adaptive and drafter.adaptive_k else None)
+        self.adaptive_k = None
+        if adaptive and drafter.adaptive_k:
+            # round timings are kept per model, drafter and batch size; under tensor parallelism every rank must
+            # choose the same k, so the acceptance alone decides there (the prior cost model)
+            costs = None if state.ranks is not None else state.round_costs.setdefault(
+                (type(drafter).__qualname__, id(draft_model or model), input_ids.shape[0]), RoundCosts())
+            self.adaptive_k = AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0], costs=costs)
+        self.synced_at = 0.0  # when the host last waited for the device (rounds are timed between such waits)
         self.config = generation_config
         self.logits_processor = logits_processor
         self.scorer = PositionScorer(logits_processor)
@@ -134,6 +141,7 @@ class SpeculativeLoop:
         next_tokens = select_tokens(scores, self.config.do_sample, self.ranks)
         emitted = self._emit(next_tokens.tolist(), [[]] * len(self.rows), scores[:, None])
         self.stats.record_step(emitted)
+        self.synced_at = time.perf_counter()
         return next_tokens
 
     def step(self, last_tokens: torch.Tensor) -> torch.Tensor:
@@ -163,6 +171,9 @@ class SpeculativeLoop:
             num_accepted, next_token = decision[0], decision[1].to(next_token.dtype)
         # 4. the one host sync of the step, with the next round's drafts queued before it where the drafter can
         accepted, nxt, drafts = self._read_back(proposal, num_accepted, next_token, selector)
+        if self.adaptive_k is not None:
+            synced, self.synced_at = self.synced_at, time.perf_counter()
+            self.adaptive_k.observe(k, self.synced_at - synced)
         # 5. emit (stopping inside the chunk), commit, let the drafter catch up
         was_running = list(self.running)
         chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(self.rows))]

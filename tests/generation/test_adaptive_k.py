@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.generation.adaptive_k import AdaptiveK
+from hf_specdec.generation.adaptive_k import AdaptiveK, RoundCosts
 from tests import bundled
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -43,6 +43,78 @@ def test_the_controller_does_not_switch_k_on_noise_around_a_flat_optimum():
     assert sum(a != b for a, b in zip(chosen, chosen[1:])) <= 4, chosen
     best = max(range(1, 8), key=lambda k: controller.tokens_per_cost(0.8, k))
     assert controller.tokens_per_cost(0.8, settled) >= 0.97 * controller.tokens_per_cost(0.8, best)
+
+
+def test_round_costs_fit_a_line_through_the_timed_k():
+    costs = RoundCosts()
+    for _ in range(2):
+        costs.add(3, 5.0)
+    assert costs.line() is None and costs.timed() == {}  # too few rounds
+    costs.add(3, 5.0)
+    assert costs.timed() == {3: 5.0} and costs.line() is None  # one k: no line
+    for _ in range(3):
+        costs.add(7, 9.0)
+    a, b = costs.line()
+    assert a == pytest.approx(2.0) and b == pytest.approx(1.0)
+    flat = RoundCosts()
+    for k, t in [(2, 4.0), (2, 4.0), (2, 4.0), (6, 3.9), (6, 3.9), (6, 3.9)]:
+        flat.add(k, t)
+    assert flat.line()[1] > 0  # noise that makes drafts look free never makes them pay
+
+
+def _simulate(controller, alpha, seconds_of, rounds, rng, batch=8):
+    """Rounds at the controller's k: each row accepts each draft with probability alpha; the loop's order (observe
+    the round's time, then update with its acceptances). Returns the k of every round."""
+    chosen = []
+    for _ in range(rounds):
+        k = controller.k
+        chosen.append(k)
+        controller.observe(k, seconds_of(k))
+        controller.update([next((i for i in range(k) if rng.random() > alpha), k) for _ in range(batch)], k)
+    return chosen
+
+
+@pytest.mark.parametrize("per_draft,best", [(0.02, 7), (0.6, 1)])
+def test_measured_round_times_move_k_where_the_prior_would_not(per_draft, best):
+    """The prior puts batch 8 at alpha 0.8 near k=4; rounds that cost 1 + per_draft * k move it to the k that
+    maximises tokens per second for those costs: drafts nearly free -> the most drafts, dear -> few."""
+    import random
+
+    rng = random.Random(1)
+
+    def seconds_of(k):
+        return 1e-3 * (1 + per_draft * k) * (1 + 0.01 * rng.random())
+
+    def tokens_per_second(k):
+        return (1 - 0.8 ** (k + 1)) / 0.2 / (1 + per_draft * k)
+
+    assert max(range(1, 8), key=tokens_per_second) == best
+    prior = AdaptiveK(7, lambda k: 0.1 * k, batch=8)
+    _simulate(prior, 0.8, seconds_of, 60, rng)
+    assert tokens_per_second(prior.k) < 0.9 * tokens_per_second(best)  # what the constants alone choose
+    costs = RoundCosts()
+    controller = AdaptiveK(7, lambda k: 0.1 * k, batch=8, costs=costs)
+    chosen = _simulate(controller, 0.8, seconds_of, 80, rng)
+    # within the 5% the issue asks of "auto" (the controller moves for a 3% gain, its alpha estimate is noisy)
+    assert len(costs.timed()) >= 2 and tokens_per_second(controller.k) >= 0.95 * tokens_per_second(best), chosen
+    # a later call with the same timings starts from them: no probe, the measured choice at once
+    later = AdaptiveK(7, lambda k: 0.1 * k, batch=8, costs=costs)
+    again = _simulate(later, 0.8, seconds_of, 10, rng)
+    assert later.probe is None and all(tokens_per_second(k) >= 0.95 * tokens_per_second(best) for k in again), again
+
+
+def test_rounds_after_a_change_of_k_are_not_timed_and_no_costs_means_no_probe():
+    costs = RoundCosts()
+    controller = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
+    for k in (3, 3, 3, 4, 3, 3, 3):  # timed: the rounds after two at the same k (the third and the last)
+        controller.observe(k, 1.0)
+    assert costs.seconds == {3: (1.0, 2)}
+    untimed = AdaptiveK(7, lambda k: 0.1 * k, batch=1)  # tensor parallelism: the prior alone, the same on every rank
+    start = untimed.k
+    for _ in range(10):
+        untimed.observe(start, 1.0)
+        untimed.update([start], start)
+    assert untimed.probe is None and untimed.costs is None
 
 
 @pytest.mark.parametrize("mode", bundled.SPEC_MODES)
