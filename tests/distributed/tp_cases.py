@@ -13,6 +13,7 @@ Models (fp32):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pathlib
@@ -33,7 +34,7 @@ SEED = 1234
 @dataclass(frozen=True)
 class Case:
     family: str  # "gemma", "gemma_replicated_attention" or "step"
-    mode: str  # "plain", "mtp" or "dflash"
+    mode: str  # "plain", "mtp", "dflash" or "mtp_auto" (num_speculative_tokens="auto")
     do_sample: bool
 
     @property
@@ -45,7 +46,7 @@ CASES = [
     Case(family, mode, sample)
     for family, modes in (("gemma", ("plain", "mtp", "dflash")), ("step", ("plain", "mtp")))
     for mode in modes for sample in (False, True)
-] + [Case("gemma_replicated_attention", "mtp", False)]
+] + [Case("gemma_replicated_attention", "mtp", False), Case("gemma", "mtp_auto", False)]
 
 
 def write_shardable_gemma(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -109,7 +110,8 @@ def drafter_kwargs(case: Case, gemma_dirs: dict[str, pathlib.Path]) -> dict:
         return dict(assistant_model=load(str(gemma_dirs["dflash"]), "single"), spec_mode="dflash",
                     num_speculative_tokens=4)
     assistant = gemma_dirs["assistant"] if case.family == "gemma" else asset_path("tiny-gemma4-assistant")
-    return dict(assistant_model=load(str(assistant), "single"), num_speculative_tokens=3)
+    return dict(assistant_model=load(str(assistant), "single"),
+                num_speculative_tokens="auto" if case.mode == "mtp_auto" else 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,11 +132,30 @@ def run_case(case: Case, gemma_dirs: dict[str, pathlib.Path], tp: bool) -> dict:
     sampling = dict(do_sample=True, temperature=0.8, top_k=50) if case.do_sample else dict(do_sample=False)
     # each rank draws from its own random stream: only what rank 0 drew (as one process seeded alike) may count
     torch.manual_seed(SEED + (torch.distributed.get_rank() if tp else 0))
-    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, **sampling,
-                         **drafter_kwargs(case, gemma_dirs))
+    with _rank_dependent_round_costs(tp and case.mode == "mtp_auto"):
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, **sampling,
+                             **drafter_kwargs(case, gemma_dirs))
     stats = hf_specdec.last_generation_stats(model)
     return dict(tokens=out.tolist(), target_forwards=stats.num_target_forwards,
                 accepted=stats.num_accepted_tokens)
+
+
+@contextlib.contextmanager
+def _rank_dependent_round_costs(on: bool):
+    """While open (``on``), round timings that differ by rank, as measured ones would: drafts nearly free on rank 0,
+    dear on the others. "auto" k that read them would choose the most drafts on rank 0 and one elsewhere."""
+    if not on:
+        yield
+        return
+    from hf_specdec.generation import adaptive_k
+
+    line = (1.0, 0.001) if torch.distributed.get_rank() == 0 else (1.0, 10.0)
+    original = adaptive_k.RoundCosts.line
+    adaptive_k.RoundCosts.line = lambda self: line
+    try:
+        yield
+    finally:
+        adaptive_k.RoundCosts.line = original
 
 
 def run_cases(gemma_dirs: dict[str, pathlib.Path], tp: bool) -> dict[str, dict]:
