@@ -26,6 +26,7 @@ MIN_TIMED = 3  # rounds a k needs before its timing counts
 # rounds a call spends at a second k to get it timed (the first of them still verifies drafts queued at the old k)
 PROBE_ROUNDS = 1 + STEADY_ROUNDS + MIN_TIMED
 KEEP = 50  # a k's mean round time follows its last ~KEEP rounds
+MAX_KEPT_COSTS = 64  # timings kept per model (drafter x draft model x batch size), the oldest dropped first
 
 
 class RoundCosts:
@@ -56,6 +57,15 @@ class RoundCosts:
         return max(t_mean - b * k_mean, 1e-9), b
 
 
+def costs_for(kept: dict, key) -> RoundCosts:
+    """The timings under ``key`` in ``kept`` (a model's), new if there are none; at most :data:`MAX_KEPT_COSTS`."""
+    if key not in kept:
+        while len(kept) >= MAX_KEPT_COSTS:
+            kept.pop(next(iter(kept)))
+        kept[key] = RoundCosts()
+    return kept[key]
+
+
 class AdaptiveK:
     def __init__(self, k_max: int, draft_cost, batch: int, prior_alpha: float = 0.6, decay: float = 0.9,
                  costs: RoundCosts | None = None):
@@ -67,6 +77,7 @@ class AdaptiveK:
         self.accepted, self.trials = prior_alpha * 4, 4.0  # a weak prior: 4 pseudo-trials
         self.decay = decay
         self.costs = costs
+        self.line = costs.line() if costs is not None else None  # the timed line, refreshed as rounds are timed
         self.recent: list[int] = []  # the k of the last rounds, newest last
         self.probe: int | None = None  # the k this call is getting timed, while it does
         self.probe_left = 0
@@ -84,6 +95,7 @@ class AdaptiveK:
         self.recent = (self.recent + [k])[-STEADY_ROUNDS:]
         if self.costs is not None and steady:
             self.costs.add(k, seconds)
+            self.line = self.costs.line()
 
     def update(self, accepted: list[int], k: int) -> None:
         """After a round of ``k`` drafts per row: ``accepted[b]`` drafts row b accepted."""
@@ -127,9 +139,8 @@ class AdaptiveK:
 
     def cost(self, k: int) -> float:
         """A round of k drafts: measured seconds on the timed line, else the prior's target steps."""
-        line = self.costs.line() if self.costs is not None else None
-        if line is not None:
-            return line[0] + line[1] * k
+        if self.line is not None:
+            return self.line[0] + self.line[1] * k
         return 1 + self.verify_per_token * k + self.draft_cost(k)
 
     def tokens_per_cost(self, alpha: float, k: int) -> float:

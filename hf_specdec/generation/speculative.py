@@ -25,7 +25,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
-from hf_specdec.generation.adaptive_k import AdaptiveK, RoundCosts
+from hf_specdec.generation.adaptive_k import AdaptiveK, costs_for
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector
 from hf_specdec.generation.sampling import PositionScorer, same_on_every_rank, select_tokens
 from hf_specdec.generation.stats import SpecStats
@@ -81,8 +81,8 @@ class SpeculativeLoop:
         if adaptive and drafter.adaptive_k:
             # round timings are kept per model, drafter and batch size; under tensor parallelism every rank must
             # choose the same k, so the acceptance alone decides there (the prior cost model)
-            costs = None if state.ranks is not None else state.round_costs.setdefault(
-                (type(drafter).__qualname__, id(draft_model or model), input_ids.shape[0]), RoundCosts())
+            costs = None if state.ranks is not None else costs_for(
+                state.round_costs, (type(drafter).__qualname__, id(draft_model or model), input_ids.shape[0]))
             self.adaptive_k = AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0], costs=costs)
         self.synced_at = 0.0  # when the host last waited for the device (rounds are timed between such waits)
         self.config = generation_config

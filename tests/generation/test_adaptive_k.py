@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.generation.adaptive_k import AdaptiveK, RoundCosts
+from hf_specdec.generation.adaptive_k import MAX_KEPT_COSTS, AdaptiveK, RoundCosts, costs_for
 from tests import bundled
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -60,6 +60,15 @@ def test_round_costs_fit_a_line_through_the_timed_k():
     for k, t in [(2, 4.0), (2, 4.0), (2, 4.0), (6, 3.9), (6, 3.9), (6, 3.9)]:
         flat.add(k, t)
     assert flat.line()[1] > 0  # noise that makes drafts look free never makes them pay
+
+
+def test_a_model_keeps_timings_for_a_bounded_number_of_drafter_and_batch_pairs():
+    kept = {}
+    first = costs_for(kept, ("drafter", 1, 1))
+    assert costs_for(kept, ("drafter", 1, 1)) is first
+    for batch in range(2, MAX_KEPT_COSTS + 2):
+        costs_for(kept, ("drafter", 1, batch))
+    assert len(kept) == MAX_KEPT_COSTS and ("drafter", 1, 1) not in kept  # the oldest went first
 
 
 def _simulate(controller, alpha, seconds_of, rounds, rng, batch=8):
