@@ -196,6 +196,11 @@ class Progress:
             self.bar = None
 
 
+def k_value(text: str):
+    """A ``--k`` value: a number of drafts, or "auto" (chosen per round)."""
+    return text if text == "auto" else int(text)
+
+
 def add_pair_arguments(parser, prompt_help: str, layers_help: str) -> None:
     """``--layers``, ``--repeats``, ``--prompt`` and ``--new-tokens`` of the benches that time transformers' and
     hf_specdec's generate on the same weights."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 import hf_specdec
-from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, free_device_memory
+from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, free_device_memory, k_value
 from benchmarks.draft_cost import _dflash_drafter
 from benchmarks.drafters import SyntheticAcceptance, expected_tau
 from benchmarks.shapes import (
@@ -51,7 +51,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shape", default="gemma4-31b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--alpha", type=float, nargs="+", default=[0.6, 0.8])
-    parser.add_argument("--k", type=_k_value, nargs="+", default=[7],
+    parser.add_argument("--k", type=k_value, nargs="+", default=[7],
                         help="drafts per step; several values give one row each (a large batch may want fewer); "
                              f"\"auto\": chosen per round, up to {AUTO_K_MAX} (DFlash: up to its block size - 1)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -70,10 +70,6 @@ def add_arguments(parser) -> None:
 
 
 AUTO_K_MAX = 7  # the most drafts a round of an "auto" row may have (Step 3.5: its MTP layers)
-
-
-def _k_value(text: str):
-    return text if text == "auto" else int(text)
 
 
 def run(args, progress) -> list[dict]:

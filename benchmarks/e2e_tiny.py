@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_specdec
-from benchmarks.common import bench_main, decode_rate
+from benchmarks.common import bench_main, decode_rate, k_value
 from hf_specdec.assets import asset_path, available_assets, held_out_snippets
 
 NAME = "e2e_tiny"
@@ -34,17 +34,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
-    parser.add_argument("--mtp-k", type=_k_value, nargs="+", default=[2, 4, 7, "auto"],
+    parser.add_argument("--mtp-k", type=k_value, nargs="+", default=[2, 4, 7, "auto"],
                         help="k of the Gemma 4 MTP assistant rows (\"auto\": chosen per round)")
     parser.add_argument("--no-auto", dest="auto", action="store_false",
                         help="leave out the num_speculative_tokens=\"auto\" rows of DFlash and Step 3.5 MTP")
 
 
     parser.add_argument("--members", nargs="+", default=list(MEMBERS), choices=MEMBERS)
-
-
-def _k_value(text: str):
-    return text if text == "auto" else int(text)
 
 
 def _prompts(tokenizer, batch: int, device):
