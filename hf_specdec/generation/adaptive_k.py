@@ -26,6 +26,7 @@ MIN_TIMED = 3  # rounds a k needs before its timing counts
 # rounds a call spends at a second k to get it timed (the first of them still verifies drafts queued at the old k)
 PROBE_ROUNDS = 1 + STEADY_ROUNDS + MIN_TIMED
 KEEP = 50  # a k's mean round time follows its last ~KEEP rounds
+MIN_DRAFT_SHARE = 0.01  # the least a draft is taken to add to a round, as a share of the mean timed round
 MAX_KEPT_COSTS = 64  # timings kept per model (drafter x draft model x batch size), the oldest dropped first
 
 
@@ -45,15 +46,16 @@ class RoundCosts:
         return {k: mean for k, (mean, n) in self.seconds.items() if n >= MIN_TIMED}
 
     def line(self) -> tuple[float, float] | None:
-        """(a, b) of ``seconds = a + b * k`` through the timed k (least squares), or None below two; b is kept
-        above zero (a draft never makes a round cheaper)."""
+        """(a, b) of ``seconds = a + b * k`` through the timed k (least squares), or None below two. b is kept at
+        :data:`MIN_DRAFT_SHARE` of the mean round or more: a draft never makes a round cheaper, and timing noise
+        that makes drafts look free must not buy drafts that are never accepted."""
         timed = self.timed()
         if len(timed) < 2:
             return None
         ks, ts = list(timed), list(timed.values())
         k_mean, t_mean = sum(ks) / len(ks), sum(ts) / len(ts)
         b = sum((k - k_mean) * (t - t_mean) for k, t in zip(ks, ts)) / sum((k - k_mean) ** 2 for k in ks)
-        b = max(b, 1e-3 * t_mean)
+        b = max(b, MIN_DRAFT_SHARE * t_mean)
         return max(t_mean - b * k_mean, 1e-9), b
 
 
@@ -103,9 +105,13 @@ class AdaptiveK:
             return
         self.accepted = self.decay * self.accepted + sum(accepted)
         self.trials = self.decay * self.trials + sum(accepted) + sum(a < k for a in accepted)
+        probed = self.probe is not None
         if self._probing():
             return
         best, alpha = self._best(), min(self.alpha, 0.999)
+        if probed:  # the probe's k was run to be timed, not chosen: the timed line picks the k from here
+            self.k = best
+            return
         # near its optimum the curve is flat (at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%):
         # move only for a clear gain, so that noise in the estimate does not make each round run another k (a k
         # not run before captures its graphs, tens of milliseconds on a large target)

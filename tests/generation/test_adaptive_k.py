@@ -112,6 +112,20 @@ def test_measured_round_times_move_k_where_the_prior_would_not(per_draft, best):
     assert later.probe is None and all(tokens_per_second(k) >= 0.95 * tokens_per_second(best) for k in again), again
 
 
+@pytest.mark.parametrize("per_draft", [-0.01, 0.0, 0.02])
+def test_no_acceptances_settle_at_one_draft_when_timing_noise_hides_the_cost_of_a_draft(per_draft):
+    """A drafter never accepted, on a machine where a draft's cost is lost in timing noise (a round with more drafts
+    may even time faster): after the probe at k=2 the rounds go back to one draft and stay there, since two
+    drafts commit no more tokens than one and a draft never makes a round cheaper."""
+    import random
+
+    rng = random.Random(0)
+    controller = AdaptiveK(7, lambda k: 0.1 * k, batch=2, costs=RoundCosts())
+    chosen = _simulate(controller, 0.0, lambda k: 1e-3 * (1 + per_draft * k) * (1 + 0.01 * rng.random()), 40, rng,
+                       batch=2)
+    assert 2 in chosen and chosen[-20:] == [1] * 20, chosen
+
+
 def test_rounds_after_a_change_of_k_are_not_timed_and_no_costs_means_no_probe():
     costs = RoundCosts()
     controller = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
