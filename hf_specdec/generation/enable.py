@@ -15,7 +15,7 @@ from hf_specdec.attention import ATTENTION_NAME, register
 from hf_specdec.cache import KVLayout, kv_layout_from_config, split_by_device
 from hf_specdec.config import CacheConfig
 from hf_specdec.generation.experts import restore_experts, select_experts
-from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+from hf_specdec.generation.fusion import fuse_modules, kernels_may_run, unfuse_modules
 from hf_specdec.generation.generate import generate
 from hf_specdec.generation.quantization import check_target_weights
 from hf_specdec.generation.stats import SpecStats
@@ -43,6 +43,7 @@ class EnabledState:
     dispatched: bool = False  # accelerate placed the model over several devices or offloads part of it
     # "auto" k: timed rounds per (drafter, draft model, batch size), kept between calls (generation/adaptive_k.py)
     round_costs: dict = field(default_factory=dict)
+    fused: bool = False  # the kernels-only fused forwards are installed (generation/fusion.py)
 
     def __deepcopy__(self, memo):
         """A copied model gets its own state: a fresh lock and an empty graph store (graphs and pooled storage
@@ -52,7 +53,22 @@ class EnabledState:
                               GraphStore(self.graph_store.max_graphs), copy.deepcopy(self.last_stats, memo))
         copied.original_experts = copy.deepcopy(self.original_experts, memo)
         copied.ranks, copied.head_shard, copied.dispatched = self.ranks, self.head_shard, self.dispatched
+        copied.fused = self.fused
         return copied
+
+    def fuse_where_kernels_run(self, model) -> None:
+        """Install the kernels-only fused forwards on ``model`` (this state's model) while it has weights where
+        the kernels run, remove them while it has none: at ``enable``, and at each ``generate``, since
+        ``model.to(...)`` moves an enabled model. A sharded model keeps transformers' tensor-parallel forwards."""
+        if self.ranks is not None:
+            return
+        wanted = kernels_may_run(model)
+        if wanted != self.fused:
+            if wanted:
+                fuse_modules(model)
+            else:
+                unfuse_modules(model, kernels_only=True)
+            self.fused = wanted
 
     def graph_store_for(self, device: torch.device) -> GraphStore | None:
         """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off; never
@@ -104,7 +120,8 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
         model._hf_specdec.graph_store.max_graphs = max_cuda_graphs
     model.generate = types.MethodType(generate, model)
     if ranks is None:  # a sharded model keeps transformers' tensor-parallel forwards (single-device kernels)
-        fuse_modules(model)
+        fuse_modules(model, kernels=False)  # what every device needs (FP8 layers' weight-only forwards)
+        model._hf_specdec.fuse_where_kernels_run(model)
         model._hf_specdec.original_experts = select_experts(model)
     return model
 

@@ -7,7 +7,8 @@ same arithmetic over fused kernels. Model packages register theirs (:func:`regis
 the module class); this module registers the ones every model may have: bias-free ``nn.Linear`` layers take a
 GEMM for a few rows that streams the weights faster than cuBLAS does. Each fused forward runs the module's own
 forward on CPU, for variants it does not cover, and whenever autograd tracks the input (the kernels have no
-backward).
+backward). A model with no weights where the kernels run (all on CPU) goes without them: ``enable`` and each
+``generate`` call install or remove them as the model's weights move (:func:`kernels_may_run`).
 
 transformers' FP8 layers (``FP8Linear`` and ``FP8Experts`` of its fine-grained FP8 quantizer,
 ``CompressedTensorsFP8Linear`` of compressed-tensors FP8 checkpoints) are the exception: their own forwards
@@ -19,6 +20,7 @@ what makes its speculative output equal its plain output (see ``generation/quant
 
 from __future__ import annotations
 
+import os
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +28,7 @@ from typing import Callable
 import torch
 
 from hf_specdec.kernels import use_triton
+from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON
 from hf_specdec.kernels.fp8_gemm import (
     compressed_fp8_linear_forward,
     fp8_experts_forward,
@@ -47,6 +50,9 @@ class FusedForward:
     forward: Callable
     fusible: Callable[[torch.nn.Module], bool] = lambda module: True
     stacked: tuple[tuple[str, ...], ...] = ()
+    # the forward differs from the module's own only where the kernels run (elsewhere it calls the module's own),
+    # so a model with no weights there goes without it (see kernels_may_run)
+    kernels_only: bool = True
 
 
 _FUSED: dict[type, FusedForward] = {}
@@ -58,23 +64,35 @@ def register_fused_forwards(*fused: FusedForward) -> None:
         _FUSED[entry.module_type] = entry
 
 
-def fuse_modules(model: torch.nn.Module) -> int:
-    """Give every fusible submodule of ``model`` its fused forward; returns how many were swapped. Where the
-    kernels run (CUDA), the weights of projections that read the same input are also stacked into one storage
-    (:func:`stack_projections`), so that the fused forward runs them as one GEMM."""
+def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
+    """Give every fusible submodule of ``model`` its fused forward (with ``kernels=False`` only those that are not
+    :attr:`FusedForward.kernels_only`); returns how many were swapped. Where the kernels run (CUDA), the weights of
+    projections that read the same input are also stacked into one storage (:func:`stack_projections`), so that
+    the fused forward runs them as one GEMM."""
     count = 0
     for module in model.modules():
         fused = _FUSED.get(type(module))
-        if fused is not None and "forward" not in vars(module) and fused.fusible(module):
+        if (fused is not None and (kernels or not fused.kernels_only) and "forward" not in vars(module)
+                and fused.fusible(module)):
             module.forward = types.MethodType(fused.forward, module)
             stack_projections(module)
             count += 1
     return count
 
 
-def unfuse_modules(model: torch.nn.Module) -> None:
-    """Undo :func:`fuse_modules`."""
-    forwards = {entry.forward for entry in _FUSED.values()}
+def kernels_may_run(model: torch.nn.Module) -> bool:
+    """Whether the fused forwards' kernels can run for some weight of ``model``: one on a CUDA device, or any under
+    ``HF_SPECDEC_FORCE_TRITON=1`` (``=0``: none). A model that has none goes without the kernels-only forwards: each
+    would call the module's own forward after its checks, ~10% of a small model's step on a CPU."""
+    forced = os.environ.get(FORCE_TRITON_ENV)
+    if not HAS_TRITON or forced == "0":
+        return False
+    return forced == "1" or any(p.is_cuda for p in model.parameters())
+
+
+def unfuse_modules(model: torch.nn.Module, kernels_only: bool = False) -> None:
+    """Undo :func:`fuse_modules` (with ``kernels_only=True``, for the kernels-only forwards alone)."""
+    forwards = {entry.forward for entry in _FUSED.values() if entry.kernels_only or not kernels_only}
     for module in model.modules():
         forward = vars(module).get("forward")
         if forward is not None and getattr(forward, "__func__", None) in forwards:
@@ -115,14 +133,14 @@ def fp8_fused_forwards() -> list[FusedForward]:
     except ImportError:  # pragma: no cover - every supported version has them
         pass
     else:
-        fused += [FusedForward(FP8Linear, fp8_linear_forward, fp8_linear_fusible),
-                  FusedForward(FP8Experts, fp8_experts_forward, fp8_experts_fusible)]
+        fused += [FusedForward(FP8Linear, fp8_linear_forward, fp8_linear_fusible, kernels_only=False),
+                  FusedForward(FP8Experts, fp8_experts_forward, fp8_experts_fusible, kernels_only=False)]
     try:
         from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
     except ImportError:  # pragma: no cover
         pass
     else:
-        fused.append(FusedForward(CompressedTensorsFP8Linear, compressed_fp8_linear_forward))
+        fused.append(FusedForward(CompressedTensorsFP8Linear, compressed_fp8_linear_forward, kernels_only=False))
     return fused
 
 

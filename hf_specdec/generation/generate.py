@@ -113,6 +113,7 @@ def _exclusive(model, state):
                                "model.generate again (it is transformers' own now).")
         _check_attention(model)
         state.owner = me
+        state.fuse_where_kernels_run(model)  # the model may have moved since enable (model.to(...))
         try:
             yield
         finally:

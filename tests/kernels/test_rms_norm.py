@@ -6,7 +6,7 @@ import torch
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
 import hf_specdec
-from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+from hf_specdec.generation.fusion import FORCE_TRITON_ENV, fuse_modules, unfuse_modules
 from hf_specdec.kernels.rms_norm import (
     dual_norm_add,
     dual_norm_add_reference,
@@ -42,21 +42,26 @@ def test_triton_rms_norm(triton_device, dim, with_scale, dtype):
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
-def test_enable_fuses_gemma_norms_and_disable_restores_them():
+def test_enable_fuses_gemma_norms_where_the_kernels_run_and_disable_restores_them(monkeypatch):
     model = gemma4_e2b_style()
     norms = [m for m in model.modules() if isinstance(m, Gemma4RMSNorm)]
     assert norms
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")  # the kernels run for every tensor, as for a model on a GPU
     hf_specdec.enable(model)
     assert all("forward" in vars(m) for m in norms)
-    x = torch.randn(2, 3, norms[0].weight.shape[0]) if norms[0].with_scale else None
-    if x is not None:
-        assert torch.equal(norms[0](x), Gemma4RMSNorm.forward(norms[0], x))
     hf_specdec.disable(model)
     assert not any("forward" in vars(m) for m in norms)
+    monkeypatch.delenv(FORCE_TRITON_ENV)
+    hf_specdec.enable(model)  # on the CPU every fused forward would call the module's own: none is installed
+    assert not any("forward" in vars(m) for m in norms)
+    hf_specdec.disable(model)
     fused_attentions = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]  # KV-shared too
     layers_and_mlps = [m for m in model.modules() if type(m).__name__ in ("Gemma4TextDecoderLayer", "Gemma4TextMLP")]
     # attentions, layers and MLPs: tests/kernels/test_norm_rope.py
     assert fuse_modules(model) == len(norms) + len(fused_attentions) + len(layers_and_mlps)
+    x = torch.randn(2, 3, norms[0].weight.shape[0]) if norms[0].with_scale else None
+    if x is not None:  # off the kernels' device a fused forward is the module's own
+        assert torch.equal(norms[0](x), Gemma4RMSNorm.forward(norms[0], x))
     unfuse_modules(model)
     assert not any("forward" in vars(m) for m in norms)
 

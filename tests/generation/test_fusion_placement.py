@@ -1,0 +1,45 @@
+"""The kernels-only fused forwards live on a model exactly while it has weights where the kernels run: an enabled
+CPU model goes without them (each would only call the module's own forward), and ``generate`` follows the model
+when it moves."""
+
+import torch
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+from hf_specdec.generation.fusion import FORCE_TRITON_ENV, fuse_modules, kernels_may_run
+from tests import bundled
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def _fused(model) -> int:
+    return sum("forward" in vars(m) for m in model.modules() if isinstance(m, Gemma4RMSNorm))
+
+
+def test_a_cpu_model_goes_without_kernels_only_forwards_until_the_kernels_can_run(monkeypatch):
+    model, _, _ = bundled.mode("plain")
+    state = model._hf_specdec
+    monkeypatch.delenv(FORCE_TRITON_ENV, raising=False)
+    assert not kernels_may_run(model) and not state.fused and _fused(model) == 0
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")  # as if its weights were on a GPU
+    state.fuse_where_kernels_run(model)
+    norms = sum(isinstance(m, Gemma4RMSNorm) for m in model.modules())
+    assert state.fused and _fused(model) == norms > 0
+    monkeypatch.setenv(FORCE_TRITON_ENV, "0")
+    state.fuse_where_kernels_run(model)
+    assert not state.fused and _fused(model) == 0
+
+
+def test_generate_drops_them_from_a_model_moved_to_the_cpu(monkeypatch):
+    """A model enabled on a GPU and moved to the CPU (``model.to("cpu")``): the next generate removes the fused
+    forwards and decodes as before, plain and speculative."""
+    model, extra, _ = bundled.mode("gemma_mtp")
+    monkeypatch.delenv(FORCE_TRITON_ENV, raising=False)
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, **GREEDY)
+    expected_plain = model.generate(ids, **kwargs)
+    expected = model.generate(ids, **kwargs, **extra)
+    for call in (dict(kwargs, **extra), kwargs):
+        assert fuse_modules(model) > 0  # what enable on a GPU left
+        model._hf_specdec.fused = True
+        assert torch.equal(model.generate(ids, **call), expected if call is not kwargs else expected_plain)
+        assert not model._hf_specdec.fused and _fused(model) == 0
