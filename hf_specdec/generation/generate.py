@@ -21,6 +21,7 @@ import contextlib
 import copy
 import functools
 import threading
+from collections.abc import Mapping
 
 import torch
 from transformers import GenerationMixin
@@ -75,12 +76,30 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
     generation_config, stopping_criteria = _stop_strings_to_criteria(self, generation_config, stopping_criteria, kwargs)
     with _exclusive(self, state):
         try:
-            return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
-                                            streamer=streamer, custom_generate=decode, **kwargs)
+            # inference mode, not transformers' no_grad: no autograd bookkeeping on any op (on a host-bound step,
+            # e.g. a small model on CPU, that bookkeeping is ~10% of the step)
+            with torch.inference_mode():
+                output = GenerationMixin.generate(self, inputs, generation_config, logits_processor,
+                                                  stopping_criteria, streamer=streamer, custom_generate=decode,
+                                                  **kwargs)
+            return _outside_inference_mode(output)
         except BaseException:
             if streamer is not None:
                 streamer.end()  # a consumer iterating the streamer in another thread must not wait forever
             raise
+
+
+def _outside_inference_mode(output):
+    """``output`` with every tensor (sequences, per-step scores) usable as transformers' output is: an inference
+    tensor refuses in-place edits (``out[out == eos] = pad``) and autograd outside inference mode."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output.is_inference() else output
+    if isinstance(output, tuple):
+        return tuple(_outside_inference_mode(t) for t in output)
+    if isinstance(output, Mapping):  # a ModelOutput
+        for name, value in output.items():
+            output[name] = _outside_inference_mode(value)
+    return output
 
 
 def _check_attention(model) -> None:
