@@ -76,9 +76,7 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
     generation_config, stopping_criteria = _stop_strings_to_criteria(self, generation_config, stopping_criteria, kwargs)
     with _exclusive(self, state):
         try:
-            # inference mode, not transformers' no_grad: no autograd bookkeeping on any op (on a host-bound step,
-            # e.g. a small model on CPU, that bookkeeping is ~10% of the step)
-            with torch.inference_mode():
+            with _no_autograd(self, assistant_model):
                 output = GenerationMixin.generate(self, inputs, generation_config, logits_processor,
                                                   stopping_criteria, streamer=streamer, custom_generate=decode,
                                                   **kwargs)
@@ -87,6 +85,16 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
             if streamer is not None:
                 streamer.end()  # a consumer iterating the streamer in another thread must not wait forever
             raise
+
+
+def _no_autograd(model, assistant_model):
+    """Inference mode, not transformers' no_grad, where every weight is a plain tensor: no autograd bookkeeping on
+    any op (on a host-bound step, e.g. a small model on CPU, that bookkeeping is ~10% of the step). Quantized
+    weights that are tensor subclasses (torchao's) may not implement the ops inference mode hands them (``.to``
+    of a weight as ``aten.to``): those calls keep no_grad."""
+    models = (model, assistant_model) if isinstance(assistant_model, torch.nn.Module) else (model,)
+    plain = all(type(p) in (torch.nn.Parameter, torch.Tensor) for m in models for p in m.parameters())
+    return torch.inference_mode() if plain else torch.no_grad()
 
 
 def _outside_inference_mode(output):

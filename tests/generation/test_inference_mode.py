@@ -35,3 +35,21 @@ def test_per_step_scores_are_ordinary_tensors():
     assert len(out.scores) == 3 and not any(s.is_inference() for s in out.scores)
     assert not out.sequences.is_inference()
     out.scores[0].add_(1.0)  # in place, outside inference mode
+
+
+@pytest.mark.parametrize("mode", ["plain", "gemma_mtp"])
+def test_the_loop_runs_in_inference_mode_where_every_weight_is_a_plain_tensor(mode):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    seen = []
+
+    class Record(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            seen.append(torch.is_inference_mode_enabled())
+            return scores
+
+    model, extra, _ = bundled.mode(mode)
+    ids, mask = bundled.batch(1)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, logits_processor=LogitsProcessorList([Record()]),
+                   **GREEDY, **extra)
+    assert seen and all(seen)
