@@ -31,6 +31,7 @@ verify step's k+1 queries per row get the bits of k+1 one-query decode steps at 
 """
 
 import math
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -413,9 +414,21 @@ def _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_wind
                         causal)
 
 
-def _build_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal):
-    kv_lo, kv_hi = _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal)
-    slots, key_pos, in_range = _key_slots(block_tables, block_size, kv_lo, kv_hi)
+def _build_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal, host=None):
+    """``host``: the key ranges and slots from host lists (default: for CPU tensors, where a ~30-op plan costs
+    more than the few lists of a small batch), else from tensor ops on the metadata's device."""
+    if kv_lens.device.type == "cpu" if host is None else host:
+        ranges, slots, one_query_each = _key_slots_from_host(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size,
+                                                             sliding_window, causal)
+        counts = torch.tensor([hi - lo for lo, hi in ranges], dtype=torch.int32)
+        in_range = torch.arange(slots.shape[0] // max(1, len(ranges))) < counts[:, None]
+        if one_query_each:  # one query per row sees exactly its range: no position arithmetic
+            sees_key = None if all(hi > lo for lo, hi in ranges) else (counts > 0)[:, None]
+            return slots, in_range[:, None, :], sees_key
+        key_pos = torch.tensor([lo for lo, _ in ranges], dtype=torch.long)[:, None] + torch.arange(in_range.shape[1])
+    else:
+        kv_lo, kv_hi = _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal)
+        slots, key_pos, in_range = _key_slots(block_tables, block_size, kv_lo, kv_hi)
     steps = torch.arange(q_len, device=kv_lens.device)
     pos = (q_pos0[:, None] + steps)[:, :, None]  # [batch, q_len, 1]
     visible = (steps >= q_len - q_lens[:, None])[:, :, None] & in_range[:, None, :]
@@ -426,6 +439,40 @@ def _build_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, slidin
     sees_key = visible.any(-1)  # [batch, q_len]; None when every query sees a key (nothing to zero)
     sees_key = None if bool(sees_key.all()) else sees_key
     return slots, visible, sees_key
+
+
+def _key_slots_from_host(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal):
+    """:func:`_visible_key_range` and :func:`_key_slots`'s slots (the same values) from host lists: per row the
+    key range (lo, hi), the slots [batch * L] (int64), and whether every row has exactly one query."""
+    ranges, lengths = [], q_lens.tolist()
+    for kv_len, pos0, n in zip(kv_lens.tolist(), q_pos0.tolist(), lengths):
+        hi = min(kv_len, pos0 + q_len) if causal else kv_len
+        lo = 0 if sliding_window is None else max(0, pos0 + q_len - n - sliding_window + 1)
+        ranges.append((lo, hi if n > 0 else lo))
+    width = max([1] + [hi - lo for lo, hi in ranges])
+    slots = array("q")
+    for table, (lo, hi) in zip(block_tables.tolist() if block_tables.shape[1] else [[0]] * len(ranges), ranges):
+        if hi <= lo:  # no visible key: a harmless read of block 0
+            slots.extend([lo % block_size] * width)
+            continue
+        first = len(slots)
+        _extend_with_slots(slots, table, block_size, lo, hi)
+        slots.extend([slots[first]] * (width - (hi - lo)))  # past the range: the row's first visible key
+    return ranges, _int64_tensor(slots), q_len == 1 and all(n == 1 for n in lengths)
+
+
+def _extend_with_slots(slots: array, table: list[int], block_size: int, lo: int, hi: int) -> None:
+    """Append the cache slots of positions [lo, hi) of a row with block table ``table`` (a position past the table
+    reads its last block, as :func:`_key_slots` clamps)."""
+    last = len(table) - 1
+    for start in range(lo - lo % block_size, hi, block_size):  # the blocks the range covers
+        base = table[min(start // block_size, last)] * block_size - start
+        slots.extend(range(base + max(start, lo), base + min(start + block_size, hi)))
+
+
+def _int64_tensor(values: array) -> torch.Tensor:
+    """A CPU int64 tensor over an ``array("q")`` (no per-element conversion, as ``torch.tensor(list)`` does)."""
+    return torch.frombuffer(values, dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
 
 
 def paged_attention_rows(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale, sliding_window,
@@ -481,7 +528,8 @@ def _build_row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sl
     if any(n != q_len for n in q_lens.tolist()):
         return None
     rows, consecutive, ranges = [], True, []
-    for table, kv_len, pos0 in zip(block_tables.tolist(), kv_lens.tolist(), q_pos0.tolist()):
+    tables = block_tables.tolist()
+    for table, kv_len, pos0 in zip(tables, kv_lens.tolist(), q_pos0.tolist()):
         # the keys some query sees, as _visible_key_range (every query slot is real here)
         hi = min(kv_len, pos0 + q_len) if causal else kv_len
         lo = 0 if sliding_window is None else max(0, pos0 - sliding_window + 1)
@@ -507,12 +555,12 @@ def _build_row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sl
         rows.append((blocks[0] * block_size + lo % block_size, hi - lo, mask))
     if consecutive:
         return None, rows
-    kv_lo, kv_hi = torch.tensor(ranges, dtype=torch.int32).unbind(1)
-    slots, _, in_range = _key_slots(block_tables, block_size, kv_lo, kv_hi)
-    starts = [0]
-    for _, count, _ in rows[:-1]:
-        starts.append(starts[-1] + count)
-    return slots.view(in_range.shape)[in_range], [(start, count, mask) for start, (_, count, mask) in zip(starts, rows)]
+    slots = array("q")
+    starts = []
+    for table, (lo, hi) in zip(tables, ranges):  # every row's keys, one row after the other
+        starts.append(len(slots))
+        _extend_with_slots(slots, table, block_size, lo, hi)
+    return _int64_tensor(slots), [(start, count, mask) for start, (_, count, mask) in zip(starts, rows)]
 
 
 def _key_slots(block_tables, block_size, kv_lo, kv_hi):

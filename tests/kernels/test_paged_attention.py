@@ -238,6 +238,30 @@ def test_cpu_rows_path_declines_and_writes_nothing(q_lens, q_pos0, sliding_windo
     assert out.isnan().all()
 
 
+def test_the_cpu_plan_from_host_lists_is_the_tensor_plan():
+    """The reference's plan (slots, visibility, which queries see a key) built from host lists on the CPU equals
+    the one built by tensor ops, over random lengths, offsets, windows, padded and empty rows, released blocks and
+    tables of any width."""
+    from hf_specdec.kernels.paged_attention import _build_plan
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        batch, q_len, block_size = (int(torch.randint(lo, hi, (), generator=gen)) for lo, hi in ((1, 6), (1, 6), (1, 9)))
+        kv_lens = torch.randint(0, 40, (batch,), generator=gen, dtype=torch.int32)
+        q_lens = torch.randint(0, q_len + 1, (batch,), generator=gen, dtype=torch.int32)
+        q_pos0 = (kv_lens - q_len + torch.randint(-3, 2, (batch,), generator=gen)).to(torch.int32)
+        width = int(torch.randint(0, 45 // block_size + 2, (), generator=gen))
+        tables = torch.randint(-1, 50, (batch, width), generator=gen, dtype=torch.int32)
+        window = [None, 1, 3, 8][int(torch.randint(0, 4, (), generator=gen))]
+        for causal in (True, False):
+            args = (tables, kv_lens, q_pos0, q_lens, q_len, block_size, window, causal)
+            (slots, visible, sees), (slots_t, visible_t, sees_t) = _build_plan(*args, host=True), _build_plan(
+                *args, host=False)
+            assert torch.equal(visible, visible_t), args
+            assert (sees is None) == (sees_t is None) and (sees is None or torch.equal(sees, sees_t)), args
+            assert torch.equal(slots.view(batch, -1), slots_t.view(batch, -1)), args
+
+
 # ---------------------------------------------------------------- Triton vs reference
 
 def assert_triton_matches_reference(case, *, scale, sliding_window=None, causal=True, block_n=None):
