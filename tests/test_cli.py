@@ -5,9 +5,11 @@ from hf_specdec.cli import main
 
 
 def test_demo_runs_on_the_bundled_models_and_matches_transformers(capsys):
-    assert main(["demo", "--max-new-tokens", "8"]) == 0
+    assert main(["demo", "--max-new-tokens", "8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "hf_specdec plain" in out and "transformers generate" in out
+    assert main(["demo", "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
 
 
 def test_generate_streams_a_completion(capsys):
