@@ -54,11 +54,13 @@ class PagedDFlashContext:
         k_cache, v_cache, block_tables, _ = self.cache.layer_pages(layer_idx)
         group = self.cache.layout.layer_slot[layer_idx][0]
         batch, block_len, kv_heads, head_dim = block_k.shape
+        # the metadata is the cache's own: no argument checks (as the target's attention)
         store_kv(block_k.reshape(batch * block_len, kv_heads, head_dim),
                  block_v.reshape(batch * block_len, kv_heads, head_dim), k_cache, v_cache,
-                 self.meta.slot_mapping[group])
+                 self.meta.slot_mapping[group], validate=False)
         return paged_attention(query, k_cache, v_cache, block_tables, self.meta.kv_lens, self.meta.q_pos0,
-                               self.meta.q_lens, scale=scaling, sliding_window=sliding_window, causal=causal_block)
+                               self.meta.q_lens, scale=scaling, sliding_window=sliding_window, causal=causal_block,
+                               validate=False)
 
 
 def context_layout(drafter: DFlashDrafter) -> KVLayout:
@@ -171,7 +173,7 @@ class DFlashDraftRunner(Drafter):
         for layer_idx, (keys, values) in enumerate(self.drafter.context_kv_all_layers(features, meta.position_ids)):
             k_cache, v_cache = self.cache.layer_storage(layer_idx)
             store_kv(keys.flatten(0, 1), values.flatten(0, 1), k_cache, v_cache,
-                     meta.slot_mapping[self.layout.layer_slot[layer_idx][0]])
+                     meta.slot_mapping[self.layout.layer_slot[layer_idx][0]], validate=False)
 
 
 def _check_num_speculative_tokens(drafter: DFlashDrafter, requested: int | None) -> int:
