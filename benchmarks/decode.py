@@ -1,7 +1,7 @@
 """decode: plain greedy decoding, transformers (dynamic cache; static cache + torch.compile) vs hf_specdec, beside the bandwidth floor.
 
     python -m benchmarks.decode [--shapes gemma4-31b gemma4-e4b gemma4-26b-a4b step3p5] [--layers N] [--batch 1 8]
-                                [--weights bf16 | fp8] [--quick | --smoke]
+                                [--weights bf16 | fp8 | nf4 | int4] [--quick | --smoke]
 
 Gemma 4 31B and E4B shapes with random bf16 weights (benchmarks/shapes.py; ``--layers`` cuts the depth and
 is recorded in model_shape). Backends: ``hf_dynamic`` (``generate``, DynamicCache), ``hf_static_compile``
@@ -16,6 +16,8 @@ with the reference's top-2 logit gap there (``near_tie`` when within 2 bf16 ulps
 blocks); the floor counts the stored bytes (one per weight plus the block scales). transformers' rows then run
 its own FP8 layers, which quantize the activations too (W8A8, a GPU kernel; on the CPU they do not run and the
 row says why): their tokens are a different product's and are not compared (``same_tokens`` empty).
+``--weights nf4`` / ``int4`` quantize every linear layer but the LM head to 4 bits (bitsandbytes, torchao); both
+sides run those layers' own forwards, so tokens are compared as with dense weights.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile-shapes", nargs="+", default=None,
                         help="shapes that run hf_static_compile (default: all)")
     parser.add_argument("--weights", choices=WEIGHTS, default="bf16",
-                        help="the targets' weights: dense in the bench dtype, or quantized to FP8 (128 x 128 blocks)")
+                        help="the targets' weights: dense in the bench dtype, quantized to FP8 (128 x 128 blocks), "
+                             "or to 4 bits (bitsandbytes NF4, torchao int4)")
 
 
 def run(args, progress) -> list[dict]:
@@ -100,9 +103,10 @@ def bench_batch(model, model_shape: str, batch: int, bandwidth: float, args, pro
 
 
 def _compared(args, backend: str) -> bool:
-    """Whether a row's tokens are compared: always with dense weights; with FP8 weights only hf_specdec's rows
-    among themselves (transformers' FP8 layers compute another product, W8A8)."""
-    return args.weights == "bf16" or backend.startswith("hf_specdec")
+    """Whether a row's tokens are compared: always with dense and 4-bit weights (the layers' own products on both
+    sides); with FP8 weights only hf_specdec's rows among themselves (transformers' FP8 layers compute another
+    product, W8A8)."""
+    return args.weights != "fp8" or backend.startswith("hf_specdec")
 
 
 def _compiles(args, model_shape: str, batch: int) -> bool:

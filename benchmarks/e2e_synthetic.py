@@ -1,7 +1,7 @@
 """e2e_synthetic: end-to-end Gemma 4 MTP and DFlash decoding at a fixed acceptance rate, beside plain decoding.
 
     python -m benchmarks.e2e_synthetic [--shape gemma4-31b | gemma4-26b-a4b | step3p5] [--layers N] [--alpha 0.6 0.8] [--k 3 7] [--batch 1 32]
-        [--drafter mtp dflash] [--weights bf16 | fp8] [--quick | --smoke]
+        [--drafter mtp dflash] [--weights bf16 | fp8 | nf4 | int4] [--quick | --smoke]
 
 Random weights accept almost no drafts, so the speculative rows run a real drafter — the Gemma 4 MTP
 assistant, and a DFlash drafter of an assumed shape (``--drafter``) — with its real draft cost, but accept
@@ -12,9 +12,9 @@ Beside them: ``hf_dynamic`` (transformers ``generate``) and ``hf_specdec`` plain
 tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)). ``vs_floor_tau`` =
 tokens/s / (tau * floor tokens/s), the fraction of the ideal "tau tokens per bandwidth-bound step".
 
-``--weights fp8`` quantizes the target to FP8 first (benchmarks/shapes.py); the drafters stay in the bench dtype
-(a bf16 assistant beside an FP8 target, as it is loaded in practice) and the floors count the stored bytes. The
-transformers row runs its own FP8 layers (W8A8, a GPU kernel); where they do not run, the row says why.
+``--weights fp8`` (``nf4``, ``int4``) quantizes the target first (benchmarks/shapes.py); the drafters stay in the
+bench dtype (a bf16 assistant beside an FP8 target, as it is loaded in practice) and the floors count the stored
+bytes. The transformers row runs its own FP8 layers (W8A8, a GPU kernel); where they do not run, the row says why.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def add_arguments(parser) -> None:
                         help="drafters to run: the Gemma 4 MTP assistant and/or a DFlash drafter (assumed shape, "
                              "as in draft_cost)")
     parser.add_argument("--weights", choices=WEIGHTS, default="bf16",
-                        help="the target's weights: dense in the bench dtype, or quantized to FP8 (128 x 128 blocks); "
-                             "drafters stay dense")
+                        help="the target's weights: dense in the bench dtype, quantized to FP8 (128 x 128 blocks), or "
+                             "to 4 bits (bitsandbytes NF4, torchao int4); drafters stay dense")
 
 
 AUTO_K_MAX = 7  # the most drafts a round of an "auto" row may have (Step 3.5: its MTP layers)

@@ -32,6 +32,14 @@ std 0.02): a 60 GB model is ready in seconds, no checkpoint is read.
 and ``FP8Experts`` for Gemma 4's experts; e4m3 weights with 128 x 128 block scales, as FP8 checkpoints ship;
 the LM head and the embedding stay in the bench dtype, Step 3.5's routed experts too), one layer at a time, so
 the peak is the dense model plus one layer (the 31B shape: 62 GB in bf16, then 31 GB).
+
+``weights="nf4"`` and ``weights="int4"`` quantize every linear layer but the LM head to 4 bits in place, as
+transformers' quantizers leave a model at load: bitsandbytes ``Linear4bit`` with NF4 weights (blocks of 64, fp32
+absmax, no double quantization: ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``), and
+torchao's ``Int4WeightOnlyConfig`` (groups of 128, 32 in the smoke shapes; on CUDA the tile-packed layout of
+PyTorch's int4 matmul, on the CPU ``IntxWeightOnlyConfig``'s int4 layout, which runs there). Packed expert
+tensors (the MoE shapes) stay in the bench dtype, as transformers' 4-bit quantizers leave them. The floor counts
+the bytes as stored (:func:`stored_bytes`: packed weights plus their scales).
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ from __future__ import annotations
 import torch
 
 S, F = "sliding_attention", "full_attention"
-WEIGHTS = ("bf16", "fp8")  # bf16: dense in the bench dtype (fp32 for --smoke on the CPU)
+WEIGHTS = ("bf16", "fp8", "nf4", "int4")  # bf16: dense in the bench dtype (fp32 for --smoke on the CPU)
+INT4_GROUP = 128
 FP8_BLOCK = (128, 128)
 
 GEMMA4_TARGETS = {
@@ -230,16 +239,70 @@ def target_for(shape: str, layers: int | None, device: str, dtype: torch.dtype, 
 
 
 def with_weights(model, weights: str):
-    """``model`` with its weights as ``weights`` says: as built ("bf16"), or quantized in place to FP8 ("fp8")."""
+    """``model`` with its weights as ``weights`` says: as built ("bf16"), or quantized in place (module docstring)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights == "fp8":
         from hf_specdec.generation.quantization import fp8_quantize_model
 
         fp8_quantize_model(model, FP8_BLOCK)
-        if model.device.type == "cuda":
-            torch.cuda.empty_cache()  # the dense weights' blocks go back to the device for the KV cache
-    elif weights != "bf16":
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    elif weights == "nf4":
+        _nf4_quantize(model)
+    elif weights == "int4":
+        _int4_quantize(model)
+    if weights != "bf16" and model.device.type == "cuda":
+        torch.cuda.empty_cache()  # the dense weights' blocks go back to the device for the KV cache
     return model
+
+
+def _quantized_linears(model):
+    """(name, module) of the nn.Linear layers transformers' quantizers convert: all but the LM head."""
+    head = model.get_output_embeddings()
+    return [(name, module) for name, module in model.named_modules()
+            if type(module) is torch.nn.Linear and module is not head]
+
+
+def _nf4_quantize(model) -> None:
+    import bitsandbytes as bnb
+
+    for name, dense in _quantized_linears(model):
+        layer = bnb.nn.Linear4bit(dense.in_features, dense.out_features, bias=dense.bias is not None,
+                                  compute_dtype=dense.weight.dtype, compress_statistics=False, quant_type="nf4",
+                                  device="meta")
+        weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, compress_statistics=False,
+                                   quant_type="nf4", blocksize=64)
+        layer.weight = weight._quantize(dense.weight.device) if dense.weight.is_cuda else weight.to("cpu")
+        if dense.bias is not None:
+            layer.bias = dense.bias
+        model.set_submodule(name, layer)
+
+
+def _int4_quantize(model) -> None:
+    from torchao.quantization import Int4WeightOnlyConfig, IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    linears = _quantized_linears(model)
+    group = INT4_GROUP if all(m.in_features % INT4_GROUP == 0 for _, m in linears) else 32  # 32: the smoke shapes
+    if model.device.type == "cuda":
+        config = Int4WeightOnlyConfig(group_size=group, int4_packing_format="tile_packed_to_4d")
+    else:
+        config = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group))
+    convert = {id(module) for _, module in linears}
+    quantize_(model, config, filter_fn=lambda module, _name: id(module) in convert)
+
+
+def stored_bytes(p: torch.Tensor) -> int:
+    """Bytes ``p`` occupies as stored: a tensor subclass (torchao) by its inner tensors, a bitsandbytes 4-bit
+    parameter by its packed bytes plus its quantization state (absmax, and the nested state if any)."""
+    if hasattr(p, "__tensor_flatten__") and type(p) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = p.__tensor_flatten__()
+        return sum(stored_bytes(getattr(p, name)) for name in names)
+    total = p.numel() * p.element_size()
+    state = getattr(p, "quant_state", None)
+    while state is not None:
+        total += state.absmax.numel() * state.absmax.element_size()
+        state = getattr(state, "state2", None)
+    return total
 
 
 def random_prompt(batch: int, length: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -263,9 +326,9 @@ def expected_active_experts(num_experts: int, top_k: int, tokens: int) -> float:
 
 def streamed_bytes_per_step(model, batch: int, context: int, tokens_per_row: int = 1) -> dict:
     """Bytes a decode step must read: every weight once as stored (FP8: one byte per weight plus its block
-    scales; lookup tables: one row per token), of an MoE layer's experts only those the step's
-    ``batch * tokens_per_row`` tokens select (:func:`expected_active_experts`), plus the K/V of ``context`` tokens
-    (the window on sliding layers) per row in each layer that owns K/V."""
+    scales; 4-bit: the packed weights and their scales; lookup tables: one row per token), of an MoE layer's
+    experts only those the step's ``batch * tokens_per_row`` tokens select (:func:`expected_active_experts`), plus
+    the K/V of ``context`` tokens (the window on sliding layers) per row in each layer that owns K/V."""
     config = model.config.get_text_config()
     lookups = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     head = model.get_output_embeddings()
@@ -278,7 +341,7 @@ def streamed_bytes_per_step(model, batch: int, context: int, tokens_per_row: int
             active = expected_active_experts(p.shape[0], _top_k(config), batch * tokens_per_row)
             weight_bytes += round(p.numel() * p.element_size() * active / p.shape[0])
         else:
-            weight_bytes += p.numel() * p.element_size()
+            weight_bytes += stored_bytes(p)
     kv_bytes = 0
     element = model.get_input_embeddings().weight.element_size()  # the activation dtype (weights may be FP8)
     for heads, dim, window in _kv_layers(config):

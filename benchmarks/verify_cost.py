@@ -1,7 +1,7 @@
 """verify_cost: time of one hf_specdec verify step (k+1 tokens per row) / one plain decode step.
 
     python -m benchmarks.verify_cost [--shape gemma4-31b | gemma4-26b-a4b | step3p5] [--layers N] [--k 1 3 7 15]
-                                     [--batch 1 8] [--repeats 3] [--weights bf16 | fp8] [--quick | --smoke]
+                                     [--batch 1 8] [--repeats 3] [--weights bf16 | fp8 | nf4 | int4] [--quick | --smoke]
 
 Method: both steps are timed through ``generate`` as users run it, so the loop's own work per step (and
 CUDA graphs, when the loop uses them) is included. The verify step runs with ``FixedDrafter``
@@ -11,8 +11,8 @@ hf_specdec's plain loop. Each step time comes from two calls, N and 1 new tokens
 SpecStats.num_target_forwards: (t(N) - t(1)) / (forwards(N) - forwards(1)), so prefill cancels out; the
 median of ``--repeats`` such pairs (single pairs of 24 steps read k=7 at 1.39x and k=15 at 1.07x in one run).
 ``ratio`` = verify step / decode step. (Random weights: drafts are rejected, so tokens/s of the verify rows
-is that of a step that commits one token, not a speculative speed.) ``--weights fp8`` quantizes the target to
-FP8 first (benchmarks/shapes.py); each row also gives the bytes a decode step streams (``weight_gb``).
+is that of a step that commits one token, not a speculative speed.) ``--weights fp8`` (``nf4``, ``int4``) quantizes the
+target first (benchmarks/shapes.py); each row also gives the bytes a decode step streams (``weight_gb``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
     parser.add_argument("--weights", choices=WEIGHTS, default="bf16",
-                        help="the target's weights: dense in the bench dtype, or quantized to FP8 (128 x 128 blocks)")
+                        help="the target's weights: dense in the bench dtype, quantized to FP8 (128 x 128 blocks), "
+                             "or to 4 bits (bitsandbytes NF4, torchao int4)")
 
 
 def run(args, progress) -> list[dict]:
