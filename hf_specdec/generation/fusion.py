@@ -37,7 +37,7 @@ from hf_specdec.kernels.fp8_gemm import (
     fp8_linear_fusible,
 )
 from hf_specdec.kernels.skinny_gemm import linear_forward
-from hf_specdec.kernels.stacked_linear import stack_weights
+from hf_specdec.kernels.stacked_linear import dense_weight, stack_weights
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _fusible_linear(module) -> bool:
     """Bias-free ``nn.Linear`` layers on a device where the kernels run take :func:`skinny_linear` for the few
     rows of decode and verify steps (o_proj, down_proj, the LM head; stacked projections already do)."""
     return (module.bias is None and not getattr(module, "_hf_hook", None)
-            and isinstance(module.weight, torch.Tensor) and use_triton(module.weight))
+            and dense_weight(module.weight) and use_triton(module.weight))
 
 
 register_fused_forwards(FusedForward(torch.nn.Linear, linear_forward, _fusible_linear))

@@ -121,5 +121,14 @@ def _stackable_fp8(module, first) -> bool:
 
 
 def _plain_linear(module) -> bool:
+    """A plain ``nn.Linear`` without hooks whose weight is a dense tensor (a quantizer that keeps the module class
+    and swaps its weight for a tensor subclass, e.g. torchao, leaves one that is not)."""
     return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-            and not getattr(module, "_hf_hook", None))
+            and not getattr(module, "_hf_hook", None) and dense_weight(module.weight))
+
+
+def dense_weight(weight) -> bool:
+    """Whether ``weight`` is a plain floating-point tensor (not a tensor subclass, not FP8): what the dense
+    kernels read."""
+    return (type(weight) in (torch.Tensor, nn.Parameter) and weight.is_floating_point()
+            and weight.dtype != FP8_DTYPE)

@@ -122,3 +122,21 @@ def test_bundled_4_bit_target_accepts_drafts_and_equals_its_plain_greedy(tmp_pat
     plain = greedy(target, ids, mask)
     assert torch.equal(greedy(target, ids, mask, **speculative_kwargs(mode)), plain)
     assert hf_specdec.last_generation_stats(target).mean_accepted_length > 1.5
+
+
+@pytest.mark.parametrize("weights", ["nf4", "int4"])
+def test_4_bit_layers_keep_their_own_forwards_where_the_kernels_run(tmp_path, weights, monkeypatch):
+    """Where the fused kernels run (CUDA; forced here), ``enable`` stacks same-input projections and gives plain
+    ``nn.Linear`` layers the skinny GEMM: a 4-bit layer, whether its class is bitsandbytes' own or an ``nn.Linear``
+    holding a torchao tensor, must be left to its own forward and weights (stacking torchao's int4 weights failed
+    with "invalid python storage" at enable on a GPU)."""
+    from hf_specdec.generation.fusion import FORCE_TRITON_ENV, fuse_modules
+
+    target = quantized(tmp_path, gemma4_31b_style(vocab_size=VOCAB, hidden_size=64, intermediate_size=128), weights)
+    before = {name: p for name, p in target.named_parameters()}
+    quantized_linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear) and weight_format(m) != "dense"]
+    assert quantized_linears
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    assert fuse_modules(target, kernels=True) > 0  # the norms and dense layers around them still fuse
+    assert not any("forward" in vars(m) for m in quantized_linears)
+    assert all(p is before[name] for name, p in target.named_parameters())
