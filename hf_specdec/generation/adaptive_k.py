@@ -7,56 +7,71 @@ drafts saw a acceptances and, if a < k, one rejection), weighted towards recent 
 never accepted settles at k = 1; the output is lossless whatever k is.
 
 What a round costs is measured where it can be: the loop reports the wall time between its rounds' host syncs
-(:meth:`AdaptiveK.observe`), and once steady rounds at two values of k have been timed, the cost is the line
-through them (``seconds = a + b * k``). Until then, and under tensor parallelism (every rank must choose the same
-k, and each would time its own rounds), it is the prior: ``1 + v * k`` target steps of verify (the k extra tokens
-per row of the verify forward: ``v`` grows with the batch, as the forward turns from memory-bound to
+(:meth:`AdaptiveK.observe`), and once steady rounds at two values of k have been timed, the cost of any k is read
+off the curve through their median times (piecewise linear, extended past the timed k by its end segments, never
+flatter than :data:`MIN_DRAFT_SHARE` per draft). Until then, and under tensor parallelism (every rank must choose
+the same k, and each would time its own rounds), it is the prior: ``1 + v * k`` target steps of verify (the k
+extra tokens per row of the verify forward: ``v`` grows with the batch, as the forward turns from memory-bound to
 compute-bound) plus the drafter's ``draft_cost(k)``, after the H100 measurements in docs/perf_log.md (verify with
 k=7 at 1.14x a decode step at batch 1; at batch 32 k=3 beat k=7). The prior's constants missed by up to 8% on
-another card (docs/perf_log.md, session 14), hence the measurement. To get a second k timed, a call whose costs
-have one timed k runs a few rounds at another (:data:`PROBE_ROUNDS`). Timings are kept per model, drafter and
-batch size (:class:`RoundCosts`), so later calls start from them.
+another card (docs/perf_log.md, session 14), hence the measurement. A round is timed only when it is steady: the
+round before it ran the same k (a new k captures its graphs in its first round), and the drafts it queued for the
+next round, which run inside its interval, are of its k too (a change of k captures the new k's draft graphs
+there: 50-300 ms against a 5 ms round on an H200). Medians, not means, so that a stray slow round (a graph captured
+for a longer context, a page fault) does not move the curve. To get a second k timed, a call whose costs have one
+timed k runs a few rounds at another (:data:`PROBE_ROUNDS`). Timings and the acceptance estimate are kept per
+model, drafter and batch size (:class:`RoundCosts`), so later calls start from them rather than from the prior.
 """
 
 from __future__ import annotations
 
+import collections
+import statistics
+
 SWITCH_GAIN = 1.03  # k changes when another k promises this many more tokens per unit of cost
-STEADY_ROUNDS = 2  # a round is timed only after this many rounds at the same k (graph captures, ahead drafts)
+STEADY_ROUNDS = 1  # a round is timed only after this many rounds at the same k (its graphs captured)
 MIN_TIMED = 3  # rounds a k needs before its timing counts
 # rounds a call spends at a second k to get it timed (the first of them still verifies drafts queued at the old k)
 PROBE_ROUNDS = 1 + STEADY_ROUNDS + MIN_TIMED
-KEEP = 50  # a k's mean round time follows its last ~KEEP rounds
+KEEP = 50  # a k's round time is the median of its last KEEP timed rounds
 MIN_DRAFT_SHARE = 0.01  # the least a draft is taken to add to a round, as a share of the mean timed round
 MAX_KEPT_COSTS = 64  # timings kept per model (drafter x draft model x batch size), the oldest dropped first
 
 
 class RoundCosts:
-    """Mean wall seconds of a steady round at each k, for one model, drafter and batch size."""
+    """Steady round times at each k, and the acceptance estimate, for one model, drafter and batch size."""
 
     def __init__(self):
-        self.seconds: dict[int, tuple[float, int]] = {}  # k -> (mean seconds, rounds)
+        self.seconds: dict[int, collections.deque] = {}  # k -> its last KEEP timed rounds
+        self.acceptance: tuple[float, float] | None = None  # (decayed accepted drafts, decayed trials) so far
 
     def add(self, k: int, seconds: float) -> None:
-        mean, n = self.seconds.get(k, (0.0, 0))
-        n = min(n + 1, KEEP)
-        self.seconds[k] = (mean + (seconds - mean) / n, n)
+        self.seconds.setdefault(k, collections.deque(maxlen=KEEP)).append(seconds)
 
     def timed(self) -> dict[int, float]:
-        """{k: mean seconds} of the k with enough rounds."""
-        return {k: mean for k, (mean, n) in self.seconds.items() if n >= MIN_TIMED}
+        """{k: median seconds} of the k with enough rounds."""
+        return {k: statistics.median(times) for k, times in sorted(self.seconds.items()) if len(times) >= MIN_TIMED}
 
-    def line(self) -> tuple[float, float] | None:
-        """(a, b) of ``seconds = a + b * k`` through the timed k (least squares), or None below two. b is kept at
-        :data:`MIN_DRAFT_SHARE` of the mean round or more: a draft never makes a round cheaper, and timing noise
-        that makes drafts look free must not buy drafts that are never accepted."""
+    def curve(self) -> list[tuple[int, float]] | None:
+        """The timed (k, seconds), k ascending, made to rise by at least :data:`MIN_DRAFT_SHARE` of the mean timed
+        round per draft (a draft never makes a round cheaper, and timing noise that makes drafts look free must not
+        buy drafts that are never accepted); None below two timed k."""
         timed = self.timed()
         if len(timed) < 2:
             return None
-        ks, ts = list(timed), list(timed.values())
-        k_mean, t_mean = sum(ks) / len(ks), sum(ts) / len(ts)
-        b = sum((k - k_mean) * (t - t_mean) for k, t in zip(ks, ts)) / sum((k - k_mean) ** 2 for k in ks)
-        b = max(b, MIN_DRAFT_SHARE * t_mean)
-        return max(t_mean - b * k_mean, 1e-9), b
+        least = MIN_DRAFT_SHARE * sum(timed.values()) / len(timed)
+        points: list[tuple[int, float]] = []
+        for k, t in timed.items():
+            points.append((k, t if not points else max(t, points[-1][1] + least * (k - points[-1][0]))))
+        return points
+
+
+def cost_on(points: list[tuple[int, float]], k: int) -> float:
+    """Seconds of a round of ``k`` drafts on the piecewise-linear curve through ``points`` (:meth:`RoundCosts.curve`),
+    extended past its ends by its first and last segments."""
+    i = next((i for i in range(1, len(points) - 1) if k <= points[i][0]), len(points) - 1)
+    (k0, t0), (k1, t1) = points[i - 1], points[i]
+    return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
 
 
 def costs_for(kept: dict, key) -> RoundCosts:
@@ -77,9 +92,11 @@ class AdaptiveK:
         self.draft_cost = draft_cost  # (k) -> cost in target steps
         self.verify_per_token = 0.02 + 0.006 * batch
         self.accepted, self.trials = prior_alpha * 4, 4.0  # a weak prior: 4 pseudo-trials
+        if costs is not None and costs.acceptance is not None:  # what the last calls measured
+            self.accepted, self.trials = costs.acceptance
         self.decay = decay
         self.costs = costs
-        self.line = costs.line() if costs is not None else None  # the timed line, refreshed as rounds are timed
+        self.curve = costs.curve() if costs is not None else None  # the timed costs, refreshed as rounds are timed
         self.recent: list[int] = []  # the k of the last rounds, newest last
         self.probe: int | None = None  # the k this call is getting timed, while it does
         self.probe_left = 0
@@ -89,15 +106,17 @@ class AdaptiveK:
     def alpha(self) -> float:
         return self.accepted / self.trials
 
-    def observe(self, k: int, seconds: float) -> None:
-        """A round of ``k`` drafts took ``seconds`` (from the previous round's host sync to its own). Counted only
-        when the rounds before it ran the same k: the first rounds at a new k capture its graphs, and a round's
-        time includes the drafting of the next round, queued before its sync."""
-        steady = len(self.recent) >= STEADY_ROUNDS and all(r == k for r in self.recent[-STEADY_ROUNDS:])
+    def observe(self, k: int, seconds: float, ahead_k: int | None = None) -> None:
+        """A round of ``k`` drafts took ``seconds`` (from the previous round's host sync to its own); ``ahead_k``: the
+        drafts it queued for the next round before its sync (None: none). Counted only when steady: the rounds
+        before it ran the same k (the first round at a new k captures its graphs), and what it queued is of its k
+        too (queued drafts of another k capture their graphs inside this round's time)."""
+        steady = (len(self.recent) >= STEADY_ROUNDS and all(r == k for r in self.recent[-STEADY_ROUNDS:])
+                  and ahead_k in (None, k))
         self.recent = (self.recent + [k])[-STEADY_ROUNDS:]
         if self.costs is not None and steady:
             self.costs.add(k, seconds)
-            self.line = self.costs.line()
+            self.curve = self.costs.curve()
 
     def update(self, accepted: list[int], k: int) -> None:
         """After a round of ``k`` drafts per row: ``accepted[b]`` drafts row b accepted."""
@@ -105,11 +124,13 @@ class AdaptiveK:
             return
         self.accepted = self.decay * self.accepted + sum(accepted)
         self.trials = self.decay * self.trials + sum(accepted) + sum(a < k for a in accepted)
+        if self.costs is not None:
+            self.costs.acceptance = (self.accepted, self.trials)
         probed = self.probe is not None
         if self._probing():
             return
         best, alpha = self._best(), min(self.alpha, 0.999)
-        if probed:  # the probe's k was run to be timed, not chosen: the timed line picks the k from here
+        if probed:  # the probe's k was run to be timed, not chosen: the timed curve picks the k from here
             self.k = best
             return
         # near its optimum the curve is flat (at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%):
@@ -120,12 +141,12 @@ class AdaptiveK:
 
     def _probing(self) -> bool:
         """Whether this round's k is a probe: with one k timed and none other, run a few rounds at a second k
-        (half or twice the timed one) so that the cost becomes a measured line."""
+        (half or twice the timed one) so that the cost becomes a measured curve."""
         if self.probe is not None:
             self.probe_left -= 1
             if self.probe_left > 0:
                 return True
-            self.probe = None  # done: the line decides from here
+            self.probe = None  # done: the timed curve decides from here
             return False
         if self.costs is None or self.k_max < 2:
             return False
@@ -144,9 +165,9 @@ class AdaptiveK:
         return max(range(1, self.k_max + 1), key=lambda k: self.tokens_per_cost(alpha, k))
 
     def cost(self, k: int) -> float:
-        """A round of k drafts: measured seconds on the timed line, else the prior's target steps."""
-        if self.line is not None:
-            return self.line[0] + self.line[1] * k
+        """A round of k drafts: measured seconds on the timed curve, else the prior's target steps."""
+        if self.curve is not None:
+            return cost_on(self.curve, k)
         return 1 + self.verify_per_token * k + self.draft_cost(k)
 
     def tokens_per_cost(self, alpha: float, k: int) -> float:

@@ -173,7 +173,8 @@ class SpeculativeLoop:
         accepted, nxt, drafts = self._read_back(proposal, num_accepted, next_token, selector)
         if self.adaptive_k is not None:
             synced, self.synced_at = self.synced_at, time.perf_counter()
-            self.adaptive_k.observe(k, self.synced_at - synced)
+            self.adaptive_k.observe(k, self.synced_at - synced,
+                                    None if self.ahead is None else self.ahead.tokens.shape[1])
         # 5. emit (stopping inside the chunk), commit, let the drafter catch up
         was_running = list(self.running)
         chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(self.rows))]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.generation.adaptive_k import MAX_KEPT_COSTS, AdaptiveK, RoundCosts, costs_for
+from hf_specdec.generation.adaptive_k import MAX_KEPT_COSTS, AdaptiveK, RoundCosts, cost_on, costs_for
 from tests import bundled
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -45,21 +45,26 @@ def test_the_controller_does_not_switch_k_on_noise_around_a_flat_optimum():
     assert controller.tokens_per_cost(0.8, settled) >= 0.97 * controller.tokens_per_cost(0.8, best)
 
 
-def test_round_costs_fit_a_line_through_the_timed_k():
+def test_round_costs_are_a_rising_curve_through_the_median_times_of_the_timed_k():
     costs = RoundCosts()
     for _ in range(2):
         costs.add(3, 5.0)
-    assert costs.line() is None and costs.timed() == {}  # too few rounds
-    costs.add(3, 5.0)
-    assert costs.timed() == {3: 5.0} and costs.line() is None  # one k: no line
-    for _ in range(3):
-        costs.add(7, 9.0)
-    a, b = costs.line()
-    assert a == pytest.approx(2.0) and b == pytest.approx(1.0)
+    assert costs.curve() is None and costs.timed() == {}  # too few rounds
+    costs.add(3, 0.5)  # a stray fast round: the median holds
+    assert costs.timed() == {3: 5.0} and costs.curve() is None  # one k: no curve
+    for t in (9.0, 9.0, 300.0):  # a round that captured graphs: the median holds
+        costs.add(7, t)
+    curve = costs.curve()
+    assert curve == [(3, 5.0), (7, 9.0)]
+    assert [cost_on(curve, k) for k in (1, 3, 5, 7, 9)] == pytest.approx([3.0, 5.0, 7.0, 9.0, 11.0])
+    for _ in range(3):  # a third k: each stretch of k follows its own slope (verify turns compute-bound)
+        costs.add(1, 4.5)
+    curve = costs.curve()
+    assert [cost_on(curve, k) for k in (0, 2, 5, 8)] == pytest.approx([4.25, 4.75, 7.0, 10.0])
     flat = RoundCosts()
     for k, t in [(2, 4.0), (2, 4.0), (2, 4.0), (6, 3.9), (6, 3.9), (6, 3.9)]:
         flat.add(k, t)
-    assert flat.line()[1] > 0  # noise that makes drafts look free never makes them pay
+    assert cost_on(flat.curve(), 6) > cost_on(flat.curve(), 2)  # noise that makes drafts look free never makes them pay
 
 
 def test_a_model_keeps_timings_for_a_bounded_number_of_drafter_and_batch_pairs():
@@ -126,18 +131,34 @@ def test_no_acceptances_settle_at_one_draft_when_timing_noise_hides_the_cost_of_
     assert 2 in chosen and chosen[-20:] == [1] * 20, chosen
 
 
-def test_rounds_after_a_change_of_k_are_not_timed_and_no_costs_means_no_probe():
+def test_rounds_after_a_change_of_k_or_that_queue_drafts_of_another_k_are_not_timed_and_no_costs_means_no_probe():
     costs = RoundCosts()
     controller = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
-    for k in (3, 3, 3, 4, 3, 3, 3):  # timed: the rounds after two at the same k (the third and the last)
-        controller.observe(k, 1.0)
-    assert costs.seconds == {3: (1.0, 2)}
+    # (k, drafts queued for the next round): timed are the rounds after one at the same k whose queued drafts are
+    # of their k or none (a drafter that drafts at the start of its round)
+    for k, ahead in [(3, 3), (3, 3), (3, 5), (5, 5), (5, 5), (3, None), (3, None)]:
+        controller.observe(k, float(k), ahead)
+    assert {k: list(t) for k, t in costs.seconds.items()} == {3: [3.0, 3.0], 5: [5.0]}
     untimed = AdaptiveK(7, lambda k: 0.1 * k, batch=1)  # tensor parallelism: the prior alone, the same on every rank
     start = untimed.k
     for _ in range(10):
         untimed.observe(start, 1.0)
         untimed.update([start], start)
     assert untimed.probe is None and untimed.costs is None
+
+
+def test_a_later_call_starts_from_the_acceptance_the_last_calls_measured():
+    """Calls of the same model, drafter and batch size share their acceptance estimate: a call after rounds that
+    accepted every draft starts at the k those rounds chose, not at the prior's."""
+    costs = RoundCosts()
+    first = AdaptiveK(7, lambda k: 0.02 * k, batch=1, costs=costs)
+    start = first.k
+    for _ in range(30):
+        first.update([first.k], first.k)
+    assert first.k > start
+    later = AdaptiveK(7, lambda k: 0.02 * k, batch=1, costs=costs)
+    assert later.alpha == pytest.approx(first.alpha) and later.k == first.k
+    assert AdaptiveK(7, lambda k: 0.02 * k, batch=1, costs=RoundCosts()).k == start
 
 
 @pytest.mark.parametrize("mode", bundled.SPEC_MODES)
