@@ -116,15 +116,18 @@ def copy_bandwidth_gb_s(device: str, num_bytes: int | None = None, repeats: int 
     return 2 * num_bytes * repeats / seconds / 1e9
 
 
-def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int = 1, snapshot=None) -> dict:
+def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int = 1, snapshot=None,
+                warmups: int = 1) -> dict:
     """Steady-state decoding speed of ``generate(n)`` (n new tokens per row), prefill excluded:
-    tokens/s = batch * (N - 1) / (t(N) - t(1)), after one warm-up call of each length; with ``repeats`` > 1
-    the median of that many (t(1), t(N)) pairs.
+    tokens/s = batch * (N - 1) / (t(N) - t(1)), after one warm-up call of length 1 and ``warmups`` of length N;
+    with ``repeats`` > 1 the median of that many (t(1), t(N)) pairs.
 
     ``stats(result)`` may return the number of target forwards of a call; with it the result also has
     ``step_ms`` (time per target forward, from the same differencing) and ``forwards``. ``snapshot()``, called
     after each long call, is returned as ``snapshot`` for the pair the result comes from."""
-    generate(1), generate(new_tokens)  # warm-up: kernels, autotuning, allocator, compile
+    generate(1)  # warm-up: kernels, autotuning, allocator, compile
+    for _ in range(warmups):
+        generate(new_tokens)
     pairs = []
     for _ in range(max(1, repeats)):
         short, t_short = timed(lambda: generate(1))
@@ -194,6 +197,9 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+AUTO_WARMUPS = 3  # warm-up calls of a num_speculative_tokens="auto" row (module docstring of e2e_synthetic)
 
 
 def k_value(text: str):

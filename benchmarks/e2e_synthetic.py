@@ -11,6 +11,9 @@ throughput at a given tau (expected tau = sum_{i<=k} alpha^i), as vLLM's synthet
 Beside them: ``hf_dynamic`` (transformers ``generate``) and ``hf_specdec`` plain on the same shape.
 tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)). ``vs_floor_tau`` =
 tokens/s / (tau * floor tokens/s), the fraction of the ideal "tau tokens per bandwidth-bound step".
+``--k auto`` rows get three warm-up calls instead of one: the controller times its rounds there (a new k also
+captures its graphs, 50-300 ms each on a 12-layer 31B cut), as a user's first calls of a model at a batch size
+would; later calls start from those timings and that acceptance.
 
 ``--weights fp8`` (``nf4``, ``int4``) quantizes the target first (benchmarks/shapes.py); the drafters stay in the
 bench dtype (a bf16 assistant beside an FP8 target, as it is loaded in practice) and the floors count the stored
@@ -22,7 +25,8 @@ from __future__ import annotations
 import torch
 
 import hf_specdec
-from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, free_device_memory, k_value
+from benchmarks.common import (AUTO_WARMUPS, bench_main, copy_bandwidth_gb_s, decode_rate, free_device_memory,
+                               k_value)
 from benchmarks.draft_cost import _dflash_drafter
 from benchmarks.drafters import SyntheticAcceptance, expected_tau
 from benchmarks.shapes import (
@@ -151,7 +155,8 @@ def _speed(target, ids, args, extra: dict) -> dict:
     stats = (lambda _out: hf_specdec.last_generation_stats(target).num_target_forwards) if enabled else None
     tau_of_call = (lambda: hf_specdec.last_generation_stats(target).mean_accepted_length) if enabled else None
     measured = decode_rate(generate, ids.shape[0], args.new_tokens, stats=stats, repeats=args.repeats,
-                           snapshot=tau_of_call)
+                           snapshot=tau_of_call,
+                           warmups=AUTO_WARMUPS if extra.get("num_speculative_tokens") == "auto" else 1)
     tau = measured["snapshot"] if enabled else 1.0
     return {"tokens_per_s": measured["tokens_per_s"], "tau": tau}
 

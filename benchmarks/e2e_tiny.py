@@ -5,7 +5,9 @@
 Prompts are the bundled held-out snippets (code no member was trained on). Rows per family member
 (float32): transformers ``generate`` (hf_dynamic), hf_specdec plain, and every bundled drafter (tiny Gemma 4:
 the MTP assistant at several k and DFlash when bundled; tiny Step 3.5: its own MTP layers, k = 1..3; each mode also
-with ``num_speculative_tokens="auto"``, k chosen per round).
+with ``num_speculative_tokens="auto"``, k chosen per round; those rows get three warm-up calls instead of one: the
+controller times its rounds there, as a user's first calls of a model at a batch size would, and later calls
+start from those timings).
 Greedy, no early stop at EOS (every row decodes the full length); every hf_specdec row is checked token for
 token against transformers. tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)), the
 median of ``--repeats`` timed pairs (a call lasts tens of milliseconds: single pairs of the same row moved by
@@ -18,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_specdec
-from benchmarks.common import bench_main, decode_rate, k_value
+from benchmarks.common import AUTO_WARMUPS, bench_main, decode_rate, k_value
 from hf_specdec.assets import asset_path, available_assets, held_out_snippets
 
 NAME = "e2e_tiny"
@@ -77,7 +79,8 @@ def bench_member(name: str, batch: int, args) -> list[dict]:
 
     def speed(**extra):
         return decode_rate(lambda n: model.generate(**inputs, max_new_tokens=n, do_sample=False, **extra),
-                           batch, args.new_tokens, repeats=args.repeats)
+                           batch, args.new_tokens, repeats=args.repeats,
+                           warmups=AUTO_WARMUPS if extra.get("num_speculative_tokens") == "auto" else 1)
 
     plain = speed()
     reference, base = plain["output"], plain["tokens_per_s"]
