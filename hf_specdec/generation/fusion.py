@@ -21,7 +21,6 @@ what makes its speculative output equal its plain output (see ``generation/quant
 from __future__ import annotations
 
 import os
-import sys
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -37,7 +36,6 @@ from hf_specdec.kernels.fp8_gemm import (
     fp8_linear_forward,
     fp8_linear_fusible,
 )
-from hf_specdec.kernels.nf4_gemm import nf4_fusible, nf4_linear_forward
 from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import dense_weight, stack_weights
 
@@ -71,7 +69,6 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
     :attr:`FusedForward.kernels_only`); returns how many were swapped. Where the kernels run (CUDA), the weights of
     projections that read the same input are also stacked into one storage (:func:`stack_projections`), so that
     the fused forward runs them as one GEMM."""
-    _register_nf4_forwards()
     count = 0
     for module in model.modules():
         fused = _FUSED.get(type(module))
@@ -148,13 +145,3 @@ def fp8_fused_forwards() -> list[FusedForward]:
 
 
 register_fused_forwards(*fp8_fused_forwards())
-
-
-def _register_nf4_forwards() -> None:
-    """The NF4 kernel's forward for bitsandbytes' 4-bit layers, once bitsandbytes is imported (a model holding such
-    layers has imported it; importing it here for every model would cost each ``enable`` a second)."""
-    bnb_nn = sys.modules.get("bitsandbytes.nn")
-    for name in ("Linear4bit", "LinearNF4"):
-        cls = getattr(bnb_nn, name, None)
-        if isinstance(cls, type) and cls not in _FUSED:
-            register_fused_forwards(FusedForward(cls, nf4_linear_forward, nf4_fusible))
