@@ -363,8 +363,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     group = num_heads // num_kv_heads
     qg = q.float().unflatten(2, (num_kv_heads, group)).permute(0, 2, 3, 1, 4)  # [batch, kv, group, q_len, D]
     qg = qg.reshape(batch, num_kv_heads, group * q_len, head_dim)
-    mask = visible[:, None].expand(-1, group, -1, -1).reshape(batch, 1, group * q_len, -1)
-    result = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    result = F.scaled_dot_product_attention(qg, keys, values, attn_mask=_grouped_mask(visible, group), scale=scale)
     # Queries that see no key output 0, whatever the SDPA backend makes of an all-masked row.
     if sees_key is not None:
         result = torch.where(sees_key[:, None, None, :, None].expand(-1, 1, group, -1, -1)
@@ -405,6 +404,26 @@ def _cached_plan(build, block_tables, kv_lens, q_pos0, q_lens, *args):
         _PLANS.pop(next(iter(_PLANS)))
     _PLANS[key] = (metadata, plan)
     return plan
+
+
+_MASKS: dict[tuple, tuple] = {}
+
+
+def _grouped_mask(visible: torch.Tensor, group: int) -> torch.Tensor:
+    """``visible`` [batch, q_len, L] as the additive fp32 mask of the GQA layout [batch, 1, group * q_len, L] (0 where
+    the key is visible, -inf elsewhere: what SDPA makes of a boolean mask at every call), built once per plan and
+    group, not per layer."""
+    key = (id(visible), group)
+    hit = _MASKS.get(key)
+    if hit is not None and hit[0] is visible:
+        return hit[1]
+    batch, q_len, _ = visible.shape
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
+    mask = mask[:, None].expand(-1, group, -1, -1).reshape(batch, 1, group * q_len, -1)
+    if len(_MASKS) >= _MAX_PLANS:
+        _MASKS.pop(next(iter(_MASKS)))
+    _MASKS[key] = (visible, mask)
+    return mask
 
 
 def _plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sliding_window, causal):
