@@ -363,7 +363,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     group = num_heads // num_kv_heads
     qg = q.float().unflatten(2, (num_kv_heads, group)).permute(0, 2, 3, 1, 4)  # [batch, kv, group, q_len, D]
     qg = qg.reshape(batch, num_kv_heads, group * q_len, head_dim)
-    result = F.scaled_dot_product_attention(qg, keys, values, attn_mask=_grouped_mask(visible, group), scale=scale)
+    if visible.numel() * group <= MAX_KEPT_MASK:
+        mask = _grouped_mask(visible, group)
+    else:  # a long prefill: its mask is not kept between layers (it would hold 4 bytes per query and key)
+        mask = visible[:, None].expand(-1, group, -1, -1).reshape(batch, 1, group * q_len, -1)
+    result = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     # Queries that see no key output 0, whatever the SDPA backend makes of an all-masked row.
     if sees_key is not None:
         result = torch.where(sees_key[:, None, None, :, None].expand(-1, 1, group, -1, -1)
@@ -407,12 +411,13 @@ def _cached_plan(build, block_tables, kv_lens, q_pos0, q_lens, *args):
 
 
 _MASKS: dict[tuple, tuple] = {}
+MAX_KEPT_MASK = 1 << 20  # elements of the largest mask kept for the other layers of a forward (4 MB)
 
 
 def _grouped_mask(visible: torch.Tensor, group: int) -> torch.Tensor:
     """``visible`` [batch, q_len, L] as the additive fp32 mask of the GQA layout [batch, 1, group * q_len, L] (0 where
     the key is visible, -inf elsewhere: what SDPA makes of a boolean mask at every call), built once per plan and
-    group, not per layer."""
+    group, not per layer (decode and verify forwards; a long prefill's mask is not kept, :data:`MAX_KEPT_MASK`)."""
     key = (id(visible), group)
     hit = _MASKS.get(key)
     if hit is not None and hit[0] is visible:

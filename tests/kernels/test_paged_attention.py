@@ -262,6 +262,23 @@ def test_the_cpu_plan_from_host_lists_is_the_tensor_plan():
             assert torch.equal(slots.view(batch, -1), slots_t.view(batch, -1)), args
 
 
+def test_the_reference_keeps_a_decode_mask_for_the_next_layers_and_computes_a_long_one_each_call(monkeypatch):
+    """The reference's additive mask, kept per plan for the other layers of a forward, gives the bit-identical
+    output of the boolean mask built per call (what a prefill over the kept size still uses): padded rows, a
+    window, a row whose only query sees no key."""
+    import sys
+
+    module = sys.modules[paged_attention_reference.__module__]
+    case = make_case([9, 14, 3], 3, q_lens=[3, 2, 0], sliding_window=4)
+    kept = paged_attention_reference(*case.args(), scale=0.3, sliding_window=4)
+    assert any(entry[0].shape[0] == 3 for entry in module._MASKS.values())
+    monkeypatch.setattr(module, "MAX_KEPT_MASK", 0)
+    monkeypatch.setattr(module, "_MASKS", {})
+    per_call = paged_attention_reference(*case.args(), scale=0.3, sliding_window=4)
+    assert torch.equal(kept, per_call) and not module._MASKS
+    torch.testing.assert_close(kept, dense_attention(case, scale=0.3, sliding_window=4).float(), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- Triton vs reference
 
 def assert_triton_matches_reference(case, *, scale, sliding_window=None, causal=True, block_n=None):
