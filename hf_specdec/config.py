@@ -55,7 +55,7 @@ class CacheConfig:
 class SpecDecodingConfig:
     """What a speculative ``generate`` call asked for: the mode (None: inferred from the assistant) and the number
     of drafts per step, k (None: the drafter's default; ``"auto"``: chosen per round, up to the drafter's
-    default). The one place both are validated."""
+    builder's ``auto_k_max`` or its default). The one place both are validated."""
 
     spec_mode: str | None = None
     num_speculative_tokens: int | str | None = None

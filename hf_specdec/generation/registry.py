@@ -31,6 +31,8 @@ class DrafterBuilder:
     matches: Callable  # (target, assistant) -> bool
     build: Callable  # (target, assistant, num_speculative_tokens | None) -> Drafter
     describe: str  # what this builder expects, for error messages
+    # the most drafts a num_speculative_tokens="auto" round may have (None: the drafter's default k)
+    auto_k_max: int | None = None
 
 
 _BUILDERS: list[DrafterBuilder] = []
@@ -43,17 +45,17 @@ def register_drafter(builder: DrafterBuilder) -> None:
 
 def build_drafter(target, assistant, spec_mode: str | None = None,
                   num_speculative_tokens: int | str | None = None) -> Drafter:
-    """The drafter for this call, with ``spec_mode`` inferred from the assistant when omitted (``"auto"`` k: the
-    drafter's default k, the most a round drafts). A :class:`Drafter` passed as the assistant is used as it is."""
-    if SpecDecodingConfig(spec_mode, num_speculative_tokens).adaptive:  # validates both
-        num_speculative_tokens = None
+    """The drafter for this call, with ``spec_mode`` inferred from the assistant when omitted (``"auto"`` k: built for
+    the builder's ``auto_k_max`` drafts, else its default k, the most a round drafts). A :class:`Drafter` passed as the
+    assistant is used as it is."""
+    adaptive = SpecDecodingConfig(spec_mode, num_speculative_tokens).adaptive  # validates both
     if isinstance(assistant, Drafter):
         return assistant
     _check_placement(target, assistant)
     candidates = [b for b in _BUILDERS if spec_mode in (None, b.spec_mode)]
     for builder in candidates:
         if builder.matches(target, assistant):
-            return builder.build(target, assistant, num_speculative_tokens)
+            return builder.build(target, assistant, builder.auto_k_max if adaptive else num_speculative_tokens)
     other = [b for b in _BUILDERS if b not in candidates and b.matches(target, assistant)]
     if other:
         raise ValueError(

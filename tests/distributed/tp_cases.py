@@ -149,13 +149,13 @@ def _rank_dependent_round_costs(on: bool):
         return
     from hf_specdec.generation import adaptive_k
 
-    line = (1.0, 0.001) if torch.distributed.get_rank() == 0 else (1.0, 10.0)
-    original = adaptive_k.RoundCosts.line
-    adaptive_k.RoundCosts.line = lambda self: line
+    curve = [(1, 1.0), (2, 1.001)] if torch.distributed.get_rank() == 0 else [(1, 1.0), (2, 11.0)]
+    original = adaptive_k.RoundCosts.curve
+    adaptive_k.RoundCosts.curve = lambda self: curve
     try:
         yield
     finally:
-        adaptive_k.RoundCosts.line = original
+        adaptive_k.RoundCosts.curve = original
 
 
 def run_cases(gemma_dirs: dict[str, pathlib.Path], tp: bool) -> dict[str, dict]:

@@ -207,3 +207,18 @@ def test_auto_is_the_only_word_num_speculative_tokens_takes():
     ids, mask = bundled.batch(1)
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, **{**extra, "num_speculative_tokens": "fast"})
+
+
+def test_auto_rounds_may_draft_up_to_the_builders_cap():
+    """"auto" builds the Gemma 4 assistant's drafter for up to 7 drafts (the best fixed k of the 31B shape at batch
+    1), not its default 4; DFlash and Step 3.5 keep their defaults (the block's width, the MTP layers)."""
+    from hf_specdec.generation.registry import build_drafter
+    from hf_specdec.models.gemma4.mtp_drafter import AUTO_K_MAX, DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    model, extra, _ = bundled.mode("gemma_mtp")
+    assistant = extra["assistant_model"]
+    assert build_drafter(model, assistant, None, "auto").num_speculative_tokens == AUTO_K_MAX == 7
+    assert build_drafter(model, assistant, None, None).num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
+    model, extra, _ = bundled.mode("gemma_dflash")
+    assert (build_drafter(model, extra["assistant_model"], None, "auto").num_speculative_tokens
+            == build_drafter(model, extra["assistant_model"], None, None).num_speculative_tokens)

@@ -47,7 +47,8 @@ def register_auto_classes() -> None:
 register_auto_classes()
 fusion.register()
 register_drafter(DrafterBuilder("mtp", mtp_drafter.matches, mtp_drafter.build,
-                                "a Gemma 4 MTP assistant (gemma4_assistant) for a Gemma 4 target"))
+                                "a Gemma 4 MTP assistant (gemma4_assistant) for a Gemma 4 target",
+                                auto_k_max=mtp_drafter.AUTO_K_MAX))
 
 __all__ = [
     "AssistantStepOutput", "CandidateLogits", "DenseLogits", "DenseTargetKVSource", "DraftLogits",

@@ -30,6 +30,9 @@ from hf_specdec.runtime.cuda_graphs import pad_table
 from hf_specdec.runtime.placement import input_device, layer_devices, place_drafter
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+# the most drafts a num_speculative_tokens="auto" round may have: k=7 was the best fixed k at batch 1 on the 31B shape
+# (docs/perf_log.md, session 17); the controller settles lower where a round's measured cost says so
+AUTO_K_MAX = 7
 
 
 @dataclass
