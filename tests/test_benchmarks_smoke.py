@@ -7,6 +7,7 @@ import importlib
 import json
 
 import pytest
+import torch
 
 from benchmarks.common import RECORD_FIELDS, run_bench
 from benchmarks.run_all import BENCHES
@@ -169,6 +170,35 @@ def test_fp8_weights_rows_count_the_stored_bytes(tmp_path):
     assert {r["weights"] for r in verify_rows} == {"fp8"} and all(r["step_ms"] > 0 for r in verify_rows)
     synthetic = run_bench(e2e, args + ["--k", "3", "--alpha", "0.8", "--weights", "fp8"], quiet=True)
     assert {r["weights"] for r in synthetic} == {"fp8"}
+    assert all(r["tau"] > 1 for r in synthetic if r["backend"].endswith("_synthetic"))
+
+
+@pytest.mark.parametrize("weights,package", [("nf4", "bitsandbytes"), ("int4", "torchao")])
+def test_4_bit_weights_rows_count_the_stored_bytes_and_compare_tokens(tmp_path, weights, package):
+    """``--weights nf4`` / ``int4``: the linears but the LM head in 4 bits (bitsandbytes' NF4 layers; torchao's int4
+    weights, on the CPU in the layout that runs there), the floor from the stored bytes (under half the dense
+    weights' here, where the bf16-sized embedding and LM head dominate), transformers and hf_specdec running the same
+    4-bit layers (the same tokens), and the speculative rows accepting drafts."""
+    pytest.importorskip(package, reason=f"{package} is not installed (pip install {package})")
+    import benchmarks.decode as decode
+    import benchmarks.e2e_synthetic as e2e
+
+    from benchmarks.shapes import stored_bytes, target_for
+    from hf_specdec.generation.quantization import weight_format
+
+    model = target_for("smoke-31b", None, "cpu", torch.float32, weights)
+    assert weight_format(model) == package
+    layer = model.model.layers[0].mlp.down_proj
+    dense_bytes = layer.in_features * layer.out_features * 4
+    assert 0 < stored_bytes(layer.weight) < 0.35 * dense_bytes  # 4 bits (+ scales, int8 codes on the CPU layout)
+    args = ["--smoke", "--results-dir", str(tmp_path), "--batch", "2"]
+    rows = {w: run_bench(decode, args + ["--shapes", "smoke-31b", "--weights", w, "--backends", "hf_dynamic",
+                                         "hf_specdec"], quiet=True) for w in ("bf16", weights)}
+    dense, quantized = ({r["backend"]: r for r in rows[w]} for w in ("bf16", weights))
+    assert quantized["hf_specdec"]["weight_gb"] < dense["hf_specdec"]["weight_gb"]
+    assert quantized["hf_specdec"]["same_tokens"] and quantized["hf_dynamic"]["same_tokens"]
+    synthetic = run_bench(e2e, args + ["--k", "3", "--alpha", "0.8", "--weights", weights], quiet=True)
+    assert {r["weights"] for r in synthetic} == {weights}
     assert all(r["tau"] > 1 for r in synthetic if r["backend"].endswith("_synthetic"))
 
 
