@@ -43,14 +43,19 @@ class RoundCosts:
 
     def __init__(self):
         self.seconds: dict[int, collections.deque] = {}  # k -> its last KEEP timed rounds
+        self.medians: dict[int, float] = {}  # k -> the median of those, for the k with MIN_TIMED rounds or more
         self.acceptance: tuple[float, float] | None = None  # (decayed accepted drafts, decayed trials) so far
 
     def add(self, k: int, seconds: float) -> None:
-        self.seconds.setdefault(k, collections.deque(maxlen=KEEP)).append(seconds)
+        """One timed round of ``k`` drafts (only its k's median is recomputed: this runs every round)."""
+        times = self.seconds.setdefault(k, collections.deque(maxlen=KEEP))
+        times.append(seconds)
+        if len(times) >= MIN_TIMED:
+            self.medians[k] = statistics.median(times)
 
     def timed(self) -> dict[int, float]:
-        """{k: median seconds} of the k with enough rounds."""
-        return {k: statistics.median(times) for k, times in sorted(self.seconds.items()) if len(times) >= MIN_TIMED}
+        """{k: median seconds} of the k with enough rounds, k ascending."""
+        return dict(sorted(self.medians.items()))
 
     def curve(self) -> list[tuple[int, float]] | None:
         """The timed (k, seconds), k ascending, made to rise by at least :data:`MIN_DRAFT_SHARE` of the mean timed
