@@ -176,9 +176,9 @@ def test_fp8_weights_rows_count_the_stored_bytes(tmp_path):
 @pytest.mark.parametrize("weights,package", [("nf4", "bitsandbytes"), ("int4", "torchao")])
 def test_4_bit_weights_rows_count_the_stored_bytes_and_compare_tokens(tmp_path, weights, package):
     """``--weights nf4`` / ``int4``: the linears but the LM head in 4 bits (bitsandbytes' NF4 layers; torchao's int4
-    weights, on the CPU in the layout that runs there), the floor from the stored bytes (under half the dense
-    weights' here, where the bf16-sized embedding and LM head dominate), transformers and hf_specdec running the same
-    4-bit layers (the same tokens), and the speculative rows accepting drafts."""
+    weights, on the CPU in the layout that runs there), a layer's stored bytes under 0.35 of its dense fp32 bytes, the
+    rows' weight bytes under the dense rows', hf_specdec's tokens equal to transformers' on the same 4-bit layers,
+    and the speculative rows accepting drafts."""
     pytest.importorskip(package, reason=f"{package} is not installed (pip install {package})")
     import benchmarks.decode as decode
     import benchmarks.e2e_synthetic as e2e
@@ -196,7 +196,7 @@ def test_4_bit_weights_rows_count_the_stored_bytes_and_compare_tokens(tmp_path, 
                                          "hf_specdec"], quiet=True) for w in ("bf16", weights)}
     dense, quantized = ({r["backend"]: r for r in rows[w]} for w in ("bf16", weights))
     assert quantized["hf_specdec"]["weight_gb"] < dense["hf_specdec"]["weight_gb"]
-    assert quantized["hf_specdec"]["same_tokens"] and quantized["hf_dynamic"]["same_tokens"]
+    assert quantized["hf_specdec"]["same_tokens"] is True
     synthetic = run_bench(e2e, args + ["--k", "3", "--alpha", "0.8", "--weights", weights], quiet=True)
     assert {r["weights"] for r in synthetic} == {weights}
     assert all(r["tau"] > 1 for r in synthetic if r["backend"].endswith("_synthetic"))
