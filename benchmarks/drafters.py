@@ -70,21 +70,40 @@ class TimedDrafter(Drafter):
 class SyntheticAcceptance(Acceptance):
     """Each draft is accepted with probability ``alpha`` (independently; a row accepts the prefix up to its
     first rejection), whatever the target says; the token after the accepted drafts is the target's
-    greedy token there. On device, no host sync."""
+    greedy token there. On device, no host sync.
+
+    The draws are common random numbers: one uniform per (row, position of the draft in the row's new tokens),
+    the same for every k and, after :meth:`restart`, for every call. A draft at position p is accepted iff its
+    uniform is below ``alpha``; so rows that differ only in k (or an "auto" k) see the same luck, and a comparison
+    between them is not decided by which numbers each happened to draw."""
 
     lossless = False
+    SPAN = 1 << 14  # positions per row before the draws repeat
 
     def __init__(self, alpha: float, seed: int = 0):
         self.alpha = alpha
         self.seed = seed
-        self._generator: torch.Generator | None = None
+        self._uniform: torch.Tensor | None = None  # [rows, SPAN]
+        self._position: torch.Tensor | None = None  # [rows]: the next new token's position in each row
+
+    def restart(self) -> None:
+        """The next call starts at position 0 of every row (call before each generate being compared)."""
+        self._position = None
 
     def __call__(self, draft_tokens, draft_probs, scores):
         """draft_tokens [batch, k], scores [batch, k+1, vocab] -> (num_accepted [batch], next_token [batch])."""
-        if self._generator is None or self._generator.device != draft_tokens.device:
-            self._generator = torch.Generator(device=draft_tokens.device).manual_seed(self.seed)
-        uniform = torch.rand(draft_tokens.shape, device=draft_tokens.device, generator=self._generator)
-        num_accepted = (uniform < self.alpha).to(torch.int64).cumprod(dim=1).sum(dim=1)
+        rows, k = draft_tokens.shape
+        device = draft_tokens.device
+        if self._uniform is None or self._uniform.device != device or self._uniform.shape[0] < rows:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._uniform = torch.rand(rows, self.SPAN, device=device, generator=generator)
+            self._position = None
+        if self._position is None or self._position.shape[0] != rows:
+            self._position = torch.zeros(rows, dtype=torch.int64, device=device)
+        at = (self._position[:, None] + torch.arange(k, device=device)) % self.SPAN
+        accept = self._uniform[:rows].gather(1, at) < self.alpha
+        num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        self._position += num_accepted + 1
         next_token = scores.argmax(dim=-1).gather(1, num_accepted[:, None]).squeeze(1)
         return num_accepted, next_token
 

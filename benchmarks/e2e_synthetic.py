@@ -149,6 +149,8 @@ def _speed(target, ids, args, extra: dict) -> dict:
     enabled = getattr(target, "_hf_specdec", None) is not None
 
     def generate(n):
+        if "acceptance" in extra:
+            extra["acceptance"].restart()  # every call (and every k) draws the same acceptances
         return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                do_sample=False, **extra)
 

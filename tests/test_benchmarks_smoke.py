@@ -224,3 +224,32 @@ def test_multi_gpu_shape_rows(tmp_path):
     assert ran["tp", "none"]["same_tokens"] is True and ran["tp", "mtp"]["same_tokens"] is None
     assert ran["tp", "mtp"]["alpha"] == 0.8 and all(r["tokens_per_s"] > 0 for r in ran.values())
     assert all("GPUs" in r["skipped"] for r in records if r["placement"] == "device_map")
+
+
+def test_synthetic_acceptance_draws_one_number_per_position_for_every_k():
+    """Common random numbers: a draft at position p of a row is accepted iff that row's p-th uniform is below
+    alpha, whatever k drafted it, and a restarted acceptance repeats its decisions."""
+    from benchmarks.drafters import SyntheticAcceptance
+
+    def run(acceptance, ks):
+        acceptance.restart()
+        out = []
+        for k in ks:
+            scores = torch.zeros(2, k + 1, 5)
+            out.append(acceptance(torch.zeros(2, k, dtype=torch.long), None, scores)[0].tolist())
+        return out
+
+    acceptance = SyntheticAcceptance(0.7, seed=3)
+    ks = [1, 4, 2, 7, 3, 5, 1, 6] * 4
+    decisions = run(acceptance, ks)
+    assert run(acceptance, ks) == decisions
+    uniform = acceptance._uniform
+    for row in range(2):
+        position = 0
+        for k, accepted in zip(ks, decisions):
+            expected = 0
+            while expected < k and uniform[row, position + expected] < 0.7:
+                expected += 1
+            assert accepted[row] == expected
+            position += expected + 1
+    assert sum(sum(d) for d in decisions) > 0
