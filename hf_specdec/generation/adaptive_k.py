@@ -20,9 +20,9 @@ next round, which run inside its interval, are of its k too (a change of k captu
 there: 50-300 ms against a 5 ms round on an H200). Medians, not means, so that a stray slow round (a graph captured
 for a longer context, a page fault) does not move the curve. To get a second k timed, a call whose costs have one
 timed k runs a few rounds at another (:data:`PROBE_ROUNDS`). Timings and the acceptance estimate are kept per
-model, drafter and batch size (:class:`RoundCosts`), so later calls start from them rather than from the prior, at
-the k the last round ran; and a move to a k that no round has run yet (whose graphs its first rounds capture) needs
-a larger gain (:data:`NEW_K_GAIN`) than one to a k run before (:data:`SWITCH_GAIN`).
+model, drafter and batch size (:class:`RoundCosts`), so later calls start from them rather than from the prior, and
+at the k the last round ran (a call that started from the estimate instead could start at a neighbouring k the
+estimate's noise put ahead, and capture graphs inside the call).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import collections
 import statistics
 
 SWITCH_GAIN = 1.03  # k changes when another k promises this many more tokens per unit of cost
-NEW_K_GAIN = 1.10  # ... and this many to a k these calls have not run yet (its first rounds capture its graphs)
 STEADY_ROUNDS = 1  # a round is timed only after this many rounds at the same k (its graphs captured)
 MIN_TIMED = 3  # rounds a k needs before its timing counts
 # rounds a call spends at a second k to get it timed (the first of them still verifies drafts queued at the old k)
@@ -49,7 +48,6 @@ class RoundCosts:
         self.medians: dict[int, float] = {}  # k -> the median of those, for the k with MIN_TIMED rounds or more
         self.acceptance: tuple[float, float] | None = None  # (decayed accepted drafts, decayed trials) so far
         self.last_k: int | None = None  # the k the last round ran: the next call starts there
-        self.ran: set[int] = set()  # every k a round has run (its graphs captured, at least for some contexts)
 
     def add(self, k: int, seconds: float) -> None:
         """One timed round of ``k`` drafts (only its k's median is recomputed: this runs every round)."""
@@ -125,8 +123,6 @@ class AdaptiveK:
         steady = (len(self.recent) >= STEADY_ROUNDS and all(r == k for r in self.recent[-STEADY_ROUNDS:])
                   and ahead_k in (None, k))
         self.recent = (self.recent + [k])[-STEADY_ROUNDS:]
-        if self.costs is not None:
-            self.costs.ran.add(k)
         if self.costs is not None and steady:
             self.costs.add(k, seconds)
             self.curve = self.costs.curve()
@@ -153,9 +149,8 @@ class AdaptiveK:
             return
         # near its optimum the curve is flat (at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%):
         # move only for a clear gain, so that noise in the estimate does not make each round run another k (a k
-        # not run before captures its graphs, tens of milliseconds on a large target: a clearer gain still)
-        gain = SWITCH_GAIN if self.costs is None or best in self.costs.ran else NEW_K_GAIN
-        if self.tokens_per_cost(alpha, best) > gain * self.tokens_per_cost(alpha, self.k):
+        # not run before captures its graphs, tens of milliseconds on a large target)
+        if self.tokens_per_cost(alpha, best) > SWITCH_GAIN * self.tokens_per_cost(alpha, self.k):
             self.k = best
 
     def _probing(self) -> bool:

@@ -161,34 +161,25 @@ def test_a_later_call_starts_from_the_acceptance_the_last_calls_measured():
     assert AdaptiveK(7, lambda k: 0.02 * k, batch=1, costs=RoundCosts()).k == start
 
 
-def test_a_call_starts_at_the_last_rounds_k_and_a_k_never_run_needs_a_clearer_gain():
-    """A later call starts at the k the last round ran (not at a neighbour its estimate now puts 1% ahead); a move
-    to a k no round has run yet (its first rounds capture graphs) needs NEW_K_GAIN, to one run before SWITCH_GAIN."""
-    from hf_specdec.generation.adaptive_k import NEW_K_GAIN, SWITCH_GAIN
-
-    assert SWITCH_GAIN < 1.05 < NEW_K_GAIN
+def test_a_call_starts_at_the_k_the_last_round_ran():
+    """Not at a neighbour its estimate now puts 1% ahead (under SWITCH_GAIN): that start would capture graphs."""
     costs = RoundCosts()
     first = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
-    first.k = 3
-    first.observe(3, 1.0)
-    first.update([3], 3)
-    assert costs.last_k == first.k and first.k in costs.ran
-    values = {first.k: 1.0, first.k + 1: 1.05}  # the next k promises 5% more tokens per unit of cost
+    for _ in range(5):
+        first.update([first.k], first.k)
+    assert costs.last_k == first.k
+    last = first.k
+    near = {last: 1.0, last - 1: 1.01}
 
-    def controller():
-        made = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
-        made.tokens_per_cost = lambda alpha, k: values.get(k, 0.5)
-        return made
+    class Later(AdaptiveK):
+        def tokens_per_cost(self, alpha, k):
+            return near.get(k, 0.5)
 
-    unrun = controller()
-    start = unrun.k
-    assert start == costs.last_k
-    unrun.update([1], start)
-    assert unrun.k == start  # never run: 5% is not enough
-    costs.ran.add(start + 1)
-    run_before = controller()
-    run_before.update([1], start)
-    assert run_before.k == start + 1 and costs.last_k == start + 1
+    later = Later(7, lambda k: 0.1 * k, batch=1, costs=costs)
+    assert later._best() == last - 1 and later.k == last
+    later.update([1], later.k)
+    assert later.k == last  # 1% is within SWITCH_GAIN
+    assert Later(7, lambda k: 0.1 * k, batch=1, costs=RoundCosts()).k == last - 1  # no last round: the estimate
 
 
 @pytest.mark.parametrize("mode", bundled.SPEC_MODES)
