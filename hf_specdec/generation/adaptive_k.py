@@ -149,9 +149,14 @@ class AdaptiveK:
             return
         # near its optimum the curve is flat (at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%):
         # move only for a clear gain, so that noise in the estimate does not make each round run another k (a k
-        # not run before captures its graphs, tens of milliseconds on a large target)
-        if self.tokens_per_cost(alpha, best) > SWITCH_GAIN * self.tokens_per_cost(alpha, self.k):
+        # not run before captures its graphs, tens of milliseconds on a large target). A k not timed yet is read
+        # off a line between timed neighbours, which misses a curve that bends (verify turning compute-bound at
+        # batch 32 made k=3 10% faster than k=4 where the line said 3%): any gain there runs it, to time it
+        untimed = self.curve is not None and best not in self.costs.medians
+        if self.tokens_per_cost(alpha, best) > (1.0 if untimed else SWITCH_GAIN) * self.tokens_per_cost(alpha, self.k):
             self.k = best
+            if untimed:  # a probe: it stays until timed
+                self.probe, self.probe_left = best, PROBE_ROUNDS
 
     def _probing(self) -> bool:
         """Whether this round's k is a probe: with one k timed and none other, run a few rounds at a second k

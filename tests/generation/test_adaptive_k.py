@@ -162,7 +162,8 @@ def test_a_later_call_starts_from_the_acceptance_the_last_calls_measured():
 
 
 def test_a_call_starts_at_the_k_the_last_round_ran():
-    """Not at a neighbour its estimate now puts 1% ahead (under SWITCH_GAIN): that start would capture graphs."""
+    """Not at a neighbour its estimate now puts 1% ahead (under SWITCH_GAIN): that start would capture graphs. A
+    timed k 1% ahead is not worth a move; an untimed one is run (its cost between timed k is only interpolated)."""
     costs = RoundCosts()
     first = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
     for _ in range(5):
@@ -177,8 +178,15 @@ def test_a_call_starts_at_the_k_the_last_round_ran():
 
     later = Later(7, lambda k: 0.1 * k, batch=1, costs=costs)
     assert later._best() == last - 1 and later.k == last
+    for k in (last - 2, last - 1, last):
+        for _ in range(3):
+            costs.add(k, 1.0)
+    later.curve = costs.curve()
     later.update([1], later.k)
-    assert later.k == last  # 1% is within SWITCH_GAIN
+    assert later.k == last  # timed: the estimate's 1% is within SWITCH_GAIN
+    del costs.medians[last - 1]  # not timed: any gain runs it until timed
+    later.update([1], later.k)
+    assert later.k == last - 1 and later.probe == last - 1
     assert Later(7, lambda k: 0.1 * k, batch=1, costs=RoundCosts()).k == last - 1  # no last round: the estimate
 
 
