@@ -153,7 +153,7 @@ def _phase_times(generate, drafter_type) -> list[tuple[str, float, int]]:
         ("draft: ahead (k steps, queued before the sync)", drafter_type, "propose_ahead"),
         ("drafter commit", drafter_type, "commit"),
         ("target forward (verify)", ModelRunner, "forward"),
-        ("  cache metadata (host; every cache, drafters' too)", PagedKVCache, "begin_forward"),
+        ("  cache plans (host; every cache, drafters' too)", PagedKVCache, "plan_forward"),
         ("cache commit / rollback", ModelRunner, "commit"),
         ("scorer (logits processors)", PositionScorer, "score"),
         ("acceptance (synthetic)", SyntheticAcceptance, "__call__"),
@@ -171,7 +171,7 @@ def _phase_times(generate, drafter_type) -> list[tuple[str, float, int]]:
         generate()
         total = time.perf_counter() - start
     prefill = durations["target forward (verify)"].pop(0)  # the first forward of a call is the prompt's
-    durations["  cache metadata (host; every cache, drafters' too)"].pop(0)
+    durations.get("  cache plans (host; every cache, drafters' too)", [0.0]).pop(0)  # the prompt's plan
     rows = [(name, sum(durations.get(name, [])), len(durations.get(name, []))) for name, _, _ in targets]
     counted = prefill + sum(seconds for name, seconds, _ in rows if not name.startswith(" "))
     return rows + [("rest (logits to float, host sync, loop)", total - counted, 1), ("total (synced, no prefill)",
