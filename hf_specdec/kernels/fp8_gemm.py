@@ -56,6 +56,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
 SCALE_DTYPES = tuple(d for d in (torch.float32, torch.bfloat16, torch.float16, E8M0_DTYPE) if d is not None)
 MIN_BLOCK_K = 16  # tl.dot's smallest K
+FP16_DOTS = True  # bf16 rows multiply fp8 weights as fp16 (see fp8_matmul); False: as bf16
 
 
 @triton.jit
@@ -79,11 +80,11 @@ def _load_scale(ptrs, mask, E8M0: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, inv_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      stride_sn, stride_sk, scale_bn, scale_bk, k_per_split, stride_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                      SCALE_PER_K: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     UPCAST: tl.constexpr, F16_ROWS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row tiles of one column block run side by side
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -104,7 +105,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
         for j in tl.static_range(BLOCK_K // SUB_K):
             w, x = load_k_tile(w_rows, x_rows, k0 + j * SUB_K, K, col_ok, row_ok, SUB_K)
             if NATIVE_FP8:
-                w = w.to(x.dtype)
+                w = w.to(x.dtype)  # F16_ROWS: x is fp16, one conversion per two weights
             else:
                 w = _e4m3_bits_to_float(w).to(x.dtype)
             if UPCAST:
@@ -117,9 +118,45 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
                 acc += part
     if not SCALE_PER_K:
         acc = acc * _load_scale(s_rows, col_ok, SCALE_E8M0)[None, :]
+    if F16_ROWS:  # undo the rows' powers of two (exact)
+        acc = acc * tl.load(inv_ptr + rows, mask=row_ok, other=1.0)[:, None]
     out = (y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
            + cols[None, :])
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _f16_rows_kernel(x_ptr, y_ptr, inv_ptr, K, stride_xm, BLOCK: tl.constexpr):
+    """Row ``program_id(0)`` of ``x`` (bf16) as fp16 times the power of two that puts its largest magnitude in
+    [2**14, 2**15), and that power's inverse (fp32) in ``inv_ptr``. bf16 has 8 significant bits, fp16 11: every
+    value down to 2**-28 of the row's largest converts exactly, and nothing overflows."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    top = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        values = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        top = tl.maximum(top, tl.abs(values))
+    biased = ((tl.max(top, axis=0).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)  # 0: a zero row
+    power = tl.minimum(tl.maximum(268 - biased, 14), 240)  # 2**(14 - exponent), as a biased exponent
+    scale = (power << 23).to(tl.float32, bitcast=True)
+    for k0 in range(0, K, BLOCK):
+        ok = k0 + offs < K
+        values = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * K + k0 + offs, (values * scale).to(tl.float16), mask=ok)
+    tl.store(inv_ptr + row, ((254 - power) << 23).to(tl.float32, bitcast=True))
+
+
+F16_ROWS_BLOCK = 1024
+
+
+def f16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` [rows, K] bf16 as fp16 rows scaled by powers of two, the inverse powers [rows] fp32), one launch:
+    ``x == y.float() * inverse[:, None]`` wherever a value is at least 2**-28 of its row's largest."""
+    rows, k = x.shape
+    y = torch.empty(rows, k, dtype=torch.float16, device=x.device)
+    inverse = torch.empty(rows, dtype=torch.float32, device=x.device)
+    _f16_rows_kernel[(rows,)](x, y, inverse, k, x.stride(0), BLOCK=F16_ROWS_BLOCK)
+    return y, inverse
 
 
 @triton.jit
@@ -255,11 +292,14 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
                weight: torch.Tensor,  # [N, K] float8_e4m3fn, rows contiguous
                scale: torch.Tensor,  # block [ceil(N/bn), ceil(K/bk)], channel [N] / [N, 1] / [1, N], or one element
                block_size=None, config: tuple[int, int, int, int] | None = None,
-               native_fp8: bool | None = None, split_k: int | None = None) -> torch.Tensor:
+               native_fp8: bool | None = None, split_k: int | None = None,
+               fp16_dots: bool | None = None) -> torch.Tensor:
     """``x @ dequantize_fp8(weight, scale, block_size).T`` by the kernel, in ``x.dtype`` ([rows, N]).
     ``native_fp8``: load float8 values (default where the device has them: sm_89+, the interpreter) or bytes
     converted by integer ops. ``split_k``: parts of K (default :func:`split_k_for`, from the weight's shape: a
-    row's result never depends on the number of rows)."""
+    row's result never depends on the number of rows). ``fp16_dots`` (default: bf16 rows with native fp8): the
+    rows go to fp16 first (:func:`f16_rows`), so that each weight needs one conversion (e4m3 -> fp16) instead of
+    three (e4m3 -> fp16 -> fp32 -> bf16)."""
     _check_args(x, weight, scale)
     rows, k = x.shape
     n = weight.shape[0]
@@ -271,6 +311,11 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
               "(fp8_linear takes the reference for such scales)")
     x, sub_k, native_fp8, e8m0, upcast = _launch_setup(x, grid, bk, block_k, scale_per_k, native_fp8,
                                                        _fp8_gemm_kernel)
+    if fp16_dots is None:
+        fp16_dots = FP16_DOTS and native_fp8 and x.dtype == torch.bfloat16
+    check(not fp16_dots or (native_fp8 and x.dtype == torch.bfloat16),
+          "fp16_dots takes bf16 rows and native fp8 loads")
+    rows_in, inverse = f16_rows(x) if fp16_dots else (x, x)  # inverse: unread without fp16 dots
     block_k = max(block_k, sub_k)  # a K tile of BLOCK_K / SUB_K parts, each inside one block of scales
     split = split_k if split_k is not None else split_k_for(triton.cdiv(n, block_n), k, block_k)
     check(isinstance(split, int) and split >= 1, f"split_k must be a positive int, got {split!r}")
@@ -279,11 +324,12 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     dtype = torch.float32 if upcast or split > 1 else x.dtype
     out = torch.empty(split, rows, n, dtype=dtype, device=x.device)
     _fp8_gemm_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n), split)](
-        x, weight if native_fp8 else weight.view(torch.uint8), grid.view(torch.uint8) if e8m0 else grid, out,
-        rows, n, k, x.stride(0), weight.stride(0), out.stride(1), grid.stride(0), grid.stride(1), bn, bk,
-        k_per_split, out.stride(0),
+        rows_in, weight if native_fp8 else weight.view(torch.uint8), grid.view(torch.uint8) if e8m0 else grid, out,
+        inverse, rows, n, k, rows_in.stride(0), weight.stride(0), out.stride(1), grid.stride(0), grid.stride(1), bn,
+        bk, k_per_split, out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k, SCALE_PER_K=scale_per_k,
-        NATIVE_FP8=native_fp8, SCALE_E8M0=e8m0, UPCAST=upcast, num_warps=warps, num_stages=stages)
+        NATIVE_FP8=native_fp8, SCALE_E8M0=e8m0, UPCAST=upcast, F16_ROWS=fp16_dots, num_warps=warps,
+        num_stages=stages)
     if split == 1:
         return out[0].to(x.dtype)
     summed = torch.empty(rows, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
