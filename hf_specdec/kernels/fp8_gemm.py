@@ -258,21 +258,29 @@ def quantize_fp8(weight: torch.Tensor,  # [N, K]
 
 
 def config_for(n: int, k: int, block_scales: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight, from ``fp8_gpu_check --sweep`` on an
-    H100 at the Gemma-4-31B shapes (one row, graph-timed): 32-column programs throughout; block scales: 256-deep K
-    tiles (two dots, one per 128-wide block of scales) in 3 stages; per-channel scales stream 256-wide K tiles, 512
-    on narrow outputs (fewer programs, each walking a long K)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight. Wide outputs, from
+    ``fp8_gpu_check --sweep`` on an H100 at the Gemma-4-31B shapes (one row, graph-timed): 32-column programs; block
+    scales: 256-deep K tiles (two dots, one per 128-wide block of scales) in 3 stages; per-channel scales 256-wide K
+    tiles in 4. Narrow outputs (fewer 32-column blocks than :data:`SPLIT_K_BELOW_PROGRAMS`: the o and down
+    projections, the 26B-A4B's projections) split K (:func:`split_k_for`) over :data:`NARROW_CONFIG` programs."""
+    if -(-n // 32) < SPLIT_K_BELOW_PROGRAMS:
+        return NARROW_CONFIG
     if block_scales:
         return 32, 256, 4, 3
-    return 32, 512 if n < 8192 else 256, 4, 4
+    return 32, 256, 4, 4
 
 
-# Split-K: a weight of fewer column blocks than this (2 per SM of an H100) splits K so that narrow outputs (o and
-# down projections: 168 blocks of 32 columns on 132 SMs) keep more bytes in flight, up to MAX_SPLIT_K parts of at
-# least MIN_TILES_PER_SPLIT K tiles each; the fp32 partials are summed in split order by a second launch.
+# Split-K: a weight of fewer 32-column blocks than SPLIT_K_BELOW_PROGRAMS (2 per SM of an H100 or H200) splits K so
+# that narrow outputs keep bytes in flight on every SM: 64-column programs over 128-deep K tiles, K cut into parts
+# of at least MIN_TILES_PER_SPLIT tiles until the launch has about SPLIT_PROGRAMS programs (at most MAX_SPLIT_K
+# parts); the fp32 partials are summed in split order by a second launch. On an H200 this runs the 31B's down
+# projection [5376, 21504] in 42-45 us against 51 us for 32-column programs in 4 parts, o [5376, 8192] in 18 against
+# 23-27 (benchmarks/results/fp8_split_k_sweep_h200.log).
+NARROW_CONFIG = (64, 128, 4, 3)
 SPLIT_K_BELOW_PROGRAMS = 264
-MAX_SPLIT_K = 4
-MIN_TILES_PER_SPLIT = 8
+SPLIT_PROGRAMS = 504
+MAX_SPLIT_K = 8
+MIN_TILES_PER_SPLIT = 2
 SUM_BLOCK = 1024
 
 
@@ -281,11 +289,8 @@ def split_k_for(column_blocks: int, k: int, block_k: int) -> int:
     number of rows), so a verify row is summed in the same parts as a decode row."""
     if column_blocks >= SPLIT_K_BELOW_PROGRAMS:
         return 1
-    split = 1
-    while (split < MAX_SPLIT_K and column_blocks * split < 2 * SPLIT_K_BELOW_PROGRAMS
-           and -(-k // block_k) >= 2 * split * MIN_TILES_PER_SPLIT):
-        split *= 2
-    return split
+    tiles = -(-k // block_k)
+    return max(1, min(MAX_SPLIT_K, -(-SPLIT_PROGRAMS // column_blocks), tiles // MIN_TILES_PER_SPLIT))
 
 
 def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16

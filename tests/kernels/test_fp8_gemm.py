@@ -259,11 +259,15 @@ def test_triton_fp8_default_split_k_does_not_depend_on_the_rows(triton_device, m
 
 
 def test_split_k_only_for_few_programs_and_long_k():
-    assert split_k_for(column_blocks=168, k=21504, block_k=256) == 4  # the 31B down projection
-    assert split_k_for(column_blocks=168, k=8192, block_k=256) == 4  # o
+    from hf_specdec.kernels.fp8_gemm import NARROW_CONFIG, config_for
+
+    assert config_for(5376, 21504, True) == NARROW_CONFIG  # the 31B down projection: 168 blocks of 32 columns
+    assert config_for(16384, 5376, True)[0] == 32  # q/k/v: 512 blocks, enough programs
+    assert split_k_for(column_blocks=84, k=21504, block_k=128) == 6  # down: ~504 programs
+    assert split_k_for(column_blocks=84, k=8192, block_k=128) == 6  # o
+    assert split_k_for(column_blocks=44, k=2112, block_k=128) == 8  # the 26B-A4B's o: at most MAX_SPLIT_K parts
+    assert split_k_for(column_blocks=44, k=384, block_k=128) == 1  # parts of at least 2 K tiles
     assert split_k_for(column_blocks=512, k=5376, block_k=256) == 1  # q/k/v: enough programs
-    assert split_k_for(column_blocks=88, k=2112, block_k=256) == 1  # short K: a second launch would not pay
-    assert split_k_for(column_blocks=200, k=4096, block_k=256) == 2  # parts of at least 8 K tiles
 
 
 def test_triton_fp8_many_rows_take_row_tiles(triton_device):
