@@ -25,8 +25,11 @@ compute: they quantize the activations to FP8 too (W8A8); the weight-only produc
 the two.
 
 Converting e4m3 on the GPU: from sm_89 (Ada, Hopper) Triton lowers ``fp8e4nv -> fp16`` to one
-``cvt.rn.f16x2.e4m3x2`` per two values (plus one ``cvt`` each to reach bf16), so the kernel loads the fp8
-tensor natively there. Older GPUs have no e4m3 type in Triton: the kernel then loads the bytes as uint8 and
+``cvt.rn.f16x2.e4m3x2`` per two values (plus two more to reach bf16), so the kernel loads the fp8 tensor natively
+there, and bf16 rows are first turned into fp16 rows, each times the power of two that puts its largest magnitude
+in [2**14, 2**15) (:func:`f16_rows`, one launch; the sum is scaled back exactly), so that the dots take the weights
+in fp16: the kernel is bound by this per-weight work, not by bandwidth (1.05-1.2x on an H200). A value below 2**-28
+of its row's largest loses bits in fp16 (it would add less than 2**-28 of that row's terms). Older GPUs have no e4m3 type in Triton: the kernel then loads the bytes as uint8 and
 builds each value by integer ops (:func:`_e4m3_bits_to_float`, bit-exact). Triton's CPU interpreter loads
 float8_e4m3fn tensors and converts every finite value exactly (NaN codes read as +-480; quantized weights hold
 none), so the tests run both paths on CPU.
