@@ -261,16 +261,17 @@ def quantize_fp8(weight: torch.Tensor,  # [N, K]
 
 
 def config_for(n: int, k: int, block_scales: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight. Wide outputs, from
-    ``fp8_gpu_check --sweep`` on an H100 at the Gemma-4-31B shapes (one row, graph-timed): 32-column programs; block
-    scales: 256-deep K tiles (two dots, one per 128-wide block of scales) in 3 stages; per-channel scales 256-wide K
-    tiles in 4. Narrow outputs (fewer 32-column blocks than :data:`SPLIT_K_BELOW_PROGRAMS`: the o and down
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight. Wide outputs, from sweeps on an H200
+    with fp16 dots at the Gemma-4-31B shapes (one row, graph-timed; ``fp8_gpu_check_sweep_fp16dots_h200.log``,
+    ``fp8_wide_split_sweep_h200.log``): 64-column programs; block scales 128-deep K tiles (one dot per block of
+    scales) in 6 stages, per-channel scales 256-deep in 4: 1.05-1.2x the 32-column configs an H100 sweep had chosen
+    with bf16 dots. Narrow outputs (fewer 32-column blocks than :data:`SPLIT_K_BELOW_PROGRAMS`: the o and down
     projections, the 26B-A4B's projections) split K (:func:`split_k_for`) over :data:`NARROW_CONFIG` programs."""
     if -(-n // 32) < SPLIT_K_BELOW_PROGRAMS:
         return NARROW_CONFIG
     if block_scales:
-        return 32, 256, 4, 3
-    return 32, 256, 4, 4
+        return 64, 128, 4, 6
+    return 64, 256, 4, 4
 
 
 # Split-K: a weight of fewer 32-column blocks than SPLIT_K_BELOW_PROGRAMS (2 per SM of an H100 or H200) splits K so
@@ -287,12 +288,12 @@ MIN_TILES_PER_SPLIT = 2
 SUM_BLOCK = 1024
 
 
-def split_k_for(column_blocks: int, k: int, block_k: int) -> int:
-    """Parts of K for a weight of ``column_blocks`` column blocks. The weight's shape alone decides (never the
-    number of rows), so a verify row is summed in the same parts as a decode row."""
-    if column_blocks >= SPLIT_K_BELOW_PROGRAMS:
+def split_k_for(n: int, k: int, block_n: int, block_k: int) -> int:
+    """Parts of K for an ``[n, k]`` weight in ``block_n`` x ``block_k`` tiles. The weight's shape alone decides
+    (never the number of rows), so a verify row is summed in the same parts as a decode row."""
+    if -(-n // 32) >= SPLIT_K_BELOW_PROGRAMS:
         return 1
-    tiles = -(-k // block_k)
+    column_blocks, tiles = -(-n // block_n), -(-k // block_k)
     return max(1, min(MAX_SPLIT_K, -(-SPLIT_PROGRAMS // column_blocks), tiles // MIN_TILES_PER_SPLIT))
 
 
@@ -325,7 +326,7 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
           "fp16_dots takes bf16 rows and native fp8 loads")
     rows_in, inverse = f16_rows(x) if fp16_dots else (x, x)  # inverse: unread without fp16 dots
     block_k = max(block_k, sub_k)  # a K tile of BLOCK_K / SUB_K parts, each inside one block of scales
-    split = split_k if split_k is not None else split_k_for(triton.cdiv(n, block_n), k, block_k)
+    split = split_k if split_k is not None else split_k_for(n, k, block_n, block_k)
     check(isinstance(split, int) and split >= 1, f"split_k must be a positive int, got {split!r}")
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty part

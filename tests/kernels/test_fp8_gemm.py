@@ -245,7 +245,7 @@ def test_triton_fp8_default_split_k_does_not_depend_on_the_rows(triton_device, m
     monkeypatch.setattr(fp8_gemm, "MIN_TILES_PER_SPLIT", 1)
     monkeypatch.setattr(fp8_gemm, "SPLIT_K_BELOW_PROGRAMS", 6)
     weight, scale = make_fp8(70, 128, (32, 32), seed=26, device=triton_device)
-    assert split_k_for(-(-70 // SMALL[0]), 128, SMALL[1]) == 4 and split_k_for(15, 128, SMALL[1]) == 1
+    assert split_k_for(70, 128, *SMALL[:2]) == 4 and split_k_for(15 * 32, 128, *SMALL[:2]) == 1
     x = torch.randn(40, 128, generator=torch.Generator().manual_seed(26)).to(torch.bfloat16).to(triton_device)
     splits = []  # the parts each launch chose (bf16 outputs alone rarely show an fp32 summation order)
     monkeypatch.setattr(fp8_gemm, "split_k_for", lambda *a: splits.append(split_k_for(*a)) or splits[-1])
@@ -262,12 +262,12 @@ def test_split_k_only_for_few_programs_and_long_k():
     from hf_specdec.kernels.fp8_gemm import NARROW_CONFIG, config_for
 
     assert config_for(5376, 21504, True) == NARROW_CONFIG  # the 31B down projection: 168 blocks of 32 columns
-    assert config_for(16384, 5376, True)[0] == 32  # q/k/v: 512 blocks, enough programs
-    assert split_k_for(column_blocks=84, k=21504, block_k=128) == 6  # down: ~504 programs
-    assert split_k_for(column_blocks=84, k=8192, block_k=128) == 6  # o
-    assert split_k_for(column_blocks=44, k=2112, block_k=128) == 8  # the 26B-A4B's o: at most MAX_SPLIT_K parts
-    assert split_k_for(column_blocks=44, k=384, block_k=128) == 1  # parts of at least 2 K tiles
-    assert split_k_for(column_blocks=512, k=5376, block_k=256) == 1  # q/k/v: enough programs
+    assert config_for(16384, 5376, True) != NARROW_CONFIG  # q/k/v: 512 blocks of 32 columns, enough programs
+    assert split_k_for(5376, 21504, 64, 128) == 6  # down: 84 programs of 64 columns x 6 parts, ~504
+    assert split_k_for(5376, 8192, 64, 128) == 6  # o
+    assert split_k_for(2816, 2112, 64, 128) == 8  # the 26B-A4B's o: at most MAX_SPLIT_K parts
+    assert split_k_for(2816, 384, 64, 128) == 1  # parts of at least 2 K tiles
+    assert split_k_for(16384, 5376, 64, 128) == 1  # q/k/v: 512 blocks of 32 columns, whatever the programs' width
 
 
 def test_triton_fp8_many_rows_take_row_tiles(triton_device):
