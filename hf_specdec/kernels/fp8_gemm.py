@@ -261,17 +261,18 @@ def quantize_fp8(weight: torch.Tensor,  # [N, K]
 
 
 def config_for(n: int, k: int, block_scales: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight. Wide outputs, from sweeps on an H200
-    with fp16 dots at the Gemma-4-31B shapes (one row, graph-timed; ``fp8_gpu_check_sweep_fp16dots_h200.log``,
-    ``fp8_wide_split_sweep_h200.log``): 64-column programs; block scales 128-deep K tiles (one dot per block of
-    scales) in 6 stages, per-channel scales 256-deep in 4: 1.05-1.2x the 32-column configs an H100 sweep had chosen
-    with bf16 dots. Narrow outputs (fewer 32-column blocks than :data:`SPLIT_K_BELOW_PROGRAMS`: the o and down
-    projections, the 26B-A4B's projections) split K (:func:`split_k_for`) over :data:`NARROW_CONFIG` programs."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight. Wide outputs, from
+    ``fp8_gpu_check --sweep`` on an H100 at the Gemma-4-31B shapes (one row, graph-timed, bf16 dots): 32-column
+    programs; block scales: 256-deep K tiles (two dots, one per 128-wide block of scales) in 3 stages; per-channel
+    scales 256-wide K tiles in 4. (With fp16 dots an H200 sweep puts 64-column programs 1.05-1.2x ahead on them,
+    ``fp8_wide_split_sweep_h200.log``; not applied before it is measured end to end and on an H100.) Narrow outputs
+    (fewer 32-column blocks than :data:`SPLIT_K_BELOW_PROGRAMS`: the o and down projections, the 26B-A4B's
+    projections) split K (:func:`split_k_for`) over :data:`NARROW_CONFIG` programs."""
     if -(-n // 32) < SPLIT_K_BELOW_PROGRAMS:
         return NARROW_CONFIG
     if block_scales:
-        return 64, 128, 4, 6
-    return 64, 256, 4, 4
+        return 32, 256, 4, 3
+    return 32, 256, 4, 4
 
 
 # Split-K: a weight of fewer 32-column blocks than SPLIT_K_BELOW_PROGRAMS (2 per SM of an H100 or H200) splits K so
