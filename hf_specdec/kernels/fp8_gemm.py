@@ -29,8 +29,9 @@ Converting e4m3 on the GPU: from sm_89 (Ada, Hopper) Triton lowers ``fp8e4nv -> 
 there, and bf16 rows are first turned into fp16 rows, each times the power of two that puts its largest magnitude
 in [2**14, 2**15) (:func:`f16_rows`, one launch; the sum is scaled back exactly), so that the dots take the weights
 in fp16: the kernel is bound by this per-weight work, not by bandwidth (1.05-1.2x on an H200). A value below 2**-28
-of its row's largest loses bits in fp16 (it would add less than 2**-28 of that row's terms). Older GPUs have no e4m3 type in Triton: the kernel then loads the bytes as uint8 and
-builds each value by integer ops (:func:`_e4m3_bits_to_float`, bit-exact). Triton's CPU interpreter loads
+of its row's largest loses bits in fp16 (it would add less than 2**-28 of that row's terms). Older GPUs have no
+e4m3 type in Triton: the kernel then loads the bytes as uint8 and builds each value by integer ops
+(:func:`_e4m3_bits_to_float`, bit-exact). Triton's CPU interpreter loads
 float8_e4m3fn tensors and converts every finite value exactly (NaN codes read as +-480; quantized weights hold
 none), so the tests run both paths on CPU.
 
