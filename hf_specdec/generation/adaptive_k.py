@@ -22,8 +22,8 @@ for a longer context, a page fault) does not move the curve. To get a second k t
 timed k runs a few rounds at another (:data:`PROBE_ROUNDS`); so does a move to a k the curve only interpolates
 between timed ones, taken at any promised gain (a bending curve hides a better k between two timed ones). Timings
 and the acceptance estimate are kept per model, drafter and batch size (:class:`RoundCosts`), so later calls start
-from them rather than from the prior, and at the k the last round ran (a call that started from the estimate instead could start at a neighbouring k the
-estimate's noise put ahead, and capture graphs inside the call).
+from them rather than from the prior, and at the k the last round ran (a call that started from the estimate
+instead could start at a neighbouring k the estimate's noise put ahead, and capture graphs inside the call).
 """
 
 from __future__ import annotations
