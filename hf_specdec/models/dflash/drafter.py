@@ -17,6 +17,12 @@ The context grows in `begin` (the prompt) and `commit` (the `kept` tokens of eac
 whose hidden states were captured by hooks during that same forward): rejected drafts never reach it, so
 the drafter's lengths always equal the target's.
 
+Greedy drafting runs ahead (`propose_ahead`): right after the acceptance, before the round's host sync, the
+context append takes all k+1 verified positions p .. p+k (K/V of the rejected ones sit past the row's new
+length, as the target's do) and the next block forward runs at p' = p + accepted + 1, a position only the
+device knows: its metadata is derived from device counts over block tables the host reserved for the longest
+case. The host's commit then only sets the lengths. The device drafts while the host emits and commits.
+
 With CUDA graphs on, the block forward (greedy: with its drafts' argmax; sampled: up to the logits, selected
 eagerly) and each commit's context append run as graphs of the batch's bucket (kept in the target's GraphStore, over the drafter's pooled cache storage):
 their inputs are the token or hidden-state tensors and the whole forward metadata, padding rows have no
@@ -30,7 +36,7 @@ import inspect
 
 import torch
 
-from hf_specdec.cache import ForwardMeta, KVGroup, KVLayout, PagedKVCache
+from hf_specdec.cache import ForwardMeta, ForwardPlan, KVGroup, KVLayout, PagedKVCache
 from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.kernels import paged_attention, store_kv
 from hf_specdec.runtime.placement import execution_device, input_device, loaded_weights, place_drafter
@@ -110,8 +116,11 @@ class DFlashDraftRunner(Drafter):
 
     def begin(self, context, captured):
         self.graphs = context.drafter_graphs("dflash", id(self.drafter), id(self.target), self.num_speculative_tokens)
+        # room past a row's length for a verify's k + 1 positions and, drafting ahead, the next block's k + 1
         self.cache = context.new_cache(self.layout, "dflash", dtype=self.drafter.fc.weight.dtype,
-                                       lookahead=self.num_speculative_tokens + 1, device=self.drafter.fc.weight.device)
+                                       lookahead=2 * (self.num_speculative_tokens + 1),
+                                       device=self.drafter.fc.weight.device)
+        self._ahead = False  # propose_ahead appended the last verify's context already
         # prefill slots are right-aligned already; a prompt's width varies per request: no graph
         self._append_context([h.to(self.drafter.fc.weight.device) for h in captured], context.prompt_lens, graph=False)
 
@@ -132,6 +141,34 @@ class DFlashDraftRunner(Drafter):
             self.cache.commit(lens)  # drop the block: the context keeps accepted tokens only
         return DraftProposal(*selector.select_block(logits.to(last_tokens.device)))
 
+    @torch.inference_mode()
+    def propose_ahead(self, next_tokens, num_accepted, context, captured, selector) -> DraftProposal | None:
+        """Greedy drafts of the next round before the caches commit: the context append of every verified
+        position, then the block at each row's next position (``p + num_accepted + 1``, on the device), over blocks
+        reserved for the longest case; None (``propose`` after the commit) when sampling, with logits processors,
+        or when those blocks do not fit the pool or the graphs' block tables."""
+        if selector.do_sample or selector.scorer.processors:
+            return None
+        verified, k = captured[0].shape[1], self.num_speculative_tokens
+        lens = self.cache.seq_lens
+        longest = max(lens) + verified + k + 1
+        if self.graphs.on and -(-longest // self.cache.block_size) > self.graphs.table_width:
+            return None
+        manager = self.cache.manager
+        if not manager.can_append({s: verified + k + 1 for s in self.cache.seq_ids}):
+            return None  # the commit's own append reports a pool that is really exhausted
+        device = self.drafter.fc.weight.device
+        hidden = [h.to(device) for h in captured]
+        context_plan = self.cache.plan_forward([verified] * len(lens), verified)  # positions p .. p + k_round
+        self.graphs.run("context", self._store_context, hidden, plan=context_plan, cache=self.cache)
+        reserved = self.cache.plan_forward([k + 1] * len(lens), k + 1)  # its tables hold the longest block
+        start = context_plan.counts[0] + num_accepted.to(device=device, dtype=torch.int32) + 1
+        plan = ForwardPlan(q_len=k + 1, counts=torch.stack([start, torch.full_like(start, k + 1)]),
+                           tables=reserved.tables, block_size=self.cache.block_size)
+        drafts = self.graphs.run("block", self._greedy_block, [next_tokens], plan=plan, cache=self.cache)
+        self._ahead = True
+        return DraftProposal(drafts.to(next_tokens.device), None)
+
     def _block_logits(self, last_tokens, meta) -> torch.Tensor:
         """The drafts' logits [batch, k, vocab] of one block forward (its K/V stored in the block's slots)."""
         ids = self.drafter.block_input_ids(last_tokens, self.num_speculative_tokens)
@@ -144,6 +181,10 @@ class DFlashDraftRunner(Drafter):
         return self._block_logits(last_tokens, meta).argmax(dim=-1)  # [batch, k]
 
     def commit(self, context, captured, num_accepted, kept):
+        if self._ahead:  # propose_ahead stored every verified position: keep the target's lengths
+            self._ahead = False
+            self.cache.commit(context.cache.seq_lens)
+            return
         # the verify forward's first kept[b] slots are row b's accepted tokens; right-align them as a forward's
         q_len = captured[0].shape[1]
         shift = torch.tensor([q_len - n for n in kept], device=captured[0].device)
