@@ -47,8 +47,6 @@ in fp32 and summed in fp32 as the reference does. A pair's result does not depen
 pairs (prefill) take one dequantized GEMM per selected expert instead.
 """
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -263,39 +261,19 @@ def quantize_fp8(weight: torch.Tensor,  # [N, K]
 # ---------------------------------------------------------------- launcher, reference, dispatch
 
 
-def config_for(n: int, k: int, block_scales: bool = False, device=None) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight on ``device``. Wide outputs take
-    :data:`WIDE_CONFIGS` of the card (:func:`wide_configs`); narrow outputs (fewer 32-column blocks than
-    :data:`SPLIT_K_BELOW_PROGRAMS`: the o and down projections, the 26B-A4B's projections) split K
-    (:func:`split_k_for`) over :data:`NARROW_CONFIG` programs."""
+def config_for(n: int, k: int, block_scales: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an fp8 ``[n, k]`` weight. Wide outputs: 64-column programs;
+    block scales 128-deep K tiles (one dot per block of scales) in 6 stages, per-channel scales 256-deep in 4 (with
+    fp16 dots, an H200 sweep put them 1.05-1.2x ahead of the 32-column programs the H100 sweep had chosen with bf16
+    dots, ``fp8_gpu_check_sweep_fp16dots_h200.log``; end to end, the 31B cut to 12 layers decodes 1.04-1.06x faster at
+    batch 1 and 1.06-1.08x at batch 8 on an H200, as fast at batch 1 and 1.07-1.08x at batch 8 on an H100). Narrow
+    outputs (fewer 32-column blocks than :data:`SPLIT_K_BELOW_PROGRAMS`: the o and down projections, the 26B-A4B's
+    projections) split K (:func:`split_k_for`) over :data:`NARROW_CONFIG` programs."""
     if -(-n // 32) < SPLIT_K_BELOW_PROGRAMS:
         return NARROW_CONFIG
-    block, channel = wide_configs(device)
-    return block if block_scales else channel
-
-
-# Wide outputs, (block scales, per-channel scales) per card, by a part of its name. The default: ``fp8_gpu_check
-# --sweep`` on an H100 at the Gemma-4-31B shapes (one row, graph-timed, bf16 dots): 32-column programs; block scales
-# 256-deep K tiles (two dots, one per 128-wide block of scales) in 3 stages, per-channel scales 256-deep in 4. The
-# H200: with fp16 dots its sweep (fp8_gpu_check_sweep_fp16dots_h200.log) put 64-column programs 1.05-1.2x ahead, and
-# end to end they decode the 31B cut to 12 layers 1.04-1.06x faster at batch 1 and 1.06-1.08x at batch 8.
-DEFAULT_WIDE_CONFIGS = ((32, 256, 4, 3), (32, 256, 4, 4))
-WIDE_CONFIGS = {"H200": ((64, 128, 4, 6), (64, 256, 4, 4))}
-
-
-@functools.lru_cache(maxsize=None)
-def _card_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def wide_configs(device=None) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
-    """The (block scales, per-channel scales) configs of wide outputs on ``device`` (a CUDA card named in
-    :data:`WIDE_CONFIGS`, else :data:`DEFAULT_WIDE_CONFIGS`)."""
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return DEFAULT_WIDE_CONFIGS
-    name = _card_name(device.index if device.index is not None else torch.cuda.current_device())
-    return next((configs for part, configs in WIDE_CONFIGS.items() if part in name), DEFAULT_WIDE_CONFIGS)
+    if block_scales:
+        return 64, 128, 4, 6
+    return 64, 256, 4, 4
 
 
 # Split-K: a weight of fewer 32-column blocks than SPLIT_K_BELOW_PROGRAMS (2 per SM of an H100 or H200) splits K so
@@ -338,7 +316,7 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     n = weight.shape[0]
     grid, bn, bk = scale_grid(scale, block_size, n, k)
     scale_per_k = grid.shape[1] > 1
-    block_n, block_k, warps, stages = config or config_for(n, k, scale_per_k, x.device)
+    block_n, block_k, warps, stages = config or config_for(n, k, scale_per_k)
     if scale_per_k:
         check((bk & -bk) >= MIN_BLOCK_K, f"block_size[1]={bk} must be a multiple of {MIN_BLOCK_K} for the kernel "
               "(fp8_linear takes the reference for such scales)")

@@ -270,22 +270,6 @@ def test_split_k_only_for_few_programs_and_long_k():
     assert split_k_for(16384, 5376, 64, 128) == 1  # q/k/v: 512 blocks of 32 columns, whatever the programs' width
 
 
-def test_wide_outputs_take_the_configs_of_the_card(monkeypatch):
-    """Wide outputs run the configs tuned on the card the rows are on (by a part of its name); other cards, the CPU
-    and the narrow outputs keep theirs."""
-    from hf_specdec.kernels import fp8_gemm
-
-    names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}
-    monkeypatch.setattr(fp8_gemm.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(fp8_gemm, "_card_name", names.get)
-    h200_block, h200_channel = fp8_gemm.WIDE_CONFIGS["H200"]
-    assert fp8_gemm.config_for(16384, 5376, True, torch.device("cuda:0")) == h200_block
-    assert fp8_gemm.config_for(16384, 5376, False, "cuda:0") == h200_channel
-    assert fp8_gemm.config_for(16384, 5376, True, "cuda:1") == fp8_gemm.DEFAULT_WIDE_CONFIGS[0]
-    assert fp8_gemm.config_for(16384, 5376, False, "cpu") == fp8_gemm.DEFAULT_WIDE_CONFIGS[1]
-    assert fp8_gemm.config_for(5376, 21504, True, "cuda:0") == fp8_gemm.NARROW_CONFIG
-
-
 def test_triton_fp8_many_rows_take_row_tiles(triton_device):
     """40 rows (a verify step of a batch): three row tiles; each row equals the reference and its own result
     computed alone."""
