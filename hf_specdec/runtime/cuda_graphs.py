@@ -305,6 +305,9 @@ def pad_table(table: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(table, (0, width - table.shape[1]), value=-1)
 
 
+META_INPUTS = 6  # tensors of a ForwardMeta as a graph's flat inputs (meta_inputs)
+
+
 def meta_inputs(meta: ForwardMeta) -> list[torch.Tensor]:
     """``meta`` (built on the device, e.g. by ``ForwardPlan.meta`` at a graph's bucket and table width) as a drafter
     graph's flat inputs; :func:`meta_of_inputs` inverts it."""

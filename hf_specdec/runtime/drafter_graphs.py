@@ -15,7 +15,10 @@ Two kinds of call:
 - a call that writes K/V by slot mapping (``plan=``, a forward planned on ``cache``): its tensors are filled
   the same way, and its metadata is derived from the plan straight into the graph's static inputs for every
   row of the bucket (padding rows have no query, no key, no slot and no page), so rows a larger batch left
-  never store anything; the function runs with that metadata as the cache's forward.
+  never store anything; the function runs with that metadata as the cache's forward;
+- a call of several such forwards (``plans=``: several caches, or one cache in forwards one after the other,
+  e.g. a drafter's context append and its next block): the metadata of each, derived the same way, is handed to
+  the function, which makes each its cache's forward where it runs it (``cache.forward_with``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from hf_specdec.cache import ForwardPlan
 from hf_specdec.runtime.cuda_graphs import (
     MAX_GRAPH_QUERY_LEN,
+    META_INPUTS,
     CallGraph,
     GraphStore,
     batch_bucket,
@@ -52,34 +56,38 @@ class DrafterGraphs:
         return self.store is not None and self.store.disabled_reason is None and not self.failed
 
     def run(self, name: str, fn, tensors: list[torch.Tensor], *, pad_values: tuple = (), key: tuple = (),
-            plan: ForwardPlan | None = None, cache=None):
-        """``fn(*tensors)`` — or ``fn(*tensors, meta)`` for a call that writes ``cache``'s K/V by the metadata of
-        ``plan`` (``cache.plan_forward``'s) — for tensors [batch, ...]; ``fn`` must not sync with the host. Returns
-        its outputs (tensors, tuples of them, or objects with ``rows(n)``) for the real rows; a replay's outputs
-        are the graph's static buffers, valid until its next replay. ``pad_values[i]`` fills padding rows of
-        ``tensors[i]`` at the capture (default 0); ``key`` adds what else fixes the call's shapes."""
-        if not self.on or (plan is not None and plan.q_len > MAX_GRAPH_QUERY_LEN):
-            if plan is None:
-                return fn(*tensors)
-            with cache.forward_with(plan.meta()) as meta:
-                return fn(*tensors, meta)
+            plan: ForwardPlan | None = None, cache=None, plans: list[ForwardPlan] | None = None):
+        """``fn(*tensors)`` -- ``fn(*tensors, meta)`` for a call that writes ``cache``'s K/V by the metadata of
+        ``plan`` (``cache.plan_forward``'s), run as the cache's forward; ``fn(*tensors, *metas)`` for ``plans``, one
+        metadata per plan, which ``fn`` makes its cache's forward itself -- for tensors [batch, ...]; ``fn`` must
+        not sync with the host. Returns its outputs (tensors, tuples of them, or objects with ``rows(n)``) for the
+        real rows; a replay's outputs are the graph's static buffers, valid until its next replay. ``pad_values[i]``
+        fills padding rows of ``tensors[i]`` at the capture (default 0); ``key`` adds what else fixes the call's
+        shapes."""
+        if plan is not None:
+            fn, plans = functools.partial(_with_meta, fn, cache), [plan]
+        plans = plans or []
+        if not self.on or any(p.q_len > MAX_GRAPH_QUERY_LEN for p in plans):
+            return fn(*tensors, *(p.meta() for p in plans))
         rows = tensors[0].shape[0]
         bucket = batch_bucket(rows)
-        # (owner kind, call name, owner ids..., store generation, bucket, input shapes, table width, extra key)
+        # (owner kind, call name, owner ids..., store generation, bucket, input shapes, table width, extra key,
+        # the planned forwards' widths)
         graph_key = (self.owner[0], name, *self.owner[1:], self.store.generation, bucket,
-                     tuple(tuple(t.shape[1:]) for t in tensors), self.table_width, *key)
-        if plan is not None:
-            graph_key = (*graph_key, plan.q_len)
+                     tuple(tuple(t.shape[1:]) for t in tensors), self.table_width, *key, *(p.q_len for p in plans))
         graph = self.store.get("calls", graph_key)
         if graph is not None:
-            if plan is not None:  # the metadata straight into the graph's static inputs, every row of the bucket
-                plan.meta(out=meta_of_inputs(graph.inputs[len(tensors):], plan.q_len))
+            # each plan's metadata straight into the graph's static inputs, every row of the bucket
+            for i, p in enumerate(plans):
+                start = len(tensors) + i * META_INPUTS
+                p.meta(out=meta_of_inputs(graph.inputs[start:start + META_INPUTS], p.q_len))
             return first_rows(graph(*tensors), rows)
         inputs = _pad_all(tensors, bucket, pad_values)
         body = fn
-        if plan is not None:
-            inputs += meta_inputs(plan.meta(rows=bucket, width=self.table_width))
-            body = functools.partial(_with_meta, fn, cache, len(tensors), plan.q_len)
+        if plans:
+            for p in plans:
+                inputs += meta_inputs(p.meta(rows=bucket, width=self.table_width))
+            body = functools.partial(_from_flat, fn, len(tensors), [p.q_len for p in plans])
         out = body(*inputs)
         try:
             self.store.keep("calls", graph_key, CallGraph(body, inputs))
@@ -95,12 +103,18 @@ def _pad_all(tensors, bucket: int, pad_values: tuple) -> list[torch.Tensor]:
     return [pad_rows(t, bucket, v) for t, v in zip(tensors, values)]
 
 
-def _with_meta(fn, cache, num_tensors: int, q_len: int, *flat):
-    """``fn(*tensors, meta)`` with the metadata rebuilt from ``flat`` (a graph's static inputs) and set as
-    ``cache``'s forward (its pages are the ones the layers write and read)."""
-    meta = meta_of_inputs(flat[num_tensors:], q_len)
-    with cache.forward_with(meta):
-        return fn(*flat[:num_tensors], meta)
+def _with_meta(fn, cache, *tensors_and_meta):
+    """``fn(*tensors, meta)`` with ``meta`` as ``cache``'s forward (its pages are the ones the layers write and
+    read)."""
+    with cache.forward_with(tensors_and_meta[-1]):
+        return fn(*tensors_and_meta)
+
+
+def _from_flat(fn, num_tensors: int, q_lens: list[int], *flat):
+    """``fn(*tensors, *metas)`` with each metadata rebuilt from ``flat`` (a graph's static inputs)."""
+    metas = [meta_of_inputs(flat[num_tensors + i * META_INPUTS:num_tensors + (i + 1) * META_INPUTS], q_len)
+             for i, q_len in enumerate(q_lens)]
+    return fn(*flat[:num_tensors], *metas)
 
 
 def first_rows(out, rows: int):

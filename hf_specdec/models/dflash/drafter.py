@@ -160,14 +160,23 @@ class DFlashDraftRunner(Drafter):
         device = self.drafter.fc.weight.device
         hidden = [h.to(device) for h in captured]
         context_plan = self.cache.plan_forward([verified] * len(lens), verified)  # positions p .. p + k_round
-        self.graphs.run("context", self._store_context, hidden, plan=context_plan, cache=self.cache)
         reserved = self.cache.plan_forward([k + 1] * len(lens), k + 1)  # its tables hold the longest block
         start = context_plan.counts[0] + num_accepted.to(device=device, dtype=torch.int32) + 1
-        plan = ForwardPlan(q_len=k + 1, counts=torch.stack([start, torch.full_like(start, k + 1)]),
-                           tables=reserved.tables, block_size=self.cache.block_size)
-        drafts = self.graphs.run("block", self._greedy_block, [next_tokens], plan=plan, cache=self.cache)
+        block_plan = ForwardPlan(q_len=k + 1, counts=torch.stack([start, torch.full_like(start, k + 1)]),
+                                 tables=reserved.tables, block_size=self.cache.block_size)
+        # the context append and the block in one call (one graph replay on CUDA)
+        drafts = self.graphs.run("ahead", self._context_then_block, [next_tokens, *hidden],
+                                 plans=[context_plan, block_plan])
         self._ahead = True
         return DraftProposal(drafts.to(next_tokens.device), None)
+
+    def _context_then_block(self, last_tokens, *hidden_and_metas) -> torch.Tensor:
+        """The context append of a verify's hidden states, then the greedy block after it (``propose_ahead``)."""
+        *hidden, context_meta, block_meta = hidden_and_metas
+        with self.cache.forward_with(context_meta):
+            self._store_context(*hidden, context_meta)
+        with self.cache.forward_with(block_meta):
+            return self._greedy_block(last_tokens, block_meta)
 
     def _block_logits(self, last_tokens, meta) -> torch.Tensor:
         """The drafts' logits [batch, k, vocab] of one block forward (its K/V stored in the block's slots)."""
