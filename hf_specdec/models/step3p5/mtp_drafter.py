@@ -22,10 +22,10 @@ slices and gathers of device tensors kept between rounds:
             of layer j-1 this round, and of its last round at the one position before them that layer j
             refreshes further back (at most one: layer j lacks at most one position more than layer j-1)
 
-With CUDA graphs on (the target's request uses them), each layer's forward of those rounds replays a graph
-of the batch's bucket (kept in the target's GraphStore per layer and width, over the MTP caches' pooled
-storage: padding rows have no query, no key, no slot and no page); the drafts are selected eagerly from its
-outputs, so greedy and sampled drafting share the graphs.
+With CUDA graphs on (the target's request uses them), a greedy round of those rounds (no logits processors) is
+one graph replay of the batch's bucket: every layer, the argmax of its head and the gathers between layers (kept
+in the target's GraphStore per width, over the MTP caches' pooled storage: padding rows have no query, no key, no
+slot and no page). Sampled rounds replay one graph per layer and select each draft eagerly from its outputs.
 """
 
 from __future__ import annotations
@@ -113,6 +113,8 @@ class Step3p5MTPDraftRunner(Drafter):
     def propose(self, last_tokens, context, selector) -> DraftProposal:
         lens = context.cache.seq_lens
         width, tokens, states, shift = self._round_inputs(last_tokens, lens, selector)
+        if shift is not None and not selector.do_sample and not selector.scorer.processors:
+            return DraftProposal(self._greedy_round(tokens, states, shift, lens), None)
         slots = torch.arange(width, device=tokens.device)
         drafted, probs = tokens[:, :0], []
         for j, mtp_cache in enumerate(self.caches):
@@ -151,6 +153,38 @@ class Step3p5MTPDraftRunner(Drafter):
         seq = torch.cat([self.tokens, self.drafted, last_tokens[:, None].to(self.tokens.dtype)], dim=1)
         seq.scatter_(1, self.accepted[:, None].long() + self.width + 1, last_tokens[:, None].to(seq.dtype))
         return seq.gather(1, self.kept[:, None] + torch.arange(self.width + 1, device=seq.device))
+
+    def _greedy_round(self, tokens, states, shift, lens) -> torch.Tensor:
+        """A greedy round at the fixed width as one call (one graph replay): every layer's forward over its planned
+        entries, its draft by argmax, its outputs under the next layer's. Returns the drafts [batch, k]."""
+        plans = [c.plan_forward([n - s for s, n in zip(c.seq_lens, lens)], self.width) for c in self.caches]
+        drafted, *below = self.graphs.run("greedy_round", self._greedy_layers, [tokens, states, shift, *self.below],
+                                          plans=plans)
+        for cache in self.caches:
+            cache.commit(cache.seq_lens)
+        self.below = list(below)
+        self.tokens, self.drafted = _last_columns(tokens, self.width + 1), drafted
+        return drafted
+
+    def _greedy_layers(self, tokens, states, shift, *below_and_metas):
+        """(drafts [batch, k], each layer j < k-1's outputs at this round's slots) of a greedy round; ``below``: each
+        layer's outputs of the last round, ``metas``: each layer's forward."""
+        below, metas = below_and_metas[:len(self.below)], below_and_metas[len(self.below):]
+        slots = torch.arange(self.width, device=tokens.device)
+        drafted, outputs_below = tokens[:, :0], []
+        for j, (mtp_cache, meta) in enumerate(zip(self.caches, metas)):
+            new = slots[None, :] >= (self.width - meta.q_lens.to(tokens.device))[:, None]
+            ids = torch.cat([tokens, drafted], dim=1)[:, 1 + j: 1 + j + self.width]
+            with mtp_cache.forward_with(meta):
+                logits, outputs = self._layer_forward(j, torch.where(new, ids, 0),
+                                                      torch.where(new[..., None], states, 0), meta)
+            logits, outputs = logits.to(tokens.device), outputs.to(tokens.device)  # no-ops unless the layer is apart
+            drafted = torch.cat([drafted, logits.argmax(dim=-1)[:, None].to(drafted.dtype)], dim=1)
+            if j + 1 < len(self.caches):
+                last = below[j].gather(1, shift[..., None].expand(-1, -1, outputs.shape[-1]))
+                states = torch.where(new[..., None], outputs, last)
+                outputs_below.append(states)
+        return (drafted, *outputs_below)
 
     def _below(self, j: int, outputs: torch.Tensor, new: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
         """Layer j's outputs at this round's slots [batch, width, hidden], for layer j+1: this round's where layer j
