@@ -1,5 +1,6 @@
 """Step 3.5 MTP drafting on CUDA graphs (invariant 5): after the first round each MTP layer's forward has a fixed
-width (k + 1 slots per row) and replays a graph of the batch's bucket; greedy decoding gives the tokens and the
+width (k + 1 slots per row); a greedy round replays one graph of the batch's bucket (a sampled one, a graph per
+layer); greedy decoding gives the tokens and the
 target-forward counts of eager drafting, sampling the tokens of eager drafting with the same seed, and a later
 request replays the kept graphs. The replay tests need a CUDA device; on CPU only the graphs' metadata inputs
 are tested (the graph path itself runs on CPU in tests/models/step3p5/test_step3p5_fixed_width.py)."""
@@ -43,9 +44,9 @@ def test_step3p5_mtp_graphs_give_the_eager_tokens_and_later_requests_replay_them
                   pad_token_id=0)
     _assert_graphs_give_eager_drafts(model, lengths, 0, kwargs, monkeypatch)
     calls = _mtp_calls(store)
-    assert {key[1] for key in calls} == {"layer0", "layer1", "layer2"}, "each MTP layer's forward was captured"
-    # (bucket, k + 1 slots: the width of the ids input)
-    assert {(key[4], key[5][0][0]) for key in calls} == {(batch_bucket(len(lengths)), 4)}
+    assert {key[1] for key in calls} == {"greedy_round"}, "a greedy round's layers were captured as one graph"
+    # (bucket, k + 1 slots: the width of layer 0's states input)
+    assert {(key[4], key[5][1][0]) for key in calls} == {(batch_bucket(len(lengths)), 4)}
     kept = (set(store.graphs), set(store.calls))
     _assert_graphs_give_eager_drafts(model, lengths, 1, kwargs, monkeypatch)  # other prompts, the same shapes
     assert (set(store.graphs), set(store.calls)) == kept  # replayed, nothing captured again
@@ -53,7 +54,7 @@ def test_step3p5_mtp_graphs_give_the_eager_tokens_and_later_requests_replay_them
 
 @cuda
 def test_sampled_step3p5_mtp_replays_the_graphs_with_the_eager_tokens():
-    """Sampling selects eagerly from the graphs' outputs: the same seed gives the tokens of eager drafting."""
+    """Sampling selects eagerly from the layers' graphs' outputs: the same seed gives the tokens of eager drafting."""
     (model,) = _bundled_on_cuda("tiny-step3p5")
     store = model._hf_specdec.graph_store
     ids, mask = left_padded_batch([12, 3, 7], vocab=200)
