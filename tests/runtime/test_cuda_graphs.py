@@ -389,9 +389,8 @@ def _assert_graphs_give_eager_drafts(model, lengths, seed, kwargs, monkeypatch):
 @cuda
 def test_dflash_block_and_context_graphs_give_the_eager_tokens(monkeypatch):
     """DFlash's greedy block forward and its context appends (with the next block when drafted ahead) replay graphs
-    of the batch's bucket (batches of
-    4, then 3 in the same bucket: padding rows store no K/V), later requests replay them, and the tokens are
-    those of eager drafting (fp32, bundled tiny family)."""
+    of the batch's bucket (batches of 4, then 3 in the same bucket: padding rows store no K/V), later requests
+    replay them, and the tokens are those of eager drafting (fp32, bundled tiny family)."""
     model, drafter = _bundled_on_cuda("tiny-gemma4", "tiny-gemma4-dflash")
     store = model._hf_specdec.graph_store
     kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, assistant_model=drafter,
