@@ -134,10 +134,15 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
         f_short = stats(short) if stats else None
         out, t_long = timed(lambda: generate(new_tokens))
         forwards = stats(out) - f_short if stats else None
-        pairs.append(dict(elapsed=max(t_long - t_short, 1e-9), out=out, t_long=t_long, forwards=forwards,
+        pairs.append(dict(elapsed=t_long - t_short, out=out, t_long=t_long, forwards=forwards,
                           snapshot=snapshot() if snapshot else None))
     pair = sorted(pairs, key=lambda p: p["elapsed"])[len(pairs) // 2]
     elapsed = pair["elapsed"]
+    if elapsed <= 0:
+        raise RuntimeError(f"generating {new_tokens} tokens per row took no longer than generating 1 (t(N) - t(1) = "
+                           f"{elapsed * 1e3:.1f} ms over the median of {len(pairs)} pairs): the calls' other work "
+                           "(a slow prefill) varies more than the decode takes, so no rate can be given; raise "
+                           "--new-tokens or --repeats")
     result = {"tokens_per_s": batch * (new_tokens - 1) / elapsed, "output": pair["out"], "seconds": pair["t_long"],
               "repeats": len(pairs), "snapshot": pair["snapshot"]}
     if stats:

@@ -253,3 +253,16 @@ def test_synthetic_acceptance_draws_one_number_per_position_for_every_k():
             assert accepted[row] == expected
             position += expected + 1
     assert sum(sum(d) for d in decisions) > 0
+
+
+def test_a_rate_hidden_by_the_calls_other_work_is_refused(monkeypatch):
+    """When generating N tokens took no longer than generating 1 (a slow, noisy prefill hides the decode), the rate
+    is refused with the fix, not reported as an absurd number; a long call that is slower gives the rate."""
+    from benchmarks import common
+
+    seconds = {1: 0.5, 64: 0.4}
+    monkeypatch.setattr(common, "timed", lambda fn: (fn(), seconds[fn()]))
+    with pytest.raises(RuntimeError, match="raise --new-tokens or --repeats"):
+        common.decode_rate(lambda n: n, batch=8, new_tokens=64, repeats=3)
+    seconds[64] = 0.563
+    assert common.decode_rate(lambda n: n, batch=8, new_tokens=64)["tokens_per_s"] == pytest.approx(8 * 63 / 0.063)
