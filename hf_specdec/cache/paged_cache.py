@@ -229,6 +229,25 @@ class PagedKVCache(Cache):
             raise ValueError(f"num_new has {len(num_new)} rows, the cache {self.batch_size}.")
         if any(n > q_len or n < 0 for n in num_new):
             raise ValueError(f"each row needs 0 <= num_new <= q_len={q_len}, got {num_new}.")
+        before = self._allocate(num_new)
+        counts = self._counts.put([before, num_new])
+        host = None
+        tables = self._device_tables()
+        if self.device.type == "cpu" and len(num_new) * q_len <= HOST_META_SLOTS:
+            host = (before, list(num_new), self._table_lists)
+        return ForwardPlan(q_len=q_len, counts=counts, tables=tables, block_size=self.block_size, host=host)
+
+    def plan_at(self, start: torch.Tensor, q_len: int) -> ForwardPlan:
+        """A forward of ``q_len`` tokens per row at positions ``start[b] ..``, positions only the device knows
+        (``start`` [batch] int32 on the cache's device, each at most the row's length: e.g. after an acceptance the
+        host has not read yet). Room for ``q_len`` tokens past every row's length is allocated (the longest case):
+        the lengths grow by ``q_len`` until the next :meth:`commit` sets them."""
+        self._allocate([q_len] * self.batch_size)
+        counts = torch.stack([start.to(torch.int32), torch.full_like(start, q_len, dtype=torch.int32)])
+        return ForwardPlan(q_len=q_len, counts=counts, tables=self._device_tables(), block_size=self.block_size)
+
+    def _allocate(self, num_new: list[int]) -> list[int]:
+        """Room for ``num_new[b]`` more tokens per row (the lengths grow); returns the lengths before."""
         before = self.seq_lens
         self.meta = None
         self._context_tables.clear()
@@ -236,12 +255,7 @@ class PagedKVCache(Cache):
         self.manager.append({s: n for s, n in zip(self.seq_ids, num_new) if n})
         self._fit_storage()
         self._check_windows(before, num_new)
-        counts = self._counts.put([before, num_new])
-        host = None
-        tables = self._device_tables()
-        if self.device.type == "cpu" and len(num_new) * q_len <= HOST_META_SLOTS:
-            host = (before, list(num_new), self._table_lists)
-        return ForwardPlan(q_len=q_len, counts=counts, tables=tables, block_size=self.block_size, host=host)
+        return before
 
     def begin(self, plan: ForwardPlan) -> ForwardMeta:
         """Derive ``plan``'s metadata into new buffers and make it this forward's (what the layers store and read

@@ -69,6 +69,31 @@ def test_sliding_group_memory_stays_bounded():
         assert cache.manager.num_live_blocks(cache.seq_ids[0], 1) <= 3
 
 
+def test_a_forward_at_device_positions_describes_what_a_host_plan_at_them_would():
+    """plan_at: a forward at positions only the device knows (each at most the row's length) stores and reads as a
+    forward planned on the host after rolling each row back to that position; room is kept for the longest case and
+    the commit sets the lengths."""
+    gen = torch.Generator().manual_seed(0)
+    caches = [PagedKVCache(LAYOUT, [64, 64], 2, block_size=4, dtype=torch.float32, device="cpu") for _ in range(2)]
+    for cache in caches:
+        _store(cache, [9, 5], 9, torch.Generator().manual_seed(1))
+        cache.commit([9, 5])
+    ahead = caches[0].plan_at(torch.tensor([6, 5], dtype=torch.int32), 3).meta()
+    assert caches[0].seq_lens == [12, 8]  # room for 3 past every row's length
+    caches[1].commit([6, 5])
+    host = caches[1].plan_forward([3, 3], 3).meta()
+    for field in ("kv_lens", "q_pos0", "q_lens", "position_ids"):
+        assert torch.equal(getattr(ahead, field), getattr(host, field)), field
+    for cache, meta in zip(caches, (ahead, host)):  # the slots hold the same positions of each row
+        with cache.forward_with(meta):
+            k = torch.randn(2, 2, 3, 8, generator=torch.Generator().manual_seed(2))
+            cache.update(k, k, 0)
+        cache.commit([9, 8])
+    for row in range(2):
+        torch.testing.assert_close(caches[0].gather(row, 0)[0], caches[1].gather(row, 0)[0])
+    assert caches[0].seq_lens == [9, 8]
+
+
 def test_out_of_blocks_raises_before_touching_state():
     cache = PagedKVCache(LAYOUT, [2, 2], 2, block_size=4, dtype=torch.float32, device="cpu")
     cache.begin_forward([4, 4], 4)

@@ -36,7 +36,7 @@ import inspect
 
 import torch
 
-from hf_specdec.cache import ForwardMeta, ForwardPlan, KVGroup, KVLayout, PagedKVCache
+from hf_specdec.cache import ForwardMeta, KVGroup, KVLayout, PagedKVCache
 from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.kernels import paged_attention, store_kv
 from hf_specdec.runtime.placement import execution_device, input_device, loaded_weights, place_drafter
@@ -160,10 +160,8 @@ class DFlashDraftRunner(Drafter):
         device = self.drafter.fc.weight.device
         hidden = [h.to(device) for h in captured]
         context_plan = self.cache.plan_forward([verified] * len(lens), verified)  # positions p .. p + k_round
-        reserved = self.cache.plan_forward([k + 1] * len(lens), k + 1)  # its tables hold the longest block
         start = context_plan.counts[0] + num_accepted.to(device=device, dtype=torch.int32) + 1
-        block_plan = ForwardPlan(q_len=k + 1, counts=torch.stack([start, torch.full_like(start, k + 1)]),
-                                 tables=reserved.tables, block_size=self.cache.block_size)
+        block_plan = self.cache.plan_at(start, k + 1)  # room for the longest block
         # the context append and the block in one call (one graph replay on CUDA)
         drafts = self.graphs.run("ahead", self._context_then_block, [next_tokens, *hidden],
                                  plans=[context_plan, block_plan])
