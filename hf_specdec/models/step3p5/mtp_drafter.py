@@ -115,15 +115,12 @@ class Step3p5MTPDraftRunner(Drafter):
         width, tokens, states, shift = self._round_inputs(last_tokens, lens, selector)
         if shift is not None and not selector.do_sample and not selector.scorer.processors:
             return DraftProposal(self._greedy_round(tokens, states, shift, lens), None)
-        slots = torch.arange(width, device=tokens.device)
         drafted, probs = tokens[:, :0], []
         for j, mtp_cache in enumerate(self.caches):
             plan = mtp_cache.plan_forward([n - s for s, n in zip(mtp_cache.seq_lens, lens)], width)
-            # [batch, width]: the row's new entries
-            new = slots[None, :] >= (width - plan.num_new.to(self.device))[:, None]
-            ids = torch.cat([tokens, drafted], dim=1)[:, 1 + j: 1 + j + width]  # t[i+1+j] at position i
-            logits, outputs = self._run_layer(j, torch.where(new, ids, 0), torch.where(new[..., None], states, 0),
-                                              plan, graph=shift is not None)  # graphs at the fixed width only
+            new, ids, layer_states = _layer_inputs(j, width, tokens, drafted, states, plan.num_new)
+            logits, outputs = self._run_layer(j, ids, layer_states, plan,
+                                              graph=shift is not None)  # graphs at the fixed width only
             logits, outputs = logits.to(self.device), outputs.to(self.device)  # no-ops unless the layer is apart
             mtp_cache.commit(mtp_cache.seq_lens)
             token, q = selector.select(logits, drafted)
@@ -170,19 +167,15 @@ class Step3p5MTPDraftRunner(Drafter):
         """(drafts [batch, k], each layer j < k-1's outputs at this round's slots) of a greedy round; ``below``: each
         layer's outputs of the last round, ``metas``: each layer's forward."""
         below, metas = below_and_metas[:len(self.below)], below_and_metas[len(self.below):]
-        slots = torch.arange(self.width, device=tokens.device)
         drafted, outputs_below = tokens[:, :0], []
         for j, (mtp_cache, meta) in enumerate(zip(self.caches, metas)):
-            new = slots[None, :] >= (self.width - meta.q_lens.to(tokens.device))[:, None]
-            ids = torch.cat([tokens, drafted], dim=1)[:, 1 + j: 1 + j + self.width]
+            new, ids, layer_states = _layer_inputs(j, self.width, tokens, drafted, states, meta.q_lens)
             with mtp_cache.forward_with(meta):
-                logits, outputs = self._layer_forward(j, torch.where(new, ids, 0),
-                                                      torch.where(new[..., None], states, 0), meta)
+                logits, outputs = self._layer_forward(j, ids, layer_states, meta)
             logits, outputs = logits.to(tokens.device), outputs.to(tokens.device)  # no-ops unless the layer is apart
             drafted = torch.cat([drafted, logits.argmax(dim=-1)[:, None].to(drafted.dtype)], dim=1)
             if j + 1 < len(self.caches):
-                last = below[j].gather(1, shift[..., None].expand(-1, -1, outputs.shape[-1]))
-                states = torch.where(new[..., None], outputs, last)
+                states = _over_last(outputs, new, below[j], shift)
                 outputs_below.append(states)
         return (drafted, *outputs_below)
 
@@ -190,8 +183,7 @@ class Step3p5MTPDraftRunner(Drafter):
         """Layer j's outputs at this round's slots [batch, width, hidden], for layer j+1: this round's where layer j
         ran, else the last round's (kept for the next round's one position further back)."""
         if shift is not None:
-            last = self.below[j].gather(1, shift[..., None].expand(-1, -1, outputs.shape[-1]))
-            outputs = torch.where(new[..., None], outputs, last)
+            outputs = _over_last(outputs, new, self.below[j], shift)
         self.below[j] = _last_columns(outputs, self.width)
         return outputs
 
@@ -229,6 +221,22 @@ class Step3p5MTPDraftRunner(Drafter):
         slots = torch.arange(self.width, device=pre_norm.device)
         index = (slots[None, :] + self.kept[:, None] - self.width).clamp(min=0)
         self.hidden = pre_norm.gather(1, index[..., None].expand(-1, -1, pre_norm.shape[-1]))
+
+
+def _layer_inputs(j: int, width: int, tokens: torch.Tensor, drafted: torch.Tensor, states: torch.Tensor,
+                  num_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the rows' new entries [batch, width] (the last ``num_new[b]`` slots), MTP layer j's ids t[i+1+j] and states
+    at the round's slots, zero where a row has no new entry)."""
+    slots = torch.arange(width, device=tokens.device)
+    new = slots[None, :] >= (width - num_new.to(tokens.device))[:, None]
+    ids = torch.cat([tokens, drafted], dim=1)[:, 1 + j: 1 + j + width]
+    return new, torch.where(new, ids, 0), torch.where(new[..., None], states, 0)
+
+
+def _over_last(outputs: torch.Tensor, new: torch.Tensor, last: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """A layer's outputs [batch, width, hidden] where it ran this round, else its last round's outputs ``last`` at
+    each slot's position then (``shift``: their slots)."""
+    return torch.where(new[..., None], outputs, last.gather(1, shift[..., None].expand(-1, -1, outputs.shape[-1])))
 
 
 def _last_columns(x: torch.Tensor, n: int) -> torch.Tensor:
