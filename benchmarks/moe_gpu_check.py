@@ -1,12 +1,15 @@
 """Fused MoE (``hf_specdec.kernels.fused_moe``) vs its torch reference at the real expert shapes, on one CUDA GPU.
 
     python -m benchmarks.moe_gpu_check [--shapes gemma4-26b-a4b step3p5] [--tokens 1 4 8 32 512] [--sweep | --profile]
+                                       [--weights bf16 | fp8 | both]
 
 Shapes (bf16, random weights of std 1/sqrt(fan_in)): Gemma 4 26B-A4B experts (128 experts, top-8, hidden 2816,
 intermediate 704, gelu-tanh, gate/up as the two halves of one stacked ``gate_up_proj``) and Step 3.5's
 (288 experts, top-8, hidden 4096, intermediate 1280, SwiGLU clamped at 7.0 (illustrative), separate weights),
 routed by the models' routers (``softmax_topk_route`` / ``sigmoid_bias_topk_route``) on random logits. Tokens 1
-(decode), 4 (verify, k=3), 8, 32 and 512 (prefill).
+(decode), 4 (verify, k=3), 8, 32 and 512 (prefill). ``--weights fp8``: the same weights quantized to e4m3 in 128 x 128
+blocks (``hf_specdec.kernels.fp8_moe.fused_moe_fp8``, its reference the dequantizing ``fused_moe_fp8_reference``;
+bytes counted at one per weight); ``both``: bf16, then fp8.
 
 Per case: the max error relative to the output's scale, ``max|out - ref| / max|ref|`` (pass < 2e-2); whether the
 whole layer captures in a CUDA graph and a replay on a new routing equals the eager call; the graph-replayed
@@ -33,6 +36,8 @@ import torch
 
 from benchmarks.shapes import STEP3P5
 from hf_specdec.kernels import fused_moe as fm
+from hf_specdec.kernels.fp8_gemm import quantize_fp8
+from hf_specdec.kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_reference
 
 SHAPES = {
     "gemma4-26b-a4b": dict(experts=128, top_k=8, hidden=2816, inter=704, activation="gelu_tanh", limit=None,
@@ -46,9 +51,13 @@ PASS_REL_ERROR = 2e-2
 REPLAYS = 100
 
 
+FP8_BLOCKS = (128, 128)
+
+
 @dataclass
 class Result:
     shape: str
+    weights: str
     tokens: int
     rel_error: float
     graph_ok: bool
@@ -62,10 +71,10 @@ class Result:
 
 
 class Layer:
-    """One shape's weights on the GPU and the routings its cases draw from."""
+    """One shape's weights on the GPU (bf16, or e4m3 with block scales) and the routings its cases draw from."""
 
-    def __init__(self, name: str):
-        self.name, self.shape = name, SHAPES[name]
+    def __init__(self, name: str, weights: str = "bf16"):
+        self.name, self.shape, self.weights = name, SHAPES[name], weights
         e, h, i = self.shape["experts"], self.shape["hidden"], self.shape["inter"]
         gen = torch.Generator(device="cuda").manual_seed(0)
         bf16 = dict(dtype=torch.bfloat16, device="cuda", generator=gen)
@@ -76,6 +85,12 @@ class Layer:
             self.w_gate, self.w_up = gate_up[:, :i].contiguous(), gate_up[:, i:].contiguous()
             del gate_up
         self.w_down = torch.randn(e, h, i, **bf16).mul_(i ** -0.5)
+        if weights == "fp8":  # the stacked gate/up and the down projection, expert by expert
+            if not self.shape["stacked"]:
+                gate_up = torch.cat([self.w_gate, self.w_up], dim=1)
+            self.fp8 = [_quantized(gate_up), _quantized(self.w_down)]
+            del gate_up
+            self.w_gate = self.w_up = self.w_down = None
         self.bias = torch.randn(e, device="cuda", generator=gen) * 0.1
         self.scale = torch.rand(e, device="cuda", generator=gen) + 0.5
         self.gen = gen
@@ -87,21 +102,39 @@ class Layer:
         return fm.sigmoid_bias_topk_route(logits, self.bias, self.shape["top_k"], True, 1.0)
 
     def inputs(self, tokens: int):
+        """The layer's arguments for ``tokens`` tokens, the routing's index and weights last."""
         x = torch.randn(tokens, self.shape["hidden"], device="cuda", generator=self.gen).bfloat16()
         weights, index = self.routing(tokens)
+        if self.weights == "fp8":
+            return x, *self.fp8[0], *self.fp8[1], index, weights
         return x, self.w_gate, self.w_up, self.w_down, index, weights
 
     def kwargs(self, config=None) -> dict:
-        return dict(activation=self.shape["activation"], limit=self.shape["limit"], config=config)
+        extra = dict(block_size=FP8_BLOCKS) if self.weights == "fp8" else {}
+        return dict(activation=self.shape["activation"], limit=self.shape["limit"], config=config, **extra)
+
+    def call(self, args, config=None) -> torch.Tensor:
+        return (fused_moe_fp8 if self.weights == "fp8" else fm.fused_moe)(*args, **self.kwargs(config))
+
+    def reference(self, args) -> torch.Tensor:
+        kwargs = self.kwargs()
+        del kwargs["config"]
+        return (fused_moe_fp8_reference if self.weights == "fp8" else fm.fused_moe_reference)(*args, **kwargs)
 
     def expert_bytes(self, distinct: float) -> float:
-        return distinct * 3 * self.shape["inter"] * self.shape["hidden"] * 2
+        return distinct * 3 * self.shape["inter"] * self.shape["hidden"] * (1 if self.weights == "fp8" else 2)
+
+
+def _quantized(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [E, N, K], scales [E, ceil(N/128), ceil(K/128)]) of bf16 ``weights``."""
+    pairs = [quantize_fp8(w, FP8_BLOCKS) for w in weights]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 def graph_time(layer: Layer, args, fn, replays: int = REPLAYS) -> tuple[list[float], list[int]]:
     """Capture ``fn()`` over the static ``args`` and replay it on fresh routings: (microseconds per replay,
     distinct experts per replay)."""
-    index, weights = args[4], args[5]
+    index, weights = args[-2], args[-1]
     routings = [layer.routing(index.shape[0]) for _ in range(replays)]
     fn()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -120,11 +153,11 @@ def graph_time(layer: Layer, args, fn, replays: int = REPLAYS) -> tuple[list[flo
 
 def check_graph(layer: Layer, args) -> bool:
     """The layer captures (no host sync inside) and a replay on a new routing equals the eager call."""
-    index, weights = args[4], args[5]
+    index, weights = args[-2], args[-1]
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fm.fused_moe(*args, **layer.kwargs())
+            out = layer.call(args)
     except RuntimeError as error:
         print(f"capture failed: {error}")
         return False
@@ -132,26 +165,24 @@ def check_graph(layer: Layer, args) -> bool:
     index.copy_(i)
     weights.copy_(w)
     graph.replay()
-    return torch.equal(out, fm.fused_moe(*args, **layer.kwargs()))
+    return torch.equal(out, layer.call(args))
 
 
 def check_case(layer: Layer, tokens: int) -> Result:
     import triton.testing
 
     args = layer.inputs(tokens)
-    kwargs = layer.kwargs()
-    out = fm.fused_moe(*args, **kwargs)
-    ref = fm.fused_moe_reference(*args, activation=kwargs["activation"], limit=kwargs["limit"])
+    out = layer.call(args)
+    ref = layer.reference(args)
     rel_error = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
     graph_ok = check_graph(layer, args)
-    times, distinct = graph_time(layer, args, lambda: fm.fused_moe(*args, **kwargs))
-    group_times, _ = graph_time(layer, args, lambda: fm.group_pairs(args[4], layer.shape["experts"],
+    times, distinct = graph_time(layer, args, lambda: layer.call(args))
+    group_times, _ = graph_time(layer, args, lambda: fm.group_pairs(args[-2], layer.shape["experts"],
                                                                     fm.config_for(tokens).block_m))
-    eager_us = triton.testing.do_bench(lambda: fm.fused_moe(*args, **kwargs)) * 1e3
-    reference_us = triton.testing.do_bench(
-        lambda: fm.fused_moe_reference(*args, activation=kwargs["activation"], limit=kwargs["limit"])) * 1e3
+    eager_us = triton.testing.do_bench(lambda: layer.call(args)) * 1e3
+    reference_us = triton.testing.do_bench(lambda: layer.reference(args)) * 1e3
     gb_per_s = statistics.median(layer.expert_bytes(d) / (t * 1e-6) / 1e9 for t, d in zip(times, distinct))
-    return Result(layer.name, tokens, rel_error, graph_ok, statistics.median(times), eager_us, reference_us,
+    return Result(layer.name, layer.weights, tokens, rel_error, graph_ok, statistics.median(times), eager_us, reference_us,
                   statistics.median(group_times), statistics.mean(distinct), gb_per_s,
                   rel_error < PASS_REL_ERROR and graph_ok)
 
@@ -171,8 +202,8 @@ def sweep(layer: Layer, tokens_list=(1, 4)) -> dict:
 
     def total_us(config: fm.MoeConfig) -> float:
         try:
-            us = sum(statistics.median(graph_time(layer, args, lambda: fm.fused_moe(*args, **layer.kwargs(config)),
-                                                  replays=30)[0]) for args in cases)
+            us = sum(statistics.median(graph_time(layer, args, lambda: layer.call(args, config), replays=30)[0])
+                     for args in cases)
         except Exception as error:  # e.g. out of shared memory for the deepest pipelines
             print(f"  {config}: {type(error).__name__}", flush=True)
             return float("inf")
@@ -187,23 +218,23 @@ def sweep(layer: Layer, tokens_list=(1, 4)) -> dict:
     baseline = total_us(default)
     for name, table in (("gate_up", gate_up), ("down", down)):
         top = sorted(table.items(), key=lambda kv: kv[1])[:5]
-        print(f"{layer.name} {name} best 5 (us, tokens {tokens_list} summed): "
+        print(f"{layer.name} {layer.weights} {name} best 5 (us, tokens {tokens_list} summed): "
               + ", ".join(f"{c}={us:.1f}" for c, us in top))
     best = fm.MoeConfig(default.block_m, best_gate_up, best_down)
-    print(f"{layer.name}: best {best} {down[best_down]:.1f} us vs default {default} {baseline:.1f} us")
-    return dict(shape=layer.name, best=asdict(best), best_us=down[best_down], default_us=baseline)
+    print(f"{layer.name} {layer.weights}: best {best} {down[best_down]:.1f} us vs default {default} {baseline:.1f} us")
+    return dict(shape=layer.name, weights=layer.weights, best=asdict(best), best_us=down[best_down], default_us=baseline)
 
 
 def profile(layer: Layer, tokens: int) -> None:
     """CUDA time per kernel of eager fused_moe calls (the same kernels a graph replays)."""
     args = layer.inputs(tokens)
-    fm.fused_moe(*args, **layer.kwargs())
+    layer.call(args)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
-            fm.fused_moe(*args, **layer.kwargs())
+            layer.call(args)
         torch.cuda.synchronize()
-    print(f"{layer.name}, {tokens} tokens, 20 calls:")
+    print(f"{layer.name} {layer.weights}, {tokens} tokens, 20 calls:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
 
 
@@ -214,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="tune the launch configs at tokens 1 and 4 (or the --tokens given) instead")
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel at each --tokens instead")
+    parser.add_argument("--weights", choices=("bf16", "fp8", "both"), default="bf16",
+                        help="the experts' weights: bf16, e4m3 in 128 x 128 blocks, or each in turn")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -222,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     results, sweeps = [], []
-    for name in args.shapes:
-        layer = Layer(name)
+    for name, weights in product(args.shapes, ("bf16", "fp8") if args.weights == "both" else (args.weights,)):
+        layer = Layer(name, weights)
         if args.sweep:
             sweeps.append(sweep(layer, tuple(args.tokens) if args.tokens != list(TOKENS) else (1, 4)))
         elif args.profile:
@@ -234,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         del layer
         torch.cuda.empty_cache()
     if results:
-        print(f"{'shape':15} {'T':>4} {'rel_err':>8} {'graph':>5} {'graph_us':>8} {'eager_us':>8} {'ref_us':>8} "
+        print(f"{'shape':15} {'weights':7} {'T':>4} {'rel_err':>8} {'graph':>5} {'graph_us':>8} {'eager_us':>8} {'ref_us':>8} "
               f"{'group_us':>8} {'experts':>7} {'GB/s':>6}  ok")
         for r in results:
-            print(f"{r.shape:15} {r.tokens:4d} {r.rel_error:8.1e} {'yes' if r.graph_ok else 'NO':>5} "
+            print(f"{r.shape:15} {r.weights:7} {r.tokens:4d} {r.rel_error:8.1e} {'yes' if r.graph_ok else 'NO':>5} "
                   f"{r.graph_us:8.1f} {r.eager_us:8.1f} {r.reference_us:8.0f} {r.group_us:8.1f} "
                   f"{r.distinct_experts:7.1f} {r.gb_per_s:6.0f}  {'yes' if r.passed else 'NO'}")
     all_pass = all(r.passed for r in results)

@@ -21,8 +21,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
-from hf_specdec.kernels.fused_moe import fused_moe
-from hf_specdec.kernels.gelu_mul import is_gelu_tanh
+from hf_specdec.kernels.fused_moe import activation_name, fused_moe
 
 EXPERTS_NAME = "hf_specdec"
 _FALLBACK = "_hf_specdec_experts_fallback"  # per experts module: the implementation it had before enable
@@ -42,7 +41,7 @@ def fused_weights(experts: torch.nn.Module):
     """(w_gate, w_up [E, I, H], w_down [E, H, I], activation) as views of the module's parameters, or None when
     :func:`fused_moe` does not compute what this module computes."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    activation = _activation(getattr(experts, "act_fn", None))
+    activation = activation_name(getattr(experts, "act_fn", None))
     # a class's own _apply_gate (e.g. a clamped SwiGLU) or a norm after each expert computes something else
     if (not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or activation is None
             or getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate
@@ -55,14 +54,6 @@ def fused_weights(experts: torch.nn.Module):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     inter = gate_up.shape[1] // 2
     return gate_up[:, :inter], gate_up[:, inter:], down, activation
-
-
-def _activation(act) -> str | None:
-    if is_gelu_tanh(act):
-        return "gelu_tanh"
-    if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
-        return "silu"
-    return None
 
 
 def _fallback(experts):

@@ -29,13 +29,8 @@ import torch
 
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON
-from hf_specdec.kernels.fp8_gemm import (
-    compressed_fp8_linear_forward,
-    fp8_experts_forward,
-    fp8_experts_fusible,
-    fp8_linear_forward,
-    fp8_linear_fusible,
-)
+from hf_specdec.kernels.fp8_gemm import compressed_fp8_linear_forward, fp8_linear_forward, fp8_linear_fusible
+from hf_specdec.kernels.fp8_moe import fp8_experts_forward, fp8_experts_fusible
 from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import dense_weight, stack_weights
 

@@ -31,7 +31,7 @@ in [2**14, 2**15) (:func:`f16_rows`, one launch; the sum is scaled back exactly)
 in fp16: the kernel is bound by this per-weight work, not by bandwidth (1.05-1.2x on an H200). A value below 2**-28
 of its row's largest loses bits in fp16 (it would add less than 2**-28 of that row's terms). Older GPUs have no
 e4m3 type in Triton: the kernel then loads the bytes as uint8 and builds each value by integer ops
-(:func:`_e4m3_bits_to_float`, bit-exact). Triton's CPU interpreter loads
+(:func:`e4m3_bits_to_float`, bit-exact). Triton's CPU interpreter loads
 float8_e4m3fn tensors and converts every finite value exactly (NaN codes read as +-480; quantized weights hold
 none), so the tests run both paths on CPU.
 
@@ -40,7 +40,8 @@ row's result does not depend on the batch. More than ``MAX_KERNEL_ROWS`` rows, f
 autograd tracks take the reference, which materializes an fp32 copy of the weight.
 
 Mixture-of-experts weights (``[E, N, K]`` e4m3 with ``[E, ceil(N / bn), ceil(K / bk)]`` scales, transformers'
-``FP8Experts``) go through :func:`fp8_expert_linear`: each (token, expert) pair is one matrix-vector product of
+``FP8Experts``) mostly go through the grouped expert kernels (:mod:`.fp8_moe`); those whose gate they do not
+compute go through :func:`fp8_expert_linear`: each (token, expert) pair is one matrix-vector product of
 its expert's weight (:func:`fp8_expert_matmul`, one program per pair and ``BLOCK_N`` columns), so a decode or
 verify step reads the selected experts' bytes with no host sync (CUDA-graph capturable); the products are exact
 in fp32 and summed in fp32 as the reference does. A pair's result does not depend on the other pairs. Many
@@ -64,7 +65,7 @@ FP16_DOTS = True  # bf16 rows multiply fp8 weights as fp16 (see fp8_matmul); Fal
 
 
 @triton.jit
-def _e4m3_bits_to_float(bits):
+def e4m3_bits_to_float(bits):
     """float8_e4m3fn bytes (uint8) -> their fp32 values, bit-exact for every finite code. The byte's exponent and
     mantissa, moved into fp16's bit positions, are the value times 2**-8 (the exponent biases differ by 8, and
     e4m3 subnormals land on fp16 subnormals the same way); fp16 -> fp32 and the power of two are exact."""
@@ -74,7 +75,7 @@ def _e4m3_bits_to_float(bits):
 
 
 @triton.jit
-def _load_scale(ptrs, mask, E8M0: tl.constexpr):
+def load_scale(ptrs, mask, E8M0: tl.constexpr):
     """Scales at ``ptrs`` as fp32; E8M0: uint8 exponents, 2**(e - 127) (0 reads as 0, not 2**-127)."""
     if E8M0:
         exponent = tl.load(ptrs, mask=mask, other=127).to(tl.int32)
@@ -105,13 +106,13 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, inv_ptr, M, N, K, stride_xm, st
         if SCALE_PER_K:
             # the scales of the tile's SUB_K-wide parts (each inside one block of scales along K), in one load
             sub_k = tl.minimum((k0 + subs * SUB_K) // scale_bk, (K - 1) // scale_bk)
-            scales = _load_scale(s_rows[:, None] + sub_k[None, :] * stride_sk, col_ok[:, None], SCALE_E8M0)
+            scales = load_scale(s_rows[:, None] + sub_k[None, :] * stride_sk, col_ok[:, None], SCALE_E8M0)
         for j in tl.static_range(BLOCK_K // SUB_K):
             w, x = load_k_tile(w_rows, x_rows, k0 + j * SUB_K, K, col_ok, row_ok, SUB_K)
             if NATIVE_FP8:
                 w = w.to(x.dtype)  # F16_ROWS: x is fp16, one conversion per two weights
             else:
-                w = _e4m3_bits_to_float(w).to(x.dtype)
+                w = e4m3_bits_to_float(w).to(x.dtype)
             if UPCAST:
                 part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
@@ -121,7 +122,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, inv_ptr, M, N, K, stride_xm, st
             else:
                 acc += part
     if not SCALE_PER_K:
-        acc = acc * _load_scale(s_rows, col_ok, SCALE_E8M0)[None, :]
+        acc = acc * load_scale(s_rows, col_ok, SCALE_E8M0)[None, :]
     if F16_ROWS:  # undo the rows' powers of two (exact)
         acc = acc * tl.load(inv_ptr + rows, mask=row_ok, other=1.0)[:, None]
     out = (y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
@@ -192,15 +193,15 @@ def _fp8_expert_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xp
         k_ok = ks < K
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy="evict_first")
-        w = w.to(tl.float32) if NATIVE_FP8 else _e4m3_bits_to_float(w)
+        w = w.to(tl.float32) if NATIVE_FP8 else e4m3_bits_to_float(w)
         x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
         part = tl.sum(w * x[None, :], axis=1)  # e4m3 x bf16/fp16 products are exact in fp32
         if SCALE_PER_K:
-            acc += part * _load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)
+            acc += part * load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)
         else:
             acc += part
     if not SCALE_PER_K:
-        acc = acc * _load_scale(s_rows, col_ok, SCALE_E8M0)
+        acc = acc * load_scale(s_rows, col_ok, SCALE_E8M0)
     tl.store(y_ptr + pair * stride_yp + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -537,39 +538,6 @@ def fp8_expert_linear(x: torch.Tensor,  # [pairs, K]
     if fp8_expert_eligible(x, weight, scale, expert_ids, block_size):
         return fp8_expert_matmul(x, weight, scale, expert_ids, block_size)
     return fp8_expert_linear_reference(x, weight, scale, expert_ids, block_size)
-
-
-def fp8_experts_forward(self, hidden_states: torch.Tensor,  # [tokens, hidden]
-                        top_k_index: torch.Tensor,  # [tokens, top_k]
-                        top_k_weights: torch.Tensor) -> torch.Tensor:  # [tokens, top_k] -> [tokens, hidden]
-    """``forward`` of transformers' ``FP8Experts`` (``gate_up_proj`` [E, 2I, H] or ``up_proj`` [E, I, H], and
-    ``down_proj`` [E, H, I], e4m3 with ``*_scale_inv`` block scales) through :func:`fp8_expert_linear`, weight-only:
-    each (token, slot) pair runs its expert's up projection, the module's own gate (``_apply_gate``) or
-    activation, and its down projection; the top-k outputs, times their routing weights, are summed in fp32 in
-    slot order. Expert-parallel sentinels (``top_k_index == E``) are not handled: such models keep their own
-    forward (``fp8_experts_fusible``)."""
-    tokens, top_k = top_k_index.shape
-    ids = top_k_index.reshape(-1)
-    x = hidden_states[:, None].expand(tokens, top_k, hidden_states.shape[-1]).reshape(tokens * top_k, -1)
-    if self.has_gate:
-        h = self._apply_gate(fp8_expert_linear(x, self.gate_up_proj, self.gate_up_proj_scale_inv, ids,
-                                               self.block_size))
-    else:
-        h = self.act_fn(fp8_expert_linear(x, self.up_proj, self.up_proj_scale_inv, ids, self.block_size))
-    out = fp8_expert_linear(h, self.down_proj, self.down_proj_scale_inv, ids, self.block_size)
-    out = out.view(tokens, top_k, -1) * top_k_weights[..., None].to(out.dtype)
-    return out.float().sum(dim=1).to(hidden_states.dtype)
-
-
-def fp8_experts_fusible(module) -> bool:
-    """Whether :func:`fp8_experts_forward` computes what this ``FP8Experts`` module computes: e4m3 weights (not
-    FP4-packed), no biases, not expert-parallel."""
-    names = ("gate_up_proj", "gate_up_proj_scale_inv") if getattr(module, "has_gate", True) else (
-        "up_proj", "up_proj_scale_inv")
-    tensors = [getattr(module, n, None) for n in (*names, "down_proj", "down_proj_scale_inv")]
-    return (all(isinstance(t, torch.Tensor) for t in tensors) and tensors[0].dtype == FP8_DTYPE
-            and tensors[2].dtype == FP8_DTYPE and not getattr(module, "has_bias", False)
-            and not getattr(module, "_is_expert_parallel", False) and hasattr(module, "_apply_gate"))
 
 
 def fp8_linear_fusible(module) -> bool:

@@ -58,7 +58,8 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import check, check_same_device, interpreting, needs_grad, next_power_of_2, tl, triton, use_triton
-from .gelu_mul import gelu_tanh_mul_reference
+from .fp8_gemm import E8M0_DTYPE, e4m3_bits_to_float, load_scale
+from .gelu_mul import gelu_tanh_mul_reference, is_gelu_tanh
 
 logger = logging.getLogger(__name__)
 
@@ -84,23 +85,25 @@ class MoeConfig:
     down: tuple[int, int, int, int]
 
 
-# Decode / verify (<= 16 tokens): memory bound; narrow N tiles make many programs so the weights stream at full
-# bandwidth (Gemma 4 decode: 8 experts x 22 I tiles, 8 x 44 H tiles). From `python -m benchmarks.moe_gpu_check
-# --sweep` on an H100 (graph-timed, tokens 1 + 4): the best of 54 configs per kernel is within 1-3% of these for
-# both Gemma 4 26B-A4B and Step 3.5; the spread over the whole grid is ~10%.
+# Decode / verify: memory bound; narrow N tiles make many programs so the weights stream at full bandwidth (Gemma 4
+# decode: 8 experts x 22 I tiles, 8 x 44 H tiles). From `python -m benchmarks.moe_gpu_check --sweep` on an H100
+# (graph-timed, tokens 1 + 4): the best of 54 configs per kernel is within 1-3% of these for both Gemma 4 26B-A4B and
+# Step 3.5; the spread over the whole grid is ~10%. 16-row blocks stay the fastest up to 64 tokens (26B-A4B experts,
+# H200, graph-timed: 32 tokens 335 us against 367 in 32-row blocks, 64 tokens 433 against 504 in the prefill config)
+# and for e4m3 weights at every width measured (1-64 tokens: 32- and 64-row blocks take 1.5-2.7x as long there).
 DECODE_CONFIG = MoeConfig(block_m=16, gate_up=(32, 128, 4, 4), down=(64, 128, 4, 4))
+DECODE_MAX_TOKENS = 64
 # Prefill: taller blocks share each weight tile among more rows. `--sweep --tokens 512` (H100): Step 3.5 2.85 ->
 # ~2.5 ms over the first guess (64, 64, 4, 3) for both; Gemma 4 26B-A4B unchanged (~0.71 ms).
 PREFILL_CONFIG = MoeConfig(block_m=64, gate_up=(64, 128, 4, 2), down=(128, 64, 4, 2))
 
 
-def config_for(tokens: int) -> MoeConfig:
-    """Default launch parameters for a forward of ``tokens`` rows: a decode / verify forward's pairs of one
-    expert fit in one 16-row block; 17-32 tokens take 32-row blocks; wider forwards the prefill config."""
-    if tokens <= 16:
+def config_for(tokens: int, fp8: bool = False) -> MoeConfig:
+    """Default launch parameters for a forward of ``tokens`` rows: 16-row blocks up to ``DECODE_MAX_TOKENS`` tokens
+    (a decode or verify forward rounds every row in tiles of one shape), and for e4m3 weights at any width; wider
+    forwards of dense weights the prefill config."""
+    if fp8 or tokens <= DECODE_MAX_TOKENS:
         return DECODE_CONFIG
-    if tokens <= 32:
-        return MoeConfig(32, DECODE_CONFIG.gate_up, DECODE_CONFIG.down)
     return PREFILL_CONFIG
 
 
@@ -315,14 +318,43 @@ def _block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, 
 
 
 @triton.jit
+def _weight_tile(w, x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """(x, w) ready for ``tl.dot``: FP8 weights in x's dtype (exact: every e4m3 value is a bf16 / fp16 value);
+    under the interpreter, bf16 and FP8 tiles as fp32 (it multiplies bf16 tiles as their raw bits)."""
+    if FP8:
+        if NATIVE_FP8:
+            w = w.to(tl.float32) if EMULATE_BF16 else w.to(x.dtype)
+        else:
+            w = e4m3_bits_to_float(w) if EMULATE_BF16 else e4m3_bits_to_float(w).to(x.dtype)
+    if EMULATE_BF16:
+        return x.to(tl.float32), w.to(tl.float32)
+    return x, w
+
+
+@triton.jit
+def _scaled(part, s_cols, k0, col_ok, stride_sk, scale_bk, FP8: tl.constexpr, SCALE_PER_K: tl.constexpr,
+            SCALE_E8M0: tl.constexpr):
+    """A K tile's fp32 partial sum times its block of scales (FP8 weights with scales per K block; the tile lies in
+    one block): ``s_cols`` are its columns' rows of scales."""
+    if FP8:
+        if SCALE_PER_K:
+            return part * load_scale(s_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[None, :]
+    return part
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, wg_ptr, wu_ptr, inter_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
     num_pairs, num_experts, top_k, hidden, inter_size, limit,
     stride_xt, stride_xh, stride_ge, stride_gn, stride_gk, stride_ue, stride_un, stride_uk,
+    s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, up_row0,
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr,
-    K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
+    K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
+    SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False,
 ):
+    """FP8: e4m3 gate and up weights (views of one stacked [E, 2I, H] tensor), their scales at ``s_ptr`` [E, sn,
+    sk] (gate column c takes scale row ``c // scale_bn``, up column c row ``(up_row0 + c) // scale_bn``)."""
     block = tl.program_id(0)
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
@@ -336,6 +368,8 @@ def _moe_gate_up_kernel(
     x_rows = x_ptr + token[:, None] * stride_xt
     g_rows = wg_ptr + expert * stride_ge + cols.to(tl.int64)[:, None] * stride_gn
     u_rows = wu_ptr + expert * stride_ue + cols.to(tl.int64)[:, None] * stride_un
+    sg_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn  # FP8: the scales' rows
+    su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -346,10 +380,16 @@ def _moe_gate_up_kernel(
         # the weights are read once: keep them from evicting the token rows from L2
         g = tl.load(g_rows + ks[None, :] * stride_gk, mask=w_mask, other=0.0, eviction_policy="evict_first")
         u = tl.load(u_rows + ks[None, :] * stride_uk, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        if EMULATE_BF16:  # the interpreter multiplies bf16 tiles as their raw bits: upcast
-            x, g, u = x.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        acc_g += tl.dot(x, tl.trans(g), input_precision=PRECISION)
-        acc_u += tl.dot(x, tl.trans(u), input_precision=PRECISION)
+        xg, g = _weight_tile(g, x, FP8, NATIVE_FP8, EMULATE_BF16)
+        xu, u = _weight_tile(u, x, FP8, NATIVE_FP8, EMULATE_BF16)
+        acc_g += _scaled(tl.dot(xg, tl.trans(g), input_precision=PRECISION), sg_cols, k0, col_ok, stride_sk,
+                         scale_bk, FP8, SCALE_PER_K, SCALE_E8M0)
+        acc_u += _scaled(tl.dot(xu, tl.trans(u), input_precision=PRECISION), su_cols, k0, col_ok, stride_sk,
+                         scale_bk, FP8, SCALE_PER_K, SCALE_E8M0)
+    if FP8:
+        if not SCALE_PER_K:  # one scale per column (or per tensor): on the finished sums
+            acc_g = acc_g * load_scale(sg_cols, col_ok, SCALE_E8M0)[None, :]
+            acc_u = acc_u * load_scale(su_cols, col_ok, SCALE_E8M0)[None, :]
     dtype: tl.constexpr = inter_ptr.dtype.element_ty
     # F.linear rounds gate and up to the model dtype before the activation
     h = _gated_activation(_round(acc_g, dtype, EMULATE_BF16), _round(acc_u, dtype, EMULATE_BF16), limit, dtype,
@@ -361,8 +401,10 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     inter_ptr, wd_ptr, out_ptr, weights_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
     num_pairs, num_experts, hidden, inter_size, stride_de, stride_dn, stride_dk,
+    s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
+    SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False,
 ):
     block = tl.program_id(0)
     if not ONE_TOKEN:
@@ -375,6 +417,8 @@ def _moe_down_kernel(
     col_ok = cols < hidden
     a_rows = inter_ptr + rows[:, None] * inter_size
     w_rows = wd_ptr + expert * stride_de + cols.to(tl.int64)[:, None] * stride_dn
+    s_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn  # FP8: the scales' rows
+    out_dtype: tl.constexpr = inter_ptr.dtype.element_ty  # the activations' (the weights' unless FP8)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -382,12 +426,15 @@ def _moe_down_kernel(
         a = tl.load(a_rows + ks[None, :], mask=k_ok[None, :], other=0.0)
         w = tl.load(w_rows + ks[None, :] * stride_dk, mask=col_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy="evict_first")
-        if EMULATE_BF16:  # the interpreter multiplies bf16 tiles as their raw bits: upcast
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+        a, w = _weight_tile(w, a, FP8, NATIVE_FP8, EMULATE_BF16)
+        acc += _scaled(tl.dot(a, tl.trans(w), input_precision=PRECISION), s_cols, k0, col_ok, stride_sk, scale_bk,
+                       FP8, SCALE_PER_K, SCALE_E8M0)
+    if FP8:
+        if not SCALE_PER_K:
+            acc = acc * load_scale(s_cols, col_ok, SCALE_E8M0)[None, :]
     # F.linear's output in the model dtype, then .float() * the routing weight
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
-    y = _round(acc, wd_ptr.dtype.element_ty, EMULATE_BF16) * weight[:, None]
+    y = _round(acc, out_dtype, EMULATE_BF16) * weight[:, None]
     tl.store(out_ptr + pair[:, None] * hidden + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -432,7 +479,7 @@ def fused_moe(
     config = config or config_for(hidden_states.shape[0])
     check(config.block_m >= 16 and config.block_m == next_power_of_2(config.block_m),
           f"config.block_m must be a power of two >= 16, got {config.block_m}")
-    return _launch(*args, activation, limit, config)
+    return launch(*args, activation, limit, config)
 
 
 def _check_args(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit) -> None:
@@ -470,6 +517,16 @@ def _unsupported(x: torch.Tensor, w_gate: torch.Tensor, top_k_index: torch.Tenso
         return f"more than MAX_EXPERTS={MAX_EXPERTS} experts"
     if top_k_index.shape[1] > MAX_TOP_K:
         return f"top_k above MAX_TOP_K={MAX_TOP_K}"
+    return None
+
+
+def activation_name(act) -> str | None:
+    """The ``activation`` argument that computes the activation module ``act`` (transformers' tanh-GELU, SiLU), or
+    None."""
+    if is_gelu_tanh(act):
+        return "gelu_tanh"
+    if isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation":
+        return "silu"
     return None
 
 
@@ -527,7 +584,38 @@ def _tile(config: tuple[int, int, int, int], n: int, k: int) -> tuple[int, int, 
     return min(block_n, max(16, next_power_of_2(n))), min(block_k, max(16, next_power_of_2(k))), warps, stages
 
 
-def _launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit, config: MoeConfig):
+@dataclass(frozen=True)
+class Fp8Weights:
+    """What the kernels read besides e4m3 weights: each weight's scales [E, sn, sk] and their blocks ``(bn, bk)``
+    (weight ``[e, i, j]`` takes ``scale[e, i // bn, j // bk]``), the row of the stacked gate/up weight where up
+    starts, whether Triton loads e4m3 natively on this device (else bytes, converted by integer ops)."""
+
+    gate_up_scale: torch.Tensor
+    down_scale: torch.Tensor
+    gate_up_blocks: tuple[int, int]
+    down_blocks: tuple[int, int]
+    up_row0: int
+    native: bool
+
+
+def _scale_args(scale: torch.Tensor | None, blocks: tuple[int, int], native: bool, x: torch.Tensor):
+    """(kernel arguments, constexprs) of one weight's scales; None: dense weights (unread placeholders)."""
+    if scale is None:
+        return (x, 0, 0, 0, 1, 1), {}
+    e8m0 = scale.dtype == E8M0_DTYPE
+    return ((scale.view(torch.uint8) if e8m0 else scale, *scale.stride(), *blocks),
+            dict(FP8=True, NATIVE_FP8=native, SCALE_PER_K=scale.shape[2] > 1, SCALE_E8M0=e8m0))
+
+
+def _k_tile(block_k: int, fp8: Fp8Weights | None, scale: torch.Tensor | None, bk: int) -> int:
+    """A K tile inside one block of scales (FP8 weights with scales per K block), else ``block_k``."""
+    if fp8 is None or scale.shape[2] == 1:
+        return block_k
+    return min(block_k, bk & -bk)
+
+
+def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit, config: MoeConfig,
+            fp8: Fp8Weights | None = None):
     tokens, hidden = x.shape
     experts, inter, _ = w_gate.shape
     top_k = top_k_index.shape[1]
@@ -542,23 +630,32 @@ def _launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, lim
     # casts: there the kernels upcast the tiles and round by integer ops
     emulate = x.dtype == torch.bfloat16 and interpreting(_moe_gate_up_kernel)
     precision = "ieee" if x.dtype == torch.float32 or emulate else "tf32"  # fp32 stays fp32 (no tf32 rounding)
+    if fp8 is not None and not fp8.native:  # e4m3 bytes, converted in the kernels
+        w_gate, w_up, w_down = (w.view(torch.uint8) for w in (w_gate, w_up, w_down))
+    native = fp8 is None or fp8.native
+    gate_up_scale = None if fp8 is None else fp8.gate_up_scale
+    down_scale = None if fp8 is None else fp8.down_scale
+    gate_up_args, gate_up_fp8 = _scale_args(gate_up_scale, fp8 and fp8.gate_up_blocks, native, x)
+    down_args, down_fp8 = _scale_args(down_scale, fp8 and fp8.down_blocks, native, x)
     intermediate = torch.empty(max_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = _tile(config.gate_up, inter, hidden)
+    block_k = _k_tile(block_k, fp8, gate_up_scale, gate_up_args[-1])
     _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n))](
         x, w_gate, w_up, intermediate, row_pair, block_expert, num_blocks,
         pairs, experts, top_k, hidden, inter, float(limit or 0.0),
-        *x.stride(), *w_gate.stride(), *w_up.stride(),
+        *x.stride(), *w_gate.stride(), *w_up.stride(), *gate_up_args, 0 if fp8 is None else fp8.up_row0,
         ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate, ONE_TOKEN=one_token,
-        K_BETA=0.7978845608028654, K_KAPPA=0.044715, num_warps=warps, num_stages=stages)
+        K_BETA=0.7978845608028654, K_KAPPA=0.044715, num_warps=warps, num_stages=stages, **gate_up_fp8)
     weights = top_k_weights.reshape(-1).float()
     parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = _tile(config.down, hidden, inter)
+    block_k = _k_tile(block_k, fp8, down_scale, down_args[-1])
     _moe_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         intermediate, w_down, parts, weights, row_pair, block_expert, num_blocks,
-        pairs, experts, hidden, inter, *w_down.stride(),
+        pairs, experts, hidden, inter, *w_down.stride(), *down_args,
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate,
-        ONE_TOKEN=one_token, num_warps=warps, num_stages=stages)
+        ONE_TOKEN=one_token, num_warps=warps, num_stages=stages, **down_fp8)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     block = min(SUM_BLOCK, next_power_of_2(hidden))
     _moe_sum_kernel[(tokens, triton.cdiv(hidden, block))](parts, out, top_k, hidden, BLOCK=block,

@@ -32,7 +32,6 @@ from hf_specdec.kernels.fp8_gemm import (
     fp8_expert_linear,
     fp8_expert_linear_reference,
     fp8_expert_matmul,
-    fp8_experts_forward,
     fp8_linear,
     fp8_linear_forward,
     fp8_linear_reference,
@@ -40,6 +39,8 @@ from hf_specdec.kernels.fp8_gemm import (
     quantize_fp8,
     split_k_for,
 )
+
+from hf_specdec.kernels.fp8_moe import fp8_experts_forward
 
 from ..tiny_models import gemma4_26b_style, gemma4_31b_style
 from .conftest import run_file_cases_in_interpreter

@@ -331,9 +331,10 @@ def test_triton_out_of_range_expert_spoils_only_its_token(triton_device, bad):
 @pytest.mark.parametrize("top_k", [2, 8])
 def test_triton_fused_moe_prefill(triton_device, top_k):
     """Wider forwards take taller blocks (config_for), and past ALIGN_MAX_PAIRS pairs the torch grouping."""
-    args = make_moe(40, 8, top_k, hidden=32, inter=48, device=triton_device, seed=top_k)
-    assert fused_moe_module.config_for(40).block_m > 16
-    assert (40 * top_k > fused_moe_module.ALIGN_MAX_PAIRS) == (top_k == 8)
+    tokens = fused_moe_module.DECODE_MAX_TOKENS + 1
+    args = make_moe(tokens, 8, top_k, hidden=32, inter=48, device=triton_device, seed=top_k)
+    assert fused_moe_module.config_for(tokens).block_m > 16
+    assert (tokens * top_k > fused_moe_module.ALIGN_MAX_PAIRS) == (top_k == 8)
     _check_against_reference(args, "gelu_tanh", None)
 
 

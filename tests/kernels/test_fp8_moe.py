@@ -1,0 +1,184 @@
+"""fused_moe_fp8: the reference is fused_moe's on the dequantized weights, the grouped kernels over e4m3 weights
+match the reference (block scales whose rows straddle the gate/up seam, per-expert scales, e8m0 scales, bytes
+converted by integer ops), a token's output does not depend on the others of its forward, and transformers'
+FP8Experts take the grouped kernels where their gate is one the kernels compute."""
+
+import pytest
+import torch
+
+from hf_specdec.generation.quantization import fp8_quantize_model
+from hf_specdec.kernels import fp8_moe
+from hf_specdec.kernels.fp8_gemm import E8M0_DTYPE, dequantize_fp8, quantize_fp8
+from hf_specdec.kernels.fp8_moe import (
+    fp8_experts_forward,
+    fused_moe_fp8,
+    fused_moe_fp8_eligible,
+    fused_moe_fp8_reference,
+    grouped_activation,
+)
+from hf_specdec.kernels.fused_moe import MoeConfig, fused_moe_reference
+
+from ..tiny_models import gemma4_26b_style
+from .conftest import run_file_cases_in_interpreter
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+             torch.float16: dict(atol=2e-3, rtol=2e-3)}
+SMALL = MoeConfig(block_m=16, gate_up=(16, 16, 4, 2), down=(16, 16, 4, 2))  # several N and K tiles at test sizes
+
+
+def quantized_experts(weights: torch.Tensor, block_size, gen: torch.Generator):
+    """(e4m3 [E, N, K], fp32 scales [E, sn, sk]) of dense ``weights``, scales spread over powers of two (a wrong
+    scale index shows); block_size None: one scale per expert's weight, two rows of it (as transformers allocates
+    for a stacked gate/up)."""
+    fp8, scales = [], []
+    for w in weights:
+        q, s = quantize_fp8(w, block_size or tuple(w.shape))
+        s = s * torch.exp2(torch.randint(-3, 4, s.shape, generator=gen).float())
+        fp8.append(q)
+        scales.append(s.expand(2, -1) if block_size is None else s)
+    return torch.stack(fp8), torch.stack(scales)
+
+
+def make_fp8_moe(tokens, experts, top_k, hidden=32, inter=24, block_size=(16, 16), dtype=torch.bfloat16, seed=0,
+                 device="cpu"):
+    """(x, gate_up, gate_up_scale, down, down_scale, index, weights); inter 24 with 16-row scale blocks puts the
+    up half's first rows in the gate's last block of scales (the 26B-A4B: 704 rows, 128-row blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up, gate_up_scale = quantized_experts(torch.randn(experts, 2 * inter, hidden, generator=gen), block_size, gen)
+    down, down_scale = quantized_experts(torch.randn(experts, hidden, inter, generator=gen), block_size, gen)
+    index = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, generator=gen)
+    return tuple(t.to(device) for t in (x.to(dtype), gate_up, gate_up_scale, down, down_scale, index, weights))
+
+
+def dequantized(weight, scale, block_size):
+    n, k = weight.shape[1:]
+    bn, bk = block_size or (-(-n // scale.shape[1]), k)
+    return torch.stack([dequantize_fp8(w, s[:-(-n // bn), :-(-k // bk)], (bn, bk)) for w, s in zip(weight, scale)])
+
+
+# ---------------------------------------------------------------- reference (CPU)
+
+
+@pytest.mark.parametrize("block_size", [(16, 16), None])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu"])
+def test_reference_is_fused_moe_on_the_dequantized_weights(block_size, activation):
+    """In fp32 every rounding of either reference is exact to fp32: the two agree to the summation order."""
+    x, gate_up, gate_up_scale, down, down_scale, index, weights = make_fp8_moe(5, 8, 2, block_size=block_size,
+                                                                               dtype=torch.float32)
+    got = fused_moe_fp8_reference(x, gate_up, gate_up_scale, down, down_scale, index, weights,
+                                  activation=activation, block_size=block_size)
+    dense_gate_up = dequantized(gate_up, gate_up_scale, block_size)
+    expected = fused_moe_reference(x, dense_gate_up[:, :24], dense_gate_up[:, 24:],
+                                   dequantized(down, down_scale, block_size), index, weights, activation=activation)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
+def test_bad_arguments_name_the_fix():
+    x, gate_up, gate_up_scale, down, down_scale, index, weights = make_fp8_moe(2, 4, 2)
+    with pytest.raises(ValueError, match=r"gate_up must be \[num_experts, 2 \* inter, hidden=32\] float8_e4m3fn"):
+        fused_moe_fp8(x, gate_up.float(), gate_up_scale, down, down_scale, index, weights, activation="silu")
+    with pytest.raises(ValueError, match=r"down must be \[num_experts=4, hidden=32, inter=24\]"):
+        fused_moe_fp8(x, gate_up, gate_up_scale, down[:, :, :16], down_scale, index, weights, activation="silu")
+    with pytest.raises(ValueError, match=r"down_scale must be \[num_experts=4, sn, sk\]"):
+        fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale[0], index, weights, activation="silu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, index, weights, activation="relu")
+    with pytest.raises(ValueError, match=r"must be \[E, ceil\(48/16\), ceil\(32/8\)\]"):
+        fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, index, weights, activation="silu",
+                      block_size=(16, 8))
+
+
+def test_cpu_tensors_take_the_reference(monkeypatch):
+    args = make_fp8_moe(3, 8, 2)
+    monkeypatch.setattr(fp8_moe, "launch", lambda *a, **k: pytest.fail("the kernels were launched"))
+    assert not fused_moe_fp8_eligible(*args, block_size=(16, 16))
+    torch.testing.assert_close(fused_moe_fp8(*args, activation="gelu_tanh", block_size=(16, 16)),
+                               fused_moe_fp8_reference(*args, activation="gelu_tanh", block_size=(16, 16)),
+                               rtol=0, atol=0)
+
+
+def test_grouped_activation_only_for_gates_the_kernels_compute():
+    experts = fp8_quantize_model(gemma4_26b_style(), (16, 16)).model.layers[0].experts
+    assert grouped_activation(experts) == "gelu_tanh"
+    experts.swiglu_limit = experts.limit = 7.0  # a clamped gate: the module's own _apply_gate
+    assert grouped_activation(experts) is None
+    experts.swiglu_limit = experts.limit = None
+    experts.act_fn = torch.nn.ReLU()
+    assert grouped_activation(experts) is None
+
+
+# ---------------------------------------------------------------- kernels (GPU, or the interpreter)
+
+
+@pytest.mark.parametrize("native_fp8", [True, False])
+@pytest.mark.parametrize("block_size,scale_dtype", [((16, 16), torch.float32), ((16, 32), E8M0_DTYPE),
+                                                    (None, torch.bfloat16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fused_moe_fp8(triton_device, monkeypatch, dtype, block_size, scale_dtype, native_fp8):
+    monkeypatch.setattr(fp8_moe, "_has_native_fp8", lambda device: native_fp8)
+    x, gate_up, gate_up_scale, down, down_scale, index, weights = make_fp8_moe(3, 8, 2, block_size=block_size,
+                                                                               dtype=dtype, seed=len(str(block_size)))
+    if scale_dtype == E8M0_DTYPE:  # powers of two
+        gate_up_scale, down_scale = (torch.exp2(s.log2().round()).to(E8M0_DTYPE) for s in (gate_up_scale, down_scale))
+    args = tuple(t.to(triton_device) for t in (x, gate_up, gate_up_scale.to(scale_dtype), down,
+                                                down_scale.to(scale_dtype), index, weights))
+    activation = "gelu_tanh" if dtype == torch.bfloat16 else "silu"
+    got = fused_moe_fp8(*args, activation=activation, block_size=block_size, config=SMALL)
+    expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation=activation, block_size=block_size)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_triton_fused_moe_fp8_default_config(triton_device, tokens):
+    """Decode (one token), verify (grouped in 16-row blocks) and a prefill (40 tokens: an expert's pairs over several
+    16-row blocks) with the default tiles."""
+    args = make_fp8_moe(tokens, 4, 2, hidden=64, inter=48, block_size=(16, 32), seed=tokens, device=triton_device)
+    got = fused_moe_fp8(*args, activation="gelu_tanh", block_size=(16, 32))
+    expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=(16, 32))
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[torch.bfloat16])
+
+
+def test_triton_fused_moe_fp8_token_alone_gives_the_same_bits(triton_device):
+    """A verify forward's token and a decode step of the same token round alike (batch invariance)."""
+    x, *rest, index, weights = make_fp8_moe(6, 8, 2, seed=3, device=triton_device)
+    together = fused_moe_fp8(x, *rest, index, weights, activation="gelu_tanh", block_size=(16, 16))
+    for t in (0, 4):
+        alone = fused_moe_fp8(x[t:t + 1], *rest, index[t:t + 1], weights[t:t + 1], activation="gelu_tanh",
+                              block_size=(16, 16))
+        assert torch.equal(alone[0], together[t])
+
+
+def test_triton_fp8_experts_forward_takes_the_grouped_kernels(triton_device, monkeypatch):
+    """transformers' FP8Experts of a 26B-A4B-style model (8 experts, top-2, inter 16 in 16 x 16 blocks): the forward
+    runs the grouped kernels (never the per-pair one) and equals the grouped reference."""
+    experts = fp8_quantize_model(gemma4_26b_style(), (16, 16)).model.layers[0].experts.to(triton_device)
+    monkeypatch.setattr(fp8_moe, "fp8_expert_linear", lambda *a, **k: pytest.fail("the per-pair path ran"))
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(4, 32, generator=gen).bfloat16().to(triton_device)
+    index = torch.tensor([[0, 5], [5, 7], [2, 0], [5, 1]], device=triton_device)
+    weights = torch.rand(4, 2, generator=gen).to(triton_device)
+    with torch.no_grad():
+        got = fp8_experts_forward(experts, hidden, index, weights)
+    args = [t.cpu() for t in (hidden, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
+                              experts.down_proj_scale_inv, index, weights)]
+    expected = fused_moe_fp8_reference(*args, activation="gelu_tanh", block_size=(16, 16))
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_fused_moe_fp8_captures_in_a_cuda_graph():
+    args = make_fp8_moe(4, 8, 2, hidden=256, inter=192, block_size=(128, 128), device="cuda")
+    expected = fused_moe_fp8(*args, activation="gelu_tanh", block_size=(128, 128))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_fp8(*args, activation="gelu_tanh", block_size=(128, 128))
+    graph.replay()
+    assert torch.equal(out, expected)
+
+
+def test_fp8_moe_cases_in_interpreter(request):
+    """This file by itself on CPU: its ``triton_`` tests in the interpreter (``conftest.run_file_cases_in_interpreter``)."""
+    run_file_cases_in_interpreter(request, __file__, min_passed=15)
