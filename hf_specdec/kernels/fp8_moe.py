@@ -3,7 +3,10 @@
 :func:`fused_moe_fp8` is :func:`.fused_moe` over e4m3 weights: the same grouping of the (token, slot) pairs by
 expert, the same gate/up, activation, down and top-k sum kernels, with each weight tile converted to the
 activations' dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value) and each K tile's partial
-sum times its block of scales (per-channel or per-tensor scales: the finished sums). So a decode or verify step
+sum times its block of scales (per-channel or per-tensor scales: the finished sums). As in ``fp8_linear``, bf16
+token rows go to fp16 first (``fp8_gemm.f16_rows``, each row times a power of two) where Triton loads e4m3
+natively, so that the gate/up weights convert in one instruction per two values; the down projection's rows are
+made inside the kernels and keep bf16. So a decode or verify step
 reads each selected expert's e4m3 bytes once, on the tensor cores, with no host sync, and the routing weights and
 the fp32 sum over the k slots stay inside the kernels (CUDA-graph capturable; a prefill's pairs go through the
 same kernels in taller blocks).
@@ -46,6 +49,8 @@ from .fused_moe import (
     gated_activation_reference,
 )
 
+FP16_DOTS = True  # bf16 token rows multiply the gate/up weights as fp16 where e4m3 loads natively (False: as bf16)
+
 
 def fused_moe_fp8(hidden_states: torch.Tensor,  # [tokens, hidden] bf16 / fp16
                   gate_up: torch.Tensor,  # [E, 2I, hidden] float8_e4m3fn: the gate's rows, then the up's
@@ -63,10 +68,10 @@ def fused_moe_fp8(hidden_states: torch.Tensor,  # [tokens, hidden] bf16 / fp16
     _check_args(*args, activation, limit)
     if not fused_moe_fp8_eligible(*args, block_size=block_size):
         return fused_moe_fp8_reference(*args, activation=activation, block_size=block_size, limit=limit)
-    inter = down.shape[2]
+    inter, native = down.shape[2], _has_native_fp8(hidden_states.device)
     fp8 = Fp8Weights(gate_up_scale, down_scale, expert_scale_blocks(gate_up_scale, block_size, *gate_up.shape[1:]),
-                      expert_scale_blocks(down_scale, block_size, *down.shape[1:]), inter,
-                      _has_native_fp8(hidden_states.device))
+                      expert_scale_blocks(down_scale, block_size, *down.shape[1:]), inter, native,
+                      fp16_dots=FP16_DOTS and native and hidden_states.dtype == torch.bfloat16)
     return launch(hidden_states, gate_up[:, :inter], gate_up[:, inter:], down, top_k_index, top_k_weights,
                    activation, limit, config or config_for(hidden_states.shape[0], fp8=True), fp8)
 

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import check, check_same_device, interpreting, needs_grad, next_power_of_2, tl, triton, use_triton
-from .fp8_gemm import E8M0_DTYPE, e4m3_bits_to_float, load_scale
+from .fp8_gemm import E8M0_DTYPE, e4m3_bits_to_float, f16_rows, load_scale
 from .gelu_mul import gelu_tanh_mul_reference, is_gelu_tanh
 
 logger = logging.getLogger(__name__)
@@ -347,14 +347,16 @@ def _moe_gate_up_kernel(
     x_ptr, wg_ptr, wu_ptr, inter_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
     num_pairs, num_experts, top_k, hidden, inter_size, limit,
     stride_xt, stride_xh, stride_ge, stride_gn, stride_gk, stride_ue, stride_un, stride_uk,
-    s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, up_row0,
+    s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, up_row0, inv_ptr,
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr,
     K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
-    SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False,
+    SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False, F16_ROWS: tl.constexpr = False,
 ):
     """FP8: e4m3 gate and up weights (views of one stacked [E, 2I, H] tensor), their scales at ``s_ptr`` [E, sn,
-    sk] (gate column c takes scale row ``c // scale_bn``, up column c row ``(up_row0 + c) // scale_bn``)."""
+    sk] (gate column c takes scale row ``c // scale_bn``, up column c row ``(up_row0 + c) // scale_bn``).
+    F16_ROWS: ``x`` holds the bf16 token rows as fp16 times powers of two (``fp8_gemm.f16_rows``), the inverse
+    powers at ``inv_ptr``: the weights convert to fp16 in one instruction per two, the sums are scaled back exactly."""
     block = tl.program_id(0)
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
@@ -390,6 +392,9 @@ def _moe_gate_up_kernel(
         if not SCALE_PER_K:  # one scale per column (or per tensor): on the finished sums
             acc_g = acc_g * load_scale(sg_cols, col_ok, SCALE_E8M0)[None, :]
             acc_u = acc_u * load_scale(su_cols, col_ok, SCALE_E8M0)[None, :]
+    if F16_ROWS:  # undo the rows' powers of two (exact)
+        inverse = tl.load(inv_ptr + token, mask=row_ok, other=1.0)[:, None]
+        acc_g, acc_u = acc_g * inverse, acc_u * inverse
     dtype: tl.constexpr = inter_ptr.dtype.element_ty
     # F.linear rounds gate and up to the model dtype before the activation
     h = _gated_activation(_round(acc_g, dtype, EMULATE_BF16), _round(acc_u, dtype, EMULATE_BF16), limit, dtype,
@@ -596,6 +601,7 @@ class Fp8Weights:
     down_blocks: tuple[int, int]
     up_row0: int
     native: bool
+    fp16_dots: bool = False  # bf16 token rows go to fp16 first (fp8_gemm.f16_rows) for the gate/up dots
 
 
 def _scale_args(scale: torch.Tensor | None, blocks: tuple[int, int], native: bool, x: torch.Tensor):
@@ -638,15 +644,18 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
     gate_up_args, gate_up_fp8 = _scale_args(gate_up_scale, fp8 and fp8.gate_up_blocks, native, x)
     down_args, down_fp8 = _scale_args(down_scale, fp8 and fp8.down_blocks, native, x)
     intermediate = torch.empty(max_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
+    fp16_dots = fp8 is not None and fp8.fp16_dots
+    rows_in, inverse = f16_rows(x) if fp16_dots else (x, x)  # inverse: unread without fp16 dots
     block_n, block_k, warps, stages = _tile(config.gate_up, inter, hidden)
     block_k = _k_tile(block_k, fp8, gate_up_scale, gate_up_args[-1])
     _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n))](
-        x, w_gate, w_up, intermediate, row_pair, block_expert, num_blocks,
+        rows_in, w_gate, w_up, intermediate, row_pair, block_expert, num_blocks,
         pairs, experts, top_k, hidden, inter, float(limit or 0.0),
-        *x.stride(), *w_gate.stride(), *w_up.stride(), *gate_up_args, 0 if fp8 is None else fp8.up_row0,
-        ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
+        *rows_in.stride(), *w_gate.stride(), *w_up.stride(), *gate_up_args, 0 if fp8 is None else fp8.up_row0,
+        inverse, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate, ONE_TOKEN=one_token,
-        K_BETA=0.7978845608028654, K_KAPPA=0.044715, num_warps=warps, num_stages=stages, **gate_up_fp8)
+        K_BETA=0.7978845608028654, K_KAPPA=0.044715, num_warps=warps, num_stages=stages, F16_ROWS=fp16_dots,
+        **gate_up_fp8)
     weights = top_k_weights.reshape(-1).float()
     parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = _tile(config.down, hidden, inter)

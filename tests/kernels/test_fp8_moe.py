@@ -112,12 +112,15 @@ def test_grouped_activation_only_for_gates_the_kernels_compute():
 # ---------------------------------------------------------------- kernels (GPU, or the interpreter)
 
 
-@pytest.mark.parametrize("native_fp8", [True, False])
+@pytest.mark.parametrize("path", ["fp16_dots", "native", "bytes"])
 @pytest.mark.parametrize("block_size,scale_dtype", [((16, 16), torch.float32), ((16, 32), E8M0_DTYPE),
                                                     (None, torch.bfloat16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_fused_moe_fp8(triton_device, monkeypatch, dtype, block_size, scale_dtype, native_fp8):
-    monkeypatch.setattr(fp8_moe, "_has_native_fp8", lambda device: native_fp8)
+def test_triton_fused_moe_fp8(triton_device, monkeypatch, dtype, block_size, scale_dtype, path):
+    """path: bf16 rows as fp16 for the gate/up dots (the default with native e4m3 loads), e4m3 loaded natively and
+    converted to the rows' dtype, or loaded as bytes and converted by integer ops."""
+    monkeypatch.setattr(fp8_moe, "_has_native_fp8", lambda device: path != "bytes")
+    monkeypatch.setattr(fp8_moe, "FP16_DOTS", path == "fp16_dots")
     x, gate_up, gate_up_scale, down, down_scale, index, weights = make_fp8_moe(3, 8, 2, block_size=block_size,
                                                                                dtype=dtype, seed=len(str(block_size)))
     if scale_dtype == E8M0_DTYPE:  # powers of two
