@@ -46,6 +46,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per row")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="median of this many timed (1, N) pairs per row (targets whose prefill time varies)")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--compile-batches", type=int, nargs="+", default=None,
                         help="batch sizes that run hf_static_compile (default: all; each costs a compile)")
@@ -148,7 +150,7 @@ def measure_hf_dynamic(model, ids, args) -> dict:
     def generate(n):
         return model.generate(**_generate_kwargs(ids, n, return_dict_in_generate=True, output_logits=True))
 
-    return decode_rate(generate, ids.shape[0], args.new_tokens)
+    return decode_rate(generate, ids.shape[0], args.new_tokens, repeats=args.repeats)
 
 
 def measure_hf_static_compile(model, ids, args) -> dict:
@@ -161,7 +163,7 @@ def measure_hf_static_compile(model, ids, args) -> dict:
         cache.reset()
         return model.generate(**_generate_kwargs(ids, n, past_key_values=cache))
 
-    result = decode_rate(generate, ids.shape[0], args.new_tokens)
+    result = decode_rate(generate, ids.shape[0], args.new_tokens, repeats=args.repeats)
     result["extra"] = {"compiled": model.device.type == "cuda"}
     return result
 
@@ -169,7 +171,8 @@ def measure_hf_static_compile(model, ids, args) -> dict:
 def measure_hf_specdec(model, ids, args) -> dict:
     hf_specdec.enable(model)
     try:
-        return decode_rate(lambda n: model.generate(**_generate_kwargs(ids, n)), ids.shape[0], args.new_tokens)
+        return decode_rate(lambda n: model.generate(**_generate_kwargs(ids, n)), ids.shape[0], args.new_tokens,
+                           repeats=args.repeats)
     finally:
         hf_specdec.disable(model)
 
