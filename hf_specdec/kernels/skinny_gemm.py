@@ -124,7 +124,8 @@ def _fp32_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype == torch.float32 and x.is_cuda and weight.dtype == torch.float32 and weight.dim() == 2
             and type(weight) in (torch.Tensor, torch.nn.Parameter) and x.dim() > 0 and x.shape[-1] == weight.shape[1]
             and weight.shape[0] <= FP32_TRANSPOSED_MAX_COLUMNS
-            and x.numel() // max(1, x.shape[-1]) in FP32_TRANSPOSED_ROWS)
+            and x.numel() // max(1, x.shape[-1]) in FP32_TRANSPOSED_ROWS
+            and not needs_grad(x) and not needs_grad(weight))  # under autograd: exactly the module's own product
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
