@@ -182,8 +182,8 @@ def check_case(layer: Layer, tokens: int) -> Result:
     eager_us = triton.testing.do_bench(lambda: layer.call(args)) * 1e3
     reference_us = triton.testing.do_bench(lambda: layer.reference(args)) * 1e3
     gb_per_s = statistics.median(layer.expert_bytes(d) / (t * 1e-6) / 1e9 for t, d in zip(times, distinct))
-    return Result(layer.name, layer.weights, tokens, rel_error, graph_ok, statistics.median(times), eager_us, reference_us,
-                  statistics.median(group_times), statistics.mean(distinct), gb_per_s,
+    return Result(layer.name, layer.weights, tokens, rel_error, graph_ok, statistics.median(times), eager_us,
+                  reference_us, statistics.median(group_times), statistics.mean(distinct), gb_per_s,
                   rel_error < PASS_REL_ERROR and graph_ok)
 
 
@@ -222,7 +222,8 @@ def sweep(layer: Layer, tokens_list=(1, 4)) -> dict:
               + ", ".join(f"{c}={us:.1f}" for c, us in top))
     best = fm.MoeConfig(default.block_m, best_gate_up, best_down)
     print(f"{layer.name} {layer.weights}: best {best} {down[best_down]:.1f} us vs default {default} {baseline:.1f} us")
-    return dict(shape=layer.name, weights=layer.weights, best=asdict(best), best_us=down[best_down], default_us=baseline)
+    return dict(shape=layer.name, weights=layer.weights, best=asdict(best), best_us=down[best_down],
+                default_us=baseline)
 
 
 def profile(layer: Layer, tokens: int) -> None:
@@ -267,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         del layer
         torch.cuda.empty_cache()
     if results:
-        print(f"{'shape':15} {'weights':7} {'T':>4} {'rel_err':>8} {'graph':>5} {'graph_us':>8} {'eager_us':>8} {'ref_us':>8} "
-              f"{'group_us':>8} {'experts':>7} {'GB/s':>6}  ok")
+        print(f"{'shape':15} {'weights':7} {'T':>4} {'rel_err':>8} {'graph':>5} {'graph_us':>8} {'eager_us':>8} "
+              f"{'ref_us':>8} {'group_us':>8} {'experts':>7} {'GB/s':>6}  ok")
         for r in results:
             print(f"{r.shape:15} {r.weights:7} {r.tokens:4d} {r.rel_error:8.1e} {'yes' if r.graph_ok else 'NO':>5} "
                   f"{r.graph_us:8.1f} {r.eager_us:8.1f} {r.reference_us:8.0f} {r.group_us:8.1f} "

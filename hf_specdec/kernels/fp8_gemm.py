@@ -359,7 +359,7 @@ def _launch_setup(x, scale, bk, block_k, scale_per_k, native_fp8, kernel):
     if x.stride(-1) != 1:
         x = x.contiguous()
     if native_fp8 is None:
-        native_fp8 = _has_native_fp8(x.device)
+        native_fp8 = has_native_fp8(x.device)
     upcast = x.dtype == torch.bfloat16 and interpreting(kernel)
     return x, block_k, native_fp8, scale.dtype == E8M0_DTYPE, upcast
 
@@ -376,7 +376,7 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> N
     check_same_device(x=x, weight=weight, scale=scale)
 
 
-def _has_native_fp8(device: torch.device) -> bool:
+def has_native_fp8(device: torch.device) -> bool:
     """Whether Triton has the e4m3 type on ``device``: sm_89+ GPUs, and the CPU interpreter."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 

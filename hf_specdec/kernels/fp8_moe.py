@@ -9,7 +9,7 @@ natively, so that the gate/up weights convert in one instruction per two values;
 made inside the kernels and keep bf16. So a decode or verify step
 reads each selected expert's e4m3 bytes once, on the tensor cores, with no host sync, and the routing weights and
 the fp32 sum over the k slots stay inside the kernels (CUDA-graph capturable; a prefill's pairs go through the
-same kernels in taller blocks).
+same kernels, in 16-row blocks at every width: taller ones took 1.5-2.7x as long with e4m3 tiles).
 
 Numerics (:func:`fused_moe_fp8_reference`): each projection is the weight dequantized in fp32, the product
 accumulated in fp32 and rounded once to the activations' dtype (the contract of ``fp8_linear``); then, as in
@@ -32,21 +32,21 @@ from .fp8_gemm import (
     FP8_DTYPE,
     MIN_BLOCK_K,
     SCALE_DTYPES,
-    _has_native_fp8,
     dequantize_fp8,
     expert_scale_blocks,
     fp8_expert_linear,
+    has_native_fp8,
 )
 from .fused_moe import (
     ACTIVATIONS,
     MAX_EXPERTS,
     MAX_TOP_K,
-    MoeConfig,
     Fp8Weights,
-    launch,
+    MoeConfig,
     activation_name,
     config_for,
     gated_activation_reference,
+    launch,
 )
 
 FP16_DOTS = True  # bf16 token rows multiply the gate/up weights as fp16 where e4m3 loads natively (False: as bf16)
@@ -68,7 +68,7 @@ def fused_moe_fp8(hidden_states: torch.Tensor,  # [tokens, hidden] bf16 / fp16
     _check_args(*args, activation, limit)
     if not fused_moe_fp8_eligible(*args, block_size=block_size):
         return fused_moe_fp8_reference(*args, activation=activation, block_size=block_size, limit=limit)
-    inter, native = down.shape[2], _has_native_fp8(hidden_states.device)
+    inter, native = down.shape[2], has_native_fp8(hidden_states.device)
     fp8 = Fp8Weights(gate_up_scale, down_scale, expert_scale_blocks(gate_up_scale, block_size, *gate_up.shape[1:]),
                       expert_scale_blocks(down_scale, block_size, *down.shape[1:]), inter, native,
                       fp16_dots=FP16_DOTS and native and hidden_states.dtype == torch.bfloat16)

@@ -36,10 +36,14 @@ GPU design, no host sync (CUDA-graph capturable):
 A one-token forward (decode) skips step 1: block b is pair b alone, its expert read straight from the routing.
 
 Each selected expert's weights are read once per forward however many of its tokens picked it as long as its
-pairs fit in one block: a decode or verify forward has at most 16 tokens and ``BLOCK_M`` is 16 there, so
-that always holds (unless ``top_k_index`` names one expert twice for a token). Prefill takes the same
-kernels with more (and taller) blocks per expert. The bytes a decode step reads are the distinct selected
-experts' weights, ``distinct * 3 * I * H * itemsize``; the many programs over I and H keep them streaming.
+pairs fit in one block: ``BLOCK_M`` is 16 up to ``DECODE_MAX_TOKENS`` tokens, so that holds for every forward of up to
+16 tokens (unless ``top_k_index`` names one expert twice for a token); a wider verify reads an expert that more than
+16 of its tokens picked once per block of 16 (still faster than taller blocks, :data:`DECODE_CONFIG`). Prefill
+takes the same kernels with more and taller blocks per expert. The bytes a decode step reads are the distinct
+selected experts' weights, ``distinct * 3 * I * H * itemsize``; the many programs over I and H keep them streaming.
+
+E4m3 weights (``kernels/fp8_moe.py``) take the same kernels (their ``FP8`` variants): each weight tile converted to
+the activations' dtype in registers and each K tile's partial sum times its block of scales.
 
 Not checked (it would need a host sync): every ``top_k_index`` entry lies in ``[0, E)``. Out of range, the
 reference raises an IndexError; the kernels give that token an undefined output (up to ``ALIGN_MAX_PAIRS``

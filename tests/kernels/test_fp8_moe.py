@@ -119,7 +119,7 @@ def test_grouped_activation_only_for_gates_the_kernels_compute():
 def test_triton_fused_moe_fp8(triton_device, monkeypatch, dtype, block_size, scale_dtype, path):
     """path: bf16 rows as fp16 for the gate/up dots (the default with native e4m3 loads), e4m3 loaded natively and
     converted to the rows' dtype, or loaded as bytes and converted by integer ops."""
-    monkeypatch.setattr(fp8_moe, "_has_native_fp8", lambda device: path != "bytes")
+    monkeypatch.setattr(fp8_moe, "has_native_fp8", lambda device: path != "bytes")
     monkeypatch.setattr(fp8_moe, "FP16_DOTS", path == "fp16_dots")
     x, gate_up, gate_up_scale, down, down_scale, index, weights = make_fp8_moe(3, 8, 2, block_size=block_size,
                                                                                dtype=dtype, seed=len(str(block_size)))
