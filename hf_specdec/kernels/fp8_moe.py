@@ -68,12 +68,18 @@ def fused_moe_fp8(hidden_states: torch.Tensor,  # [tokens, hidden] bf16 / fp16
     _check_args(*args, activation, limit)
     if not fused_moe_fp8_eligible(*args, block_size=block_size):
         return fused_moe_fp8_reference(*args, activation=activation, block_size=block_size, limit=limit)
+    return _kernels(*args, activation, block_size, limit, config)
+
+
+def _kernels(hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights, activation,
+             block_size, limit=None, config=None) -> torch.Tensor:
+    """The kernels' launch for arguments already checked and found eligible."""
     inter, native = down.shape[2], has_native_fp8(hidden_states.device)
     fp8 = Fp8Weights(gate_up_scale, down_scale, expert_scale_blocks(gate_up_scale, block_size, *gate_up.shape[1:]),
-                      expert_scale_blocks(down_scale, block_size, *down.shape[1:]), inter, native,
-                      fp16_dots=FP16_DOTS and native and hidden_states.dtype == torch.bfloat16)
+                     expert_scale_blocks(down_scale, block_size, *down.shape[1:]), inter, native,
+                     fp16_dots=FP16_DOTS and native and hidden_states.dtype == torch.bfloat16)
     return launch(hidden_states, gate_up[:, :inter], gate_up[:, inter:], down, top_k_index, top_k_weights,
-                   activation, limit, config or config_for(hidden_states.shape[0], fp8=True), fp8)
+                  activation, limit, config or config_for(hidden_states.shape[0], fp8=True), fp8)
 
 
 def fused_moe_fp8_eligible(hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights,
@@ -171,8 +177,8 @@ def fp8_experts_forward(self, hidden_states: torch.Tensor,  # [tokens, hidden]
     if activation is not None:
         args = (hidden_states, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
                 self.down_proj_scale_inv, top_k_index, top_k_weights)
-        if fused_moe_fp8_eligible(*args, block_size=self.block_size):
-            return fused_moe_fp8(*args, activation=activation, block_size=self.block_size)
+        if fused_moe_fp8_eligible(*args, block_size=self.block_size):  # the module's own tensors: no argument checks
+            return _kernels(*args, activation, self.block_size)
     tokens, top_k = top_k_index.shape
     ids = top_k_index.reshape(-1)
     x = hidden_states[:, None].expand(tokens, top_k, hidden_states.shape[-1]).reshape(tokens * top_k, -1)
