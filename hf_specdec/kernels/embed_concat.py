@@ -9,7 +9,7 @@ Python float the caller has already rounded to that dtype (as transformers casts
 
 import torch
 
-from ._dispatch import check, next_power_of_2, tl, triton, use_triton
+from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
 
 
 @triton.jit
@@ -17,7 +17,9 @@ def _embed_concat_kernel(
     ids_ptr, weight_ptr, hidden_ptr, out_ptr,  # ids [batch]; weight [vocab, dim]; hidden [batch, dim2]
     scale, stride_w, stride_hidden, stride_out, dim, dim2,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     token = tl.load(ids_ptr + row).to(tl.int64)
@@ -47,7 +49,7 @@ def embed_concat(ids: torch.Tensor, weight: torch.Tensor, scale: float, hidden: 
     block = min(1024, next_power_of_2(dim + dim2))
     _embed_concat_kernel[(ids.shape[0], triton.cdiv(dim + dim2, block))](
         ids.contiguous(), weight, hidden, out, float(scale), weight.stride(0), hidden.stride(0), out.stride(0),
-        dim, dim2, BLOCK=block, num_warps=4,
+        dim, dim2, BLOCK=block, num_warps=4, **pdl_args(out),
     )
     return out
 

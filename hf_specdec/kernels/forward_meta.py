@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import check, next_power_of_2, tl, triton, use_triton
+from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
 
 
 @triton.jit
@@ -34,7 +34,9 @@ def _forward_meta_kernel(
     tables_ptr,  # [groups, out_rows, width] int32
     rows, src_width, out_rows, width, q_len, block_size,
     NUM_GROUPS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # One program per output row.
     row = tl.program_id(0)
     live = row < rows
@@ -94,6 +96,7 @@ def build_forward_meta(counts: torch.Tensor, tables: torch.Tensor, q_len: int, b
             counts, tables, out["kv_lens"], out["q_pos0"], out["q_lens"], out["positions"], out["slots"],
             out["tables"], rows, src_width, out_rows, width, q_len, block_size,
             NUM_GROUPS=groups, BLOCK_Q=min(next_power_of_2(q_len), 256), BLOCK_W=min(next_power_of_2(width), 256),
+            **pdl_args(counts),
         )
         return out
     return build_forward_meta_reference(counts, tables, q_len, block_size, out)

@@ -51,7 +51,7 @@ pairs (prefill) take one dequantized GEMM per selected expert instead.
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import check, check_same_device, interpreting, needs_grad, tl, triton, use_triton
+from ._dispatch import check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
 from .skinny_gemm import load_k_tile
 
 MAX_ROWS = 16  # rows per program (tl.dot's smallest M)
@@ -89,7 +89,8 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, inv_ptr, M, N, K, stride_xm, st
                      stride_sn, stride_sk, scale_bn, scale_bk, k_per_split, stride_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                      SCALE_PER_K: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr,
-                     UPCAST: tl.constexpr, F16_ROWS: tl.constexpr):
+                     UPCAST: tl.constexpr, F16_ROWS: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row tiles of one column block run side by side
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -131,10 +132,11 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, inv_ptr, M, N, K, stride_xm, st
 
 
 @triton.jit
-def _f16_rows_kernel(x_ptr, y_ptr, inv_ptr, K, stride_xm, BLOCK: tl.constexpr):
+def _f16_rows_kernel(x_ptr, y_ptr, inv_ptr, K, stride_xm, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row ``program_id(0)`` of ``x`` (bf16) as fp16 times the power of two that puts its largest magnitude in
     [2**14, 2**15), and that power's inverse (fp32) in ``inv_ptr``. bf16 has 8 significant bits, fp16 11: every
     value down to 2**-28 of the row's largest converts exactly, and nothing overflows."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     top = tl.zeros([BLOCK], dtype=tl.float32)
@@ -160,13 +162,15 @@ def f16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x.shape
     y = torch.empty(rows, k, dtype=torch.float16, device=x.device)
     inverse = torch.empty(rows, dtype=torch.float32, device=x.device)
-    _f16_rows_kernel[(rows,)](x, y, inverse, k, x.stride(0), BLOCK=F16_ROWS_BLOCK)
+    _f16_rows_kernel[(rows,)](x, y, inverse, k, x.stride(0), BLOCK=F16_ROWS_BLOCK,
+                                   **pdl_args(x))
     return y, inverse
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """y = the sum of ``splits`` fp32 partials, one after the other (a fixed order: rows stay batch-invariant)."""
+    pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
@@ -179,7 +183,8 @@ def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr):
 def _fp8_expert_gemv_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xp, stride_we, stride_wn,
                             stride_se, stride_sn, stride_sk, stride_yp, scale_bn, scale_bk,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_K: tl.constexpr,
-                            NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr):
+                            NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pair = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -341,11 +346,12 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
         bk, k_per_split, out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k, SCALE_PER_K=scale_per_k,
         NATIVE_FP8=native_fp8, SCALE_E8M0=e8m0, UPCAST=upcast, F16_ROWS=fp16_dots, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **pdl_args(out))
     if split == 1:
         return out[0].to(x.dtype)
     summed = torch.empty(rows, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
-    _sum_splits_kernel[(triton.cdiv(rows * n, SUM_BLOCK),)](out, summed, rows * n, split, BLOCK=SUM_BLOCK)
+    _sum_splits_kernel[(triton.cdiv(rows * n, SUM_BLOCK),)](out, summed, rows * n, split, BLOCK=SUM_BLOCK,
+                                                              **pdl_args(out))
     return summed.to(x.dtype)
 
 
@@ -494,7 +500,7 @@ def fp8_expert_matmul(x: torch.Tensor,  # [pairs, K] bf16 / fp16
         scale.view(torch.uint8) if e8m0 else scale, out, n, k, x.stride(0), weight.stride(0), weight.stride(1),
         scale.stride(0), scale.stride(1), scale.stride(2), out.stride(0), bn, bk,
         BLOCK_N=block_n, BLOCK_K=block_k, SCALE_PER_K=scale_per_k, NATIVE_FP8=native_fp8, SCALE_E8M0=e8m0,
-        num_warps=4)
+        num_warps=4, **pdl_args(out))
     return out.to(x.dtype)
 
 

@@ -61,7 +61,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import check, check_same_device, interpreting, needs_grad, next_power_of_2, tl, triton, use_triton
+from ._dispatch import (check, check_same_device, interpreting, needs_grad, next_power_of_2, pdl_args, pdl_wait,
+                        tl, triton, use_triton)
 from .fp8_gemm import E8M0_DTYPE, e4m3_bits_to_float, f16_rows, load_scale
 from .gelu_mul import gelu_tanh_mul_reference, is_gelu_tanh
 
@@ -180,7 +181,7 @@ def topk_route(scores: torch.Tensor,  # [tokens, num_experts] fp32
         float(scaling_factor if scaling_factor is not None else 1.0),
         TOP_K=top_k, SLOTS=next_power_of_2(top_k), BLOCK_E=next_power_of_2(experts), HAS_BIAS=bias is not None,
         RENORMALIZE=renormalize, HAS_SCALE=per_expert_scale is not None,
-        HAS_FACTOR=scaling_factor is not None, num_warps=4 if experts > 256 else 2)
+        HAS_FACTOR=scaling_factor is not None, num_warps=4 if experts > 256 else 2, **pdl_args(rows))
     return weights, index
 
 
@@ -206,8 +207,9 @@ def topk_route_reference(scores, top_k, *, bias=None, renormalize=False, renorma
 def _topk_route_kernel(scores_ptr, bias_ptr, scale_ptr, weights_ptr, index_ptr, num_experts, stride_s,
                        renormalize_eps, scaling_factor, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                        BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, HAS_FACTOR: tl.constexpr):
+                       HAS_SCALE: tl.constexpr, HAS_FACTOR: tl.constexpr, PDL: tl.constexpr):
     """One token: TOP_K rounds of (max key, its lowest expert id, that expert's score), then the weights."""
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
@@ -276,8 +278,10 @@ def _gated_activation(gate, up, limit, DTYPE: tl.constexpr, ACTIVATION: tl.const
 @triton.jit
 def _moe_align_kernel(index_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr, row_start_ptr,
                       num_pairs, num_experts, num_rows,
-                      BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr):
+                      BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, FILL: tl.constexpr,
+                      PDL: tl.constexpr):
     """One program: `_group_pairs` in one launch (same outputs) for at most PAIRS pairs."""
+    pdl_wait(PDL)
     p = tl.arange(0, PAIRS)
     p_ok = p < num_pairs
     expert_of = tl.load(index_ptr + p, mask=p_ok, other=num_experts).to(tl.int32)
@@ -356,11 +360,13 @@ def _moe_gate_up_kernel(
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr,
     K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
     SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False, F16_ROWS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """FP8: e4m3 gate and up weights (views of one stacked [E, 2I, H] tensor), their scales at ``s_ptr`` [E, sn,
     sk] (gate column c takes scale row ``c // scale_bn``, up column c row ``(up_row0 + c) // scale_bn``).
     F16_ROWS: ``x`` holds the bf16 token rows as fp16 times powers of two (``fp8_gemm.f16_rows``), the inverse
     powers at ``inv_ptr``: the weights convert to fp16 in one instruction per two, the sums are scaled back exactly."""
+    pdl_wait(PDL)
     block = tl.program_id(0)
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
@@ -414,7 +420,9 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
     SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     block = tl.program_id(0)
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):
@@ -448,8 +456,10 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _moe_sum_kernel(parts_ptr, out_ptr, top_k, hidden, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _moe_sum_kernel(parts_ptr, out_ptr, top_k, hidden, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                    PDL: tl.constexpr):
     """out[t] = sum over k of parts[t * top_k + k] in fp32 (slot order), rounded to out's dtype."""
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -560,7 +570,8 @@ def group_pairs(top_k_index: torch.Tensor, num_experts: int, block_m: int):
     _moe_align_kernel[(1,)](
         top_k_index.reshape(-1), row_pair, block_expert, num_blocks, row_start, pairs, num_experts,
         row_pair.numel(), BLOCK_M=block_m, PAIRS=max(16, next_power_of_2(pairs)),
-        EXPERTS=next_power_of_2(num_experts + 1), FILL=1024, num_warps=4)
+        EXPERTS=next_power_of_2(num_experts + 1), FILL=1024, num_warps=4,
+        **pdl_args(row_pair))
     return row_pair, block_expert, num_blocks, max_blocks
 
 
@@ -659,7 +670,7 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
         inverse, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate, ONE_TOKEN=one_token,
         K_BETA=0.7978845608028654, K_KAPPA=0.044715, num_warps=warps, num_stages=stages, F16_ROWS=fp16_dots,
-        **gate_up_fp8)
+        **gate_up_fp8, **pdl_args(intermediate))
     weights = top_k_weights.reshape(-1).float()
     parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = _tile(config.down, hidden, inter)
@@ -668,11 +679,11 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
         intermediate, w_down, parts, weights, row_pair, block_expert, num_blocks,
         pairs, experts, hidden, inter, *w_down.stride(), *down_args,
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate,
-        ONE_TOKEN=one_token, num_warps=warps, num_stages=stages, **down_fp8)
+        ONE_TOKEN=one_token, num_warps=warps, num_stages=stages, **down_fp8, **pdl_args(parts))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     block = min(SUM_BLOCK, next_power_of_2(hidden))
     _moe_sum_kernel[(tokens, triton.cdiv(hidden, block))](parts, out, top_k, hidden, BLOCK=block,
-                                                         EMULATE_BF16=emulate, num_warps=4)
+                                                         EMULATE_BF16=emulate, num_warps=4, **pdl_args(out))
     return out
 
 

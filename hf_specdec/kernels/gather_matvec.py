@@ -13,7 +13,7 @@ in one launch (torch's top-k is two kernels, and the ids a third).
 
 import torch
 
-from ._dispatch import check, next_power_of_2, tl, triton, use_triton
+from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
 
 
 @triton.jit
@@ -21,7 +21,9 @@ def _gather_matvec_kernel(
     weight_ptr, ids_ptr, hidden_ptr, out_ptr,  # weight [vocab, dim]; ids, out [batch, n]; hidden [batch, dim]
     stride_w, stride_ids, stride_hidden, stride_out, n, dim, cap,
     SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = cols < n
@@ -62,7 +64,7 @@ def gather_matvec(weight: torch.Tensor, token_ids: torch.Tensor, hidden: torch.T
     _gather_matvec_kernel[(batch, triton.cdiv(n, block_n))](
         weight, token_ids, hidden, out, weight.stride(0), token_ids.stride(0), hidden.stride(0), out.stride(0),
         n, weight.shape[1], float(softcap or 1.0), SOFTCAP=softcap is not None, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, **pdl_args(out),
     )
     return out
 
@@ -81,7 +83,9 @@ def _centroid_candidates_kernel(
     scores_ptr, ordering_ptr, out_ptr,  # scores [batch, num_centroids]; ordering [vocab]; out [batch, top_k * per]
     stride_scores, stride_out, num_centroids,
     TOP_K: tl.constexpr, PER: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     x = tl.load(scores_ptr + row * stride_scores + cols, mask=cols < num_centroids, other=0.0).to(tl.float32)
@@ -122,6 +126,7 @@ def centroid_candidates(scores: torch.Tensor, token_ordering: torch.Tensor, top_
     _centroid_candidates_kernel[(batch,)](
         scores, token_ordering.contiguous(), out, scores.stride(0), out.stride(0), num_centroids,
         TOP_K=top_k, PER=per, BLOCK_C=block_c, num_warps=max(1, min(4, block_c // 256)),
+        **pdl_args(out),
     )
     return out
 

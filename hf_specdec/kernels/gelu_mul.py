@@ -10,14 +10,15 @@ import math
 
 import torch
 
-from ._dispatch import check, tl, triton, use_triton
+from ._dispatch import check, pdl_args, pdl_wait, tl, triton, use_triton
 
 _BLOCK = 1024
 
 
 @triton.jit
 def _gelu_tanh_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, BLOCK: tl.constexpr,
-                          K_BETA: tl.constexpr, K_KAPPA: tl.constexpr):
+                          K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -44,7 +45,7 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     _gelu_tanh_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
         gate2, up2, out, width, gate2.stride(0), up2.stride(0), BLOCK=_BLOCK,
-        K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715, num_warps=4)
+        K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715, num_warps=4, **pdl_args(out))
     return out
 
 

@@ -14,7 +14,7 @@ to the order of the mean's sum.
 
 import torch
 
-from ._dispatch import check, next_power_of_2, tl, triton, use_triton
+from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
 from .rms_norm import rms_norm_reference
 
 
@@ -59,7 +59,9 @@ def _qkv_norm_rope_kernel(
     stride_cb, stride_ct, seq_len,
     q_heads, k_heads, dim, q_eps, k_eps, v_eps,
     Q_W: tl.constexpr, K_W: tl.constexpr, V_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     rope = cos_ptr + (token // seq_len) * stride_cb + (token % seq_len) * stride_ct
@@ -124,7 +126,7 @@ def qkv_norm_rope(
         Q_W=weights[0] is not None, K_W=weights[1] is not None, V_W=weights[2] is not None, BLOCK_D=block,
         num_warps=max(1, min(8, block // 128)),
         # separate roundings, as eager torch: no fused multiply-add in the rotary sum
-        **({} if _interpreting() else {"enable_fp_fusion": False}),
+        **({} if _interpreting() else {"enable_fp_fusion": False}), **pdl_args(qo),
     )
     return tuple(outs)
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import (check, check_paged_cache, check_same_device, interpreting, next_power_of_2, tl, triton,
-                        use_triton)
+from ._dispatch import (check, check_paged_cache, check_same_device, interpreting, next_power_of_2, pdl_args,
+                        pdl_wait, tl, triton, use_triton)
 
 MAX_TRITON_HEAD_DIM = 512
 
@@ -104,7 +104,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     kv_head = tl.program_id(1)
@@ -177,7 +179,9 @@ def _merge_splits_kernel(
     stride_ob, stride_ot, stride_oh, stride_od,
     q_len, num_heads, head_dim, num_splits,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # One program per (row, query slot, q head): softmax-weighted sum of the split partials, one split after the
     # other in key order (a fixed order, whatever the number of splits: empty ones add exact zeros).
     row_slot = tl.program_id(0).to(tl.int64)
@@ -333,12 +337,12 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
         # fp32 inputs must not be rounded to tf32: fp32 is the exactness dtype of the tests.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast_dot else "tf32",
         UPCAST_DOT=upcast_dot, SPLIT=num_splits > 1,
-        num_warps=tiles.num_warps,
+        num_warps=tiles.num_warps, **pdl_args(out),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch * q_len, num_heads)](
             part_acc, part_ml, out, *out.stride(), q_len, num_heads, head_dim, num_splits,
-            BLOCK_D=tiles.block_d,
+            BLOCK_D=tiles.block_d, **pdl_args(out),
         )
     return out
 

@@ -8,7 +8,7 @@ the bytes, are its cost, even inside a CUDA graph. One program per row.
 
 import torch
 
-from ._dispatch import check, next_power_of_2, tl, triton, use_triton
+from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
 
 
 @triton.jit
@@ -16,7 +16,9 @@ def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr,  # x, out: [rows, dim] with row strides; weight: [dim]
     stride_x, stride_out, dim, eps, then_mul_ptr, then_scalar,
     HAS_WEIGHT: tl.constexpr, HAS_THEN_MUL: tl.constexpr, HAS_THEN_SCALAR: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -56,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
         rows, weight if weight is not None else rows, out, rows.stride(0), out.stride(0), dim, eps,
         then_mul if then_mul is not None else rows, float(then_scalar or 0.0),
         HAS_WEIGHT=weight is not None, HAS_THEN_MUL=then_mul is not None, HAS_THEN_SCALAR=then_scalar is not None,
-        BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl_args(out),
     )
     return out.view(x.shape)
 
@@ -101,7 +103,9 @@ def _norm_add_kernel(
     stride_x, stride_res, stride_sum, stride_out2, dim, eps, eps2, w3_ptr, out3_ptr, stride_out3, eps3,
     HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr, NEXT_HAS_WEIGHT: tl.constexpr, HAS_NEXT2: tl.constexpr,
     NEXT2_HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -158,7 +162,7 @@ def norm_add(
         nxt2 if nxt2 is not None else total, (nxt2 if nxt2 is not None else total).stride(0), float(next2_eps or 0.0),
         HAS_SCALE=scale is not None, HAS_NEXT=next_eps is not None, NEXT_HAS_WEIGHT=next_weight is not None,
         HAS_NEXT2=next2_eps is not None, NEXT2_HAS_WEIGHT=next2_weight is not None,
-        BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl_args(total),
     )
     out = total.view(x.shape), None if nxt is None else nxt.view(x.shape)
     return out if nxt2 is None else (*out, nxt2.view(x.shape))
@@ -179,7 +183,9 @@ def _dual_norm_add_kernel(
     a_ptr, b_ptr, res_ptr, wa_ptr, wb_ptr, w_ptr, scale_ptr, out_ptr,  # rows [rows, dim]; weights [dim]; scale [1]
     stride_a, stride_b, stride_res, stride_out, dim, eps_a, eps_b, eps,
     HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -217,7 +223,7 @@ def dual_norm_add(
     _dual_norm_add_kernel[(out.shape[0],)](
         *rows, weight_a, weight_b, weight, scale if scale is not None else weight, out,
         *(t.stride(0) for t in rows), out.stride(0), dim, float(eps_a), float(eps_b), float(eps),
-        HAS_SCALE=scale is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        HAS_SCALE=scale is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl_args(out),
     )
     return out.view(a.shape)
 

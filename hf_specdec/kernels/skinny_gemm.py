@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import needs_grad, tl, triton, use_triton
+from ._dispatch import needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
 
 # HF_SPECDEC_SKINNY_GEMM=0 keeps cuBLAS for every shape (read at import), e.g. to compare the two
 ENABLED = os.environ.get("HF_SPECDEC_SKINNY_GEMM", "1") != "0"
@@ -50,7 +50,7 @@ def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
     # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
@@ -59,6 +59,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pdl_wait(PDL)
     for k0 in range(0, K, BLOCK_K):
         w, x = load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
@@ -143,7 +144,8 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # fp32 inputs: no tf32 rounding
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: no tf32 rounding
+        **pdl_args(x))
     return out
 
 

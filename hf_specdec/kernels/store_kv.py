@@ -8,7 +8,8 @@ skipped, so a left-padded batch stores without a host-side filter.
 
 import torch
 
-from ._dispatch import check, check_paged_cache, check_same_device, next_power_of_2, tl, triton, use_triton
+from ._dispatch import (check, check_paged_cache, check_same_device, next_power_of_2, pdl_args, pdl_wait, tl,
+                        triton, use_triton)
 
 
 @triton.jit
@@ -20,7 +21,9 @@ def _store_kv_kernel(
     stride_vt, stride_vh, stride_vd,
     num_kv_heads, head_dim,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # One program per (token, kv head): head_dim elements of K and of V.
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -79,7 +82,7 @@ def _store_kv_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(),
         num_kv_heads, head_dim,
-        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim), **pdl_args(k_cache),
     )
 
 
