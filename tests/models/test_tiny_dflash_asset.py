@@ -115,3 +115,43 @@ def test_document_openings_are_the_first_tokens_of_long_enough_documents():
     assert train_dflash.document_openings(stream, bos, 4).tolist() == [[bos, 10, 11, 12], [bos, 30, 31, 32]]
     assert train_dflash.document_openings(stream, bos, 4, count=1).tolist() == [[bos, 10, 11, 12]]
     assert train_dflash.document_openings(stream, bos, 7).shape == (0, 7)
+
+
+def test_continuation_anchors_stay_in_each_windows_continuation():
+    """`--continuation-anchors` (tools/tiny_family): a generated window's blocks are anchored at or after its first
+    continued token, a data window's anywhere from 1, and every block fits in the window."""
+    train_dflash = pytest.importorskip("tools.tiny_family.train_dflash")
+    data = pytest.importorskip("tools.tiny_family.data")
+    stream = data.TokenStream(torch.arange(200), 1)
+    generated = torch.arange(6 * 40).view(6, 40)
+    continued_from = torch.tensor([30, 30, 10, 10, 35, 35])
+    batches = train_dflash.MixedWindows(data.RandomWindows(stream, 8, 39, seed=0), generated, 0.5, seed=0,
+                                        continued_from=continued_from)
+    objective = train_dflash.BlockObjective(None, block_size=8, num_anchors=16, gamma=7.0, short_block_prob=0.0,
+                                            seed=0)
+    objective.first_anchor_of = batches.first_anchor
+    seen_low = False
+    for _ in range(20):
+        batch = batches()
+        first = batches.first_anchor()
+        anchors, block_len = objective.sample(batch)
+        assert block_len == 8 and anchors.shape == (8, 16)
+        assert (anchors >= first.clamp(max=40 - 8)[:, None]).all() and (anchors <= 40 - 8).all()
+        assert (first[:4] == 1).all() and set(first[4:].tolist()) <= {10, 30, 35}
+        seen_low |= bool((anchors[:4] < 10).any())
+    assert seen_low  # data windows are anchored in their beginning too
+
+
+def test_hard_labels_score_the_targets_argmax():
+    """`--hard-labels` (tools/tiny_family): the block loss is the position-weighted cross-entropy of each draft to the
+    target's argmax, not the KL to its distribution."""
+    train_dflash = pytest.importorskip("tools.tiny_family.train_dflash")
+    torch.manual_seed(0)
+    draft, target = torch.randn(5, 7, 11), torch.randn(5, 7, 11)
+    objective = train_dflash.BlockObjective(None, block_size=8, num_anchors=1, gamma=7.0, short_block_prob=0.0,
+                                            seed=0, hard_labels=True)
+    expected = (torch.nn.functional.cross_entropy(draft.transpose(1, 2), target.argmax(-1), reduction="none").mean(0)
+                * objective.weights(8, "cpu")).sum()
+    assert torch.allclose(objective.block_loss(draft, target), expected)
+    objective.hard_labels = False
+    assert not torch.allclose(objective.block_loss(draft, target), expected)

@@ -20,14 +20,17 @@ The block objective (DFlash, arXiv 2602.06036), on random windows of the target'
 
       loss = sum_j w_j KL(target(a+j-1) || draft_j) / sum_j w_j,   w_j = exp(-(j-1) / gamma)
 
-  A fraction of the steps (`--short-block-prob`) uses a shorter block, as decoding does for
-  num_speculative_tokens < block_size - 1.
+  With `--hard-labels` the KL is replaced by the cross-entropy to the target's argmax there (what greedy
+  verification accepts). A fraction of the steps (`--short-block-prob`) uses a shorter block, as decoding does
+  for num_speculative_tokens < block_size - 1.
 
 As the DFlash drafters are trained on their target's own responses, part of every batch
 (`--generated-fraction`) can be windows whose second half the target wrote itself: a train-split prefix
 continued greedily by the target (`--generated-windows`, made once before training). Validation then also
 scores such continuations of validation prefixes, where the target's argmax is the next token, so the
 teacher-forced `tau_estimate` there is the greedy acceptance of decoding; the kept weights are the best on it.
+`--generated-cache` keeps those windows in a file that later runs load, and `--init-from` continues training an
+exported drafter, so one drafter can be trained over several time-limited calls.
 """
 
 import argparse
@@ -40,7 +43,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_specdec.models.dflash import DenseDFlashContext, capture_hidden_states, dense_block_attention
+from hf_specdec.models.dflash import DFlashDrafter, DenseDFlashContext, capture_hidden_states, dense_block_attention
 
 from . import cli, gemma4_dflash
 from .data import RandomWindows, TokenStream, validation_windows
@@ -71,9 +74,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also continue the openings (first --opening-prefix tokens) of up to N train documents: file "
                         "openings, like the held-out snippets the drafter is measured on; validation then scores the "
                         "continued openings of the validation documents")
-    p.add_argument("--opening-prefix", type=int, default=128,
-                   help="tokens of a document opening before its continuation")
+    p.add_argument("--opening-prefix", type=int, nargs="+", default=[128],
+                   help="tokens of a document opening before its continuation; several values continue every "
+                        "opening once per value (validation uses the first)")
+    p.add_argument("--continuation-anchors", action="store_true",
+                   help="anchor the blocks of a generated window in the target's continuation only (where decoding "
+                        "drafts), not in its data prefix")
+    p.add_argument("--generated-cache", type=pathlib.Path,
+                   help="file of the generated windows: loaded when it holds the ones these options ask for, else "
+                        "written after generating them (so several runs and later calls share one generation)")
+    p.add_argument("--generate-only", action="store_true",
+                   help="make the generated windows, write them to --generated-cache and stop")
+    p.add_argument("--init-from", type=pathlib.Path,
+                   help="start from the weights of this exported drafter (its config too: --layer-types, "
+                        "--intermediate-size and --block-size are then ignored)")
+    p.add_argument("--val-continued-tokens", type=int, default=64,
+                   help="validation on continued windows scores blocks anchored in the first N continued tokens "
+                        "(the target's continuations turn repetitive later; 0: all)")
     p.add_argument("--gamma", type=float, default=4.0, help="position decay of the loss weights")
+    p.add_argument("--hard-labels", action="store_true",
+                   help="score drafts by cross-entropy to the target's argmax (what greedy verification accepts) "
+                        "instead of KL to its distribution")
     p.add_argument("--layer-types", default=",".join("S" if t == gemma4_dflash.SLIDING else "F"
                                                       for t in gemma4_dflash.LAYER_TYPES),
                    help="draft layers, e.g. S,S,F (S: sliding, causal in the block; F: full, bidirectional)")
@@ -83,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.generated_openings and not args.generated_windows:
         p.error("--generated-openings adds to the generated windows: give --generated-windows too")
+    if args.generate_only and not (args.generated_windows and args.generated_cache):
+        p.error("--generate-only writes the generated windows: give --generated-windows and --generated-cache")
     return args
 
 
@@ -172,10 +195,13 @@ class BlockObjective:
     """`loss_fn(drafter, batch)` for `train_loop.train`, and the validation metrics."""
 
     def __init__(self, target, *, block_size: int, num_anchors: int, gamma: float, short_block_prob: float,
-                 seed: int):
+                 seed: int, hard_labels: bool = False):
         self.target, self.block_size, self.num_anchors = target, block_size, num_anchors
+        self.hard_labels = hard_labels
         self.gamma, self.short_block_prob = gamma, short_block_prob
         self.generator = torch.Generator().manual_seed(seed + 1)  # anchors and block lengths, on the CPU
+        # () -> [batch] lowest anchor of each window of the batch just drawn (`MixedWindows.first_anchor`)
+        self.first_anchor_of = None
 
     def weights(self, block_len: int, device) -> torch.Tensor:
         """Position decay w_j = exp(-(j-1)/gamma) of drafts j = 1 .. L-1, normalised to sum 1."""
@@ -186,27 +212,43 @@ class BlockObjective:
         block_len = self.block_size
         if self.block_size > 2 and torch.rand((), generator=self.generator) < self.short_block_prob:
             block_len = int(torch.randint(2, self.block_size, (), generator=self.generator))
-        anchors = torch.randint(1, batch.shape[1] - block_len + 1, (len(batch), self.num_anchors),
-                                generator=self.generator)
+        last = batch.shape[1] - block_len  # the last anchor whose block fits in the window
+        if self.first_anchor_of is None:
+            anchors = torch.randint(1, last + 1, (len(batch), self.num_anchors), generator=self.generator)
+        else:
+            first = self.first_anchor_of().clamp(1, last)[:, None]
+            uniform = torch.rand((len(batch), self.num_anchors), generator=self.generator)
+            anchors = first + (uniform * (last - first + 1)).long().clamp(max=last - first)
         return anchors.to(batch.device), block_len
 
     def __call__(self, drafter, batch: torch.Tensor) -> torch.Tensor:
         anchors, block_len = self.sample(batch)
         view = TargetView(self.target, batch, drafter.target_layer_ids)
-        log_q = F.log_softmax(draft_logits_at(drafter, self.target, view, batch, anchors, block_len).float(), -1)
-        log_p = F.log_softmax(target_logits_at(view, anchors, block_len), -1)
-        kl = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)  # [n_blocks, L-1]
-        return (kl.mean(0) * self.weights(block_len, kl.device)).sum()
+        draft = draft_logits_at(drafter, self.target, view, batch, anchors, block_len)
+        return self.block_loss(draft, target_logits_at(view, anchors, block_len))
+
+    def block_loss(self, draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Position-weighted loss of draft logits against the target's [n_blocks, L-1, vocab]."""
+        log_q = F.log_softmax(draft.float(), -1)
+        if self.hard_labels:
+            loss = -log_q.gather(-1, target.argmax(-1, keepdim=True)).squeeze(-1)  # [n_blocks, L-1]
+        else:
+            loss = F.kl_div(log_q, F.log_softmax(target, -1), log_target=True, reduction="none").sum(-1)
+        return (loss.mean(0) * self.weights(draft.shape[1] + 1, loss.device)).sum()
 
     @torch.no_grad()
-    def metrics(self, drafter, windows: list[torch.Tensor], stride: int = 8, first_anchor: int = 1) -> dict:
-        """Full blocks anchored every `stride` positions (from `first_anchor`) of fixed validation windows: KL
+    def metrics(self, drafter, windows: list[torch.Tensor], stride: int = 8, first_anchor: int = 1,
+                anchor_span: int = 0) -> dict:
+        """Full blocks anchored every `stride` positions (from `first_anchor`, the next `anchor_span` positions
+        only if not 0) of fixed validation windows: KL
         and accuracy (draft argmax == target argmax) per draft position, and `tau_estimate` per k = 1 .. L-1:
         1 + mean number of leading drafts that all match, at most k (teacher-forced on the windows)."""
         L = self.block_size
         kl_sum, match_sum, runs = torch.zeros(L - 1), torch.zeros(L - 1), []
         for batch in windows:
-            anchors = torch.arange(first_anchor, batch.shape[1] - L + 1, stride, device=batch.device)
+            end = batch.shape[1] - L + 1
+            end = min(end, first_anchor + anchor_span) if anchor_span else end
+            anchors = torch.arange(first_anchor, end, stride, device=batch.device)
             anchors = anchors.expand(len(batch), -1)
             view = TargetView(self.target, batch, drafter.target_layer_ids)
             draft = draft_logits_at(drafter, self.target, view, batch, anchors, L).float()
@@ -247,7 +289,7 @@ def check_matches_draft_block(drafter, target, ids: torch.Tensor, block_len: int
 
 
 def generate_windows(target, stream: TokenStream, count: int, prefix_len: int, seq_len: int, seed: int,
-                     chunk: int = 1024) -> torch.Tensor:
+                     chunk: int = 4096) -> torch.Tensor:
     """[count, seq_len]: random `prefix_len`-token windows of `stream` (seeded), each continued by the target."""
     prefixes = RandomWindows(stream, count, prefix_len - 1, seed)()
     return torch.cat([continue_greedily(target, ids, seq_len) for ids in prefixes.split(chunk)])
@@ -272,17 +314,72 @@ def continue_greedily(target, prefixes: torch.Tensor, seq_len: int) -> torch.Ten
 
 
 class MixedWindows:
-    """Training batches: `round(fraction * batch_size)` windows drawn (seeded) from `generated`, the rest from `data`."""
+    """Training batches: `round(fraction * batch_size)` windows drawn (seeded) from `generated`, the rest from
+    `data`. `first_anchor()` gives, for the batch just drawn, where each window's continuation starts
+    (`continued_from` of a generated window, 1 for a data window)."""
 
-    def __init__(self, data: RandomWindows, generated: torch.Tensor, fraction: float, seed: int):
+    def __init__(self, data: RandomWindows, generated: torch.Tensor, fraction: float, seed: int,
+                 continued_from: torch.Tensor | None = None):
         self.data, self.generated = data, generated
+        self.continued_from = continued_from if continued_from is not None else torch.ones(len(generated))
         self.num_generated = round(fraction * data.batch_size)
         self.data.batch_size -= self.num_generated
         self.generator = torch.Generator().manual_seed(seed + 3)
+        self._first = None
 
     def __call__(self) -> torch.Tensor:
         index = torch.randint(0, len(self.generated), (self.num_generated,), generator=self.generator)
+        self._first = torch.cat([torch.ones(self.data.batch_size, dtype=torch.long),
+                                 self.continued_from.long().cpu()[index]])
         return torch.cat([self.data(), self.generated[index.to(self.generated.device)]])
+
+    def first_anchor(self) -> torch.Tensor:
+        return self._first
+
+
+GENERATED_KEYS = ("generated_windows", "generated_prefix", "generated_openings", "opening_prefix", "seq_len", "seed",
+                  "target")
+
+
+def generated_data(args, target, tokenizer, frozen, val_windows, device) -> dict:
+    """The target's continuations for training and validation (made, or loaded from `--generated-cache` when it was
+    made with the same options): `windows` [n, seq_len], `continued_from` [n] (index of each window's first
+    continued token), `val` (batches of continued validation windows) and `val_first` (where those continue)."""
+    meta = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items() if k in GENERATED_KEYS}
+    cache = args.generated_cache
+    if cache is not None and cache.is_file():
+        saved = torch.load(cache, map_location="cpu")
+        if saved["meta"] == meta:
+            print(f"generated windows from {cache}", flush=True)
+            return {"windows": saved["windows"].long().to(device), "continued_from": saved["continued_from"],
+                    "val": [w.long().to(device) for w in saved["val"]], "val_first": saved["val_first"],
+                    "seconds": saved["seconds"]}
+        print(f"{cache} holds other generated windows: making them again", flush=True)
+    start = time.perf_counter()
+    train_stream = frozen.train_stream.to(device)
+    windows = generate_windows(target, train_stream, args.generated_windows, args.generated_prefix, args.seq_len,
+                               args.seed + 2)
+    continued_from = [torch.full((len(windows),), args.generated_prefix)]
+    val = [continue_greedily(target, w[:, : args.generated_prefix], args.seq_len) for w in val_windows]
+    val_first = args.generated_prefix
+    if args.generated_openings:
+        parts = [windows]
+        for prefix in args.opening_prefix:
+            openings = document_openings(train_stream, tokenizer.bos_token_id, prefix, args.generated_openings)
+            parts += [continue_greedily(target, ids, args.seq_len) for ids in openings.split(4096)]
+            continued_from.append(torch.full((len(openings),), prefix))
+        windows = torch.cat(parts)
+        val_openings = document_openings(frozen.validation_stream.to(device), tokenizer.bos_token_id,
+                                         args.opening_prefix[0])
+        val = [continue_greedily(target, ids, args.seq_len) for ids in val_openings.split(16)]
+        val_first = args.opening_prefix[0]
+    data = {"windows": windows, "continued_from": torch.cat(continued_from), "val": val, "val_first": val_first,
+            "seconds": round(time.perf_counter() - start, 1)}
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"meta": meta, **data, "windows": windows.to(torch.int16).cpu(),
+                    "val": [w.to(torch.int16).cpu() for w in val]}, cache)
+    return data
 
 
 def probe_steps(drafter, objective, batches, budget_s: float, device, probe: int = 8) -> tuple[int, float]:
@@ -340,10 +437,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. The drafter; the training path is checked against decode-time drafting before anything is trained.
     layer_types = [{"S": gemma4_dflash.SLIDING, "F": gemma4_dflash.FULL}[t] for t in args.layer_types.split(",")]
-    drafter = gemma4_dflash.build_model(
-        target, tokenizer.convert_tokens_to_ids(gemma4_dflash.MASK_TOKEN), layer_types=layer_types,
-        intermediate_size=args.intermediate_size, block_size=args.block_size,
-        target_layer_ids=[int(i) for i in args.target_layer_ids.split(",")]).to(device)
+    if args.init_from is not None:
+        drafter = DFlashDrafter.from_pretrained(args.init_from, dtype=torch.float32).to(device)
+        args.block_size = drafter.block_size
+        report["init_from"] = str(args.init_from)
+    else:
+        drafter = gemma4_dflash.build_model(
+            target, tokenizer.convert_tokens_to_ids(gemma4_dflash.MASK_TOKEN), layer_types=layer_types,
+            intermediate_size=args.intermediate_size, block_size=args.block_size,
+            target_layer_ids=[int(i) for i in args.target_layer_ids.split(",")]).to(device)
     report["num_parameters"] = sum(p.numel() for p in drafter.parameters())
     report["config"] = drafter.config.to_dict()
     val_windows = validation_windows(frozen.validation_stream.to(device), args.eval_windows, args.seq_len, device)
@@ -354,29 +456,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. Training; validation metrics every `eval_every` steps, keeping the weights with the best τ estimate.
     objective = BlockObjective(target, block_size=args.block_size, num_anchors=args.anchors, gamma=args.gamma,
-                               short_block_prob=args.short_block_prob, seed=args.seed)
+                               short_block_prob=args.short_block_prob, seed=args.seed, hard_labels=args.hard_labels)
     batches = RandomWindows(train_stream.to(device), args.batch_size, args.seq_len - 1, args.seed)
-    val_generated = []
+    val_generated, first_generated = [], 1
     if args.generated_windows:
-        start = time.perf_counter()
-        generated = generate_windows(target, train_stream.to(device), args.generated_windows, args.generated_prefix,
-                                     args.seq_len, args.seed + 2)
-        val_generated = [continue_greedily(target, w[:, : args.generated_prefix], args.seq_len) for w in val_windows]
-        first_generated = args.generated_prefix
-        if args.generated_openings:
-            openings = document_openings(train_stream.to(device), tokenizer.bos_token_id, args.opening_prefix,
-                                         args.generated_openings)
-            generated = torch.cat([generated, *[continue_greedily(target, ids, args.seq_len)
-                                                for ids in openings.split(1024)]])
-            val_openings = document_openings(frozen.validation_stream.to(device), tokenizer.bos_token_id,
-                                             args.opening_prefix)
-            val_generated = [continue_greedily(target, ids, args.seq_len) for ids in val_openings.split(16)]
-            first_generated = args.opening_prefix
-        batches = MixedWindows(batches, generated, args.generated_fraction, args.seed)
-        report["generated"] = {"windows": len(generated), "prefix": args.generated_prefix,
-                               "openings": args.generated_openings and len(openings),
-                               "opening_prefix": args.opening_prefix,
-                               "fraction": args.generated_fraction, "seconds": round(time.perf_counter() - start, 1)}
+        generated = generated_data(args, target, tokenizer, frozen, val_windows, device)
+        if args.generate_only:
+            print(f"{len(generated['windows'])} generated windows in {generated['seconds']} s", flush=True)
+            return report
+        val_generated, first_generated = generated["val"], generated["val_first"]
+        batches = MixedWindows(batches, generated["windows"], args.generated_fraction, args.seed,
+                               generated["continued_from"])
+        if args.continuation_anchors:
+            objective.first_anchor_of = batches.first_anchor
+        report["generated"] = {"windows": len(generated["windows"]), "prefix": args.generated_prefix,
+                               "openings": args.generated_openings, "opening_prefix": args.opening_prefix,
+                               "fraction": args.generated_fraction, "continuation_anchors": args.continuation_anchors,
+                               "seconds": generated["seconds"]}
         print("generated", json.dumps(report["generated"]), flush=True)
     steps = args.steps
     if args.time_budget:
@@ -393,7 +489,9 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             metrics = {"step": step or (len(curve) + 1) * args.eval_every} | objective.metrics(drafter, val_windows)
             if val_generated:
-                metrics["generated"] = objective.metrics(drafter, val_generated, first_anchor=first_generated)
+                metrics["generated"] = objective.metrics(
+                    drafter, val_generated, stride=2 if args.val_continued_tokens else 8, first_anchor=first_generated,
+                    anchor_span=args.val_continued_tokens)
         curve.append(cli.rounded(metrics))
         print("validation", json.dumps(curve[-1]), flush=True)
         score = (metrics.get("generated") or metrics)["tau_estimate"][full_k]
