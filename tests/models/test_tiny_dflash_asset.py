@@ -15,13 +15,12 @@ from hf_specdec.models.dflash import DFlashDrafter, check_compatible, is_dflash_
 from tests.models.dflash.helpers import released_layout
 
 FAMILY_MAX_BYTES = 30_000_000  # docs/architecture.md: the whole bundled family
-DRAFTER_MAX_BYTES = 5_000_000
+DRAFTER_MAX_BYTES = 5_300_000  # what the family's cap leaves beside the other members
 PROMPTS = (0, 3)  # held-out snippets: asyncio/taskgroups.py, idlelib/format.py
 PROMPT_CHARS, NEW_TOKENS = 400, 96
 # τ (tokens per target forward, bonus included) of greedy DFlash at the default k=7 on PROMPTS, measured on CPU
-# in fp32 (transformers 5.23): 2.46 (the same at k=4; over 256 new tokens on all six snippets it is 3.32). An
-# untrained drafter gives 1.0.
-TAU_BOUND = 2.46 - 0.5
+# in fp32 (transformers 5.24): 3.20 (the drafter shipped before the retrain: 2.46). An untrained drafter gives 1.0.
+TAU_BOUND = 3.20 - 0.5
 
 
 @pytest.fixture(scope="module")
