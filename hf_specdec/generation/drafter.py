@@ -123,7 +123,7 @@ class DraftSelector:
         batch, k, vocab = logits.shape
         if not self.do_sample and not self.scorer.processors:
             return logits.argmax(dim=-1), None
-        if not self.scorer.history_free:
+        if not self.scorer.batched:
             drafted, probs = torch.zeros(batch, 0, dtype=torch.long, device=logits.device), []
             for j in range(k):
                 token, q = self.select(logits[:, j], drafted)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from transformers import LogitsProcessorList
@@ -42,6 +43,24 @@ _HISTORY_FREE = (
 )
 
 
+
+
+def _eos_masked_below(processor, lengths: torch.Tensor, scores: torch.Tensor, shortest: torch.Tensor) -> torch.Tensor:
+    """``scores`` [n, vocab] with the processor's EOS ids at -inf in the rows whose ``lengths`` are below
+    ``shortest``: what ``processor(ids, scores[i:i+1])`` does for ids of ``lengths[i]`` tokens."""
+    vocab = torch.arange(scores.shape[-1], device=scores.device)
+    eos = torch.isin(vocab, processor.eos_token_id.to(scores.device))
+    return torch.where((lengths < shortest)[:, None] & eos[None, :], -math.inf, scores)
+
+
+# Processors whose output depends on the scores and the number of ids only (not on the ids themselves):
+# name -> f(processor, lengths [n], scores [n, vocab]), the whole batch of positions in one call.
+_LENGTH_ONLY = {
+    "MinLengthLogitsProcessor": lambda p, lengths, scores: _eos_masked_below(p, lengths, scores, p.min_length),
+    "MinNewTokensLengthLogitsProcessor": lambda p, lengths, scores: _eos_masked_below(
+        p, lengths - p.prompt_length_to_skip, scores, p.min_new_tokens),
+}
+
 # Per-row state that generate() gives some processors for the whole batch, by attribute name; the scorer
 # calls those processors one row at a time and narrows the state to that row.
 _PER_ROW_STATE = {"RepetitionPenaltyLogitsProcessor": ("prompt_ignore_length",)}
@@ -52,12 +71,15 @@ class PositionScorer:
 
     ``score(prefixes, logits)``: ``logits [batch, positions, vocab]`` (float32) where position ``j`` of row ``b``
     predicts the token after ``prefixes[b] + extra[b][:j]``; the processors see exactly the ids that plain
-    decoding would have shown them. History-free processors run in one batched call.
+    decoding would have shown them. When every processor is history-free or reads only the number of ids
+    (``min_length``, ``min_new_tokens``), they run on all positions of all rows in one batched call each.
     """
 
     def __init__(self, logits_processor):
         self.processors = logits_processor
         self.history_free = all(type(p).__name__ in _HISTORY_FREE for p in logits_processor)
+        self.batched = all(type(p).__name__ in _HISTORY_FREE or type(p).__name__ in _LENGTH_ONLY
+                           for p in logits_processor)
         self._row_views: dict[int, LogitsProcessorList] = {}
 
     def score(self, prefixes: list[torch.Tensor], extra: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -65,9 +87,8 @@ class PositionScorer:
         batch, positions, vocab = logits.shape
         if not self.processors:
             return logits
-        if self.history_free:
-            dummy = extra.new_zeros(batch * positions, 1)
-            return self.processors(dummy, logits.reshape(-1, vocab)).reshape(batch, positions, vocab)
+        if self.batched:
+            return self._score_batched(prefixes, extra, logits)
         out = torch.empty_like(logits)
         for b in range(batch):
             processors = self._row_view(b, batch)
@@ -75,6 +96,23 @@ class PositionScorer:
                 ids = torch.cat([prefixes[b], extra[b, :j]])[None, :]
                 out[b, j] = processors(ids, logits[b, j][None, :].clone())[0]
         return out
+
+    def _score_batched(self, prefixes: list[torch.Tensor], extra: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """All positions of all rows at once, the processors in their order; a history-free processor is shown
+        placeholder ids, a length-only one the number of ids each position's row would have."""
+        batch, positions, vocab = logits.shape
+        scores, dummy, lengths = logits.reshape(-1, vocab), None, None
+        for processor in self.processors:
+            by_length = _LENGTH_ONLY.get(type(processor).__name__)
+            if by_length is not None:
+                if lengths is None:  # host-known lengths: no device sync
+                    lengths = torch.tensor([len(p) for p in prefixes], device=logits.device)[:, None]
+                    lengths = (lengths + torch.arange(positions, device=logits.device)).reshape(-1)
+                scores = by_length(processor, lengths, scores)
+            else:
+                dummy = extra.new_zeros(batch * positions, 1) if dummy is None else dummy
+                scores = processor(dummy, scores)
+        return scores.reshape(batch, positions, vocab)
 
     def _row_view(self, row: int, batch: int) -> LogitsProcessorList:
         """The processors as seen by one row alone: per-row state built by ``generate`` for the whole batch

@@ -111,6 +111,48 @@ def test_history_processors_in_a_batch_match_plain_and_reach_the_drafts():
     assert stats.acceptance_histogram[:3] == [0, 0, 0]
 
 
+def test_min_length_processors_in_a_batch_match_plain_and_reach_the_drafts():
+    """min_length / min_new_tokens keep EOS out of the first tokens of each row: batched speculative greedy
+    (rows of different prompt lengths, EOS the token plain decoding would emit early) equals HF, and the
+    drafts from an exact copy of the target see the same ban, so every draft is accepted."""
+    ref, ours = gemma4_e2b_style(), hf_specdec.enable(gemma4_e2b_style())
+    ids, mask = left_padded_batch([6, 9, 4])
+    free = ref.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=None)
+    eos = [int(free[0, 10]), int(free[2, 12])]
+    for extra in (dict(min_new_tokens=6), dict(min_length=ids.shape[1] + 5), dict(min_new_tokens=3, temperature=0.5)):
+        kwargs = dict(attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                      **extra)
+        expected = ref.generate(ids, **kwargs)
+        got = ours.generate(ids, assistant_model=CopyDrafter(gemma4_e2b_style(), 4), **kwargs)
+        assert torch.equal(got, expected), extra
+        assert hf_specdec.last_generation_stats(ours).acceptance_histogram[:4] == [0, 0, 0, 0]
+
+
+def test_length_only_processors_are_scored_in_one_batched_call():
+    """The scorer applies min_length / min_new_tokens to all positions of all rows at once (no per-row loop),
+    exactly as each position's own call with its row's ids would, in the processors' order."""
+    from transformers import LogitsProcessorList, MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper
+
+    from hf_specdec.generation.sampling import PositionScorer
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 40, generator=gen)
+    prefixes = [torch.randint(40, (n,), generator=gen) for n in (4, 7, 9)]
+    extra = torch.randint(40, (3, 5), generator=gen)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), MinLengthLogitsProcessor(8, [3, 11]),
+                                      TopKLogitsWarper(6), MinNewTokensLengthLogitsProcessor(5, 5, 17)])
+    scorer = PositionScorer(processors)
+    assert scorer.batched and not scorer.history_free
+    expected = torch.stack([torch.stack([processors(torch.cat([prefixes[b], extra[b, :j]])[None], logits[b, j][None])[0]
+                                         for j in range(5)]) for b in range(3)])
+    got = scorer.score(prefixes, extra, logits)
+    assert torch.equal(got, expected)
+    alone = PositionScorer(LogitsProcessorList([MinLengthLogitsProcessor(8, [3, 11])])).score(prefixes, extra, logits)
+    assert torch.isinf(alone[0, :4, 3]).all() and torch.isfinite(alone[0, 4:, 3]).all()  # 4 + j ids reach 8 at j=4
+    assert torch.isfinite(alone[2, :, 11]).all() and torch.isfinite(alone[:, :, :3]).all()
+
+
 def test_graph_replays_are_keyed_by_what_the_drafter_hooks_record(monkeypatch):
     """A CUDA graph of the target's forward replays the records its capture-time hooks made; a drafter whose
     hooks record something else (another holder, other target layers) must not get those graphs, even
@@ -160,8 +202,8 @@ def test_a_block_of_draft_logits_is_selected_as_position_by_position():
     """select_block (a block drafter's k positions from one forward) gives what select gives position by
     position: the same greedy tokens with and without processors (a repetition penalty sees each draft's
     prefix), and when sampling with history-free processors the same q at every position, tokens from it."""
-    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
-    from transformers import TopKLogitsWarper
+    from transformers import LogitsProcessorList, MinLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper
 
     from hf_specdec.generation.drafter import DraftSelector
     from hf_specdec.generation.sampling import PositionScorer
@@ -178,7 +220,8 @@ def test_a_block_of_draft_logits_is_selected_as_position_by_position():
             drafted, probs = torch.cat([drafted, token[:, None]], dim=1), probs + [q]
         return drafted, probs
 
-    for processors in ([], [TemperatureLogitsWarper(0.7)], [RepetitionPenaltyLogitsProcessor(50.0)]):
+    for processors in ([], [TemperatureLogitsWarper(0.7)], [RepetitionPenaltyLogitsProcessor(50.0)],
+                       [MinLengthLogitsProcessor(7, 7)]):
         selector = DraftSelector(False, PositionScorer(LogitsProcessorList(processors)), 40, prefixes)
         tokens, q = selector.select_block(logits)
         assert q is None and torch.equal(tokens, by_position(selector)[0])
