@@ -89,9 +89,9 @@ def load_demo_drafters() -> dict[str, dict]:
     if "tiny-gemma4-dflash" in available_assets():
         drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"),
                                                                   dtype=torch.float32)
-        # k=4, not the default block_size - 1 = 7: on CPU at batch 4 the 3 longer verify positions cost about what
-        # they bring (τ 2.98 at k=4, 3.37 at k=7 on the held-out snippets: hf_specdec/assets/README.md)
-        drafters["hf_specdec DFlash (k=4)"] = dict(assistant_model=drafter, num_speculative_tokens=4)
+        # the drafter's own block_size - 1 = 7: its τ still rises past the 4th draft (2.98 at k=4, 3.37 at k=7 on
+        # the held-out snippets, hf_specdec/assets/README.md), and on CPU k=7 was the faster at batch 1 and 4
+        drafters["hf_specdec DFlash (k=7)"] = dict(assistant_model=drafter, num_speculative_tokens=7)
     return drafters
 
 
