@@ -43,9 +43,7 @@ _HISTORY_FREE = (
 )
 
 
-
-
-def _eos_masked_below(processor, lengths: torch.Tensor, scores: torch.Tensor, shortest: torch.Tensor) -> torch.Tensor:
+def _eos_masked_below(processor, lengths: torch.Tensor, scores: torch.Tensor, shortest: int) -> torch.Tensor:
     """``scores`` [n, vocab] with the processor's EOS ids at -inf in the rows whose ``lengths`` are below
     ``shortest``: what ``processor(ids, scores[i:i+1])`` does for ids of ``lengths[i]`` tokens."""
     vocab = torch.arange(scores.shape[-1], device=scores.device)
@@ -105,8 +103,9 @@ class PositionScorer:
         for processor in self.processors:
             by_length = _LENGTH_ONLY.get(type(processor).__name__)
             if by_length is not None:
-                if lengths is None:  # host-known lengths: no device sync
-                    lengths = torch.tensor([len(p) for p in prefixes], device=logits.device)[:, None]
+                if lengths is None:  # host-known lengths: no device sync (nor the ids' copy, given `lengths()`)
+                    known = prefixes.lengths() if hasattr(prefixes, "lengths") else [len(p) for p in prefixes]
+                    lengths = torch.tensor(known, device=logits.device)[:, None]
                     lengths = (lengths + torch.arange(positions, device=logits.device)).reshape(-1)
                 scores = by_length(processor, lengths, scores)
             else:

@@ -274,6 +274,10 @@ class LazyPrefixes(Sequence):
     def __len__(self) -> int:
         return len(self._rows)
 
+    def lengths(self) -> list[int]:
+        """Each row's number of ids, without bringing the ids to the device."""
+        return [len(r) for r in self._rows]
+
 
 def _pad_rows(rows: list[list[int]], pad_token: torch.Tensor | None, device) -> torch.Tensor:
     width = max(len(r) for r in rows)

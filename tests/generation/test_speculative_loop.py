@@ -191,6 +191,7 @@ def test_row_prefixes_reach_the_device_only_when_read(monkeypatch):
     rows[0] += [11, 12]
     rows[1] += [13]
     assert not calls
+    assert LazyPrefixes(row_ids, rows).lengths() == [5, 4] and not calls  # what min_length reads: no copy
     prefixes = LazyPrefixes(row_ids, rows)
     rows[1] += [14]  # emitted before the step reads them
     assert len(prefixes) == 2
