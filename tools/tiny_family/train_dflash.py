@@ -375,10 +375,12 @@ def generated_data(args, target, tokenizer, frozen, val_windows, device) -> dict
         val_first = args.opening_prefix[0]
     data = {"windows": windows, "continued_from": torch.cat(continued_from), "val": val, "val_first": val_first,
             "seconds": round(time.perf_counter() - start, 1)}
-    if cache is not None:
+    if cache is not None:  # token ids in 16 bits where the vocabulary fits (the family's: 4,096)
+        vocab = target.config.get_text_config().vocab_size
+        small = torch.int16 if vocab <= torch.iinfo(torch.int16).max else torch.int32
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"meta": meta, **data, "windows": windows.to(torch.int16).cpu(),
-                    "val": [w.to(torch.int16).cpu() for w in val]}, cache)
+        torch.save({"meta": meta, **data, "windows": windows.to(small).cpu(), "val": [w.to(small).cpu() for w in val]},
+                   cache)
     return data
 
 
