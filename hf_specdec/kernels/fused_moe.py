@@ -117,15 +117,23 @@ def config_for(tokens: int, fp8: bool = False) -> MoeConfig:
 
 def softmax_topk_route(router_logits: torch.Tensor,  # [tokens, num_experts]
                        top_k: int, per_expert_scale: torch.Tensor | None = None,  # [num_experts]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       *, return_probabilities: bool = False,
+                       ) -> tuple[torch.Tensor, ...]:
     """Gemma 4's router after its projection (transformers' ``Gemma4TextRouter``, same arithmetic): softmax over
     all experts in fp32, top-k, the k weights renormalised to sum 1, times ``per_expert_scale[index]``.
-    -> (weights [tokens, top_k] fp32, index [tokens, top_k] int64). No host sync."""
+    -> (weights [tokens, top_k] fp32, index [tokens, top_k] int64), led by the probabilities [tokens, num_experts]
+    fp32 with ``return_probabilities``. No host sync. On the GPU the softmax runs in :func:`topk_route`'s launch
+    (each probability may differ from torch's softmax in its last bit: the sum's order); elsewhere torch's."""
     check(router_logits.dim() == 2 and 0 < top_k <= router_logits.shape[-1],
           f"router_logits must be [tokens, num_experts] with num_experts >= top_k={top_k}, "
           f"got {tuple(router_logits.shape)}")
+    _check_expert_vectors(router_logits.shape[-1], per_expert_scale=per_expert_scale)
+    if _kernel_routes(router_logits, top_k):
+        return _route_logits(router_logits, top_k, "softmax", renormalize=True, per_expert_scale=per_expert_scale,
+                             return_scores=return_probabilities)
     probabilities = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    return topk_route(probabilities, top_k, renormalize=True, per_expert_scale=per_expert_scale)
+    routed = topk_route(probabilities, top_k, renormalize=True, per_expert_scale=per_expert_scale)
+    return (probabilities, *routed) if return_probabilities else routed
 
 
 def sigmoid_bias_topk_route(router_logits: torch.Tensor,  # [tokens, num_experts]
@@ -140,6 +148,9 @@ def sigmoid_bias_topk_route(router_logits: torch.Tensor,  # [tokens, num_experts
           f"got {tuple(router_logits.shape)}")
     check(bias.shape == router_logits.shape[-1:],
           f"bias must be [num_experts={router_logits.shape[-1]}], got {tuple(bias.shape)}")
+    if _kernel_routes(router_logits, top_k):  # the sigmoid in topk_route's launch
+        return _route_logits(router_logits, top_k, "sigmoid", bias=bias, renormalize=renormalize,
+                             renormalize_eps=1e-20, scaling_factor=scaling_factor)
     scores = torch.sigmoid(router_logits.float())
     return topk_route(scores, top_k, bias=bias, renormalize=renormalize, renormalize_eps=1e-20,
                       scaling_factor=scaling_factor)
@@ -162,27 +173,45 @@ def topk_route(scores: torch.Tensor,  # [tokens, num_experts] fp32
     torch's reduction order in the last bit of the weights."""
     check(scores.dim() == 2 and 0 < top_k <= scores.shape[-1],
           f"scores must be [tokens, num_experts] with num_experts >= top_k={top_k}, got {tuple(scores.shape)}")
-    experts = scores.shape[-1]
-    for name, vector in (("bias", bias), ("per_expert_scale", per_expert_scale)):
-        check(vector is None or vector.shape == (experts,),
-              f"{name} must be [num_experts={experts}], got {None if vector is None else tuple(vector.shape)}")
-    if (not use_triton(scores) or scores.shape[0] == 0 or experts > MAX_EXPERTS or top_k > MAX_TOP_K
-            or needs_grad(scores)):
+    _check_expert_vectors(scores.shape[-1], bias=bias, per_expert_scale=per_expert_scale)
+    if not _kernel_routes(scores, top_k):
         return topk_route_reference(scores, top_k, bias=bias, renormalize=renormalize,
                                     renormalize_eps=renormalize_eps, per_expert_scale=per_expert_scale,
                                     scaling_factor=scaling_factor)
-    rows = scores if scores.stride(-1) == 1 else scores.contiguous()
-    tokens = rows.shape[0]
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=scores.device)
-    index = torch.empty(tokens, top_k, dtype=torch.int64, device=scores.device)
+    return _route_logits(scores, top_k, None, bias=bias, renormalize=renormalize, renormalize_eps=renormalize_eps,
+                         per_expert_scale=per_expert_scale, scaling_factor=scaling_factor)
+
+
+def _check_expert_vectors(experts: int, **vectors) -> None:
+    for name, vector in vectors.items():
+        check(vector is None or vector.shape == (experts,),
+              f"{name} must be [num_experts={experts}], got {None if vector is None else tuple(vector.shape)}")
+
+
+def _kernel_routes(scores: torch.Tensor, top_k: int) -> bool:
+    """Whether ``_topk_route_kernel`` takes these scores (or logits); else the torch ops do."""
+    return (use_triton(scores) and scores.shape[0] > 0 and scores.shape[-1] <= MAX_EXPERTS and top_k <= MAX_TOP_K
+            and not needs_grad(scores))
+
+
+def _route_logits(logits, top_k, score_function, *, bias=None, renormalize=False, renormalize_eps=0.0,
+                  per_expert_scale=None, scaling_factor=None, return_scores=False):
+    """One ``_topk_route_kernel`` launch. ``score_function`` None: ``logits`` are the scores; "softmax" /
+    "sigmoid": the kernel makes the fp32 scores from them (also written out, first, with ``return_scores``)."""
+    rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+    tokens, experts = rows.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=rows.device)
+    index = torch.empty(tokens, top_k, dtype=torch.int64, device=rows.device)
+    scores = torch.empty(tokens, experts, dtype=torch.float32, device=rows.device) if return_scores else weights
     _topk_route_kernel[(tokens,)](
         rows, bias if bias is not None else rows, per_expert_scale if per_expert_scale is not None else rows,
-        weights, index, experts, rows.stride(0), float(renormalize_eps),
+        weights, index, scores, experts, rows.stride(0), float(renormalize_eps),
         float(scaling_factor if scaling_factor is not None else 1.0),
         TOP_K=top_k, SLOTS=next_power_of_2(top_k), BLOCK_E=next_power_of_2(experts), HAS_BIAS=bias is not None,
-        RENORMALIZE=renormalize, HAS_SCALE=per_expert_scale is not None,
-        HAS_FACTOR=scaling_factor is not None, num_warps=4 if experts > 256 else 2, **pdl_args(rows))
-    return weights, index
+        RENORMALIZE=renormalize, HAS_SCALE=per_expert_scale is not None, HAS_FACTOR=scaling_factor is not None,
+        SCORE_FUNCTION={None: 0, "softmax": 1, "sigmoid": 2}[score_function], STORE_SCORES=return_scores,
+        num_warps=4 if experts > 256 else 2, **pdl_args(rows))
+    return (scores, weights, index) if return_scores else (weights, index)
 
 
 def topk_route_reference(scores, top_k, *, bias=None, renormalize=False, renormalize_eps=0.0,
@@ -204,16 +233,26 @@ def topk_route_reference(scores, top_k, *, bias=None, renormalize=False, renorma
 
 
 @triton.jit
-def _topk_route_kernel(scores_ptr, bias_ptr, scale_ptr, weights_ptr, index_ptr, num_experts, stride_s,
-                       renormalize_eps, scaling_factor, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+def _topk_route_kernel(scores_ptr, bias_ptr, scale_ptr, weights_ptr, index_ptr, scores_out_ptr, num_experts,
+                       stride_s, renormalize_eps, scaling_factor, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
                        BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, HAS_FACTOR: tl.constexpr, PDL: tl.constexpr):
-    """One token: TOP_K rounds of (max key, its lowest expert id, that expert's score), then the weights."""
+                       HAS_SCALE: tl.constexpr, HAS_FACTOR: tl.constexpr, SCORE_FUNCTION: tl.constexpr,
+                       STORE_SCORES: tl.constexpr, PDL: tl.constexpr):
+    """One token: its scores (SCORE_FUNCTION 0: as given; 1: fp32 softmax of the logits given; 2: their fp32
+    sigmoid), TOP_K rounds of (max key, its lowest expert id, that expert's score), then the weights."""
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     scores = tl.load(scores_ptr + token * stride_s + experts, mask=valid, other=0.0).to(tl.float32)
+    if SCORE_FUNCTION == 1:
+        logits = tl.where(valid, scores, float("-inf"))
+        exps = tl.exp(logits - tl.max(logits, 0))
+        scores = exps / tl.sum(exps, 0)
+    elif SCORE_FUNCTION == 2:
+        scores = 1.0 / (1.0 + tl.exp(-scores))
+    if STORE_SCORES:
+        tl.store(scores_out_ptr + token * num_experts + experts, scores, mask=valid)
     keys = scores
     if HAS_BIAS:
         keys = scores + tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)

@@ -259,6 +259,35 @@ def test_triton_topk_route(triton_device, router, tokens, experts, top_k):
                                        rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (288, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("router", ["softmax", "sigmoid_bias"])
+def test_triton_routers_make_their_scores_in_the_kernel(triton_device, router, dtype, experts, top_k):
+    """Router logits in (the projection's dtype): the kernel's own fp32 softmax / sigmoid picks the reference's
+    experts in its order and gives its weights (and, for the softmax, all probabilities) to a few ulps. Distinct
+    logits, exact in bf16 (multiples of 1/16 below 16 in magnitude), so the order is the reference's."""
+    gen = torch.Generator().manual_seed(experts + top_k)
+    logits = torch.stack([torch.randperm(experts, generator=gen) for _ in range(5)]).float().sub(experts / 2).div(16)
+    logits = logits.to(dtype)
+    if router == "softmax":
+        scale = torch.rand(experts, generator=gen) + 0.5
+        probabilities, weights, index = softmax_topk_route(logits.to(triton_device), top_k, scale.to(triton_device),
+                                                           return_probabilities=True)
+        expected_probabilities = torch.softmax(logits.float(), -1)
+        torch.testing.assert_close(probabilities.cpu(), expected_probabilities, rtol=1e-6, atol=1e-12)
+        expected_weights, expected_index = topk_route_reference(expected_probabilities, top_k, renormalize=True,
+                                                                per_expert_scale=scale)
+    else:
+        bias = torch.randn(experts, generator=gen) * 0.1
+        weights, index = sigmoid_bias_topk_route(logits.to(triton_device), bias.to(triton_device), top_k, True, 2.5)
+        expected_weights, expected_index = topk_route_reference(
+            torch.sigmoid(logits.float()), top_k, bias=bias, renormalize=True, renormalize_eps=1e-20,
+            scaling_factor=2.5)
+    assert weights.dtype == torch.float32 and index.dtype == torch.int64
+    assert torch.equal(index.cpu(), expected_index)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-6, atol=0)
+
+
 def test_triton_topk_route_gives_valid_experts_for_a_nan_row(triton_device):
     """A token whose scores are all NaN (a model that already diverged) still gets distinct experts in range."""
     scores = torch.rand(2, 8)

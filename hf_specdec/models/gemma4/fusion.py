@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4RMSNorm,
@@ -27,7 +26,7 @@ from hf_specdec.compat import cache_argument
 from hf_specdec.generation.registry import FusedForward, register_fused_forwards
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
-from hf_specdec.kernels.fused_moe import topk_route
+from hf_specdec.kernels.fused_moe import softmax_topk_route
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, is_gelu_tanh
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add, rms_norm
@@ -167,17 +166,15 @@ def _experts_branch(self, residual, experts_in):
 
 
 def _gemma4_router_forward(self, hidden_states):
-    """transformers' ``Gemma4TextRouter.forward`` in four launches: the input norm with its scale and
-    ``hidden_size ** -0.5`` (one kernel, each product rounded as eager torch rounds it), the projection, the
-    fp32 softmax, and top-k + renormalise + per-expert scale (:func:`topk_route`: the same experts, the
-    weights to the last bit of a sum). The CPU runs the original."""
+    """transformers' ``Gemma4TextRouter.forward`` in three launches: the input norm with its scale and
+    ``hidden_size ** -0.5`` (one kernel, each product rounded as eager torch rounds it), the projection, and the
+    fp32 softmax + top-k + renormalise + per-expert scale (:func:`softmax_topk_route`, one kernel: the same
+    experts, the probabilities and weights to the last bit of a sum). The CPU runs the original."""
     if not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states)
     normed = rms_norm(hidden_states, None, self.norm.eps, then_mul=self.scale, then_scalar=self.scalar_root_size)
-    probabilities = F.softmax(self.proj(normed), dim=-1, dtype=torch.float32)
-    weights, index = topk_route(probabilities, self.config.top_k_experts, renormalize=True,
-                                per_expert_scale=self.per_expert_scale)
-    return probabilities, weights, index
+    return softmax_topk_route(self.proj(normed), self.config.top_k_experts, self.per_expert_scale,
+                              return_probabilities=True)
 
 
 def gemma4_mlp_forward(self, x):
