@@ -89,8 +89,8 @@ def load_demo_drafters() -> dict[str, dict]:
     if "tiny-gemma4-dflash" in available_assets():
         drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"),
                                                                   dtype=torch.float32)
-        # the drafter's own block_size - 1 = 7: its τ still rises past the 4th draft (2.98 at k=4, 3.37 at k=7 on
-        # the held-out snippets, hf_specdec/assets/README.md), and on CPU k=7 was the faster at batch 1 and 4
+        # the drafter's own block_size - 1 = 7: its τ still rises past the 4th draft (3.05 at k=4, 3.46 at k=7 on
+        # the held-out snippets, hf_specdec/assets/README.md); on CPU k=4 and k=7 are within the timing noise
         drafters["hf_specdec DFlash (k=7)"] = dict(assistant_model=drafter, num_speculative_tokens=7)
     return drafters
 
