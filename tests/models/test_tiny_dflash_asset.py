@@ -154,3 +154,33 @@ def test_hard_labels_score_the_targets_argmax():
     assert torch.allclose(objective.block_loss(draft, target), expected)
     objective.hard_labels = False
     assert not torch.allclose(objective.block_loss(draft, target), expected)
+
+
+def test_generated_cache_is_reused_only_for_the_same_options(target, tmp_path, capsys):
+    """`--generated-cache` (tools/tiny_family): a second run with the same options loads the windows the first one
+    made; a run with another --seed (it draws the prefixes) makes its own, says which options differ, and overwrites
+    the file."""
+    import types
+
+    train_dflash = pytest.importorskip("tools.tiny_family.train_dflash")
+    data = pytest.importorskip("tools.tiny_family.data")
+    stream = data.TokenStream(torch.arange(3, 300), 1)
+    frozen = types.SimpleNamespace(train_stream=stream, validation_stream=stream)
+    args = types.SimpleNamespace(generated_windows=3, generated_prefix=4, generated_openings=0, opening_prefix=[4],
+                                 seq_len=7, seed=0, target="tiny-gemma4", generated_cache=tmp_path / "gen.pt")
+    val_windows = [torch.arange(10, 24).view(2, 7)]
+
+    def generated(**changed):
+        made = train_dflash.generated_data(types.SimpleNamespace(**{**vars(args), **changed}), target, None, frozen,
+                                           val_windows, "cpu")
+        return made, capsys.readouterr().out
+
+    first, out = generated()
+    assert first["windows"].shape == (3, 7) and "making them again" not in out and args.generated_cache.is_file()
+    again, out = generated()
+    assert "generated windows from" in out and torch.equal(again["windows"], first["windows"])
+    assert torch.equal(again["val"][0], first["val"][0])
+    other, out = generated(seed=1)
+    assert "(seed differ): making them again" in out and not torch.equal(other["windows"], first["windows"])
+    reloaded, out = generated(seed=1)
+    assert "generated windows from" in out and torch.equal(reloaded["windows"], other["windows"])

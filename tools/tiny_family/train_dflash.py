@@ -81,8 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="anchor the blocks of a generated window in the target's continuation only (where decoding "
                         "drafts), not in its data prefix")
     p.add_argument("--generated-cache", type=pathlib.Path,
-                   help="file of the generated windows: loaded when it holds the ones these options ask for, else "
-                        "written after generating them (so several runs and later calls share one generation)")
+                   help="file of the generated windows: loaded when it holds the ones these options ask for (--seed "
+                        "included: it draws the prefixes), else written after generating them (so several runs and "
+                        "later calls share one generation)")
     p.add_argument("--generate-only", action="store_true",
                    help="make the generated windows, write them to --generated-cache and stop")
     p.add_argument("--init-from", type=pathlib.Path,
@@ -354,7 +355,9 @@ def generated_data(args, target, tokenizer, frozen, val_windows, device) -> dict
             return {"windows": saved["windows"].long().to(device), "continued_from": saved["continued_from"],
                     "val": [w.long().to(device) for w in saved["val"]], "val_first": saved["val_first"],
                     "seconds": saved["seconds"]}
-        print(f"{cache} holds other generated windows: making them again", flush=True)
+        differ = sorted(k for k in meta.keys() | saved["meta"].keys() if meta.get(k) != saved["meta"].get(k))
+        print(f"{cache} holds other generated windows ({', '.join(differ)} differ): making them again and "
+              f"overwriting it", flush=True)
     start = time.perf_counter()
     train_stream = frozen.train_stream.to(device)
     windows = generate_windows(target, train_stream, args.generated_windows, args.generated_prefix, args.seq_len,
