@@ -231,6 +231,19 @@ def test_docs_cite_only_files_of_the_repository():
             assert (ROOT / name).is_file() or (ROOT / "docs" / name).is_file(), name
 
 
+def test_asset_readme_documents_every_bundled_folder():
+    """Each bundled folder has its section in the asset README, with how it was trained, what it measures and how to
+    rebuild it (a section lost in an edit of another fails here)."""
+    text = (ROOT / "hf_specdec" / "assets" / "README.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)
+    for name in available_assets():
+        section = next((s for s in sections if s.startswith(f"`{name}`")), None)
+        assert section is not None, f"no '## `{name}`' section"
+        if name != "tiny-gemma4":  # the target's training and rebuild sections are its own headings
+            for part in ("### Training", "### Result", "### Rebuilding"):
+                assert f"\n{part}" in section, (name, part)
+
+
 def test_asset_readme_says_which_folders_stock_transformers_loads():
     """The asset README's table of what stock transformers (hf_specdec not imported) makes of each folder holds
     for the installed transformers: tiny-gemma4 loads as Gemma4ForCausalLM, tiny-step3p5 is refused."""
