@@ -6,7 +6,7 @@ import torch
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
 
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
-from hf_specdec.kernels.fused_moe import topk_route
+from hf_specdec.kernels.fused_moe import softmax_topk_route
 from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add
 
 
@@ -90,7 +90,7 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
     layers, k_eq_v layers (v normalised from the raw keys), KV-shared layers (a query-only qkv_norm_rope over
     the producer's K/V), per-layer-input blocks (their gate fused too: three norm_add seams per layer
     instead of two) and MoE blocks (the experts' pre-norm from the first seam, both branches ending in one
-    dual_norm_add; the router's top-k in one topk_route launch)."""
+    dual_norm_add; the router's softmax and top-k in one softmax_topk_route launch)."""
     from hf_specdec.models.gemma4 import fusion
     from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
     from hf_specdec.kernels.stacked_linear import stacked_weight
@@ -115,7 +115,8 @@ def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, bu
         seams, ropes, routes = [], [], []
         monkeypatch.setattr(fusion, "norm_add", lambda *a, **kw: seams.append(1) or norm_add(*a, **kw))
         monkeypatch.setattr(fusion, "dual_norm_add", lambda *a, **kw: seams.append(1) or dual_norm_add(*a, **kw))
-        monkeypatch.setattr(fusion, "topk_route", lambda *a, **kw: routes.append(1) or topk_route(*a, **kw))
+        monkeypatch.setattr(fusion, "softmax_topk_route",
+                            lambda *a, **kw: routes.append(1) or softmax_topk_route(*a, **kw))
         monkeypatch.setattr(fusion, "qkv_norm_rope", lambda *a, **kw: ropes.append(1) or qkv_norm_rope(*a, **kw))
         got = model(ids).logits
         per_layer = bool(model.config.get_text_config().hidden_size_per_layer_input)
