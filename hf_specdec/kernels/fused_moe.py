@@ -123,7 +123,8 @@ def softmax_topk_route(router_logits: torch.Tensor,  # [tokens, num_experts]
     all experts in fp32, top-k, the k weights renormalised to sum 1, times ``per_expert_scale[index]``.
     -> (weights [tokens, top_k] fp32, index [tokens, top_k] int64), led by the probabilities [tokens, num_experts]
     fp32 with ``return_probabilities``. No host sync. On the GPU the softmax runs in :func:`topk_route`'s launch
-    (each probability may differ from torch's softmax in its last bit: the sum's order); elsewhere torch's."""
+    (its exp and division are the GPU's approximate ones and its sum runs in another order: a probability may
+    differ from torch's softmax by a few ulps, more for logits far below the row's maximum); elsewhere torch's."""
     check(router_logits.dim() == 2 and 0 < top_k <= router_logits.shape[-1],
           f"router_logits must be [tokens, num_experts] with num_experts >= top_k={top_k}, "
           f"got {tuple(router_logits.shape)}")
@@ -148,7 +149,7 @@ def sigmoid_bias_topk_route(router_logits: torch.Tensor,  # [tokens, num_experts
           f"got {tuple(router_logits.shape)}")
     check(bias.shape == router_logits.shape[-1:],
           f"bias must be [num_experts={router_logits.shape[-1]}], got {tuple(bias.shape)}")
-    if _kernel_routes(router_logits, top_k):  # the sigmoid in topk_route's launch
+    if _kernel_routes(router_logits, top_k):  # the sigmoid in topk_route's launch (a few ulps from torch's)
         return _route_logits(router_logits, top_k, "sigmoid", bias=bias, renormalize=renormalize,
                              renormalize_eps=1e-20, scaling_factor=scaling_factor)
     scores = torch.sigmoid(router_logits.float())

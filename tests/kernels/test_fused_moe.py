@@ -261,31 +261,43 @@ def test_triton_topk_route(triton_device, router, tokens, experts, top_k):
 
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (288, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("router", ["softmax", "sigmoid_bias"])
-def test_triton_routers_make_their_scores_in_the_kernel(triton_device, router, dtype, experts, top_k):
-    """Router logits in (the projection's dtype): the kernel's own fp32 softmax / sigmoid picks the reference's
-    experts in its order and gives its weights (and, for the softmax, all probabilities) to a few ulps. Distinct
-    logits, exact in bf16 (multiples of 1/16 below 16 in magnitude), so the order is the reference's."""
+@pytest.mark.parametrize("router", ["softmax", "sigmoid_bias", "sigmoid_bias_plain"])
+@pytest.mark.parametrize("layout", ["contiguous", "wider_view"])
+def test_triton_routers_make_their_scores_in_the_kernel(triton_device, router, dtype, experts, top_k, layout):
+    """Router logits in (the projection's dtype; contiguous, or a view of wider rows): the kernel's own fp32 softmax
+    / sigmoid picks the reference's experts in its order and gives its weights (and, for the softmax, all
+    probabilities, written densely) to a few ulps; the GPU's exp and division are approximations a few ulps from
+    torch's. Distinct logits, exact in bf16 (multiples of 1/16 below 16 in magnitude), so the order is the
+    reference's."""
     gen = torch.Generator().manual_seed(experts + top_k)
     logits = torch.stack([torch.randperm(experts, generator=gen) for _ in range(5)]).float().sub(experts / 2).div(16)
     logits = logits.to(dtype)
+    given = logits.to(triton_device)
+    if layout == "wider_view":
+        given = torch.cat([given, torch.full_like(given[:, :3], 100.0)], dim=1)[:, :experts]
+        assert given.stride(0) == experts + 3
+    tolerance = dict(rtol=4e-6, atol=0)
     if router == "softmax":
         scale = torch.rand(experts, generator=gen) + 0.5
-        probabilities, weights, index = softmax_topk_route(logits.to(triton_device), top_k, scale.to(triton_device),
+        probabilities, weights, index = softmax_topk_route(given, top_k, scale.to(triton_device),
                                                            return_probabilities=True)
         expected_probabilities = torch.softmax(logits.float(), -1)
-        torch.testing.assert_close(probabilities.cpu(), expected_probabilities, rtol=1e-6, atol=1e-12)
+        assert probabilities.shape == (5, experts) and probabilities.is_contiguous()
+        torch.testing.assert_close(probabilities.cpu(), expected_probabilities, rtol=4e-6, atol=1e-12)
         expected_weights, expected_index = topk_route_reference(expected_probabilities, top_k, renormalize=True,
                                                                 per_expert_scale=scale)
+        alone = softmax_topk_route(given, top_k, scale.to(triton_device))  # without writing the probabilities
+        assert len(alone) == 2 and torch.equal(alone[0], weights) and torch.equal(alone[1], index)
     else:
+        renormalize, factor = (True, 2.5) if router == "sigmoid_bias" else (False, 1.0)
         bias = torch.randn(experts, generator=gen) * 0.1
-        weights, index = sigmoid_bias_topk_route(logits.to(triton_device), bias.to(triton_device), top_k, True, 2.5)
+        weights, index = sigmoid_bias_topk_route(given, bias.to(triton_device), top_k, renormalize, factor)
         expected_weights, expected_index = topk_route_reference(
-            torch.sigmoid(logits.float()), top_k, bias=bias, renormalize=True, renormalize_eps=1e-20,
-            scaling_factor=2.5)
+            torch.sigmoid(logits.float()), top_k, bias=bias, renormalize=renormalize, renormalize_eps=1e-20,
+            scaling_factor=factor)
     assert weights.dtype == torch.float32 and index.dtype == torch.int64
     assert torch.equal(index.cpu(), expected_index)
-    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-6, atol=0)
+    torch.testing.assert_close(weights.cpu(), expected_weights, **tolerance)
 
 
 def test_triton_topk_route_gives_valid_experts_for_a_nan_row(triton_device):

@@ -169,7 +169,7 @@ def _gemma4_router_forward(self, hidden_states):
     """transformers' ``Gemma4TextRouter.forward`` in three launches: the input norm with its scale and
     ``hidden_size ** -0.5`` (one kernel, each product rounded as eager torch rounds it), the projection, and the
     fp32 softmax + top-k + renormalise + per-expert scale (:func:`softmax_topk_route`, one kernel: the same
-    experts, the probabilities and weights to the last bit of a sum). The CPU runs the original."""
+    experts but at near-ties, the probabilities and weights within a few ulps). The CPU runs the original."""
     if not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states)
     normed = rms_norm(hidden_states, None, self.norm.eps, then_mul=self.scale, then_scalar=self.scalar_root_size)
