@@ -211,7 +211,7 @@ def _route_logits(logits, top_k, score_function, *, bias=None, renormalize=False
         TOP_K=top_k, SLOTS=next_power_of_2(top_k), BLOCK_E=next_power_of_2(experts), HAS_BIAS=bias is not None,
         RENORMALIZE=renormalize, HAS_SCALE=per_expert_scale is not None, HAS_FACTOR=scaling_factor is not None,
         SCORE_FUNCTION={None: 0, "softmax": 1, "sigmoid": 2}[score_function], STORE_SCORES=return_scores,
-        num_warps=4 if experts > 256 else 2, **pdl_args(rows))
+        num_warps=1 if experts <= 512 else 2, **pdl_args(rows))  # one warp: its reductions need no barrier
     return (scores, weights, index) if return_scores else (weights, index)
 
 
@@ -240,7 +240,9 @@ def _topk_route_kernel(scores_ptr, bias_ptr, scale_ptr, weights_ptr, index_ptr, 
                        HAS_SCALE: tl.constexpr, HAS_FACTOR: tl.constexpr, SCORE_FUNCTION: tl.constexpr,
                        STORE_SCORES: tl.constexpr, PDL: tl.constexpr):
     """One token: its scores (SCORE_FUNCTION 0: as given; 1: fp32 softmax of the logits given; 2: their fp32
-    sigmoid), TOP_K rounds of (max key, its lowest expert id, that expert's score), then the weights."""
+    sigmoid), then TOP_K rounds of one max each over (key, expert) packed into one int64 (the key's fp32 bits
+    mapped to an order-preserving int32 in the high half, ``BLOCK_E - 1 - expert`` in the low half: the largest key,
+    the lowest expert among equal keys), then the chosen experts' scores and the weights."""
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
@@ -257,24 +259,26 @@ def _topk_route_kernel(scores_ptr, bias_ptr, scale_ptr, weights_ptr, index_ptr, 
     keys = scores
     if HAS_BIAS:
         keys = scores + tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)
-    keys = tl.where(valid, keys, float("-inf"))
+    bits = (keys + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 becomes +0.0, equal keys stay equal
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the ints = order of the floats (NaN above inf)
+    packed = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - experts).to(tl.int64)
+    lowest = tl.full([], -9223372036854775808, tl.int64)
+    low_half = tl.full([], 4294967295, tl.int64)
+    packed = tl.where(valid, packed, lowest)
     slots = tl.arange(0, SLOTS)
-    chosen_weight = tl.zeros([SLOTS], dtype=tl.float32)
     chosen_index = tl.zeros([SLOTS], dtype=tl.int64)
-    total = 0.0
     for slot in tl.static_range(TOP_K):
-        best = tl.max(keys, 0)
-        pick = tl.min(tl.where(valid & (keys == best), experts, BLOCK_E), 0)
-        pick = tl.where(pick < BLOCK_E, pick, tl.min(tl.where(valid, experts, BLOCK_E), 0))  # NaN keys: any valid id
-        weight = tl.sum(tl.where(experts == pick, scores, 0.0), 0)
-        total += weight
-        chosen_weight = tl.where(slots == slot, weight, chosen_weight)
-        chosen_index = tl.where(slots == slot, pick.to(tl.int64), chosen_index)
-        valid = valid & (experts != pick)
-        keys = tl.where(valid, keys, float("-inf"))
+        best = tl.max(packed, 0)
+        chosen_index = tl.where(slots == slot, BLOCK_E - 1 - (best & low_half), chosen_index)
+        packed = tl.where(packed == best, lowest, packed)
+    in_k = slots < TOP_K
+    picked = (experts[None, :] == chosen_index[:, None]) & in_k[:, None]
+    chosen_weight = tl.sum(tl.where(picked, scores[None, :], 0.0), 1)  # one score per slot: exact
+    total = 0.0
+    for slot in tl.static_range(TOP_K):  # the sum in slot order, as the reference's
+        total += tl.sum(tl.where(slots == slot, chosen_weight, 0.0), 0)
     if RENORMALIZE:
         chosen_weight = chosen_weight / (total + renormalize_eps)
-    in_k = slots < TOP_K
     if HAS_SCALE:
         chosen_weight = chosen_weight * tl.load(scale_ptr + chosen_index, mask=in_k, other=1.0).to(tl.float32)
     if HAS_FACTOR:

@@ -178,12 +178,14 @@ def _merge_splits_kernel(
     out_ptr,  # [batch, q_len, num_heads, head_dim], any strides
     stride_ob, stride_ot, stride_oh, stride_od,
     q_len, num_heads, head_dim, num_splits,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     # One program per (row, query slot, q head): softmax-weighted sum of the split partials, one split after the
-    # other in key order (a fixed order, whatever the number of splits: empty ones add exact zeros).
+    # other in key order (a fixed order, whatever the number of splits: empty ones add exact zeros). The splits
+    # are read GROUP at a time (GROUP divides num_splits) in an unrolled body, so their loads are in flight
+    # together (one after the other, each load's latency added up: ~5 us for 16 splits).
     row_slot = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = row_slot // q_len
@@ -192,16 +194,19 @@ def _merge_splits_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     m = tl.load(part_ml_ptr + base * 2)
-    for s in range(1, num_splits):
-        m = tl.maximum(m, tl.load(part_ml_ptr + (base + s) * 2))
+    for s0 in range(0, num_splits, GROUP):
+        for j in tl.static_range(GROUP):
+            m = tl.maximum(m, tl.load(part_ml_ptr + (base + s0 + j) * 2))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     l = 0.0
-    for s in range(num_splits):
-        m_s = tl.load(part_ml_ptr + (base + s) * 2)
-        w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))
-        total += tl.load(part_acc_ptr + (base + s) * head_dim + d, mask=d_mask, other=0.0) * w
-        l += tl.load(part_ml_ptr + (base + s) * 2 + 1) * w
+    for s0 in range(0, num_splits, GROUP):
+        for j in tl.static_range(GROUP):
+            part = base + s0 + j
+            m_s = tl.load(part_ml_ptr + part * 2)
+            w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))
+            total += tl.load(part_acc_ptr + part * head_dim + d, mask=d_mask, other=0.0) * w
+            l += tl.load(part_ml_ptr + part * 2 + 1) * w
     out = total / tl.where(l == 0.0, 1.0, l)
     tl.store(out_ptr + row * stride_ob + slot * stride_ot + head * stride_oh + d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -342,7 +347,7 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
     if num_splits > 1:
         _merge_splits_kernel[(batch * q_len, num_heads)](
             part_acc, part_ml, out, *out.stride(), q_len, num_heads, head_dim, num_splits,
-            BLOCK_D=tiles.block_d, **pdl_args(out),
+            BLOCK_D=tiles.block_d, GROUP=math.gcd(8, num_splits), **pdl_args(out),
         )
     return out
 
