@@ -203,14 +203,17 @@ def _route_logits(logits, top_k, score_function, *, bias=None, renormalize=False
     tokens, experts = rows.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=rows.device)
     index = torch.empty(tokens, top_k, dtype=torch.int64, device=rows.device)
-    scores = torch.empty(tokens, experts, dtype=torch.float32, device=rows.device) if return_scores else weights
+    # a softmax always writes its probabilities: the kernel compiled without the store may sum the row in another
+    # order (its layout follows the memory accesses), and the weights must not depend on what the caller asks for
+    store = return_scores or score_function == "softmax"
+    scores = torch.empty(tokens, experts, dtype=torch.float32, device=rows.device) if store else weights
     _topk_route_kernel[(tokens,)](
         rows, bias if bias is not None else rows, per_expert_scale if per_expert_scale is not None else rows,
         weights, index, scores, experts, rows.stride(0), float(renormalize_eps),
         float(scaling_factor if scaling_factor is not None else 1.0),
         TOP_K=top_k, SLOTS=next_power_of_2(top_k), BLOCK_E=next_power_of_2(experts), HAS_BIAS=bias is not None,
         RENORMALIZE=renormalize, HAS_SCALE=per_expert_scale is not None, HAS_FACTOR=scaling_factor is not None,
-        SCORE_FUNCTION={None: 0, "softmax": 1, "sigmoid": 2}[score_function], STORE_SCORES=return_scores,
+        SCORE_FUNCTION={None: 0, "softmax": 1, "sigmoid": 2}[score_function], STORE_SCORES=store,
         num_warps=1 if experts <= 512 else 2, **pdl_args(rows))  # one warp: its reductions need no barrier
     return (scores, weights, index) if return_scores else (weights, index)
 
