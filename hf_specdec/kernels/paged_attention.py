@@ -185,7 +185,7 @@ def _merge_splits_kernel(
     # One program per (row, query slot, q head): softmax-weighted sum of the split partials, one split after the
     # other in key order (a fixed order, whatever the number of splits: empty ones add exact zeros). The splits
     # are read GROUP at a time (GROUP divides num_splits) in an unrolled body, so their loads are in flight
-    # together (one after the other, each load's latency added up: ~5 us for 16 splits).
+    # together (read one per loop step, each load's latency added up: ~5 us for 16 splits).
     row_slot = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = row_slot // q_len
