@@ -258,23 +258,23 @@ def paged_attention(
     if validate:
         _check_paged_attention_args(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
                                     scale, sliding_window, out)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.numel() == 0:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    if use_triton(q):
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-        _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
-                                scale=scale, sliding_window=sliding_window, causal=causal, out=out)
         return out
-    if q.device.type == "cpu" and q.shape[0] == 1:
+    if use_triton(q):
+        run = _paged_attention_triton
+    elif q.device.type == "cpu" and q.shape[0] == 1 and paged_attention_rows(
+            q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, scale=scale, sliding_window=sliding_window,
+            causal=causal, out=out):
         # one row on CPU (the latency case): its keys without a gather or a mask. With several rows one SDPA per
         # row costs as much as the reference's one padded, masked SDPA for all (measured on a 2-core CPU)
-        row_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-        if paged_attention_rows(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, scale=scale,
-                                sliding_window=sliding_window, causal=causal, out=row_out):
-            return row_out
-    # the reference's result is the output (copied into `out` only when one is given)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, scale=scale,
-                                     sliding_window=sliding_window, causal=causal, out=out)
+        return out
+    else:
+        run = paged_attention_reference
+    run(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
+        scale=scale, sliding_window=sliding_window, causal=causal, out=out)
+    return out
 
 
 # Split-KV: below this many programs per launch the GPU is underfilled (H100/H200: 132 SMs), so key ranges
@@ -370,11 +370,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     # GQA: the group's q heads are stacked along the query axis, so K/V are never repeated.
     group = num_heads // num_kv_heads
-    if q_len == 1:  # a decode step: the heads of a group are already adjacent (views where the strides allow)
-        qg = q.float().reshape(batch, num_kv_heads, group, head_dim)
-    else:
-        qg = q.float().unflatten(2, (num_kv_heads, group)).permute(0, 2, 3, 1, 4)  # [batch, kv, group, q_len, D]
-        qg = qg.reshape(batch, num_kv_heads, group * q_len, head_dim)
+    qg = q.float().unflatten(2, (num_kv_heads, group)).permute(0, 2, 3, 1, 4)  # [batch, kv, group, q_len, D]
+    qg = qg.reshape(batch, num_kv_heads, group * q_len, head_dim)
     if visible.numel() * group <= MAX_KEPT_MASK:
         mask = _grouped_mask(visible, group)
     else:  # a long prefill: its mask is not kept between layers (it would hold 4 bytes per query and key)
@@ -384,11 +381,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if sees_key is not None:
         result = torch.where(sees_key[:, None, None, :, None].expand(-1, 1, group, -1, -1)
                              .reshape(batch, 1, group * q_len, 1), result, 0.0)
-    if q_len == 1:
-        result = result.reshape(batch, 1, num_heads, head_dim)
-    else:
-        result = result.view(batch, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
-        result = result.reshape(batch, q_len, num_heads, head_dim)
+    result = result.view(batch, num_kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    result = result.reshape(batch, q_len, num_heads, head_dim)
     if out is None:
         return result.to(q.dtype)
     return out.copy_(result)
