@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-from", type=pathlib.Path,
                    help="start from the weights of this exported drafter (its config too: --layer-types, "
                         "--intermediate-size and --block-size are then ignored)")
+    p.add_argument("--widen-mlp", type=int, default=0,
+                   help="with --init-from: grow every MLP to this intermediate size, the new units' down-projection "
+                        "columns zero (the drafter computes what it did before training moves them)")
     p.add_argument("--val-continued-tokens", type=int, default=64,
                    help="validation on continued windows scores blocks anchored in the first N continued tokens "
                         "(the target's continuations turn repetitive later; 0: all)")
@@ -105,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.generated_openings and not args.generated_windows:
         p.error("--generated-openings adds to the generated windows: give --generated-windows too")
+    if args.widen_mlp and args.init_from is None:
+        p.error("--widen-mlp grows the drafter of --init-from: give --init-from too")
     if args.generate_only and not (args.generated_windows and args.generated_cache):
         p.error("--generate-only writes the generated windows: give --generated-windows and --generated-cache")
     return args
@@ -426,6 +431,29 @@ def measure(args, device) -> dict:
                            speed_ks=speed_ks)
 
 
+def widen_mlp(drafter: DFlashDrafter, intermediate_size: int) -> DFlashDrafter:
+    """A copy of `drafter` whose MLPs have `intermediate_size` units: the old units' weights as they were, the new
+    units' gate/up rows drawn as a fresh drafter's and their down-projection columns zero, so the copy's outputs
+    equal the original's until training moves them."""
+    old = drafter.config.intermediate_size
+    if intermediate_size <= old:
+        raise ValueError(f"--widen-mlp {intermediate_size} does not grow the drafter's MLPs ({old} units): give more")
+    config = copy.deepcopy(drafter.config)
+    config.intermediate_size = intermediate_size
+    wider = DFlashDrafter(config).to(dtype=next(drafter.parameters()).dtype, device=next(drafter.parameters()).device)
+    state = wider.state_dict()
+    for name, tensor in drafter.state_dict().items():
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            state[name][:old] = tensor
+        elif name.endswith("mlp.down_proj.weight"):
+            state[name].zero_()
+            state[name][:, :old] = tensor
+        else:
+            state[name].copy_(tensor)
+    wider.load_state_dict(state)
+    return wider
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -446,6 +474,9 @@ def main(argv: list[str] | None = None) -> dict:
         drafter = DFlashDrafter.from_pretrained(args.init_from, dtype=torch.float32).to(device)
         args.block_size = drafter.block_size
         report["init_from"] = str(args.init_from)
+        if args.widen_mlp:
+            drafter = widen_mlp(drafter, args.widen_mlp).to(device)
+            report["widened_mlp_to"] = args.widen_mlp
     else:
         drafter = gemma4_dflash.build_model(
             target, tokenizer.convert_tokens_to_ids(gemma4_dflash.MASK_TOKEN), layer_types=layer_types,
