@@ -89,7 +89,7 @@ def load_demo_drafters() -> dict[str, dict]:
     if "tiny-gemma4-dflash" in available_assets():
         drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"),
                                                                   dtype=torch.float32)
-        # the drafter's own block_size - 1 = 7: its τ still rises past the 4th draft (3.05 at k=4, 3.46 at k=7 on
+        # the drafter's own block_size - 1 = 7: its τ still rises past the 4th draft (3.12 at k=4, 3.66 at k=7 on
         # the held-out snippets, hf_specdec/assets/README.md); on CPU k=4 and k=7 are within the timing noise
         drafters["hf_specdec DFlash (k=7)"] = dict(assistant_model=drafter, num_speculative_tokens=7)
     return drafters
