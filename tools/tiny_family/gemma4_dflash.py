@@ -2,7 +2,9 @@
 checkpoint layout (config.json with model_type `qwen3`, `architectures=["DFlashDraftModel"]`,
 `dflash_config.{mask_token_id, target_layer_ids}`; keys `fc`, `hidden_norm`, `norm`, `layers.i.*`).
 
-Shape, kept small so that one block forward costs a fraction of a target step on CPU:
+Shape, kept small so that one block forward costs a fraction of a target step on CPU (these are the defaults of
+`train_dflash`; the bundled drafter was built with `--layer-types F,F,F,F,F,F --intermediate-size 256` and widened
+to 320 later, `--widen-mlp`: hf_specdec/assets/README.md):
 - hidden 256 (= the target's: the block is embedded with the target's scaled embedding and drafts are read
   through its tied, soft-capped head, both of width 256);
 - 3 full-attention draft layers, bidirectional within the block (`--layer-types S,S,F` gives the sliding +
