@@ -115,3 +115,18 @@ def batch(n: int = 2, chars: int = 120):
     texts = [p[: chars - 17 * i] for i, p in enumerate(prompts(n, chars))]
     enc = tok(texts, return_tensors="pt", padding=True)
     return enc["input_ids"], enc["attention_mask"]
+
+
+FAMILY_MAX_WEIGHT_BYTES = 30_000_000  # docs/architecture.md: the bundled family's safetensors, all together
+FAMILY_MAX_OTHER_BYTES = 1_000_000  # its tokenizers, held-out snippets, README and loader beside them (0.58 MB)
+
+
+def check_family_size() -> None:
+    """The bundled family stays small: its weights within the documented cap, and the files beside them too."""
+    from hf_specdec.assets import ASSETS_DIR
+
+    files = [p for p in ASSETS_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    weights = sum(p.stat().st_size for p in files if p.suffix == ".safetensors")
+    others = sum(p.stat().st_size for p in files if p.suffix != ".safetensors")
+    assert weights <= FAMILY_MAX_WEIGHT_BYTES, f"the family's safetensors take {weights:,} B"
+    assert others <= FAMILY_MAX_OTHER_BYTES, f"the family's other files take {others:,} B"

@@ -10,11 +10,11 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 import hf_specdec
-from hf_specdec.assets import ASSETS_DIR, asset_path, held_out_snippets
+from hf_specdec.assets import asset_path, held_out_snippets
 from hf_specdec.models.gemma4 import Gemma4MTPAssistant, check_compatible, draft_sliding_window
+from tests.bundled import check_family_size
 from tests.models.gemma4.helpers import released_layout
 
-FAMILY_MAX_BYTES = 30_000_000  # docs/architecture.md: the whole bundled family's safetensors
 ASSISTANT_MAX_BYTES = 3_000_000
 PROMPTS = (0, 3)  # held-out snippets: asyncio/taskgroups.py, idlelib/format.py
 PROMPT_CHARS, NEW_TOKENS, K = 400, 96, 4
@@ -73,7 +73,7 @@ def test_checkpoint_is_in_the_released_layout(assistant_dir):
 
 def test_sizes(assistant_dir):
     assert sum(p.stat().st_size for p in assistant_dir.iterdir()) <= ASSISTANT_MAX_BYTES
-    assert sum(p.stat().st_size for p in ASSETS_DIR.rglob("*.safetensors")) <= FAMILY_MAX_BYTES
+    check_family_size()
 
 
 def test_attaches_to_the_bundled_target(assistant, target):
