@@ -1,10 +1,14 @@
 """``num_speculative_tokens="auto"``: k chosen per round from the acceptance measured so far and what a round costs.
 
-A round with k drafts whose drafts are each accepted with probability alpha commits, per row, on average
-``tau(k) = (1 - alpha^(k+1)) / (1 - alpha)`` tokens. The controller picks the k in 1..k_max with the most tokens
-per unit of cost. alpha is the maximum-likelihood estimate over the rounds so far (a row that accepted a of k
-drafts saw a acceptances and, if a < k, one rejection), weighted towards recent rounds. A run whose drafts are
-never accepted settles at k = 1; the output is lossless whatever k is.
+A round with k drafts commits, per row, on average ``tau(k) = 1 + sum_{j<=k} a_1 a_2 ... a_j`` tokens, where ``a_j``
+is the chance that draft j is accepted once drafts 1..j-1 were. The controller picks the k in 1..k_max with the most
+tokens per unit of cost. Each ``a_j`` is measured: of the rows whose round drafted j and accepted the j-1 before
+it, the share that accepted draft j, weighted towards recent rounds (a position's counts decay only when a round
+drafts it). Rates are not assumed equal along the block: a drafter's later drafts read its own earlier ones, and on
+the bundled tiny models the first two drafts are accepted ~95% of the time and the later ones far less, so one
+pooled rate measured at k=2 promised long blocks that never paid (docs/perf_log.md, session 26). A position with
+few trials leans on the one before it (a few pseudo-trials at its rate), the first on a prior; a run whose drafts
+are never accepted settles at k = 1; the output is lossless whatever k is.
 
 What a round costs is measured where it can be: the loop reports the wall time between its rounds' host syncs
 (:meth:`AdaptiveK.observe`), and once steady rounds at two values of k have been timed, the cost of any k is read
@@ -39,6 +43,9 @@ PROBE_ROUNDS = 1 + STEADY_ROUNDS + MIN_TIMED
 KEEP = 50  # a k's round time is the median of its last KEEP timed rounds
 MIN_DRAFT_SHARE = 0.01  # the least a draft is taken to add to a round, as a share of the mean timed round
 MAX_KEPT_COSTS = 64  # timings kept per model (drafter x draft model x batch size), the oldest dropped first
+PRIOR_TRIALS = 4.0  # pseudo-trials of the prior rate at the first draft position (they decay as rounds come in)
+PSEUDO_TRIALS = 2.0  # pseudo-trials, at each later position, of the rate of the position before it
+MAX_RATE = 0.999  # an acceptance rate is never taken as certain
 
 
 class RoundCosts:
@@ -47,7 +54,7 @@ class RoundCosts:
     def __init__(self):
         self.seconds: dict[int, collections.deque] = {}  # k -> its last KEEP timed rounds
         self.medians: dict[int, float] = {}  # k -> the median of those, for the k with MIN_TIMED rounds or more
-        self.acceptance: tuple[float, float] | None = None  # (decayed accepted drafts, decayed trials) so far
+        self.acceptance: AcceptanceRates | None = None  # the per-position acceptance measured so far
         self.last_k: int | None = None  # the k the last round ran: the next call starts there
 
     def add(self, k: int, seconds: float) -> None:
@@ -92,6 +99,50 @@ def costs_for(kept: dict, key) -> RoundCosts:
     return kept[key]
 
 
+class AcceptanceRates:
+    """Decayed counts, per draft position, of the rows that reached it (drafted it, every draft before it accepted)
+    and of those that accepted it."""
+
+    def __init__(self, k_max: int, prior_alpha: float = 0.6, decay: float = 0.9):
+        # the prior: PRIOR_TRIALS pseudo-trials at the first position, decaying as measured rounds come in
+        self.reached = [PRIOR_TRIALS] + [0.0] * (k_max - 1)
+        self.passed = [prior_alpha * PRIOR_TRIALS] + [0.0] * (k_max - 1)
+        self.decay = decay
+
+    def update(self, accepted: list[int], k: int) -> None:
+        """After a round of ``k`` drafts per row: ``accepted[b]`` drafts row b accepted."""
+        self._grow(k)
+        for j in range(k):  # position j + 1: reached by the rows that accepted j drafts or more
+            self.reached[j] = self.decay * self.reached[j] + sum(a >= j for a in accepted)
+            self.passed[j] = self.decay * self.passed[j] + sum(a > j for a in accepted)
+
+    def rates(self, k_max: int) -> list[float]:
+        """The acceptance rate of each draft position 1..k_max given the ones before it were accepted: the measured
+        share, each after the first shrunk towards the rate of the position before it by :data:`PSEUDO_TRIALS`, so
+        that a position with few trials does not swing the choice of k."""
+        self._grow(k_max)
+        rates = [min(self.passed[0] / self.reached[0], MAX_RATE)]
+        for j in range(1, k_max):
+            rates.append(min((self.passed[j] + PSEUDO_TRIALS * rates[-1]) / (self.reached[j] + PSEUDO_TRIALS),
+                             MAX_RATE))
+        return rates
+
+    def _grow(self, k: int) -> None:
+        while len(self.reached) < k:
+            self.reached.append(0.0)
+            self.passed.append(0.0)
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """Tokens a row commits in a round of ``k`` drafts: its bonus token and each draft with the chance that it
+    and every draft before it are accepted (``rates``: per position, given the ones before)."""
+    tokens, chain = 1.0, 1.0
+    for rate in rates[:k]:
+        chain *= rate
+        tokens += chain
+    return tokens
+
+
 class AdaptiveK:
     def __init__(self, k_max: int, draft_cost, batch: int, prior_alpha: float = 0.6, decay: float = 0.9,
                  costs: RoundCosts | None = None):
@@ -100,10 +151,10 @@ class AdaptiveK:
         self.k_max = k_max
         self.draft_cost = draft_cost  # (k) -> cost in target steps
         self.verify_per_token = 0.02 + 0.006 * batch
-        self.accepted, self.trials = prior_alpha * 4, 4.0  # a weak prior: 4 pseudo-trials
-        if costs is not None and costs.acceptance is not None:  # what the last calls measured
-            self.accepted, self.trials = costs.acceptance
-        self.decay = decay
+        # what the last calls measured, else a weak prior
+        self.acceptance = AcceptanceRates(k_max, prior_alpha, decay)
+        if costs is not None and costs.acceptance is not None:
+            self.acceptance = costs.acceptance
         self.costs = costs
         self.curve = costs.curve() if costs is not None else None  # the timed costs, refreshed as rounds are timed
         self.recent: list[int] = []  # the k of the last rounds, newest last
@@ -112,9 +163,9 @@ class AdaptiveK:
         last = costs.last_k if costs is not None else None
         self.k = last if last is not None and last <= k_max else self._best()
 
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.trials
+    def rates(self) -> list[float]:
+        """The measured acceptance rate of each draft position (given the ones before it)."""
+        return self.acceptance.rates(self.k_max)
 
     def observe(self, k: int, seconds: float, ahead_k: int | None = None) -> None:
         """A round of ``k`` drafts took ``seconds`` (from the previous round's host sync to its own); ``ahead_k``: the
@@ -132,10 +183,9 @@ class AdaptiveK:
         """After a round of ``k`` drafts per row: ``accepted[b]`` drafts row b accepted."""
         if not accepted:
             return
-        self.accepted = self.decay * self.accepted + sum(accepted)
-        self.trials = self.decay * self.trials + sum(accepted) + sum(a < k for a in accepted)
+        self.acceptance.update(accepted, k)
         if self.costs is not None:
-            self.costs.acceptance = (self.accepted, self.trials)
+            self.costs.acceptance = self.acceptance
         self._choose()
         if self.costs is not None:
             self.costs.last_k = self.k
@@ -144,7 +194,7 @@ class AdaptiveK:
         probed = self.probe is not None
         if self._probing():
             return
-        best, alpha = self._best(), min(self.alpha, 0.999)
+        best, rates = self._best(), self.rates()
         if probed:  # the probe's k was run to be timed, not chosen: the timed curve picks the k from here
             self.k = best
             return
@@ -154,7 +204,7 @@ class AdaptiveK:
         # off a line between timed neighbours, which misses a curve that bends (verify turning compute-bound at
         # batch 32 made k=3 10% faster than k=4 where the line said 3%): any gain there runs it, to time it
         untimed = self.curve is not None and best not in self.costs.medians
-        if self.tokens_per_cost(alpha, best) > (1.0 if untimed else SWITCH_GAIN) * self.tokens_per_cost(alpha, self.k):
+        if self.tokens_per_cost(best, rates) > (1.0 if untimed else SWITCH_GAIN) * self.tokens_per_cost(self.k, rates):
             self.k = best
             if untimed:  # a probe: it stays until timed
                 self.probe, self.probe_left = best, PROBE_ROUNDS
@@ -181,8 +231,8 @@ class AdaptiveK:
         return True
 
     def _best(self) -> int:
-        alpha = min(self.alpha, 0.999)
-        return max(range(1, self.k_max + 1), key=lambda k: self.tokens_per_cost(alpha, k))
+        rates = self.rates()
+        return max(range(1, self.k_max + 1), key=lambda k: self.tokens_per_cost(k, rates))
 
     def cost(self, k: int) -> float:
         """A round of k drafts: measured seconds on the timed curve, else the prior's target steps."""
@@ -190,6 +240,7 @@ class AdaptiveK:
             return cost_on(self.curve, k)
         return 1 + self.verify_per_token * k + self.draft_cost(k)
 
-    def tokens_per_cost(self, alpha: float, k: int) -> float:
-        tau = (1 - alpha ** (k + 1)) / (1 - alpha)
-        return tau / self.cost(k)
+    def tokens_per_cost(self, k: int, rates: list[float] | None = None) -> float:
+        """Expected tokens per row of a round of ``k`` drafts over its cost (``rates``: per position, default the
+        measured ones)."""
+        return expected_tokens(self.rates() if rates is None else rates, k) / self.cost(k)
