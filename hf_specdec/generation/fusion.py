@@ -85,6 +85,19 @@ def kernels_may_run(model: torch.nn.Module) -> bool:
     return forced == "1" or any(p.is_cuda for p in model.parameters())
 
 
+def fuse_drafter(drafter: torch.nn.Module) -> torch.nn.Module:
+    """Give a drafter (an assistant or DFlash model, not itself enabled) the kernels-only fused forwards while its
+    weights are where the kernels run, as ``enable`` and ``generate`` do for the target; remove them while they are
+    not. Called where a drafter is placed for a ``generate`` call, since the user may have moved it (loaded on CPU,
+    then ``.to("cuda")``): without them its projections took cuBLAS, whose fp32 kernels for 7-16 rows (a block
+    of 8 drafts at batch 1) take 25-50 us a call on small weights (docs/perf_log.md, session 26). Returns it."""
+    if kernels_may_run(drafter):
+        fuse_modules(drafter)
+    else:
+        unfuse_modules(drafter, kernels_only=True)
+    return drafter
+
+
 def unfuse_modules(model: torch.nn.Module, kernels_only: bool = False) -> None:
     """Undo :func:`fuse_modules` (with ``kernels_only=True``, for the kernels-only forwards alone)."""
     forwards = {entry.forward for entry in _FUSED.values() if entry.kernels_only or not kernels_only}

@@ -43,3 +43,27 @@ def test_generate_drops_them_from_a_model_moved_to_the_cpu(monkeypatch):
         model._hf_specdec.fused = True
         assert torch.equal(model.generate(ids, **call), expected if call is not kwargs else expected_plain)
         assert not model._hf_specdec.fused and _fused(model) == 0
+
+
+def test_a_drafter_takes_the_fused_forwards_where_the_kernels_run_and_drops_them_elsewhere(monkeypatch):
+    """A drafter is not an enabled model: the drafter built for each generate call gives it the kernels-only forwards
+    while its weights are where the kernels run (a drafter loaded on the CPU, then moved to the GPU, had none: its
+    projections took cuBLAS), and takes them away where they are not."""
+    from hf_specdec.generation.registry import build_drafter
+
+    for mode in ("gemma_mtp", "gemma_dflash"):
+        model, extra, _ = bundled.mode(mode)
+        drafter = extra["assistant_model"]
+
+        def fused_linears():
+            return sum("forward" in vars(m) for m in drafter.modules() if isinstance(m, torch.nn.Linear))
+
+        monkeypatch.setenv(FORCE_TRITON_ENV, "0")
+        build_drafter(model, drafter, None, None)
+        assert fused_linears() == 0, mode
+        monkeypatch.setenv(FORCE_TRITON_ENV, "1")  # as if its weights were on a GPU
+        build_drafter(model, drafter, None, None)
+        assert fused_linears() > 0, mode
+        monkeypatch.setenv(FORCE_TRITON_ENV, "0")
+        build_drafter(model, drafter, None, None)
+        assert fused_linears() == 0, mode

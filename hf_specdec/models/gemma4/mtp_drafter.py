@@ -21,7 +21,7 @@ import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
 from hf_specdec.generation.drafter import Drafter, DraftProposal
-from hf_specdec.generation.fusion import stack_projections
+from hf_specdec.generation.fusion import fuse_drafter, stack_projections
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels.stacked_linear import stack_weights
 from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, fused_embedding_scale, target_embedding
@@ -68,8 +68,8 @@ class Gemma4MTPDraftRunner(Drafter):
         text_config = target_text_config(target)
         self.producers = {t: producer_layer_for(text_config, t) for t in set(assistant.config.text_config.layer_types)}
         # beside the producer layers whose pages it reads (the last of them if accelerate split them)
-        self.assistant = place_drafter(assistant, layer_devices(target).get(max(self.producers.values()))
-                                       or input_device(target))
+        self.assistant = fuse_drafter(place_drafter(assistant, layer_devices(target).get(max(self.producers.values()))
+                                                    or input_device(target)))
         stack_assistant_weights(self.assistant)
         self.num_speculative_tokens = num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         self.embed = target_embedding(target)
