@@ -221,14 +221,19 @@ class _Tiles:
     num_warps: int
 
 
-def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = None) -> _Tiles:
+def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = None, ieee: bool = False) -> _Tiles:
     """Tile sizes from head_dim: K, V and q tiles (x num_stages) must fit shared memory, and
     head_dim 512 leaves room only for 16 x 32 tiles. At most 32 q rows: from 64 rows Hopper's dot becomes a
-    warpgroup MMA, whose rounding a one-query decode tile (16 rows) would not share."""
+    warpgroup MMA, whose rounding a one-query decode tile (16 rows) would not share. ``ieee``: fp32 dots (no
+    tensor-core path), whose 32-row tiles at head_dim 128 and 256 spilled registers at the bf16 settings: 8 warps,
+    and 16 keys per step at 256 (H200, graph-timed: a verify of 8 queries at head_dim 128 178 -> 20 us, at 256
+    278 -> 49 us; docs/perf_log.md, session 26)."""
     block_d = max(16, next_power_of_2(head_dim))
     max_m, default_n, num_warps = {16: (32, 64, 4), 32: (32, 64, 4), 64: (32, 64, 4),
                                    128: (32, 64, 4), 256: (32, 32, 8), 512: (16, 32, 8)}[block_d]
     block_m = max(16, next_power_of_2(group), min(max_m, next_power_of_2(group * q_len)))
+    if ieee and block_m >= 32 and block_d in (128, 256):
+        num_warps, default_n = 8, 16 if block_d == 256 else default_n
     return _Tiles(block_t=block_m // group, block_m=block_m, block_n=block_n or default_n,
                   block_d=block_d, num_warps=num_warps)
 
@@ -316,7 +321,10 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
     check(head_dim <= MAX_TRITON_HEAD_DIM, f"the Triton kernel supports head_dim <= {MAX_TRITON_HEAD_DIM}, "
           f"got {head_dim}: set HF_SPECDEC_FORCE_TRITON=0 to use the torch reference")
     group = num_heads // num_kv_heads
-    tiles = _pick_tiles(head_dim, group, q_len, block_n)
+    # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits: upcast there.
+    upcast_dot = q.dtype == torch.bfloat16 and interpreting(_paged_attention_kernel)
+    ieee = q.dtype == torch.float32 or upcast_dot
+    tiles = _pick_tiles(head_dim, group, q_len, block_n, ieee=q.dtype == torch.float32)
     tiles_per_row = triton.cdiv(q_len, tiles.block_t)
     chunk = kv_chunk(batch * num_kv_heads, tiles.block_n) if kv_chunk_keys is None else kv_chunk_keys
     max_keys = block_tables.shape[1] * block_size
@@ -329,8 +337,6 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
         part_ml = torch.empty(batch * q_len * num_heads * num_splits * 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits: upcast there.
-    upcast_dot = q.dtype == torch.bfloat16 and interpreting(_paged_attention_kernel)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, out,
         *q.stride(), *out.stride(),
@@ -340,7 +346,7 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
         GROUP=group, BLOCK_T=tiles.block_t, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=tiles.block_d, CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
         # fp32 inputs must not be rounded to tf32: fp32 is the exactness dtype of the tests.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast_dot else "tf32",
+        DOT_PRECISION="ieee" if ieee else "tf32",
         UPCAST_DOT=upcast_dot, SPLIT=num_splits > 1,
         num_warps=tiles.num_warps, **pdl_args(out),
     )

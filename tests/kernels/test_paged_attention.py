@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_specdec.kernels import paged_attention, paged_attention_reference, use_triton
-from hf_specdec.kernels.paged_attention import (NO_SPLIT, _paged_attention_triton, kv_chunk, num_kv_splits,
+from hf_specdec.kernels.paged_attention import (NO_SPLIT, _paged_attention_triton, _pick_tiles, kv_chunk, num_kv_splits,
                                                 paged_attention_rows)
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -305,6 +305,17 @@ def test_triton_verify_gqa_head_dim_80(triton_device, dtype):
     case = make_case([12, 21, 5], q_len=4, num_heads=8, num_kv_heads=2, head_dim=80, dtype=dtype,
                      poison=NAN_BLOCK, seed=1, device=triton_device)
     assert_triton_matches_reference(case, scale=1.0)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_triton_fp32_verify_tiles_of_wide_heads(triton_device, head_dim):
+    """fp32 verify tiles of 32 query rows at head_dim 128 and 256 take their own settings (8 warps, 16 keys a step at
+    256: the bf16 ones spilled registers on fp32 dots); they attend like the reference."""
+    tiles = _pick_tiles(head_dim, 4, 8, ieee=True)
+    assert tiles.block_m == 32 and tiles.num_warps == 8 and tiles != _pick_tiles(head_dim, 4, 8)
+    case = make_case([12, 30], q_len=8, num_heads=4, num_kv_heads=1, head_dim=head_dim, dtype=torch.float32,
+                     poison=NAN_BLOCK, seed=7, device=triton_device)
+    assert_triton_matches_reference(case, scale=head_dim**-0.5)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype", [
