@@ -344,6 +344,24 @@ class PagedKVCache(Cache):
         self._context_tables.clear()
         self._meta_copies.clear()
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the rows ``rows`` (indices into the batch, distinct, at least one), in that order: row ``i``
+        of the batch after is row ``rows[i]`` before; the other rows' blocks go back to the pools. Between
+        forwards only (after a :meth:`commit`)."""
+        if not rows or len(set(rows)) != len(rows) or not all(0 <= r < self.batch_size for r in rows):
+            raise ValueError(f"keep_rows takes distinct row indices below the batch size {self.batch_size} (at least "
+                             f"one), got {rows}.")
+        kept = set(rows)
+        for b, seq in enumerate(self.seq_ids):
+            if b not in kept:
+                self.manager.free_sequence(seq)
+        self.seq_ids = [self.seq_ids[r] for r in rows]
+        self._tables = None  # the rows' order changed even where no block did
+        self._counts = CountsStaging((2, len(rows)), self.device)
+        self.meta = None
+        self._context_tables.clear()
+        self._meta_copies.clear()
+
     def context_pages(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache, block_tables) of a layer's pages between forwards (for a drafter reading the
         committed context); the tables are built once per commit."""

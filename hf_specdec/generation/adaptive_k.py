@@ -150,18 +150,27 @@ class AdaptiveK:
         parallelism)."""
         self.k_max = k_max
         self.draft_cost = draft_cost  # (k) -> cost in target steps
-        self.verify_per_token = 0.02 + 0.006 * batch
         # what the last calls measured, else a weak prior
         self.acceptance = AcceptanceRates(k_max, prior_alpha, decay)
         if costs is not None and costs.acceptance is not None:
             self.acceptance = costs.acceptance
+        self.verify_per_token = 0.02 + 0.006 * batch
         self.costs = costs
         self.curve = costs.curve() if costs is not None else None  # the timed costs, refreshed as rounds are timed
+        self.timing = costs is not None  # whether rounds are timed into ``costs`` (off once the batch shrank)
         self.recent: list[int] = []  # the k of the last rounds, newest last
         self.probe: int | None = None  # the k this call is getting timed, while it does
         self.probe_left = 0
         last = costs.last_k if costs is not None else None
         self.k = last if last is not None and last <= k_max else self._best()
+
+    def shrink(self, batch: int) -> None:
+        """The batch dropped rows that stopped and now has ``batch`` rows. Its rounds are no longer those of the
+        batch size whose costs were timed: from here they are not timed (nor probed), and k keeps being chosen on
+        the curve timed so far (a call's last rounds, which end as its slowest rows finish)."""
+        self.verify_per_token = 0.02 + 0.006 * batch
+        self.timing = False
+        self.probe, self.probe_left = None, 0
 
     def rates(self) -> list[float]:
         """The measured acceptance rate of each draft position (given the ones before it)."""
@@ -172,10 +181,12 @@ class AdaptiveK:
         drafts it queued for the next round before its sync (None: none). Counted only when steady: the rounds
         before it ran the same k (the first round at a new k captures its graphs), and what it queued is of its k
         too (queued drafts of another k capture their graphs inside this round's time)."""
+        if not self.timing:
+            return
         steady = (len(self.recent) >= STEADY_ROUNDS and all(r == k for r in self.recent[-STEADY_ROUNDS:])
                   and ahead_k in (None, k))
         self.recent = (self.recent + [k])[-STEADY_ROUNDS:]
-        if self.costs is not None and steady:
+        if steady:
             self.costs.add(k, seconds)
             self.curve = self.costs.curve()
 
@@ -203,7 +214,7 @@ class AdaptiveK:
         # not run before captures its graphs, tens of milliseconds on a large target). A k not timed yet is read
         # off a line between timed neighbours, which misses a curve that bends (verify turning compute-bound at
         # batch 32 made k=3 10% faster than k=4 where the line said 3%): any gain there runs it, to time it
-        untimed = self.curve is not None and best not in self.costs.medians
+        untimed = self.timing and self.curve is not None and best not in self.costs.medians
         if self.tokens_per_cost(best, rates) > (1.0 if untimed else SWITCH_GAIN) * self.tokens_per_cost(self.k, rates):
             self.k = best
             if untimed:  # a probe: it stays until timed
@@ -218,7 +229,7 @@ class AdaptiveK:
                 return True
             self.probe = None  # done: the timed curve decides from here
             return False
-        if self.costs is None or self.k_max < 2:
+        if not self.timing or self.k_max < 2:
             return False
         timed = self.costs.timed()
         if len(timed) != 1:

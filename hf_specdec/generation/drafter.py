@@ -35,6 +35,9 @@ class Drafter:
     # whether the loop may change num_speculative_tokens between rounds (up to its value at the start of the
     # request: caches and graphs are sized for that many); a drafter whose state is shaped by k says False
     adaptive_k: bool = False
+    # whether the loop may drop rows that stopped from the batch (:meth:`keep_rows`) so that later rounds draft
+    # and verify only the rows still running
+    drops_rows: bool = False
 
     def draft_cost(self, k: int) -> float:
         """The cost of drafting k tokens, in target decode steps (for choosing k per round). Default: k draft
@@ -75,6 +78,18 @@ class Drafter:
         """After the verify forward and the target cache's commit: ``kept[b]`` tokens of row b's verify were kept
         (accepted + 1, fewer where the row stopped inside its chunk, 0 for a row that had stopped)."""
         raise NotImplementedError
+
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """After :meth:`commit` and the target cache's ``keep_rows(rows)``: keep only the per-row state of ``rows``
+        (indices into the batch, in that order; row ``i`` after is row ``rows[i]`` before). Only called on a
+        drafter whose :attr:`drops_rows` is True."""
+        raise NotImplementedError
+
+
+def take_rows(x: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
+    """Rows ``rows`` of per-row state ``x`` [batch, ...] (None stays None), for :meth:`Drafter.keep_rows`."""
+    return None if x is None else x.index_select(0, torch.tensor(rows, dtype=torch.long).to(x.device))
 
 
 class DraftSelector:

@@ -26,7 +26,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
 from hf_specdec.generation.adaptive_k import AdaptiveK, costs_for
-from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector
+from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector, take_rows
 from hf_specdec.generation.sampling import PositionScorer, same_on_every_rank, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
@@ -98,6 +98,9 @@ class SpeculativeLoop:
         self.runner = state.runner(model)
         self.ranks = state.ranks  # tensor parallel: what a rank draws, every rank uses (runtime/distributed.py)
         self.draft_model = model if draft_model is None else draft_model
+        # the request's rows still in the batch (their index in input_ids), and the rows that left it, by that index
+        self.order, self.left = list(range(batch)), {}
+        self.drops_rows = False  # whether stopped rows leave the batch (decided in run, once the runner started)
         self.readback = Readback(input_ids.device)
         self.vocab_size = model.config.get_text_config().vocab_size
         self.context = self.captured = None
@@ -108,6 +111,10 @@ class SpeculativeLoop:
         prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
         self.context = self.runner.start(prompt_lens, self.config.max_length - input_ids.shape[1],
                                          lookahead=self.k + 1, draft_model=self.draft_model)
+        # eager forwards cost what their rows cost (on CPU a round's compute grows with its rows): a row that
+        # stopped leaves the batch. A CUDA graph replays its whole batch bucket whatever rows are real, so with
+        # graphs a stopped row stays (its drafts and verify slots are padding of the bucket)
+        self.drops_rows = self.drafter.drops_rows and self.runner.graphs is None
         try:
             with self.drafter.capture(self.model) as self.captured:
                 # graphs captured while other hooks recorded into another kind of holder are not replayed here
@@ -121,15 +128,21 @@ class SpeculativeLoop:
         except OutOfBlocksError as error:  # the rows outgrew the cache's memory budget: keep what they generated
             self.model._hf_specdec.last_stats = self.stats.finish()
             pad = self.config._pad_token_tensor
-            raise exhausted(error, _pad_rows(self.rows, torch.tensor(0) if pad is None else pad, input_ids.device)) \
-                from None
+            raise exhausted(error, _pad_rows(self._all_rows(), torch.tensor(0) if pad is None else pad,
+                                             input_ids.device)) from None
         finally:
             self.drafter.num_speculative_tokens = self.k
             self.runner.finish()
         if self.streamer is not None:
             self.streamer.end()
         self.model._hf_specdec.last_stats = self.stats.finish()
-        return _pad_rows(self.rows, self.config._pad_token_tensor, input_ids.device)
+        return _pad_rows(self._all_rows(), self.config._pad_token_tensor, input_ids.device)
+
+    def _all_rows(self) -> list[list[int]]:
+        """Every row of the request, in the order of input_ids, whether still in the batch or not."""
+        rows = dict(self.left)
+        rows.update(zip(self.order, self.rows))
+        return [rows[i] for i in range(len(rows))]
 
     def prefill(self, input_ids, prompt_lens, model_kwargs) -> torch.Tensor:
         """The prompt, its last logits, and the first token (a plain step); returns each row's first token."""
@@ -188,7 +201,25 @@ class SpeculativeLoop:
         kept = [e if r else 0 for e, r in zip(emitted, was_running)]
         self.runner.commit([n - (k + 1) + keep for n, keep in zip(self.context.cache.seq_lens, kept)])
         self.drafter.commit(self.context, self.captured, num_accepted, kept)
+        if self.drops_rows and any(self.running) and not all(self.running):
+            next_token = self._drop_stopped(next_token)
         return next_token
+
+    def _drop_stopped(self, next_token: torch.Tensor) -> torch.Tensor:
+        """Take the rows that stopped out of the batch: the target's cache, the drafter's per-row state, the rows'
+        ids and the drafts queued for the next round keep the running rows only; returns their next tokens."""
+        keep = [b for b, running in enumerate(self.running) if running]
+        self.left.update((self.order[b], row) for b, row in enumerate(self.rows) if not self.running[b])
+        self.context.cache.keep_rows(keep)
+        self.drafter.keep_rows(keep)
+        self.rows, self.order = [self.rows[b] for b in keep], [self.order[b] for b in keep]
+        self.running = [True] * len(keep)
+        self.row_ids.keep_rows(keep)
+        if self.ahead is not None:
+            self.ahead = DraftProposal(take_rows(self.ahead.tokens, keep), take_rows(self.ahead.probs, keep))
+        if self.adaptive_k is not None:
+            self.adaptive_k.shrink(len(keep))
+        return take_rows(next_token, keep)
 
     def _read_back(self, proposal, num_accepted, next_token, selector):
         """(accepted, next token, drafts) per row on the host. Unless every running row is about to reach its
@@ -248,6 +279,11 @@ class RowIds:
             device = self.buffer.device
             self.buffer[torch.tensor(index_rows, device=device), torch.tensor(index_cols, device=device)] = \
                 torch.tensor(values, dtype=self.buffer.dtype, device=device)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep the rows ``rows`` only, in that order (the batch dropped the others)."""
+        self.buffer = take_rows(self.buffer, rows)
+        self.lens = [self.lens[b] for b in rows]
 
     def views(self) -> list[torch.Tensor]:
         return [self.buffer[b, :n] for b, n in enumerate(self.lens)]

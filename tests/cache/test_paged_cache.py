@@ -113,3 +113,32 @@ def test_update_outside_a_paged_forward_says_what_to_use():
     cache = PagedKVCache(LAYOUT, [4, 4], 1, block_size=4, dtype=torch.float32, device="cpu")
     with pytest.raises(RuntimeError, match="DynamicCache"):
         cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), 0)
+
+
+def test_keeping_rows_frees_the_others_and_the_kept_rows_read_and_grow_as_before():
+    """keep_rows (a batch dropping its stopped rows): the dropped rows' blocks go back to the pools; each kept row,
+    in its new place, holds what it held and keeps growing (its next forward's slots and tables are its own)."""
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(LAYOUT, [64, 64], 3, block_size=4, dtype=torch.float32, device="cpu")
+    _store(cache, [9, 5, 7], 9, gen)
+    cache.commit([9, 5, 7])
+    before = {b: [cache.gather(b, layer)[:2] for layer in (0, 1)] for b in range(3)}
+    used = cache.num_used_blocks
+    cache.keep_rows([2, 0])
+    assert cache.batch_size == 2 and cache.seq_lens == [7, 9]
+    assert cache.num_used_blocks[0] == used[0] - 2  # row 1's 5 tokens held two blocks of the full group
+    for new, old in enumerate([2, 0]):
+        for layer in (0, 1):
+            k, v = cache.gather(new, layer)[:2]
+            assert torch.equal(k, before[old][layer][0]) and torch.equal(v, before[old][layer][1])
+    added = _store(cache, [2, 1], 2, gen)  # the next forward appends at each kept row's own length
+    cache.commit([9, 10])
+    for new in range(2):
+        k = cache.gather(new, 0)[0]
+        assert torch.equal(k[:, -added[0][new][0].shape[1]:], added[0][new][0])
+    with pytest.raises(ValueError, match="distinct row indices"):
+        cache.keep_rows([1, 1])
+    with pytest.raises(ValueError, match="distinct row indices"):
+        cache.keep_rows([2])
+    cache.free()
+    assert all(p.num_free == 64 for p in cache.manager.pools)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.generation.adaptive_k import (MAX_KEPT_COSTS, PSEUDO_TRIALS, AcceptanceRates, AdaptiveK, RoundCosts,
-                                              cost_on, costs_for, expected_tokens)
+from hf_specdec.generation.adaptive_k import (MAX_KEPT_COSTS, MIN_TIMED, PSEUDO_TRIALS, AcceptanceRates, AdaptiveK,
+                                              RoundCosts, cost_on, costs_for, expected_tokens)
 from tests import bundled
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -293,3 +293,21 @@ def test_auto_rounds_may_draft_up_to_the_builders_cap():
     model, extra, _ = bundled.mode("gemma_dflash")
     assert (build_drafter(model, extra["assistant_model"], None, "auto").num_speculative_tokens
             == build_drafter(model, extra["assistant_model"], None, None).num_speculative_tokens)
+
+
+def test_rounds_after_the_batch_dropped_rows_are_not_timed_and_not_probed():
+    """A batch that dropped its stopped rows runs rounds cheaper than those of the batch size whose costs were
+    timed: they are not timed into those costs, nor do they start a probe of another k; k is still chosen."""
+    costs = RoundCosts()
+    for _ in range(MIN_TIMED):
+        costs.add(2, 0.01)  # one timed k: a controller with timing on would probe another
+    controller = AdaptiveK(4, lambda k: 0.1 * k, 4, costs=costs)
+    controller.shrink(2)
+    k = controller.k
+    for _ in range(3 * MIN_TIMED):
+        controller.observe(k, 1.0)
+        controller.update([0, 0], k)
+    assert costs.timed() == {2: 0.01} and controller.probe is None and controller.k == 1
+    timing = AdaptiveK(4, lambda k: 0.1 * k, 4, costs=costs)  # the same without the shrink: probes
+    timing.update([0, 0, 0, 0], timing.k)
+    assert timing.probe is not None

@@ -59,6 +59,8 @@ def test_drafts_queued_before_the_sync_are_the_drafts_after_the_commit(name, mon
     assert queued >= len(drafts_a) - 2 and not_queued == 0
     assert stats.mean_accepted_length > 1.5 and sum(c > 0 for c in stats.acceptance_histogram) >= 3
     assert torch.equal(out_a, out_b)
-    # a row that stopped drafts from wherever it was left (its drafts are dropped): the running rows' are compared
-    assert len(drafts_a) == len(drafts_b) == len(running) and not all(running[-1])
+    # rows stopped at different rounds and left the batch (eager forwards: runs on the CPU); a row that stopped but
+    # stays in a batch (CUDA graphs) drafts from wherever it was left (its drafts are dropped): the running rows'
+    # are compared
+    assert len(drafts_a) == len(drafts_b) == len(running) and len(running[-1]) < len(running[0])
     assert all(torch.equal(a[rows], b[rows]) for a, b, rows in zip(drafts_a, drafts_b, map(torch.tensor, running)))

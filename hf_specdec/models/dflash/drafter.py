@@ -83,6 +83,7 @@ class DFlashDraftRunner(Drafter):
 
     spec_mode = "dflash"
     adaptive_k = True  # a round's block is [last token, mask x num_speculative_tokens] (graphs kept per width)
+    drops_rows = True  # its per-row state is its context cache
 
     def draft_cost(self, k: int) -> float:
         """One block forward whatever k (docs/perf_log.md: ~0.16 of a 31B target step)."""
@@ -205,6 +206,9 @@ class DFlashDraftRunner(Drafter):
         if self.cache.seq_lens != context.cache.seq_lens:
             raise RuntimeError(f"DFlash context lengths {self.cache.seq_lens} drifted from the target's "
                                f"{context.cache.seq_lens}; commit must follow the target cache's commit.")
+
+    def keep_rows(self, rows):
+        self.cache.keep_rows(rows)
 
     @torch.inference_mode()
     def _append_context(self, hidden: list[torch.Tensor], num_new: list[int], graph: bool = True) -> None:

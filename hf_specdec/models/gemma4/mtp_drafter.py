@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
-from hf_specdec.generation.drafter import Drafter, DraftProposal
+from hf_specdec.generation.drafter import Drafter, DraftProposal, take_rows
 from hf_specdec.generation.fusion import fuse_drafter, stack_projections
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels.stacked_linear import stack_weights
@@ -61,6 +61,7 @@ class Gemma4MTPDraftRunner(Drafter):
 
     spec_mode = "mtp"
     adaptive_k = True  # each round runs num_speculative_tokens draft steps (greedy graphs are kept per k)
+    drops_rows = True  # its per-row state is the next round's hidden state (it reads the target's cache)
 
     def __init__(self, target, assistant: Gemma4MTPAssistant, num_speculative_tokens: int | None = None):
         check_compatible(assistant, target)
@@ -172,6 +173,9 @@ class Gemma4MTPDraftRunner(Drafter):
             self._ahead = False
         else:
             self._take_hidden(captured, num_accepted)
+
+    def keep_rows(self, rows):
+        self.hidden = take_rows(self.hidden, rows)
 
     def _take_hidden(self, captured, num_accepted) -> None:
         """The next round's hidden state: the verify's final-normed state at each row's last accepted slot."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.cache import ForwardMeta, ForwardPlan, KVGroup, KVLayout, PagedKVCache, to_device_async
-from hf_specdec.generation.drafter import Drafter, DraftProposal
+from hf_specdec.generation.drafter import Drafter, DraftProposal, take_rows
 from hf_specdec.runtime.placement import input_device, is_dispatched, layer_devices
 
 
@@ -50,6 +50,7 @@ class Step3p5MTPDraftRunner(Drafter):
     """Drives a Step 3.5 model's own MTP layers for the speculative loop (``spec_mode="mtp"``)."""
 
     spec_mode = "mtp"
+    drops_rows = True  # its per-row state: its layers' caches and the round tensors below
 
     def __init__(self, target, num_speculative_tokens: int | None = None):
         if not getattr(target, "has_mtp", False):
@@ -221,6 +222,13 @@ class Step3p5MTPDraftRunner(Drafter):
         slots = torch.arange(self.width, device=pre_norm.device)
         index = (slots[None, :] + self.kept[:, None] - self.width).clamp(min=0)
         self.hidden = pre_norm.gather(1, index[..., None].expand(-1, -1, pre_norm.shape[-1]))
+
+    def keep_rows(self, rows):
+        for cache in self.caches:
+            cache.keep_rows(rows)
+        self.tokens, self.drafted, self.accepted, self.kept, self.hidden = (
+            take_rows(x, rows) for x in (self.tokens, self.drafted, self.accepted, self.kept, self.hidden))
+        self.below = [take_rows(x, rows) for x in self.below]
 
 
 def _layer_inputs(j: int, width: int, tokens: torch.Tensor, drafted: torch.Tensor, states: torch.Tensor,
