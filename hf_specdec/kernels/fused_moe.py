@@ -103,12 +103,19 @@ DECODE_MAX_TOKENS = 64
 PREFILL_CONFIG = MoeConfig(block_m=64, gate_up=(64, 128, 4, 2), down=(128, 64, 4, 2))
 
 
-def config_for(tokens: int, fp8: bool = False) -> MoeConfig:
+# fp32 decode / verify (the exactness dtype; the bundled tiny Step 3.5 runs in it): fp32 dots run on the FMA units,
+# and the bf16 tiles (32 x 128 weight tiles, 4 stages) spill registers there. A sweep of (BLOCK_N, BLOCK_K, warps,
+# stages) at the tiny Step 3.5 experts (4 experts, top-2, hidden 160, intermediate 128; H200, graph-timed): one token
+# 29.1 -> 15.0 us, 4 + 16 tokens 73.3 -> 34.3 us (docs/perf_log.md, session 27).
+FP32_DECODE_CONFIG = MoeConfig(block_m=16, gate_up=(16, 16, 4, 2), down=(16, 64, 4, 2))
+
+
+def config_for(tokens: int, fp8: bool = False, fp32: bool = False) -> MoeConfig:
     """Default launch parameters for a forward of ``tokens`` rows: 16-row blocks up to ``DECODE_MAX_TOKENS`` tokens
-    (a decode or verify forward rounds every row in tiles of one shape), and for e4m3 weights at any width; wider
-    forwards of dense weights the prefill config."""
+    (a decode or verify forward rounds every row in tiles of one shape; fp32 rows in narrower tiles), and for e4m3
+    weights at any width; wider forwards of dense weights the prefill config."""
     if fp8 or tokens <= DECODE_MAX_TOKENS:
-        return DECODE_CONFIG
+        return FP32_DECODE_CONFIG if fp32 and not fp8 else DECODE_CONFIG
     return PREFILL_CONFIG
 
 
@@ -542,7 +549,7 @@ def fused_moe(
     if reason is not None:
         _warn_once(reason)
         return fused_moe_reference(*args, activation=activation, limit=limit)
-    config = config or config_for(hidden_states.shape[0])
+    config = config or config_for(hidden_states.shape[0], fp32=hidden_states.dtype == torch.float32)
     check(config.block_m >= 16 and config.block_m == next_power_of_2(config.block_m),
           f"config.block_m must be a power of two >= 16, got {config.block_m}")
     return launch(*args, activation, limit, config)
