@@ -113,8 +113,11 @@ class SpeculativeLoop:
                                          lookahead=self.k + 1, draft_model=self.draft_model)
         # eager forwards cost what their rows cost (on CPU a round's compute grows with its rows): a row that
         # stopped leaves the batch. A CUDA graph replays its whole batch bucket whatever rows are real, so with
-        # graphs a stopped row stays (its drafts and verify slots are padding of the bucket)
-        self.drops_rows = self.drafter.drops_rows and self.runner.graphs is None
+        # graphs a stopped row stays (its drafts and verify slots are padding of the bucket). So do the rows of a
+        # call that draws random numbers: a draw over fewer rows takes other numbers, and a seed gives the same
+        # tokens with and without graphs
+        self.drops_rows = (self.drafter.drops_rows and self.runner.graphs is None and not self.config.do_sample
+                           and not self.acceptance.draws_random)
         try:
             with self.drafter.capture(self.model) as self.captured:
                 # graphs captured while other hooks recorded into another kind of holder are not replayed here

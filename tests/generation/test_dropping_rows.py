@@ -53,3 +53,23 @@ def test_stopped_rows_leave_the_batch_and_the_others_decode_as_plain(mode, proce
     assert (out[1] == eos).any() and out[1, -1] == 0  # padded after its EOS
     assert len(caches) >= 1 and all(sum(c.num_used_blocks) == 0 for c in caches)
 
+
+
+@pytest.mark.parametrize("mode", ["gemma_mtp", "gemma_dflash"])
+def test_a_sampled_batch_keeps_its_stopped_rows(mode, monkeypatch):
+    """Sampling draws over the batch's rows: a seed must give the same tokens whether stopped rows would leave the
+    batch (eager) or not (CUDA graphs), so a sampled call keeps them."""
+    model, extra, _ = bundled.mode(mode)
+    ids, mask = bundled.batch(3)
+    calls = []
+    monkeypatch.setattr(SpeculativeLoop, "_drop_stopped", lambda self, token: calls.append(1) or token)
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=True, eos_token_id=None,
+                         pad_token_id=0, **extra)
+    assert out.shape[1] == ids.shape[1] + NEW_TOKENS and not calls
+    monkeypatch.undo()
+    calls_greedy = []
+    monkeypatch.setattr(SpeculativeLoop, "_drop_stopped", lambda self, token: calls_greedy.append(1) or token)
+    model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                   pad_token_id=0, **extra)
+    assert calls_greedy  # the same batch, greedy: its rows stop at different rounds and leave
