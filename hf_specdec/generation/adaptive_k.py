@@ -27,7 +27,9 @@ timed k runs a few rounds at another (:data:`PROBE_ROUNDS`); so does a move to a
 between timed ones, taken at any promised gain (a bending curve hides a better k between two timed ones). Timings
 and the acceptance estimate are kept per model, drafter and batch size (:class:`RoundCosts`), so later calls start
 from them rather than from the prior, and at the k the last round ran (a call that started from the estimate
-instead could start at a neighbouring k the estimate's noise put ahead, and capture graphs inside the call).
+instead could start at a neighbouring k the estimate's noise put ahead, and capture graphs inside the call). Once a
+call's batch drops rows that stopped (eager forwards), its rounds are no longer of the timed batch size: the rest of
+the call is neither timed nor probed (:meth:`AdaptiveK.shrink`).
 """
 
 from __future__ import annotations
@@ -150,11 +152,11 @@ class AdaptiveK:
         parallelism)."""
         self.k_max = k_max
         self.draft_cost = draft_cost  # (k) -> cost in target steps
+        self.verify_per_token = 0.02 + 0.006 * batch
         # what the last calls measured, else a weak prior
         self.acceptance = AcceptanceRates(k_max, prior_alpha, decay)
         if costs is not None and costs.acceptance is not None:
             self.acceptance = costs.acceptance
-        self.verify_per_token = 0.02 + 0.006 * batch
         self.costs = costs
         self.curve = costs.curve() if costs is not None else None  # the timed costs, refreshed as rounds are timed
         self.timing = costs is not None  # whether rounds are timed into ``costs`` (off once the batch shrank)

@@ -79,7 +79,6 @@ class Drafter:
         (accepted + 1, fewer where the row stopped inside its chunk, 0 for a row that had stopped)."""
         raise NotImplementedError
 
-
     def keep_rows(self, rows: list[int]) -> None:
         """After :meth:`commit` and the target cache's ``keep_rows(rows)``: keep only the per-row state of ``rows``
         (indices into the batch, in that order; row ``i`` after is row ``rows[i]`` before). Only called on a
