@@ -57,14 +57,18 @@ def test_plain_decoding_broadcasts_each_sampled_token(do_sample):
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_speculative_rounds_broadcast_the_drafts_and_random_decisions(do_sample):
+def test_speculative_rounds_broadcast_the_drafts_and_random_decisions(do_sample, monkeypatch):
+    from hf_specdec.generation.speculative import SpeculativeLoop
+
     target, assistant, _ = bundled.gemma()
+    rows = []  # the rows of each round's batch (a greedy batch drops its stopped rows on the CPU, on every rank)
+    step = SpeculativeLoop.step
+    monkeypatch.setattr(SpeculativeLoop, "step", lambda self, last: (rows.append(len(self.rows)), step(self, last))[1])
     with recorded(target) as ranks:
         _generate(target, do_sample, assistant_model=assistant, num_speculative_tokens=K)
-    rounds = hf_specdec.last_generation_stats(target).num_target_forwards - 1  # the prefill drafts nothing
-    per_round = [(2, K)]  # the round's drafts, rank 0's on every rank
-    first = []
-    if do_sample:
-        first = [(2,)]  # the prefill's sampled token
-        per_round = [(2,)] * K + [(2, K), (2, 2)]  # each sampled draft step, the drafts, (accepted, next token)
-    assert ranks.broadcasts == first + per_round * rounds
+    assert len(rows) == hf_specdec.last_generation_stats(target).num_target_forwards - 1  # the prefill drafts nothing
+    if do_sample:  # the prefill's sampled token; each round: each sampled draft step, the drafts, (accepted, next)
+        assert rows == [2] * len(rows)  # a sampled batch keeps its rows
+        assert ranks.broadcasts == [(2,)] + ([(2,)] * K + [(2, K), (2, 2)]) * len(rows)
+    else:  # each round's drafts, rank 0's on every rank
+        assert min(rows) < 2 and ranks.broadcasts == [(n, K) for n in rows]
