@@ -145,6 +145,11 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return tokens
 
 
+def _prior_verify_per_token(batch: int) -> float:
+    """The prior's cost of one more verified token per row, in target decode steps, at ``batch`` rows."""
+    return 0.02 + 0.006 * batch
+
+
 class AdaptiveK:
     def __init__(self, k_max: int, draft_cost, batch: int, prior_alpha: float = 0.6, decay: float = 0.9,
                  costs: RoundCosts | None = None):
@@ -152,7 +157,7 @@ class AdaptiveK:
         parallelism)."""
         self.k_max = k_max
         self.draft_cost = draft_cost  # (k) -> cost in target steps
-        self.verify_per_token = 0.02 + 0.006 * batch
+        self.verify_per_token = _prior_verify_per_token(batch)
         # what the last calls measured, else a weak prior
         self.acceptance = AcceptanceRates(k_max, prior_alpha, decay)
         if costs is not None and costs.acceptance is not None:
@@ -170,7 +175,7 @@ class AdaptiveK:
         """The batch dropped rows that stopped and now has ``batch`` rows. Its rounds are no longer those of the
         batch size whose costs were timed: from here they are not timed (nor probed), and k keeps being chosen on
         the curve timed so far (a call's last rounds, which end as its slowest rows finish)."""
-        self.verify_per_token = 0.02 + 0.006 * batch
+        self.verify_per_token = _prior_verify_per_token(batch)
         self.timing = False
         self.probe, self.probe_left = None, 0
 
