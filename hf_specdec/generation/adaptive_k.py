@@ -11,25 +11,28 @@ few trials leans on the one before it (a few pseudo-trials at its rate), the fir
 are never accepted settles at k = 1; the output is lossless whatever k is.
 
 What a round costs is measured where it can be: the loop reports the wall time between its rounds' host syncs
-(:meth:`AdaptiveK.observe`), and once steady rounds at two values of k have been timed, the cost of any k is read
-off the curve through their median times (piecewise linear, extended past the timed k by its end segments, never
-flatter than :data:`MIN_DRAFT_SHARE` per draft). Until then, and under tensor parallelism (every rank must choose
-the same k, and each would time its own rounds), it is the prior: ``1 + v * k`` target steps of verify (the k
-extra tokens per row of the verify forward: ``v`` grows with the batch, as the forward turns from memory-bound to
-compute-bound) plus the drafter's ``draft_cost(k)``, after the H100 measurements in docs/perf_log.md (verify with
-k=7 at 1.14x a decode step at batch 1; at batch 32 k=3 beat k=7). The prior's constants missed by up to 8% on
-another card (docs/perf_log.md, session 14), hence the measurement. A round is timed only when it is steady: the
-round before it ran the same k (a new k captures its graphs in its first round), and the drafts it queued for the
-next round, which run inside its interval, are of its k too (a change of k captures the new k's draft graphs
-there: 50-300 ms against a 5 ms round on an H200). Medians, not means, so that a stray slow round (a graph captured
-for a longer context, a page fault) does not move the curve. To get a second k timed, a call whose costs have one
-timed k runs a few rounds at another (:data:`PROBE_ROUNDS`); so does a move to a k the curve only interpolates
-between timed ones, taken at any promised gain (a bending curve hides a better k between two timed ones). Timings
-and the acceptance estimate are kept per model, drafter and batch size (:class:`RoundCosts`), so later calls start
-from them rather than from the prior, and at the k the last round ran (a call that started from the estimate
-instead could start at a neighbouring k the estimate's noise put ahead, and capture graphs inside the call). Once a
-call's batch drops rows that stopped (eager forwards), its rounds are no longer of the timed batch size: the rest of
-the call is neither timed nor probed (:meth:`AdaptiveK.shrink`).
+(:meth:`AdaptiveK.observe`), and the cost of a k is the median of its timed rounds, read off the curve through them
+(piecewise linear, never flatter than :data:`MIN_DRAFT_SHARE` per draft). The k a controller may run are the
+candidates of :func:`candidate_ks` (every k up to 5, then ~1.4x apart, and k_max): near its optimum the curve is flat
+(at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%), and each k run keeps graphs of its own. Before
+it chooses, a controller that times rounds runs every candidate for a few rounds (:data:`PROBE_ROUNDS`; the nearest
+to the k it runs first), so a first call of a model, drafter and batch size is also where every k it may later run
+captures its CUDA graphs (50-300 ms each on a 12-layer 31B cut against a 5 ms round): later calls choose among timed
+k and never capture inside a call. A probe that the estimate alone led to, in a later call, had captured there
+(docs/perf_log.md, session 26: a batch-8 call at 0.55 of the best fixed k). Until the candidates are timed, and under
+tensor parallelism (every rank must choose the same k, and each would time its own rounds), the cost is the prior:
+``1 + v * k`` target steps of verify (the k extra tokens per row of the verify forward: ``v`` grows with the batch,
+as the forward turns from memory-bound to compute-bound) plus the drafter's ``draft_cost(k)``, after the H100
+measurements in docs/perf_log.md (verify with k=7 at 1.14x a decode step at batch 1; at batch 32 k=3 beat k=7). The
+prior's constants missed by up to 8% on another card (docs/perf_log.md, session 14), hence the measurement. A round
+is timed only when it is steady: the round before it ran the same k (a new k captures its graphs in its first
+round), and the drafts it queued for the next round, which run inside its interval, are of its k too (a change of k
+captures the new k's draft graphs there). Medians, not means, so that a stray slow round (a graph captured for a
+longer context, a page fault) does not move the curve. Timings and the acceptance estimate are kept per model,
+drafter and batch size (:class:`RoundCosts`), so later calls start from them rather than from the prior, and at the k
+the last round ran (a call that started from the estimate instead could start at a neighbouring k the estimate's
+noise put ahead). Once a call's batch drops rows that stopped (eager forwards), its rounds are no longer of the
+timed batch size: the rest of the call is neither timed nor probed (:meth:`AdaptiveK.shrink`).
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ import statistics
 SWITCH_GAIN = 1.03  # k changes when another k promises this many more tokens per unit of cost
 STEADY_ROUNDS = 1  # a round is timed only after this many rounds at the same k (its graphs captured)
 MIN_TIMED = 3  # rounds a k needs before its timing counts
-# rounds a call spends at a second k to get it timed (the first of them still verifies drafts queued at the old k)
+# rounds a call spends at a candidate k to get it timed (the first of them still verifies drafts queued at the old k)
 PROBE_ROUNDS = 1 + STEADY_ROUNDS + MIN_TIMED
+SWEEP = (1, 2, 3, 4, 5, 7, 10, 15, 22, 31, 44, 63)  # the candidate k below k_max (candidate_ks)
 KEEP = 50  # a k's round time is the median of its last KEEP timed rounds
 MIN_DRAFT_SHARE = 0.01  # the least a draft is taken to add to a round, as a share of the mean timed round
 MAX_KEPT_COSTS = 64  # timings kept per model (drafter x draft model x batch size), the oldest dropped first
@@ -150,12 +154,18 @@ def _prior_verify_per_token(batch: int) -> float:
     return 0.02 + 0.006 * batch
 
 
+def candidate_ks(k_max: int) -> list[int]:
+    """The k an "auto" controller may run, up to ``k_max``: every k up to 5, then about 1.4x apart, and k_max."""
+    return [k for k in SWEEP if k < k_max] + [k_max]
+
+
 class AdaptiveK:
     def __init__(self, k_max: int, draft_cost, batch: int, prior_alpha: float = 0.6, decay: float = 0.9,
                  costs: RoundCosts | None = None):
         """``costs``: the timings to use and extend (None: the prior cost model only, e.g. under tensor
         parallelism)."""
         self.k_max = k_max
+        self.candidates = candidate_ks(k_max)
         self.draft_cost = draft_cost  # (k) -> cost in target steps
         self.verify_per_token = _prior_verify_per_token(batch)
         # what the last calls measured, else a weak prior
@@ -166,10 +176,10 @@ class AdaptiveK:
         self.curve = costs.curve() if costs is not None else None  # the timed costs, refreshed as rounds are timed
         self.timing = costs is not None  # whether rounds are timed into ``costs`` (off once the batch shrank)
         self.recent: list[int] = []  # the k of the last rounds, newest last
-        self.probe: int | None = None  # the k this call is getting timed, while it does
+        self.probe: int | None = None  # the candidate k this call is getting timed, while it does
         self.probe_left = 0
         last = costs.last_k if costs is not None else None
-        self.k = last if last is not None and last <= k_max else self._best()
+        self.k = last if last in self.candidates else self._best()
 
     def shrink(self, batch: int) -> None:
         """The batch dropped rows that stopped and now has ``batch`` rows. Its rounds are no longer those of the
@@ -213,44 +223,32 @@ class AdaptiveK:
         if self._probing():
             return
         best, rates = self._best(), self.rates()
-        if probed:  # the probe's k was run to be timed, not chosen: the timed curve picks the k from here
+        # the last candidate was timed: the timed curve picks the k from here. Else move only for a clear gain, so
+        # that noise in the estimate does not make each round run another k
+        if probed or self.tokens_per_cost(best, rates) > SWITCH_GAIN * self.tokens_per_cost(self.k, rates):
             self.k = best
-            return
-        # near its optimum the curve is flat (at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%):
-        # move only for a clear gain, so that noise in the estimate does not make each round run another k (a k
-        # not run before captures its graphs, tens of milliseconds on a large target). A k not timed yet is read
-        # off a line between timed neighbours, which misses a curve that bends (verify turning compute-bound at
-        # batch 32 made k=3 10% faster than k=4 where the line said 3%): any gain there runs it, to time it
-        untimed = self.timing and self.curve is not None and best not in self.costs.medians
-        if self.tokens_per_cost(best, rates) > (1.0 if untimed else SWITCH_GAIN) * self.tokens_per_cost(self.k, rates):
-            self.k = best
-            if untimed:  # a probe: it stays until timed
-                self.probe, self.probe_left = best, PROBE_ROUNDS
 
     def _probing(self) -> bool:
-        """Whether this round's k is a probe: with one k timed and none other, run a few rounds at a second k
-        (half or twice the timed one) so that the cost becomes a measured curve."""
+        """Whether this round's k is a probe: while timing, every candidate k not timed yet is run for
+        :data:`PROBE_ROUNDS` rounds, the one nearest the k running first (a probe whose rounds were not steady
+        enough to be timed is run again)."""
         if self.probe is not None:
             self.probe_left -= 1
             if self.probe_left > 0:
                 return True
-            self.probe = None  # done: the timed curve decides from here
+            self.probe = None
+        if not self.timing:
             return False
-        if not self.timing or self.k_max < 2:
+        untimed = [k for k in self.candidates if k not in self.costs.medians]
+        if not untimed:
             return False
-        timed = self.costs.timed()
-        if len(timed) != 1:
-            return False
-        (known,) = timed
-        self.probe = known // 2 if known > 2 else min(self.k_max, 2 * known)
-        if self.probe == known:
-            self.probe = known + 1 if known < self.k_max else known - 1
+        self.probe = min(untimed, key=lambda k: (abs(k - self.k), k))
         self.probe_left, self.k = PROBE_ROUNDS, self.probe
         return True
 
     def _best(self) -> int:
         rates = self.rates()
-        return max(range(1, self.k_max + 1), key=lambda k: self.tokens_per_cost(k, rates))
+        return max(self.candidates, key=lambda k: self.tokens_per_cost(k, rates))
 
     def cost(self, k: int) -> float:
         """A round of k drafts: measured seconds on the timed curve, else the prior's target steps."""

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.generation.adaptive_k import (MAX_KEPT_COSTS, MIN_TIMED, PSEUDO_TRIALS, AcceptanceRates, AdaptiveK,
-                                              RoundCosts, cost_on, costs_for, expected_tokens)
+from hf_specdec.generation.adaptive_k import (MAX_KEPT_COSTS, MIN_TIMED, PROBE_ROUNDS, PSEUDO_TRIALS,
+                                              AcceptanceRates, AdaptiveK, RoundCosts, candidate_ks, cost_on, costs_for,
+                                              expected_tokens)
 from tests import bundled
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -162,15 +163,41 @@ def test_measured_round_times_move_k_where_the_prior_would_not(per_draft, best):
 @pytest.mark.parametrize("per_draft", [-0.01, 0.0, 0.02])
 def test_no_acceptances_settle_at_one_draft_when_timing_noise_hides_the_cost_of_a_draft(per_draft):
     """A drafter never accepted, on a machine where a draft's cost is lost in timing noise (a round with more drafts
-    may even time faster): after the probe at k=2 the rounds go back to one draft and stay there, since two
-    drafts commit no more tokens than one and a draft never makes a round cheaper."""
+    may even time faster): after every candidate k was timed the rounds go back to one draft and stay there, since
+    two drafts commit no more tokens than one and a draft never makes a round cheaper."""
     import random
 
     rng = random.Random(0)
     controller = AdaptiveK(7, lambda k: 0.1 * k, batch=2, costs=RoundCosts())
-    chosen = _simulate(controller, 0.0, lambda k: 1e-3 * (1 + per_draft * k) * (1 + 0.01 * rng.random()), 40, rng,
+    chosen = _simulate(controller, 0.0, lambda k: 1e-3 * (1 + per_draft * k) * (1 + 0.01 * rng.random()), 60, rng,
                        batch=2)
-    assert 2 in chosen and chosen[-20:] == [1] * 20, chosen
+    assert set(chosen) == set(candidate_ks(7)) and chosen[-20:] == [1] * 20, chosen
+
+
+def test_a_first_call_times_every_candidate_k_and_later_calls_run_only_timed_ones():
+    """The sweep: each candidate k runs PROBE_ROUNDS rounds in a row, the nearest to the running k next, before
+    the controller chooses; a later call with those timings never runs a k it has not timed (a new k would capture
+    its graphs inside that call), whatever the acceptance does."""
+    import random
+
+    assert candidate_ks(7) == [1, 2, 3, 4, 5, 7] and candidate_ks(15) == [1, 2, 3, 4, 5, 7, 10, 15]
+    assert candidate_ks(1) == [1] and candidate_ks(3) == [1, 2, 3]
+    rng = random.Random(3)
+    costs = RoundCosts()
+    first = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
+    start = first.k
+    # the call's first round, then PROBE_ROUNDS rounds of each candidate
+    chosen = _simulate(first, 0.8, lambda k: 1e-3 * (1 + 0.1 * k), 1 + 6 * PROBE_ROUNDS, rng, batch=1)
+    runs = [chosen[i] for i in range(1, len(chosen), PROBE_ROUNDS)]
+    assert chosen[1:] == [k for k in runs for _ in range(PROBE_ROUNDS)], chosen
+    assert chosen[0] == runs[0] == start and sorted(runs) == candidate_ks(7), runs
+    for i in range(1, len(runs)):  # each the untimed candidate nearest the one before (the lower one of two)
+        assert runs[i] == min(set(runs[i:]), key=lambda c: (abs(c - runs[i - 1]), c)), runs
+    assert sorted(costs.timed()) == candidate_ks(7)
+    for alpha in (0.0, 0.95, 0.5):  # the acceptance moves: only timed k are run
+        later = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
+        again = _simulate(later, alpha, lambda k: 1e-3 * (1 + 0.1 * k), 30, rng, batch=1)
+        assert later.probe is None and set(again) <= set(costs.timed()), again
 
 
 def test_rounds_after_a_change_of_k_or_that_queue_drafts_of_another_k_are_not_timed_and_no_costs_means_no_probe():
@@ -192,7 +219,7 @@ def test_rounds_after_a_change_of_k_or_that_queue_drafts_of_another_k_are_not_ti
 def test_a_later_call_starts_from_the_acceptance_the_last_calls_measured():
     """Calls of the same model, drafter and batch size share their acceptance estimate: a call after rounds that
     accepted every draft starts at the k those rounds chose, not at the prior's."""
-    costs = RoundCosts()
+    costs = _timed(lambda k: 1 + 0.02 * k)
     first = AdaptiveK(7, lambda k: 0.02 * k, batch=1, costs=costs)
     start = first.k
     for _ in range(30):
@@ -200,36 +227,42 @@ def test_a_later_call_starts_from_the_acceptance_the_last_calls_measured():
     assert first.k > start
     later = AdaptiveK(7, lambda k: 0.02 * k, batch=1, costs=costs)
     assert later.rates() == pytest.approx(first.rates()) and later.k == first.k
-    assert AdaptiveK(7, lambda k: 0.02 * k, batch=1, costs=RoundCosts()).k == start
+    assert AdaptiveK(7, lambda k: 0.02 * k, batch=1, costs=_timed(lambda k: 1 + 0.02 * k)).k == start
 
 
 def test_a_call_starts_at_the_k_the_last_round_ran():
-    """Not at a neighbour its estimate now puts 1% ahead (under SWITCH_GAIN): that start would capture graphs. A
-    timed k 1% ahead is not worth a move; an untimed one is run (its cost between timed k is only interpolated)."""
-    costs = RoundCosts()
+    """Not at a neighbour its estimate now puts 1% ahead (under SWITCH_GAIN): a timed k 1% ahead is not worth a
+    move. A candidate not timed yet is run (the sweep) before any choice; with no last round, the estimate's best."""
+    costs = _timed(lambda k: 1 + 0.1 * k)
     first = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
     for _ in range(5):
         first.update([first.k], first.k)
     assert costs.last_k == first.k
     last = first.k
-    near = {last: 1.0, last - 1: 1.01}
+    below = candidate_ks(7)[candidate_ks(7).index(last) - 1]  # the candidate k next to it
+    near = {last: 1.0, below: 1.01}
 
     class Later(AdaptiveK):
         def tokens_per_cost(self, k, rates=None):
             return near.get(k, 0.5)
 
     later = Later(7, lambda k: 0.1 * k, batch=1, costs=costs)
-    assert later._best() == last - 1 and later.k == last
-    for k in (last - 2, last - 1, last):
-        for _ in range(3):
-            costs.add(k, 1.0)
-    later.curve = costs.curve()
+    assert later._best() == below and later.k == last
     later.update([1], later.k)
     assert later.k == last  # timed: the estimate's 1% is within SWITCH_GAIN
-    del costs.medians[last - 1]  # not timed: any gain runs it until timed
+    del costs.medians[below]  # not timed: swept before any choice
     later.update([1], later.k)
-    assert later.k == last - 1 and later.probe == last - 1
-    assert Later(7, lambda k: 0.1 * k, batch=1, costs=RoundCosts()).k == last - 1  # no last round: the estimate
+    assert later.k == below and later.probe == below
+    assert Later(7, lambda k: 0.1 * k, batch=1, costs=RoundCosts()).k == below  # no last round: the estimate
+
+
+def _timed(seconds_of, k_max=7) -> RoundCosts:
+    """Round costs with every candidate k up to ``k_max`` timed at ``seconds_of(k)``."""
+    costs = RoundCosts()
+    for k in candidate_ks(k_max):
+        for _ in range(MIN_TIMED):
+            costs.add(k, seconds_of(k))
+    return costs
 
 
 @pytest.mark.parametrize("mode", bundled.SPEC_MODES)
@@ -257,7 +290,8 @@ def test_auto_k_settles_at_one_when_no_draft_is_accepted(monkeypatch):
 
     model, extra, _ = bundled.mode("gemma_mtp")
     ids, mask = bundled.batch(2)
-    kwargs = dict(attention_mask=mask, max_new_tokens=40, **GREEDY)
+    # 60 tokens: the call first times every candidate k (6 x PROBE_ROUNDS rounds of one token each)
+    kwargs = dict(attention_mask=mask, max_new_tokens=60, **GREEDY)
     expected = model.generate(ids, **kwargs)
 
     class RejectAll(GreedyAcceptance):
@@ -311,3 +345,4 @@ def test_rounds_after_the_batch_dropped_rows_are_not_timed_and_not_probed():
     timing = AdaptiveK(4, lambda k: 0.1 * k, 4, costs=costs)  # the same without the shrink: probes
     timing.update([0, 0, 0, 0], timing.k)
     assert timing.probe is not None
+
