@@ -63,7 +63,8 @@ def _runs(model_name: str, args):
         if "tiny-gemma4-dflash" in available_assets():
             drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"),
                                                                       dtype=torch.float32).to(args.device)
-            yield "hf_specdec_dflash", None, dict(assistant_model=drafter)
+            k = drafter.block_size - 1  # its default, fixed (a greedy call without k chooses it per round)
+            yield "hf_specdec_dflash", k, dict(assistant_model=drafter, num_speculative_tokens=k)
             if args.auto:
                 yield "hf_specdec_dflash", "auto", dict(assistant_model=drafter, num_speculative_tokens="auto")
     elif model_name == "tiny-step3p5":

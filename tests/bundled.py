@@ -64,13 +64,16 @@ def dflash():
 
 
 def mode(name: str):
-    """(enabled model, generate kwargs, stock reference model) of a decoding mode."""
+    """(enabled model, generate kwargs, stock reference model) of a decoding mode. Speculative modes get a fixed k
+    (DFlash: its default, the block's width - 1): a greedy call without one chooses k per round, from its timings."""
     if name.startswith("step"):
         model, reference = step()
         return model, ({} if name == "step_plain" else dict(spec_mode="mtp", num_speculative_tokens=3)), reference
     target, assistant, reference = gemma()
     if name == "gemma_dflash":
-        return target, dict(assistant_model=dflash(), spec_mode="dflash"), reference
+        drafter = dflash()
+        return target, dict(assistant_model=drafter, spec_mode="dflash",
+                            num_speculative_tokens=drafter.block_size - 1), reference
     extra = {"plain": {}, "gemma_mtp": dict(assistant_model=assistant, num_speculative_tokens=4)}[name]
     return target, extra, reference
 

@@ -346,3 +346,31 @@ def test_rounds_after_the_batch_dropped_rows_are_not_timed_and_not_probed():
     timing.update([0, 0, 0, 0], timing.k)
     assert timing.probe is not None
 
+
+@pytest.mark.parametrize("sampling", ["greedy", "do_sample", "config_samples"])
+def test_a_call_without_k_chooses_it_per_round_when_greedy_and_keeps_the_drafters_k_when_sampling(sampling,
+                                                                                                 monkeypatch):
+    """No k given: a greedy call runs "auto" (its output is plain greedy's whatever k); a sampled one, asked by the
+    call or by the model's generation config, keeps the drafter's default k (a seed gives the same tokens on every
+    run, whatever its rounds took)."""
+    from hf_specdec.models.gemma4.mtp_drafter import AUTO_K_MAX, DEFAULT_NUM_SPECULATIVE_TOKENS
+
+    model, extra, reference = bundled.mode("gemma_mtp")
+    extra = {key: value for key, value in extra.items() if key != "num_speculative_tokens"}
+    ids, mask = bundled.batch(2)
+    rounds = []
+    original = AdaptiveK.update
+    monkeypatch.setattr(AdaptiveK, "update", lambda self, accepted, k: (rounds.append(k), original(self, accepted, k)))
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    if sampling == "config_samples":
+        monkeypatch.setattr(model.generation_config, "do_sample", True)
+    else:
+        kwargs["do_sample"] = sampling == "do_sample"
+    torch.manual_seed(0)
+    out = model.generate(ids, **kwargs, **extra)
+    stats = hf_specdec.last_generation_stats(model)
+    if sampling == "greedy":
+        assert rounds and stats.num_speculative_tokens == AUTO_K_MAX
+        assert torch.equal(out, reference.generate(ids, **kwargs))
+    else:
+        assert not rounds and stats.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
