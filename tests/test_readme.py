@@ -214,7 +214,7 @@ def test_troubleshooting_speed_numbers_agree_with_the_records():
         f"{mtp60['speedup_vs_plain']:.1f}× at the full 60 layers",
         f"a plain step is already short (~{1e3 / plain['tokens_per_s']:.1f} ms at batch 1",
         f"MTP with k=2 gives {tiny('tiny-gemma4', 'hf_specdec_mtp', 2):.2f}× plain hf_specdec and k=4 "
-        f"{tiny('tiny-gemma4', 'hf_specdec_mtp', 4):.2f}×, DFlash {tiny('tiny-gemma4', 'hf_specdec_dflash'):.2f}× and "
+        f"{tiny('tiny-gemma4', 'hf_specdec_mtp', 4):.2f}×, DFlash (k=7) {tiny('tiny-gemma4', 'hf_specdec_dflash', 7):.2f}× and "
         f"Step 3.5 MTP (k=3) {tiny('tiny-step3p5', 'hf_specdec_mtp', 3, step_plain):.2f}×",
         "MTP with k=3 gave {:.2f}× plain, k=7 {:.2f}× and DFlash k=7 {:.2f}×".format(*batch32),
     ]
