@@ -14,13 +14,15 @@ What a round costs is measured where it can be: the loop reports the wall time b
 (:meth:`AdaptiveK.observe`), and the cost of a k is the median of its timed rounds, read off the curve through them
 (piecewise linear, never flatter than :data:`MIN_DRAFT_SHARE` per draft). The k a controller may run are the
 candidates of :func:`candidate_ks` (every k up to 5, then ~1.4x apart, and k_max): near its optimum the curve is flat
-(at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%), and each k run keeps graphs of its own. Before
-it chooses, a controller that times rounds runs every candidate for a few rounds (:data:`PROBE_ROUNDS`; the nearest
-to the k it runs first), so a first call of a model, drafter and batch size is also where every k it may later run
-captures its CUDA graphs (50-300 ms each on a 12-layer 31B cut against a 5 ms round): later calls choose among timed
-k and never capture inside a call. A probe that the estimate alone led to, in a later call, had captured there
-(docs/perf_log.md, session 26: a batch-8 call at 0.55 of the best fixed k). Until the candidates are timed, and under
-tensor parallelism (every rank must choose the same k, and each would time its own rounds), the cost is the prior:
+(at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%), and each k run keeps graphs of its own. The
+first call of a model, drafter and batch size (a one-shot script's only one) runs the k that the prior and the
+acceptance choose, capturing graphs for those only. From the second call on, before it chooses, a controller that
+times rounds runs every candidate not timed yet for a few rounds (:data:`PROBE_ROUNDS`; the nearest to the k it runs
+first), capturing their CUDA graphs there (50-300 ms each on a 12-layer 31B cut against a 5 ms round): later calls
+choose among timed k and never capture inside a call. A probe that the estimate alone led to, in a later call, had
+captured there (docs/perf_log.md, session 26: a batch-8 call at 0.55 of the best fixed k). Until the candidates are
+timed, and under tensor parallelism (every rank must choose the same k, and each would time its own rounds), the
+cost is the prior (between two timed k, or past them, the curve through the timed ones):
 ``1 + v * k`` target steps of verify (the k extra tokens per row of the verify forward: ``v`` grows with the batch,
 as the forward turns from memory-bound to compute-bound) plus the drafter's ``draft_cost(k)``, after the H100
 measurements in docs/perf_log.md (verify with k=7 at 1.14x a decode step at batch 1; at batch 32 k=3 beat k=7). The
@@ -62,6 +64,7 @@ class RoundCosts:
         self.medians: dict[int, float] = {}  # k -> the median of those, for the k with MIN_TIMED rounds or more
         self.acceptance: AcceptanceRates | None = None  # the per-position acceptance measured so far
         self.last_k: int | None = None  # the k the last round ran: the next call starts there
+        self.calls = 0  # calls that used these timings (the second one on times every candidate k)
 
     def add(self, k: int, seconds: float) -> None:
         """One timed round of ``k`` drafts (only its k's median is recomputed: this runs every round)."""
@@ -175,6 +178,9 @@ class AdaptiveK:
         self.costs = costs
         self.curve = costs.curve() if costs is not None else None  # the timed costs, refreshed as rounds are timed
         self.timing = costs is not None  # whether rounds are timed into ``costs`` (off once the batch shrank)
+        if costs is not None:
+            costs.calls += 1
+        self.sweep = costs is not None and costs.calls > 1  # whether candidates not timed yet are run to time them
         self.recent: list[int] = []  # the k of the last rounds, newest last
         self.probe: int | None = None  # the candidate k this call is getting timed, while it does
         self.probe_left = 0
@@ -229,15 +235,15 @@ class AdaptiveK:
             self.k = best
 
     def _probing(self) -> bool:
-        """Whether this round's k is a probe: while timing, every candidate k not timed yet is run for
-        :data:`PROBE_ROUNDS` rounds, the one nearest the k running first (a probe whose rounds were not steady
-        enough to be timed is run again)."""
+        """Whether this round's k is a probe: while timing, from a model's second call on, every candidate k not
+        timed yet is run for :data:`PROBE_ROUNDS` rounds, the one nearest the k running first (a probe whose rounds
+        were not steady enough to be timed is run again)."""
         if self.probe is not None:
             self.probe_left -= 1
             if self.probe_left > 0:
                 return True
             self.probe = None
-        if not self.timing:
+        if not (self.timing and self.sweep):
             return False
         untimed = [k for k in self.candidates if k not in self.costs.medians]
         if not untimed:

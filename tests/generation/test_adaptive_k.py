@@ -150,7 +150,8 @@ def test_measured_round_times_move_k_where_the_prior_would_not(per_draft, best):
     _simulate(prior, 0.8, seconds_of, 60, rng)
     assert tokens_per_second(prior.k) < 0.9 * tokens_per_second(best)  # what the constants alone choose
     costs = RoundCosts()
-    controller = AdaptiveK(7, lambda k: 0.1 * k, batch=8, costs=costs)
+    _simulate(AdaptiveK(7, lambda k: 0.1 * k, batch=8, costs=costs), 0.8, seconds_of, 20, rng)  # a first call
+    controller = AdaptiveK(7, lambda k: 0.1 * k, batch=8, costs=costs)  # the second times every candidate k
     chosen = _simulate(controller, 0.8, seconds_of, 80, rng)
     # within the 5% the issue asks of "auto" (the controller moves for a 3% gain, its alpha estimate is noisy)
     assert len(costs.timed()) >= 2 and tokens_per_second(controller.k) >= 0.95 * tokens_per_second(best), chosen
@@ -168,35 +169,45 @@ def test_no_acceptances_settle_at_one_draft_when_timing_noise_hides_the_cost_of_
     import random
 
     rng = random.Random(0)
-    controller = AdaptiveK(7, lambda k: 0.1 * k, batch=2, costs=RoundCosts())
-    chosen = _simulate(controller, 0.0, lambda k: 1e-3 * (1 + per_draft * k) * (1 + 0.01 * rng.random()), 60, rng,
-                       batch=2)
+    costs = RoundCosts()
+    chosen = []
+    for _ in range(2):  # the second call times every candidate k
+        chosen += _simulate(AdaptiveK(7, lambda k: 0.1 * k, batch=2, costs=costs), 0.0,
+                            lambda k: 1e-3 * (1 + per_draft * k) * (1 + 0.01 * rng.random()), 50, rng, batch=2)
     assert set(chosen) == set(candidate_ks(7)) and chosen[-20:] == [1] * 20, chosen
 
 
-def test_a_first_call_times_every_candidate_k_and_later_calls_run_only_timed_ones():
-    """The sweep: each candidate k runs PROBE_ROUNDS rounds in a row, the nearest to the running k next, before
-    the controller chooses; a later call with those timings never runs a k it has not timed (a new k would capture
-    its graphs inside that call), whatever the acceptance does."""
+def test_a_second_call_times_every_candidate_k_and_later_calls_run_only_timed_ones():
+    """The sweep: the first call of a model, drafter and batch size runs what the prior and the acceptance choose (a
+    one-shot script captures no graph it will not use); the second runs each candidate k not timed yet
+    PROBE_ROUNDS rounds in a row, the nearest to the running k next, before it chooses; a later call never runs a
+    k it has not timed (a new k would capture its graphs inside that call), whatever the acceptance does."""
     import random
 
     assert candidate_ks(7) == [1, 2, 3, 4, 5, 7] and candidate_ks(15) == [1, 2, 3, 4, 5, 7, 10, 15]
     assert candidate_ks(1) == [1] and candidate_ks(3) == [1, 2, 3]
     rng = random.Random(3)
     costs = RoundCosts()
+
+    def seconds_of(k):
+        return 1e-3 * (1 + 0.1 * k)
+
     first = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
-    start = first.k
-    # the call's first round, then PROBE_ROUNDS rounds of each candidate
-    chosen = _simulate(first, 0.8, lambda k: 1e-3 * (1 + 0.1 * k), 1 + 6 * PROBE_ROUNDS, rng, batch=1)
-    runs = [chosen[i] for i in range(1, len(chosen), PROBE_ROUNDS)]
-    assert chosen[1:] == [k for k in runs for _ in range(PROBE_ROUNDS)], chosen
-    assert chosen[0] == runs[0] == start and sorted(runs) == candidate_ks(7), runs
-    for i in range(1, len(runs)):  # each the untimed candidate nearest the one before (the lower one of two)
-        assert runs[i] == min(set(runs[i:]), key=lambda c: (abs(c - runs[i - 1]), c)), runs
-    assert sorted(costs.timed()) == candidate_ks(7)
+    _simulate(first, 0.8, seconds_of, 10, rng, batch=1)
+    assert not first.sweep and first.probe is None
+    untimed = [k for k in candidate_ks(7) if k not in costs.medians]
+    assert len(untimed) >= 4
+    second = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
+    chosen = _simulate(second, 0.8, seconds_of, 1 + len(untimed) * PROBE_ROUNDS, rng, batch=1)
+    runs = [chosen[i] for i in range(1, len(chosen), PROBE_ROUNDS)]  # after the round that starts the call
+    assert chosen[0] == first.k and chosen[1:] == [k for k in runs for _ in range(PROBE_ROUNDS)], chosen
+    assert sorted(runs) == untimed and sorted(costs.timed()) == candidate_ks(7), runs
+    previous = [chosen[0]] + runs
+    for i, k in enumerate(runs):  # each the untimed candidate nearest the one before (the lower one of two)
+        assert k == min(set(runs[i:]), key=lambda c: (abs(c - previous[i]), c)), runs
     for alpha in (0.0, 0.95, 0.5):  # the acceptance moves: only timed k are run
         later = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
-        again = _simulate(later, alpha, lambda k: 1e-3 * (1 + 0.1 * k), 30, rng, batch=1)
+        again = _simulate(later, alpha, seconds_of, 30, rng, batch=1)
         assert later.probe is None and set(again) <= set(costs.timed()), again
 
 
@@ -290,8 +301,7 @@ def test_auto_k_settles_at_one_when_no_draft_is_accepted(monkeypatch):
 
     model, extra, _ = bundled.mode("gemma_mtp")
     ids, mask = bundled.batch(2)
-    # 60 tokens: the call first times every candidate k (6 x PROBE_ROUNDS rounds of one token each)
-    kwargs = dict(attention_mask=mask, max_new_tokens=60, **GREEDY)
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, **GREEDY)
     expected = model.generate(ids, **kwargs)
 
     class RejectAll(GreedyAcceptance):
