@@ -19,7 +19,8 @@ first call of a model, drafter and batch size (a one-shot script's only one) run
 acceptance choose, capturing graphs for those only. From the second call on, before it chooses, a controller that
 times rounds runs every candidate not timed yet for a few rounds (:data:`PROBE_ROUNDS`; the nearest to the k it runs
 first), capturing their CUDA graphs there (50-300 ms each on a 12-layer 31B cut against a 5 ms round): later calls
-choose among timed k and never capture inside a call. A probe that the estimate alone led to, in a later call, had
+choose among timed k and never capture inside a call. After the sweep the controller goes back to the k it started
+from, timed over more rounds, and leaves it only for a clear gain (a candidate's few rounds are noisier). A probe that the estimate alone led to, in a later call, had
 captured there (docs/perf_log.md, session 26: a batch-8 call at 0.55 of the best fixed k). Until the candidates are
 timed, and under tensor parallelism (every rank must choose the same k, and each would time its own rounds), the
 cost is the prior (between two timed k, or past them, the curve through the timed ones):
@@ -184,6 +185,7 @@ class AdaptiveK:
         self.recent: list[int] = []  # the k of the last rounds, newest last
         self.probe: int | None = None  # the candidate k this call is getting timed, while it does
         self.probe_left = 0
+        self.incumbent: int | None = None  # the k before the sweep of untimed candidates, while it runs
         last = costs.last_k if costs is not None else None
         self.k = last if last in self.candidates else self._best()
 
@@ -194,6 +196,8 @@ class AdaptiveK:
         self.verify_per_token = _prior_verify_per_token(batch)
         self.timing = False
         self.probe, self.probe_left = None, 0
+        if self.incumbent is not None:
+            self.k, self.incumbent = self.incumbent, None
 
     def rates(self) -> list[float]:
         """The measured acceptance rate of each draft position (given the ones before it)."""
@@ -225,13 +229,14 @@ class AdaptiveK:
             self.costs.last_k = self.k
 
     def _choose(self) -> None:
-        probed = self.probe is not None
         if self._probing():
             return
+        if self.incumbent is not None:  # the sweep is over: back to the k it started from, timed over more rounds
+            self.k, self.incumbent = self.incumbent, None
         best, rates = self._best(), self.rates()
-        # the last candidate was timed: the timed curve picks the k from here. Else move only for a clear gain, so
-        # that noise in the estimate does not make each round run another k
-        if probed or self.tokens_per_cost(best, rates) > SWITCH_GAIN * self.tokens_per_cost(self.k, rates):
+        # move only for a clear gain, so that noise in the estimate (or in a candidate's few timed rounds) does not
+        # make each round run another k
+        if self.tokens_per_cost(best, rates) > SWITCH_GAIN * self.tokens_per_cost(self.k, rates):
             self.k = best
 
     def _probing(self) -> bool:
@@ -248,6 +253,8 @@ class AdaptiveK:
         untimed = [k for k in self.candidates if k not in self.costs.medians]
         if not untimed:
             return False
+        if self.incumbent is None:
+            self.incumbent = self.k
         self.probe = min(untimed, key=lambda k: (abs(k - self.k), k))
         self.probe_left, self.k = PROBE_ROUNDS, self.probe
         return True

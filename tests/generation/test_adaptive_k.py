@@ -211,6 +211,34 @@ def test_a_second_call_times_every_candidate_k_and_later_calls_run_only_timed_on
         assert later.probe is None and set(again) <= set(costs.timed()), again
 
 
+@pytest.mark.parametrize("gain,settles", [(1.01, 3), (1.10, 4)])
+def test_after_the_sweep_the_k_it_started_from_stays_unless_another_is_clearly_better(gain, settles):
+    """A candidate's few timed rounds from the sweep are noisier than those of the k the first call ran: the
+    controller goes back to that k, and moves only where another promises more than SWITCH_GAIN (k=4 1% ahead of
+    k=3: stays; 10% ahead: moves)."""
+    costs = RoundCosts()
+    costs.calls, costs.last_k = 1, 3  # a first call ran k=3 and timed it
+    for _ in range(MIN_TIMED):
+        costs.add(3, 1.0)
+
+    class Swept(AdaptiveK):
+        def tokens_per_cost(self, k, rates=None):
+            return {3: 1.0, 4: gain}.get(k, 0.5)
+
+    controller = Swept(7, lambda k: 0.1 * k, batch=32, costs=costs)
+    assert controller.sweep and controller.k == 3
+    chosen = []
+    for _ in range(10 * PROBE_ROUNDS):
+        k = controller.k
+        chosen.append(k)
+        controller.observe(k, 1.0)
+        controller.update([0] * 32, k)
+        if controller.probe is None:
+            break
+    assert sorted(costs.timed()) == candidate_ks(7) and set(chosen) == set(candidate_ks(7)), chosen
+    assert controller.k == settles and controller.incumbent is None
+
+
 def test_rounds_after_a_change_of_k_or_that_queue_drafts_of_another_k_are_not_timed_and_no_costs_means_no_probe():
     costs = RoundCosts()
     controller = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
