@@ -14,28 +14,28 @@ What a round costs is measured where it can be: the loop reports the wall time b
 (:meth:`AdaptiveK.observe`), and the cost of a k is the median of its timed rounds, read off the curve through them
 (piecewise linear, never flatter than :data:`MIN_DRAFT_SHARE` per draft). The k a controller may run are the
 candidates of :func:`candidate_ks` (every k up to 5, then ~1.4x apart, and k_max): near its optimum the curve is flat
-(at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%), and each k run keeps graphs of its own. The
-first call of a model, drafter and batch size (a one-shot script's only one) runs the k that the prior and the
-acceptance choose, capturing graphs for those only. From the second call on, before it chooses, a controller that
-times rounds runs every candidate not timed yet for a few rounds (:data:`PROBE_ROUNDS`; the nearest to the k it runs
-first), capturing their CUDA graphs there (50-300 ms each on a 12-layer 31B cut against a 5 ms round): later calls
-choose among timed k and never capture inside a call. After the sweep the controller goes back to the k it started
-from, timed over more rounds, and leaves it only for a clear gain (a candidate's few rounds are noisier). A probe that the estimate alone led to, in a later call, had
-captured there (docs/perf_log.md, session 26: a batch-8 call at 0.55 of the best fixed k). Until the candidates are
-timed, and under tensor parallelism (every rank must choose the same k, and each would time its own rounds), the
-cost is the prior (between two timed k, or past them, the curve through the timed ones):
-``1 + v * k`` target steps of verify (the k extra tokens per row of the verify forward: ``v`` grows with the batch,
-as the forward turns from memory-bound to compute-bound) plus the drafter's ``draft_cost(k)``, after the H100
-measurements in docs/perf_log.md (verify with k=7 at 1.14x a decode step at batch 1; at batch 32 k=3 beat k=7). The
-prior's constants missed by up to 8% on another card (docs/perf_log.md, session 14), hence the measurement. A round
-is timed only when it is steady: the round before it ran the same k (a new k captures its graphs in its first
-round), and the drafts it queued for the next round, which run inside its interval, are of its k too (a change of k
-captures the new k's draft graphs there). Medians, not means, so that a stray slow round (a graph captured for a
-longer context, a page fault) does not move the curve. Timings and the acceptance estimate are kept per model,
-drafter and batch size (:class:`RoundCosts`), so later calls start from them rather than from the prior, and at the k
-the last round ran (a call that started from the estimate instead could start at a neighbouring k the estimate's
-noise put ahead). Once a call's batch drops rows that stopped (eager forwards), its rounds are no longer of the
-timed batch size: the rest of the call is neither timed nor probed (:meth:`AdaptiveK.shrink`).
+(at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%), and each k run keeps graphs of its own. The first
+call of a model, drafter and batch size (a one-shot script's only one) runs the k that the prior and the acceptance
+choose, capturing graphs for those only. From the second call on, before it chooses, a controller that times rounds
+runs every candidate not timed yet for a few rounds (:data:`PROBE_ROUNDS`; the nearest to the k it runs first),
+capturing their CUDA graphs there (50-300 ms each on a 12-layer 31B cut against a 5 ms round): later calls choose
+among timed k and never capture inside a call. After the sweep the controller goes back to the k it started from,
+timed over more rounds, and leaves it only for a clear gain (a candidate's few rounds are noisier). A probe that the
+estimate alone led to, in a later call, had captured there (docs/perf_log.md, session 26: a batch-8 call at 0.55 of
+the best fixed k). While fewer than two k are timed, and under tensor parallelism (every rank must choose the same k,
+and each would time its own rounds), the cost is the prior: ``1 + v * k`` target steps of verify (the k extra tokens
+per row of the verify forward: ``v`` grows with the batch, as the forward turns from memory-bound to compute-bound)
+plus the drafter's ``draft_cost(k)``, after the H100 measurements in docs/perf_log.md (verify with k=7 at 1.14x a
+decode step at batch 1; at batch 32 k=3 beat k=7). The prior's constants missed by up to 8% on another card
+(docs/perf_log.md, session 14), hence the measurement. A round is timed only when it is steady: the round before it
+ran the same k (a new k captures its graphs in its first round), and the drafts it queued for the next round, which
+run inside its interval, are of its k too (a change of k captures the new k's draft graphs there). Medians, not means,
+so that a stray slow round (a graph captured for a longer context, a page fault) does not move the curve. Timings and
+the acceptance estimate are kept per model, drafter and batch size (:class:`RoundCosts`), so later calls start from
+them rather than from the prior, and at the k the last round ran (a call that started from the estimate instead could
+start at a neighbouring k the estimate's noise put ahead). Once a call's batch drops rows that stopped (eager
+forwards), its rounds are no longer of the timed batch size: the rest of the call is neither timed nor probed
+(:meth:`AdaptiveK.shrink`).
 """
 
 from __future__ import annotations
