@@ -64,3 +64,31 @@ def test_drafts_queued_before_the_sync_are_the_drafts_after_the_commit(name, mon
     # are compared
     assert len(drafts_a) == len(drafts_b) == len(running) and len(running[-1]) < len(running[0])
     assert all(torch.equal(a[rows], b[rows]) for a, b, rows in zip(drafts_a, drafts_b, map(torch.tensor, running)))
+
+
+def test_dflash_drafts_after_the_commit_in_a_round_that_changed_k(monkeypatch):
+    """Under "auto" a round whose k changed verifies the old k's drafts: DFlash queues nothing ahead there (one
+    graph per (old, new) pair would be captured inside whichever call first switches that way) and drafts after
+    the commit instead, on its graphs per k; rounds that keep their k draft ahead. The output is plain greedy's."""
+    from hf_specdec.generation.adaptive_k import AdaptiveK
+
+    target, extra, reference = bundled.mode("gemma_dflash")
+    ids, mask = _batch()
+    schedule = iter([2, 5, 5, 5, 3, 3, 7, 7, 7, 1, 1] + [4] * 40)
+    monkeypatch.setattr(AdaptiveK, "update", lambda self, accepted, k: setattr(self, "k", next(schedule)))
+    queued = []  # (verified positions, this round's k, drafts queued)
+    original = DFlashDraftRunner.propose_ahead
+
+    def recorded(self, next_tokens, num_accepted, context, captured, selector):
+        proposal = original(self, next_tokens, num_accepted, context, captured, selector)
+        queued.append((captured[0].shape[1], self.num_speculative_tokens, proposal is not None))
+        return proposal
+
+    monkeypatch.setattr(DFlashDraftRunner, "propose_ahead", recorded)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = target.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"})
+    assert torch.equal(out, reference.generate(ids, **kwargs))
+    changed = [q for q in queued if q[0] != q[1] + 1]
+    kept = [q for q in queued if q[0] == q[1] + 1]
+    assert len(changed) >= 4 and not any(ahead for _, _, ahead in changed), queued
+    assert sum(ahead for _, _, ahead in kept) >= len(kept) - 2, queued  # all but the last rounds queue ahead

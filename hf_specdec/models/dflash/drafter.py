@@ -153,6 +153,11 @@ class DFlashDraftRunner(Drafter):
         if selector.do_sample or selector.scorer.processors:
             return None
         verified, k = captured[0].shape[1], self.num_speculative_tokens
+        if verified != k + 1:
+            # k changed this round ("auto"): the verify checked drafts of the old k. One graph per (old, new) pair
+            # would be captured at each new pair, inside whatever call first switches that way; the commit's
+            # context append and the block after it run on graphs per k instead
+            return None
         lens = self.cache.seq_lens
         longest = max(lens) + verified + k + 1
         if self.graphs.on and -(-longest // self.cache.block_size) > self.graphs.table_width:
