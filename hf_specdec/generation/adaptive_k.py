@@ -65,7 +65,7 @@ class RoundCosts:
         self.medians: dict[int, float] = {}  # k -> the median of those, for the k with MIN_TIMED rounds or more
         self.acceptance: AcceptanceRates | None = None  # the per-position acceptance measured so far
         self.last_k: int | None = None  # the k the last round ran: the next call starts there
-        self.calls = 0  # calls that used these timings (the second one on times every candidate k)
+        self.calls = 0  # calls that ran rounds with these timings (the second one on times every candidate k)
 
     def add(self, k: int, seconds: float) -> None:
         """One timed round of ``k`` drafts (only its k's median is recomputed: this runs every round)."""
@@ -179,9 +179,10 @@ class AdaptiveK:
         self.costs = costs
         self.curve = costs.curve() if costs is not None else None  # the timed costs, refreshed as rounds are timed
         self.timing = costs is not None  # whether rounds are timed into ``costs`` (off once the batch shrank)
-        if costs is not None:
-            costs.calls += 1
-        self.sweep = costs is not None and costs.calls > 1  # whether candidates not timed yet are run to time them
+        # whether candidates not timed yet are run to time them: from the second call that runs rounds on (a call of
+        # one new token runs none)
+        self.sweep = costs is not None and costs.calls > 0
+        self.counted = False  # whether this call was counted in ``costs.calls`` (at its first round)
         self.recent: list[int] = []  # the k of the last rounds, newest last
         self.probe: int | None = None  # the candidate k this call is getting timed, while it does
         self.probe_left = 0
@@ -224,6 +225,8 @@ class AdaptiveK:
         self.acceptance.update(accepted, k)
         if self.costs is not None:
             self.costs.acceptance = self.acceptance
+            if not self.counted:
+                self.costs.calls, self.counted = self.costs.calls + 1, True
         self._choose()
         if self.costs is not None:
             self.costs.last_k = self.k

@@ -192,9 +192,10 @@ def test_a_second_call_times_every_candidate_k_and_later_calls_run_only_timed_on
     def seconds_of(k):
         return 1e-3 * (1 + 0.1 * k)
 
+    AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)  # a call that ran no round (one new token) does not count
     first = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
     _simulate(first, 0.8, seconds_of, 10, rng, batch=1)
-    assert not first.sweep and first.probe is None
+    assert not first.sweep and first.probe is None and costs.calls == 1
     untimed = [k for k in candidate_ks(7) if k not in costs.medians]
     assert len(untimed) >= 4
     second = AdaptiveK(7, lambda k: 0.1 * k, batch=1, costs=costs)
