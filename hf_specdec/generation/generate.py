@@ -56,7 +56,7 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
     if acceptance is not None and not speculative:
         raise ValueError("acceptance= without a drafter: pass assistant_model=... or spec_mode=..., or drop it.")
     if (speculative and num_speculative_tokens is None and not isinstance(assistant_model, Drafter)
-            and not _samples(self, generation_config, kwargs)):
+            and not _setting(self, generation_config, kwargs, "do_sample")):
         # greedy: k chosen per round where the drafter allows it (the output is the same whatever k). A sampled call
         # keeps the drafter's own k: the draws follow the rounds, and a seed must give the same tokens on every run,
         # whatever its rounds took to run. So does a Drafter passed as it is (built for its k)
@@ -92,13 +92,6 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
             if streamer is not None:
                 streamer.end()  # a consumer iterating the streamer in another thread must not wait forever
             raise
-
-
-def _samples(model, generation_config, kwargs) -> bool:
-    """Whether the call samples: ``do_sample`` as ``generate`` resolves it (a keyword over the generation config
-    passed, else over the model's)."""
-    config = generation_config if generation_config is not None else model.generation_config
-    return bool(kwargs.get("do_sample", getattr(config, "do_sample", False)))
 
 
 def _no_autograd(model, assistant_model):

@@ -15,7 +15,7 @@ class SpecStats:
     acceptance_histogram[i] counts (row, step) pairs that accepted exactly i drafts.
     lossless is False only when the call ran a non-lossless acceptance (a benchmark's fixed acceptance rate).
     num_speculative_tokens is the call's k; where k was chosen per round ("auto", the default of greedy calls), the
-    most drafts a round could have (num_draft_tokens / num_target_forwards gives the rounds' mean).
+    most drafts a round could have (num_draft_tokens / the row-rounds gives the rounds' mean k).
     """
 
     num_target_forwards: int = 0
