@@ -165,10 +165,14 @@ def candidate_ks(k_max: int) -> list[int]:
 
 class AdaptiveK:
     def __init__(self, k_max: int, draft_cost, batch: int, prior_alpha: float = 0.6, decay: float = 0.9,
-                 costs: RoundCosts | None = None):
+                 costs: RoundCosts | None = None, grows: bool = True):
         """``costs``: the timings to use and extend (None: the prior cost model only, e.g. under tensor
-        parallelism)."""
+        parallelism). ``grows``: whether k may rise again within the call once it fell (False for a drafter whose
+        state at a larger k would be stale after rounds at a smaller one: it runs at most the k of its last round,
+        up to ``k_max`` again at the next call)."""
         self.k_max = k_max
+        self.grows = grows
+        self.ceiling = k_max  # the most drafts the next rounds may have (falls with k where k does not grow)
         self.candidates = candidate_ks(k_max)
         self.draft_cost = draft_cost  # (k) -> cost in target steps
         self.verify_per_token = _prior_verify_per_token(batch)
@@ -188,7 +192,18 @@ class AdaptiveK:
         self.probe_left = 0
         self.incumbent: int | None = None  # the k before the sweep of untimed candidates, while it runs
         last = costs.last_k if costs is not None else None
-        self.k = last if last in self.candidates else self._best()
+        # a call starts at the k its last round ran where k may grow again (a start from the estimate could take a
+        # neighbouring k that its noise put ahead); else at the estimate's best: the last round ran the lowest k of
+        # its call, and this call can only go down from where it starts
+        start = last if last in self.candidates and grows else self._best()
+        if not grows and self.sweep:  # its sweep goes down from the largest candidate not timed yet
+            start = max([start] + [k for k in self.candidates if k not in costs.medians])
+        self._set_k(start)
+
+    def _set_k(self, k: int) -> None:
+        self.k = min(k, self.ceiling)
+        if not self.grows:
+            self.ceiling = self.k
 
     def shrink(self, batch: int) -> None:
         """The batch dropped rows that stopped and now has ``batch`` rows. Its rounds are no longer those of the
@@ -198,7 +213,8 @@ class AdaptiveK:
         self.timing = False
         self.probe, self.probe_left = None, 0
         if self.incumbent is not None:
-            self.k, self.incumbent = self.incumbent, None
+            self._set_k(self.incumbent)
+            self.incumbent = None
 
     def rates(self) -> list[float]:
         """The measured acceptance rate of each draft position (given the ones before it)."""
@@ -235,12 +251,13 @@ class AdaptiveK:
         if self._probing():
             return
         if self.incumbent is not None:  # the sweep is over: back to the k it started from, timed over more rounds
-            self.k, self.incumbent = self.incumbent, None
+            self._set_k(self.incumbent)  # (where k does not grow: the lowest probe, the best below it next)
+            self.incumbent = None
         best, rates = self._best(), self.rates()
         # move only for a clear gain, so that noise in the estimate (or in a candidate's few timed rounds) does not
         # make each round run another k
         if self.tokens_per_cost(best, rates) > SWITCH_GAIN * self.tokens_per_cost(self.k, rates):
-            self.k = best
+            self._set_k(best)
 
     def _probing(self) -> bool:
         """Whether this round's k is a probe: while timing, from a model's second call on, every candidate k not
@@ -253,18 +270,21 @@ class AdaptiveK:
             self.probe = None
         if not (self.timing and self.sweep):
             return False
-        untimed = [k for k in self.candidates if k not in self.costs.medians]
+        untimed = [k for k in self.candidates if k not in self.costs.medians and k <= self.ceiling]
         if not untimed:
             return False
         if self.incumbent is None:
             self.incumbent = self.k
-        self.probe = min(untimed, key=lambda k: (abs(k - self.k), k))
-        self.probe_left, self.k = PROBE_ROUNDS, self.probe
+        # where k does not grow within a call, the probes go down from the largest (the rest of the call runs at
+        # the best k up to the last one; the next call starts at the best of all)
+        self.probe = min(untimed, key=lambda k: (abs(k - self.k), k)) if self.grows else max(untimed)
+        self.probe_left = PROBE_ROUNDS
+        self._set_k(self.probe)
         return True
 
     def _best(self) -> int:
         rates = self.rates()
-        return max(self.candidates, key=lambda k: self.tokens_per_cost(k, rates))
+        return max((k for k in self.candidates if k <= self.ceiling), key=lambda k: self.tokens_per_cost(k, rates))
 
     def cost(self, k: int) -> float:
         """A round of k drafts: measured seconds on the timed curve, else the prior's target steps."""

@@ -35,6 +35,10 @@ class Drafter:
     # whether the loop may change num_speculative_tokens between rounds (up to its value at the start of the
     # request: caches and graphs are sized for that many); a drafter whose state is shaped by k says False
     adaptive_k: bool = False
+    # whether num_speculative_tokens may rise again within a request once it fell (False: a drafter whose state
+    # for the drafts it stopped making goes stale, e.g. MTP layers that stopped seeing the new positions; it may
+    # fall within a request and starts each request at up to its value again)
+    k_grows: bool = True
     # whether the loop may drop rows that stopped from the batch (:meth:`keep_rows`) so that later rounds draft
     # and verify only the rows still running
     drops_rows: bool = False

@@ -83,7 +83,8 @@ class SpeculativeLoop:
             # choose the same k, so the acceptance alone decides there (the prior cost model)
             costs = None if state.ranks is not None else costs_for(
                 state.round_costs, (type(drafter).__qualname__, id(draft_model or model), input_ids.shape[0]))
-            self.adaptive_k = AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0], costs=costs)
+            self.adaptive_k = AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0], costs=costs,
+                                        grows=drafter.k_grows)
         self.synced_at = 0.0  # when the host last waited for the device (rounds are timed between such waits)
         self.config = generation_config
         self.logits_processor = logits_processor

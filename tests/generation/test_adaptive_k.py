@@ -212,6 +212,38 @@ def test_a_second_call_times_every_candidate_k_and_later_calls_run_only_timed_on
         assert later.probe is None and set(again) <= set(costs.timed()), again
 
 
+def test_where_k_does_not_grow_within_a_call_it_only_falls_the_sweep_goes_down_and_a_call_starts_at_the_best():
+    """A drafter whose k may fall but not rise within a call (Step 3.5 MTP, k_max 3): no call ever runs a larger k
+    after a smaller one; the second call times the untimed candidates from the largest down, PROBE_ROUNDS each;
+    a later call starts at the best timed k (not at where the last call ended) and runs it."""
+    import random
+
+    rng = random.Random(5)
+    costs = RoundCosts()
+
+    def seconds_of(k):  # at alpha 0.8, k = 2 commits the most tokens per second
+        return 1e-3 * (1 + 0.45 * k)
+
+    def rises(chosen):
+        return any(b > a for a, b in zip(chosen, chosen[1:]))
+
+    first = AdaptiveK(3, lambda k: 0.1 * k, batch=4, costs=costs, grows=False)
+    start = first.k
+    chosen = _simulate(first, 0.8, seconds_of, 12, rng, batch=4)
+    assert not rises(chosen) and chosen[0] == start
+    untimed = sorted((k for k in candidate_ks(3) if k not in costs.medians), reverse=True)
+    assert untimed
+    second = AdaptiveK(3, lambda k: 0.1 * k, batch=4, costs=costs, grows=False)
+    chosen = _simulate(second, 0.8, seconds_of, 1 + len(untimed) * PROBE_ROUNDS + 10, rng, batch=4)
+    assert not rises(chosen) and sorted(costs.timed()) == [1, 2, 3], chosen
+    assert [k for i, k in enumerate(chosen) if i == 0 or k != chosen[i - 1]][-len(untimed):] == untimed, chosen
+    for _ in range(3):
+        later = AdaptiveK(3, lambda k: 0.1 * k, batch=4, costs=costs, grows=False)
+        assert later.k == 2
+        chosen = _simulate(later, 0.8, seconds_of, 20, rng, batch=4)
+        assert not rises(chosen) and later.probe is None and chosen.count(2) >= 15, chosen
+
+
 @pytest.mark.parametrize("gain,settles", [(1.01, 3), (1.10, 4)])
 def test_after_the_sweep_the_k_it_started_from_stays_unless_another_is_clearly_better(gain, settles):
     """A candidate's few timed rounds from the sweep are noisier than those of the k the first call ran: the
@@ -316,11 +348,52 @@ def test_auto_k_is_lossless_and_chooses_per_round(mode, monkeypatch):
     original = AdaptiveK.update
     monkeypatch.setattr(AdaptiveK, "update", lambda self, accepted, k: (rounds.append(k), original(self, accepted, k)))
     assert torch.equal(model.generate(ids, **kwargs, **extra), expected)
-    if mode == "step_mtp":  # its MTP state is shaped by k: it keeps its k
-        assert not rounds
-    else:  # the controller saw every verify round (one target forward each, after the prefill)
-        stats = hf_specdec.last_generation_stats(model)
-        assert len(rounds) == stats.num_target_forwards - 1 and 0 < stats.num_draft_tokens <= 3 * sum(rounds), rounds
+    # the controller saw every verify round (one target forward each, after the prefill)
+    stats = hf_specdec.last_generation_stats(model)
+    assert len(rounds) == stats.num_target_forwards - 1 and 0 < stats.num_draft_tokens <= 3 * sum(rounds), rounds
+    if mode == "step_mtp":  # a Step 3.5 MTP layer left out of a round is stale: k never rises within a call
+        assert all(a >= b for a, b in zip(rounds, rounds[1:])), rounds
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_step_mtp_rounds_whose_k_falls_within_a_call_are_lossless(do_sample, monkeypatch):
+    """Step 3.5 MTP with k falling 3 -> 2 -> 1 within a call (each round runs MTP layers 0..k-1; the layers left
+    out go stale): greedy output is plain greedy's, sampled output follows the target's distribution (the
+    drafter's statistics are not checked here, only that every round drafted what its k asks and the output has
+    the plain sampled call's shape); and a k that rises again within the call is refused."""
+    model, extra, _ = bundled.mode("step_mtp")
+    ids, mask = bundled.batch(3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=do_sample, eos_token_id=None, pad_token_id=0)
+    from hf_specdec.generation import speculative
+
+    rounds, schedule = [], []
+
+    class Scripted:  # the loop's controller, with k from ``schedule`` after each round
+        def __init__(self, k_max, *args, **kwargs):
+            self.k = k_max
+
+        def observe(self, *args):
+            pass
+
+        def shrink(self, batch):
+            pass
+
+        def update(self, accepted, k):
+            rounds.append(k)
+            self.k = schedule.pop(0) if schedule else self.k
+
+    monkeypatch.setattr(speculative, "AdaptiveK", Scripted)
+    schedule[:] = [3, 3, 2, 2, 2, 1]
+    torch.manual_seed(0)
+    got = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"})
+    assert rounds[:6] == [3, 3, 3, 2, 2, 2] and rounds[-1] == 1, rounds
+    if not do_sample:
+        assert torch.equal(got, model.generate(ids, **{**kwargs}))
+    else:
+        assert got.shape == (3, ids.shape[1] + 30)
+    schedule[:] = [2, 3]
+    with pytest.raises(ValueError, match="rose from 2 to 3 within a request"):
+        model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"})
 
 
 def test_auto_k_settles_at_one_when_no_draft_is_accepted(monkeypatch):

@@ -22,6 +22,10 @@ slices and gathers of device tensors kept between rounds:
             of layer j-1 this round, and of its last round at the one position before them that layer j
             refreshes further back (at most one: layer j lacks at most one position more than layer j-1)
 
+A round of k drafts runs layers 0..k-1. With ``num_speculative_tokens="auto"`` k may fall between rounds (never
+rise within a request: a layer a round left out did not see that round's positions); the fixed width stays the
+request's largest k + 1, so the first round after a fall still covers every position its layers lack.
+
 With CUDA graphs on (the target's request uses them), a greedy round of those rounds (no logits processors) is
 one graph replay of the batch's bucket: every layer, the argmax of its head and the gathers between layers (kept
 in the target's GraphStore per width, over the MTP caches' pooled storage: padding rows have no query, no key, no
@@ -51,6 +55,10 @@ class Step3p5MTPDraftRunner(Drafter):
 
     spec_mode = "mtp"
     drops_rows = True  # its per-row state: its layers' caches and the round tensors below
+    # "auto" k: a round of k drafts runs MTP layers 0..k-1; a layer left out stops seeing the new positions, so k
+    # may fall within a request but not rise again (the next request starts with every layer)
+    adaptive_k = True
+    k_grows = False
 
     def __init__(self, target, num_speculative_tokens: int | None = None):
         if not getattr(target, "has_mtp", False):
@@ -66,8 +74,11 @@ class Step3p5MTPDraftRunner(Drafter):
                              f"pass num_speculative_tokens <= {available}.")
         self.target = target
         self.num_speculative_tokens = k
-        self.width = k + 1  # slots per row of each layer's forward after the first round
+        # slots per row of each layer's forward after the first round: for the most drafts a round may have (a
+        # round of fewer, after one of more, still runs its layers over up to that many new positions)
+        self.width = k + 1
         self.layer_indices = target.mtp_layer_indices[:k]
+        self.ran = k  # the MTP layers the last round ran (0..ran-1): a later round of the request runs no more
         self.caches: list[PagedKVCache] = []
         # between rounds, on the device (see the module docstring)
         self.tokens: torch.Tensor | None = None  # [batch, width + 1] t[L-width .. L] of the last round
@@ -109,6 +120,16 @@ class Step3p5MTPDraftRunner(Drafter):
         self.device = input_device(self.target)
         self.tokens = self.drafted = self.accepted = self.kept = None
         self.below = [None] * (self.num_speculative_tokens - 1)
+        self.ran = self.num_speculative_tokens
+
+    @property
+    def active(self) -> list[PagedKVCache]:
+        """The caches of the MTP layers this round runs (layers 0..k-1; the request's first rounds ran more)."""
+        if self.num_speculative_tokens > self.ran:
+            raise ValueError(f"num_speculative_tokens rose from {self.ran} to {self.num_speculative_tokens} within a "
+                             "request: Step 3.5 MTP layers left out of a round are stale, so k may only fall.")
+        self.ran = self.num_speculative_tokens
+        return self.caches[:self.ran]
 
     @torch.inference_mode()
     def propose(self, last_tokens, context, selector) -> DraftProposal:
@@ -117,7 +138,8 @@ class Step3p5MTPDraftRunner(Drafter):
         if shift is not None and not selector.do_sample and not selector.scorer.processors:
             return DraftProposal(self._greedy_round(tokens, states, shift, lens), None)
         drafted, probs = tokens[:, :0], []
-        for j, mtp_cache in enumerate(self.caches):
+        active = self.active
+        for j, mtp_cache in enumerate(active):
             plan = mtp_cache.plan_forward([n - s for s, n in zip(mtp_cache.seq_lens, lens)], width)
             new, ids, layer_states = _layer_inputs(j, width, tokens, drafted, states, plan.num_new)
             logits, outputs = self._run_layer(j, ids, layer_states, plan,
@@ -127,7 +149,7 @@ class Step3p5MTPDraftRunner(Drafter):
             token, q = selector.select(logits, drafted)
             drafted = torch.cat([drafted, token[:, None]], dim=1)
             probs.append(q)
-            if j + 1 < self.num_speculative_tokens:
+            if j + 1 < len(active):
                 states = self._below(j, outputs, new, shift)
         self.tokens, self.drafted = _last_columns(tokens, self.width + 1), drafted
         return DraftProposal(drafted, None if probs[0] is None else torch.stack(probs, dim=1))
@@ -155,19 +177,22 @@ class Step3p5MTPDraftRunner(Drafter):
     def _greedy_round(self, tokens, states, shift, lens) -> torch.Tensor:
         """A greedy round at the fixed width as one call (one graph replay): every layer's forward over its planned
         entries, its draft by argmax, its outputs under the next layer's. Returns the drafts [batch, k]."""
-        plans = [c.plan_forward([n - s for s, n in zip(c.seq_lens, lens)], self.width) for c in self.caches]
-        drafted, *below = self.graphs.run("greedy_round", self._greedy_layers, [tokens, states, shift, *self.below],
-                                          plans=plans)
-        for cache in self.caches:
+        active = self.active
+        plans = [c.plan_forward([n - s for s, n in zip(c.seq_lens, lens)], self.width) for c in active]
+        below = self.below[:len(active) - 1]
+        drafted, *below = self.graphs.run("greedy_round", self._greedy_layers, [tokens, states, shift, *below],
+                                          plans=plans, key=(len(active),))
+        for cache in active:
             cache.commit(cache.seq_lens)
-        self.below = list(below)
+        self.below[:len(below)] = below
         self.tokens, self.drafted = _last_columns(tokens, self.width + 1), drafted
         return drafted
 
     def _greedy_layers(self, tokens, states, shift, *below_and_metas):
         """(drafts [batch, k], each layer j < k-1's outputs at this round's slots) of a greedy round; ``below``: each
         layer's outputs of the last round, ``metas``: each layer's forward."""
-        below, metas = below_and_metas[:len(self.below)], below_and_metas[len(self.below):]
+        layers = (len(below_and_metas) + 1) // 2  # below: one per layer but the last, metas: one per layer
+        below, metas = below_and_metas[:layers - 1], below_and_metas[layers - 1:]
         drafted, outputs_below = tokens[:, :0], []
         for j, (mtp_cache, meta) in enumerate(zip(self.caches, metas)):
             new, ids, layer_states = _layer_inputs(j, self.width, tokens, drafted, states, meta.q_lens)
@@ -175,7 +200,7 @@ class Step3p5MTPDraftRunner(Drafter):
                 logits, outputs = self._layer_forward(j, ids, layer_states, meta)
             logits, outputs = logits.to(tokens.device), outputs.to(tokens.device)  # no-ops unless the layer is apart
             drafted = torch.cat([drafted, logits.argmax(dim=-1)[:, None].to(drafted.dtype)], dim=1)
-            if j + 1 < len(self.caches):
+            if j + 1 < layers:
                 states = _over_last(outputs, new, below[j], shift)
                 outputs_below.append(states)
         return (drafted, *outputs_below)
@@ -210,7 +235,7 @@ class Step3p5MTPDraftRunner(Drafter):
     def commit(self, context, captured, num_accepted, kept):
         accepted = num_accepted.tolist()
         old = [n - k for n, k in zip(context.cache.seq_lens, kept)]
-        for j, mtp_cache in enumerate(self.caches):
+        for j, mtp_cache in enumerate(self.caches[:self.ran]):  # the layers this round ran
             # entries at positions >= L_old + a - j consumed a rejected draft: roll them back (a short prompt
             # may leave none)
             mtp_cache.commit([max(0, min(o, o + a - j)) if k else n for o, a, k, n

@@ -25,7 +25,8 @@ class PerRowMTPDrafter(Step3p5MTPDraftRunner):
         lens = context.cache.seq_lens
         drafted = last_tokens[:, None][:, :0]
         probs = []
-        for j, mtp_cache in enumerate(self.caches):
+        self.ran = self.num_speculative_tokens
+        for j, mtp_cache in enumerate(self.caches[:self.ran]):  # a round of k drafts runs layers 0..k-1
             starts = mtp_cache.seq_lens
             tokens = [_tokens(prefix, drafted[b], s + 1 + j, n, j)
                       for b, (prefix, s, n) in enumerate(zip(selector.prefixes, starts, lens))]
@@ -60,7 +61,7 @@ class PerRowMTPDrafter(Step3p5MTPDraftRunner):
     def commit(self, context, captured, num_accepted, kept):
         accepted = num_accepted.tolist()
         old = [n - k for n, k in zip(context.cache.seq_lens, kept)]
-        for j, mtp_cache in enumerate(self.caches):
+        for j, mtp_cache in enumerate(self.caches[:self.ran]):  # the layers the round ran
             mtp_cache.commit([min(o, o + a - j) if k else n for o, a, k, n
                               in zip(old, accepted, kept, mtp_cache.seq_lens)])
         self.pending = [captured.pre_norm[b, :k] for b, k in enumerate(kept)]

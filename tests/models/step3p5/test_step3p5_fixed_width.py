@@ -27,9 +27,10 @@ class Twin(Drafter):
 
     spec_mode = "mtp"
 
-    def __init__(self, model, k, graphs=False):
+    def __init__(self, model, k, graphs=False, schedule=()):
         self.drafter, self.oracle = Step3p5MTPDraftRunner(model, k), PerRowMTPDrafter(model, k)
         self.graphs = graphs
+        self.schedule = list(schedule)  # the k of the rounds, in turn (then the last one's): "auto" k falling
         self.num_speculative_tokens = k
         self.layers = model.mtp_layer_indices[:k]
         self.accepted_rows: list[list[int]] = []  # per round: accepted drafts of the rows that kept tokens
@@ -52,6 +53,8 @@ class Twin(Drafter):
         self.drafter.begin(context, captured)
 
     def propose(self, last_tokens, context, selector):
+        if self.schedule:
+            self.drafter.num_speculative_tokens = self.oracle.num_speculative_tokens = self.schedule.pop(0)
         state = torch.get_rng_state()
         expected = self.oracle.propose(last_tokens, context, selector)
         torch.set_rng_state(state)
@@ -126,3 +129,21 @@ def test_fixed_width_drafts_and_mtp_kv_equal_the_per_row_drafter(prompts, k, sam
         assert sorted(key[1] for key in calls) == names
         assert {key[4] for key in calls} == {4}
         assert ReplayedCall.replays == len(names) * (len(twin.accepted_rows) - 2)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph_path"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_rounds_whose_k_falls_draft_and_keep_the_mtp_kv_of_the_per_row_drafter(prompts, sampled, graphs,
+                                                                                 monkeypatch):
+    """"auto" k falling within a call (3, 3, 2, 2, 1, ...): each round runs MTP layers 0..k-1 at the fixed width of
+    k=3, the layers it leaves out keep their K/V; drafts, q and the MTP K/V equal the per-row drafter's run at the
+    same k every round, greedy rounds replay one graph per k."""
+    model = step()[0]
+    twin = Twin(model, 3, graphs, schedule=[3, 3, 2, 2, 1])
+    monkeypatch.setattr(drafter_graphs, "CallGraph", ReplayedCall)
+    sampling = dict(do_sample=True, temperature=0.8, top_k=50) if sampled else dict(do_sample=False)
+    torch.manual_seed(0)
+    model.generate(**prompts, assistant_model=twin, max_new_tokens=40, pad_token_id=0, **sampling)
+    assert len(twin.accepted_rows) > 5 and twin.drafter.ran == 1
+    if graphs and not sampled:
+        assert [key[1] for key in twin.drafter.graphs.store.calls] == ["greedy_round"] * 3  # k = 3, 2 and 1
