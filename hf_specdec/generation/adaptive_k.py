@@ -35,7 +35,9 @@ the acceptance estimate are kept per model, drafter and batch size (:class:`Roun
 them rather than from the prior, and at the k the last round ran (a call that started from the estimate instead could
 start at a neighbouring k the estimate's noise put ahead). Once a call's batch drops rows that stopped (eager
 forwards), its rounds are no longer of the timed batch size: the rest of the call is neither timed nor probed
-(:meth:`AdaptiveK.shrink`).
+(:meth:`AdaptiveK.shrink`). A drafter whose k cannot rise again within a call (``grows=False``: Step 3.5 MTP, whose
+layers left out of a round miss its positions) runs its probes from the largest untimed candidate down, and each of
+its calls starts at the best k of the estimate instead of the last round's (the lowest of its call).
 """
 
 from __future__ import annotations
