@@ -42,7 +42,8 @@ def rejection_sample_no_sync(draft_tokens: torch.Tensor, draft_probs: torch.Tens
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)
     index = num_accepted[:, None, None].expand(batch, 1, target_probs.shape[-1])
     p_next = target_probs.gather(1, index).squeeze(1)
-    q_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # q = 0 at the bonus slot
+    # q = 0 at the bonus slot (the only slot of a round without drafts)
+    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)
     residual = (p_next - q_padded.gather(1, index).squeeze(1)).clamp_(min=0)
     mass = residual.sum(dim=-1, keepdim=True)
     # p == q leaves no residual mass; any token of p is then exact (rejection had probability 0).

@@ -167,15 +167,16 @@ def candidate_ks(k_max: int) -> list[int]:
 
 class AdaptiveK:
     def __init__(self, k_max: int, draft_cost, batch: int, prior_alpha: float = 0.6, decay: float = 0.9,
-                 costs: RoundCosts | None = None, grows: bool = True):
+                 costs: RoundCosts | None = None, grows: bool = True, plain: bool = False):
         """``costs``: the timings to use and extend (None: the prior cost model only, e.g. under tensor
         parallelism). ``grows``: whether k may rise again within the call once it fell (False for a drafter whose
         state at a larger k would be stale after rounds at a smaller one: it runs at most the k of its last round,
-        up to ``k_max`` again at the next call)."""
+        up to ``k_max`` again at the next call). ``plain``: k = 0 is a candidate too, a round with no drafts (a plain
+        decoding step of the loop), for where no k pays for its drafting."""
         self.k_max = k_max
         self.grows = grows
         self.ceiling = k_max  # the most drafts the next rounds may have (falls with k where k does not grow)
-        self.candidates = candidate_ks(k_max)
+        self.candidates = [0] * plain + candidate_ks(k_max)
         self.draft_cost = draft_cost  # (k) -> cost in target steps
         self.verify_per_token = _prior_verify_per_token(batch)
         # what the last calls measured, else a weak prior
@@ -197,7 +198,9 @@ class AdaptiveK:
         # a call starts at the k its last round ran where k may grow again (a start from the estimate could take a
         # neighbouring k that its noise put ahead); else at the estimate's best: the last round ran the lowest k of
         # its call, and this call can only go down from where it starts
-        start = last if last in self.candidates and grows else self._best()
+        # a call starts with drafts (k >= 1): rounds without any measure no acceptance, so a call that started plain
+        # would never see whether this call's text is easier to draft
+        start = last if last in self.candidates and last and grows else self._best(least=1)
         if not grows and self.sweep:  # its sweep goes down from the largest candidate not timed yet
             start = max([start] + [k for k in self.candidates if k not in costs.medians])
         self._set_k(start)
@@ -284,15 +287,16 @@ class AdaptiveK:
         self._set_k(self.probe)
         return True
 
-    def _best(self) -> int:
+    def _best(self, least: int = 0) -> int:
         rates = self.rates()
-        return max((k for k in self.candidates if k <= self.ceiling), key=lambda k: self.tokens_per_cost(k, rates))
+        return max((k for k in self.candidates if least <= k <= self.ceiling),
+                   key=lambda k: self.tokens_per_cost(k, rates))
 
     def cost(self, k: int) -> float:
         """A round of k drafts: measured seconds on the timed curve, else the prior's target steps."""
         if self.curve is not None:
             return cost_on(self.curve, k)
-        return 1 + self.verify_per_token * k + self.draft_cost(k)
+        return 1 + self.verify_per_token * k + (self.draft_cost(k) if k else 0.0)
 
     def tokens_per_cost(self, k: int, rates: list[float] | None = None) -> float:
         """Expected tokens per row of a round of ``k`` drafts over its cost (``rates``: per position, default the

@@ -83,8 +83,10 @@ class SpeculativeLoop:
             # choose the same k, so the acceptance alone decides there (the prior cost model)
             costs = None if state.ranks is not None else costs_for(
                 state.round_costs, (type(drafter).__qualname__, id(draft_model or model), input_ids.shape[0]))
+            # k = 0 is a candidate too: a round without drafts, a plain step of this loop whose commit still lets
+            # the drafter catch up, for where no k pays for its drafting
             self.adaptive_k = AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0], costs=costs,
-                                        grows=drafter.k_grows)
+                                        grows=drafter.k_grows, plain=True)
         self.synced_at = 0.0  # when the host last waited for the device (rounds are timed between such waits)
         self.config = generation_config
         self.logits_processor = logits_processor
@@ -169,7 +171,12 @@ class SpeculativeLoop:
                                  LazyPrefixes(self.row_ids, self.rows), ranks=self.ranks)
         # 1. draft (unless the previous step queued this round's drafts before its host sync); under tensor
         #    parallelism every rank verifies rank 0's drafts (in place: a drafter that keeps them sees the same)
-        proposal = self.ahead if self.ahead is not None else self.drafter.propose(last_tokens, self.context, selector)
+        if self.ahead is not None:
+            proposal = self.ahead
+        elif self.drafter.num_speculative_tokens == 0:  # "auto" chose a round without drafts
+            proposal = self._no_drafts(last_tokens)
+        else:
+            proposal = self.drafter.propose(last_tokens, self.context, selector)
         same_on_every_rank(proposal.tokens, self.ranks)
         # 2. verify [last token, drafts] in one target forward
         k = proposal.tokens.shape[1]  # this round's (the drafter's k when the round was drafted)
@@ -234,10 +241,20 @@ class SpeculativeLoop:
                          dim=1)  # one copy to the host instead of three
         pending = self.readback.start(host)
         self.ahead = None
-        if not all(len(row) + 1 >= self.stopper.max_length for row, run in zip(self.rows, self.running) if run):
+        if self.drafter.num_speculative_tokens and not all(
+                len(row) + 1 >= self.stopper.max_length for row, run in zip(self.rows, self.running) if run):
             self.ahead = self.drafter.propose_ahead(next_token, num_accepted, self.context, self.captured, selector)
         host = self.readback.wait(pending)[0].tolist()
         return [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
+
+    def _no_drafts(self, last_tokens: torch.Tensor) -> DraftProposal:
+        """A round with no drafts: the verify is a plain decoding step (sampled: its draw from the target's
+        distribution, with no draft to accept)."""
+        tokens = last_tokens.new_zeros(last_tokens.shape[0], 0)
+        probs = None
+        if self.config.do_sample or self.acceptance.draws_random:
+            probs = torch.zeros(last_tokens.shape[0], 0, self.vocab_size, device=last_tokens.device)
+        return DraftProposal(tokens, probs)
 
     def _emit(self, last: list[int], accepted_drafts: list[list[int]], scores: torch.Tensor) -> list[int]:
         """Append each running row's accepted drafts then its next token, stopping inside the chunk; returns the

@@ -244,6 +244,29 @@ def test_where_k_does_not_grow_within_a_call_it_only_falls_the_sweep_goes_down_a
         assert not rises(chosen) and later.probe is None and chosen.count(2) >= 15, chosen
 
 
+def test_with_plain_rounds_k_falls_to_zero_where_no_k_pays_and_a_call_starts_with_drafts():
+    """k = 0 as a candidate (``plain=True``: a round without drafts, one committed token per row): where every
+    round with drafts costs more than the tokens it adds (a drafter as slow as the target, acceptance 0.5), the
+    controller times k = 0 in its sweep and runs it; the next call still starts at a k >= 1 (rounds without drafts
+    measure no acceptance) and falls back to 0. Where drafting pays, 0 is timed but not run."""
+    import random
+
+    rng = random.Random(7)
+
+    def run_calls(seconds_of, alpha):
+        costs, calls = RoundCosts(), []
+        for _ in range(4):
+            controller = AdaptiveK(3, lambda k: 0.1 * k, batch=1, costs=costs, plain=True)
+            calls.append(_simulate(controller, alpha, seconds_of, 30, rng, batch=1))
+        return costs, calls
+
+    costs, calls = run_calls(lambda k: 1e-3 * (1 + 1.0 * k), 0.5)
+    assert 0 in costs.timed() and all(c[0] >= 1 for c in calls), calls
+    assert calls[-1][-20:] == [0] * 20, calls[-1]
+    costs, calls = run_calls(lambda k: 1e-3 * (1 + 0.05 * k), 0.8)
+    assert 0 in costs.timed() and 0 not in calls[-1] and 0 not in calls[-2], calls[-2:]
+
+
 @pytest.mark.parametrize("gain,settles", [(1.01, 3), (1.10, 4)])
 def test_after_the_sweep_the_k_it_started_from_stays_unless_another_is_clearly_better(gain, settles):
     """A candidate's few timed rounds from the sweep are noisier than those of the k the first call ran: the
@@ -364,25 +387,8 @@ def test_step_mtp_rounds_whose_k_falls_within_a_call_are_lossless(do_sample, mon
     model, extra, _ = bundled.mode("step_mtp")
     ids, mask = bundled.batch(3)
     kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=do_sample, eos_token_id=None, pad_token_id=0)
-    from hf_specdec.generation import speculative
-
     rounds, schedule = [], []
-
-    class Scripted:  # the loop's controller, with k from ``schedule`` after each round
-        def __init__(self, k_max, *args, **kwargs):
-            self.k = k_max
-
-        def observe(self, *args):
-            pass
-
-        def shrink(self, batch):
-            pass
-
-        def update(self, accepted, k):
-            rounds.append(k)
-            self.k = schedule.pop(0) if schedule else self.k
-
-    monkeypatch.setattr(speculative, "AdaptiveK", Scripted)
+    scripted(monkeypatch, rounds, schedule)
     schedule[:] = [3, 3, 2, 2, 2, 1]
     torch.manual_seed(0)
     got = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"})
@@ -396,9 +402,9 @@ def test_step_mtp_rounds_whose_k_falls_within_a_call_are_lossless(do_sample, mon
         model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"})
 
 
-def test_auto_k_settles_at_one_when_no_draft_is_accepted(monkeypatch):
+def test_auto_k_settles_at_rounds_without_drafts_when_no_draft_is_accepted(monkeypatch):
     """A drafter whose drafts are always wrong (an acceptance that rejects everything still commits the
-    target's token): the rounds shrink to one draft; the output is plain greedy's."""
+    target's token): the rounds shrink to none (k = 0: plain steps of the loop); the output is plain greedy's."""
     from hf_specdec.generation.acceptance import GreedyAcceptance
 
     model, extra, _ = bundled.mode("gemma_mtp")
@@ -416,7 +422,51 @@ def test_auto_k_settles_at_one_when_no_draft_is_accepted(monkeypatch):
     monkeypatch.setattr(AdaptiveK, "update", lambda self, accepted, k: (rounds.append(k), original(self, accepted, k)))
     got = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"}, acceptance=RejectAll())
     assert torch.equal(got, expected)
-    assert rounds[-10:] == [1] * 10
+    assert rounds[0] >= 1 and rounds[-10:] == [0] * 10, rounds
+
+
+@pytest.mark.parametrize("mode", bundled.SPEC_MODES)
+def test_rounds_without_drafts_between_rounds_with_drafts_are_lossless(mode, monkeypatch):
+    """"auto" may choose k = 0 (a plain step of the loop: no drafts, the drafter catching up at the commit) between
+    rounds with drafts; greedy output is plain greedy's in every mode. Step 3.5 MTP goes to 0 last (its k does not
+    rise within a call)."""
+    model, extra, _ = bundled.mode(mode)
+    ids, mask = bundled.batch(3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=36, **GREEDY)
+    expected = model.generate(ids, **kwargs)
+    rounds = []
+    scripted(monkeypatch, rounds, [2, 2, 1, 1, 0, 0] if mode == "step_mtp" else [0, 0, 2, 0, 3, 3, 0, 1, 0, 2])
+    assert torch.equal(model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"}), expected)
+    assert 0 in rounds and rounds.index(0) < len(rounds) - 2, rounds
+    stats = hf_specdec.last_generation_stats(model)
+    assert stats.acceptance_histogram[0] >= rounds.count(0)
+
+
+def test_sampled_rounds_without_drafts_follow_the_target_distribution(monkeypatch):
+    """A sampled round without drafts draws the next token from the target's distribution (chi-square over many
+    rows: the second generated token comes from such a round, the later ones from rounds with drafts)."""
+    from tests.distribution import assert_follows, second_token_marginal
+    from tests.generation.toy_drafters import CopyDrafter
+    from tests.tiny_models import llama
+
+    target = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    other = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    ours = hf_specdec.enable(target)
+    drafter = CopyDrafter(other, 2)
+    drafter.adaptive_k = True
+    rounds = []
+    scripted(monkeypatch, rounds, [2], start=0)
+    rows = 3000
+    prompt = torch.tensor([[3, 5, 2, 7]])
+    torch.manual_seed(0)
+    out = ours.generate(prompt.expand(rows, 4), attention_mask=torch.ones(rows, 4, dtype=torch.long),
+                        max_new_tokens=4, do_sample=True, eos_token_id=None, pad_token_id=0,
+                        assistant_model=drafter, num_speculative_tokens="auto")
+    assert rounds[:2] == [0, 2], rounds
+    assert_follows(out[:, 5], second_token_marginal(target, prompt, 8))
 
 
 def test_auto_is_the_only_word_num_speculative_tokens_takes():
@@ -486,3 +536,25 @@ def test_a_call_without_k_chooses_it_per_round_when_greedy_and_keeps_the_drafter
         assert torch.equal(out, reference.generate(ids, **kwargs))
     else:
         assert not rounds and stats.num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
+
+
+def scripted(monkeypatch, rounds: list, schedule: list, start: int | None = None) -> None:
+    """The loop's "auto" controller replaced by one that runs ``start`` (default: the largest k) first, then the k of
+    ``schedule`` in turn after each round (then the last one's); ``rounds`` gets the k of every round."""
+    from hf_specdec.generation import speculative
+
+    class Scripted:
+        def __init__(self, k_max, *args, **kwargs):
+            self.k = k_max if start is None else start
+
+        def observe(self, *args):
+            pass
+
+        def shrink(self, batch):
+            pass
+
+        def update(self, accepted, k):
+            rounds.append(k)
+            self.k = schedule.pop(0) if schedule else self.k
+
+    monkeypatch.setattr(speculative, "AdaptiveK", Scripted)

@@ -233,6 +233,7 @@ class Step3p5MTPDraftRunner(Drafter):
         return out.logits[:, -1], out.hidden_state
 
     def commit(self, context, captured, num_accepted, kept):
+        self.ran = min(self.ran, self.num_speculative_tokens)  # a round without drafts ran no layer
         accepted = num_accepted.tolist()
         old = [n - k for n, k in zip(context.cache.seq_lens, kept)]
         for j, mtp_cache in enumerate(self.caches[:self.ran]):  # the layers this round ran
