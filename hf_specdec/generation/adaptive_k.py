@@ -1,14 +1,15 @@
 """``num_speculative_tokens="auto"``: k chosen per round from the acceptance measured so far and what a round costs.
 
 A round with k drafts commits, per row, on average ``tau(k) = 1 + sum_{j<=k} a_1 a_2 ... a_j`` tokens, where ``a_j``
-is the chance that draft j is accepted once drafts 1..j-1 were. The controller picks the k in 1..k_max with the most
+is the chance that draft j is accepted once drafts 1..j-1 were. The controller picks the k in 0..k_max with the most
 tokens per unit of cost. Each ``a_j`` is measured: of the rows whose round drafted j and accepted the j-1 before
 it, the share that accepted draft j, weighted towards recent rounds (a position's counts decay only when a round
 drafts it). Rates are not assumed equal along the block: a drafter's later drafts read its own earlier ones, and on
 the bundled tiny models the first two drafts are accepted ~95% of the time and the later ones far less, so one
 pooled rate measured at k=2 promised long blocks that never paid (docs/perf_log.md, session 26). A position with
 few trials leans on the one before it (a few pseudo-trials at its rate), the first on a prior; a run whose drafts
-are never accepted settles at k = 1; the output is lossless whatever k is.
+are never accepted settles at the smallest k (0 where the loop allows rounds without drafts, else 1); the
+output is lossless whatever k is.
 
 What a round costs is measured where it can be: the loop reports the wall time between its rounds' host syncs
 (:meth:`AdaptiveK.observe`), and the cost of a k is the median of its timed rounds, read off the curve through them
@@ -37,7 +38,10 @@ start at a neighbouring k the estimate's noise put ahead). Once a call's batch d
 forwards), its rounds are no longer of the timed batch size: the rest of the call is neither timed nor probed
 (:meth:`AdaptiveK.shrink`). A drafter whose k cannot rise again within a call (``grows=False``: Step 3.5 MTP, whose
 layers left out of a round miss its positions) runs its probes from the largest untimed candidate down, and each of
-its calls starts at the best k of the estimate instead of the last round's (the lowest of its call).
+its calls starts at the best k of the estimate instead of the last round's (the lowest of its call). With ``plain``
+(the loop's controllers), k = 0 is a candidate: a round without drafts commits one token per row at the cost of a
+plain step of the loop, so "auto" stops drafting where no k pays for it; such rounds measure no acceptance, so a call
+always starts at a k >= 1 and every :data:`EXPLORE_EVERY` rounds at 0 one round drafts again.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ MAX_KEPT_COSTS = 64  # timings kept per model (drafter x draft model x batch siz
 PRIOR_TRIALS = 4.0  # pseudo-trials of the prior rate at the first draft position (they decay as rounds come in)
 PSEUDO_TRIALS = 2.0  # pseudo-trials, at each later position, of the rate of the position before it
 MAX_RATE = 0.999  # an acceptance rate is never taken as certain
+EXPLORE_EVERY = 8  # after this many rounds without drafts in a row, one round with drafts measures the acceptance
 
 
 class RoundCosts:
@@ -194,6 +199,7 @@ class AdaptiveK:
         self.probe: int | None = None  # the candidate k this call is getting timed, while it does
         self.probe_left = 0
         self.incumbent: int | None = None  # the k before the sweep of untimed candidates, while it runs
+        self.without_drafts = 0  # rounds at k = 0 in a row since the last one with drafts
         last = costs.last_k if costs is not None else None
         # a call starts at the k its last round ran where k may grow again (a start from the estimate could take a
         # neighbouring k that its noise put ahead); else at the estimate's best: the last round ran the lowest k of
@@ -249,6 +255,12 @@ class AdaptiveK:
             if not self.counted:
                 self.costs.calls, self.counted = self.costs.calls + 1, True
         self._choose()
+        self.without_drafts = self.without_drafts + 1 if k == 0 else 0
+        if self.k == 0 and self.without_drafts >= EXPLORE_EVERY:
+            # rounds without drafts measure no acceptance: one round with drafts now and then, so that a call whose
+            # text became easier to draft (or whose estimate fell on a few unlucky rounds) leaves k = 0 again
+            self.without_drafts = 0
+            self._set_k(self._best(least=1))
         if self.costs is not None:
             self.costs.last_k = self.k
 

@@ -83,10 +83,11 @@ class SpeculativeLoop:
             # choose the same k, so the acceptance alone decides there (the prior cost model)
             costs = None if state.ranks is not None else costs_for(
                 state.round_costs, (type(drafter).__qualname__, id(draft_model or model), input_ids.shape[0]))
-            # k = 0 is a candidate too: a round without drafts, a plain step of this loop whose commit still lets
-            # the drafter catch up, for where no k pays for its drafting
+            # k = 0 is a candidate too where k may rise again (a round with drafts now and then measures the
+            # acceptance): a round without drafts, a plain step of this loop whose commit still lets the drafter
+            # catch up, for where no k pays for its drafting
             self.adaptive_k = AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0], costs=costs,
-                                        grows=drafter.k_grows, plain=True)
+                                        grows=drafter.k_grows, plain=drafter.k_grows)
         self.synced_at = 0.0  # when the host last waited for the device (rounds are timed between such waits)
         self.config = generation_config
         self.logits_processor = logits_processor

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_specdec
-from hf_specdec.generation.adaptive_k import (MAX_KEPT_COSTS, MIN_TIMED, PROBE_ROUNDS, PSEUDO_TRIALS,
+from hf_specdec.generation.adaptive_k import (EXPLORE_EVERY, MAX_KEPT_COSTS, MIN_TIMED, PROBE_ROUNDS, PSEUDO_TRIALS,
                                               AcceptanceRates, AdaptiveK, RoundCosts, candidate_ks, cost_on, costs_for,
                                               expected_tokens)
 from tests import bundled
@@ -262,9 +262,37 @@ def test_with_plain_rounds_k_falls_to_zero_where_no_k_pays_and_a_call_starts_wit
 
     costs, calls = run_calls(lambda k: 1e-3 * (1 + 1.0 * k), 0.5)
     assert 0 in costs.timed() and all(c[0] >= 1 for c in calls), calls
-    assert calls[-1][-20:] == [0] * 20, calls[-1]
+    # at 0, one round in EXPLORE_EVERY + 1 drafts (rounds without drafts measure no acceptance)
+    tail = calls[-1][-2 * (EXPLORE_EVERY + 1):]
+    assert tail.count(0) == 2 * EXPLORE_EVERY, calls[-1]
     costs, calls = run_calls(lambda k: 1e-3 * (1 + 0.05 * k), 0.8)
     assert 0 in costs.timed() and 0 not in calls[-1] and 0 not in calls[-2], calls[-2:]
+
+
+def test_rounds_without_drafts_draft_again_now_and_then_and_leave_zero_when_the_acceptance_came_back():
+    """At k = 0 the acceptance is not measured: after EXPLORE_EVERY rounds at 0 one round drafts (at the best k
+    with drafts); if its drafts were accepted, the estimate rises and the controller stays with drafts."""
+    costs = RoundCosts()
+    for k, seconds in [(0, 1.0), (1, 1.3), (2, 1.6), (3, 1.9)]:
+        for _ in range(MIN_TIMED):
+            costs.add(k, 1e-3 * seconds)
+    costs.calls = 5  # nothing left to sweep
+    controller = AdaptiveK(3, lambda k: 0.1 * k, batch=1, costs=costs, plain=True)
+    assert controller.k >= 1
+    for _ in range(20):  # nothing accepted: down to 0
+        controller.update([0], controller.k)
+        if controller.k == 0:
+            break
+    assert controller.k == 0
+    zeros = 0
+    while controller.k == 0:
+        zeros += 1
+        controller.update([0], 0)
+    assert zeros == EXPLORE_EVERY and controller.k >= 1
+    for _ in range(20):  # now every draft is accepted: the rounds keep drafting
+        k = controller.k
+        controller.update([k], k)
+    assert controller.k >= 2
 
 
 @pytest.mark.parametrize("gain,settles", [(1.01, 3), (1.10, 4)])
@@ -422,7 +450,8 @@ def test_auto_k_settles_at_rounds_without_drafts_when_no_draft_is_accepted(monke
     monkeypatch.setattr(AdaptiveK, "update", lambda self, accepted, k: (rounds.append(k), original(self, accepted, k)))
     got = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"}, acceptance=RejectAll())
     assert torch.equal(got, expected)
-    assert rounds[0] >= 1 and rounds[-10:] == [0] * 10, rounds
+    tail = rounds[-2 * (EXPLORE_EVERY + 1):]  # at 0, a round with drafts now and then
+    assert rounds[0] >= 1 and rounds.count(0) >= len(rounds) // 2 and tail.count(0) >= EXPLORE_EVERY, rounds
 
 
 @pytest.mark.parametrize("mode", bundled.SPEC_MODES)
