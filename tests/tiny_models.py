@@ -55,6 +55,17 @@ def llama(**overrides) -> LlamaForCausalLM:
     return _build(LlamaForCausalLM, LlamaConfig(**config))
 
 
+def chi_square_pair() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """A target of 8 tokens for chi-square tests over many rows, and a model of another distribution to draft with
+    (its weights moved by noise)."""
+    target = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    other = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return target, other
+
+
 def mistral(**overrides) -> MistralForCausalLM:
     """Mistral-style: a ``sliding_window`` on every layer and no ``layer_types``."""
     config = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

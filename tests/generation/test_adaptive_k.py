@@ -476,13 +476,9 @@ def test_sampled_rounds_without_drafts_follow_the_target_distribution(monkeypatc
     rows: the second generated token comes from such a round, the later ones from rounds with drafts)."""
     from tests.distribution import assert_follows, second_token_marginal
     from tests.generation.toy_drafters import CopyDrafter
-    from tests.tiny_models import llama
+    from tests.tiny_models import chi_square_pair
 
-    target = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
-    other = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
+    target, other = chi_square_pair()
     ours = hf_specdec.enable(target)
     drafter = CopyDrafter(other, 2)
     drafter.adaptive_k = True

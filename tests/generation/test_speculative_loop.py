@@ -7,7 +7,7 @@ import torch
 import hf_specdec
 from tests.distribution import assert_follows, second_token_marginal
 from tests.generation.toy_drafters import CopyDrafter
-from tests.tiny_models import gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama
+from tests.tiny_models import chi_square_pair, gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama
 
 MODELS = {"gemma4_e2b": gemma4_e2b_style, "gemma4_31b": gemma4_31b_style, "llama": llama}
 
@@ -57,11 +57,7 @@ def test_eos_inside_an_accepted_chunk_cuts_the_row_like_plain_decoding():
 def test_sampled_tokens_follow_the_target_distribution():
     """Invariant 4: the 2nd and 3rd generated tokens (decided by rejection sampling over drafts from a
     different distribution) have the target's exact marginals (chi-square over many independent rows)."""
-    target = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
-    other = llama(vocab_size=8, hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
+    target, other = chi_square_pair()
     ours = hf_specdec.enable(target)
     rows = 3000
     prompt = torch.tensor([[3, 5, 2, 7]])
