@@ -203,9 +203,8 @@ class AdaptiveK:
         last = costs.last_k if costs is not None else None
         # a call starts at the k its last round ran where k may grow again (a start from the estimate could take a
         # neighbouring k that its noise put ahead); else at the estimate's best: the last round ran the lowest k of
-        # its call, and this call can only go down from where it starts
-        # a call starts with drafts (k >= 1): rounds without any measure no acceptance, so a call that started plain
-        # would never see whether this call's text is easier to draft
+        # its call, and this call can only go down from where it starts. Always with drafts (k >= 1): rounds without
+        # any measure no acceptance, and this call's text may be easier to draft
         start = last if last in self.candidates and last and grows else self._best(least=1)
         if not grows and self.sweep:  # its sweep goes down from the largest candidate not timed yet
             start = max([start] + [k for k in self.candidates if k not in costs.medians])

@@ -122,9 +122,9 @@ class Step3p5MTPDraftRunner(Drafter):
         self.below = [None] * (self.num_speculative_tokens - 1)
         self.ran = self.num_speculative_tokens
 
-    @property
-    def active(self) -> list[PagedKVCache]:
-        """The caches of the MTP layers this round runs (layers 0..k-1; the request's first rounds ran more)."""
+    def _active_caches(self) -> list[PagedKVCache]:
+        """The caches of the MTP layers this round runs (layers 0..k-1; the request's first rounds may have run
+        more), remembered as the layers the round ran."""
         if self.num_speculative_tokens > self.ran:
             raise ValueError(f"num_speculative_tokens rose from {self.ran} to {self.num_speculative_tokens} within a "
                              "request: Step 3.5 MTP layers left out of a round are stale, so k may only fall.")
@@ -138,7 +138,7 @@ class Step3p5MTPDraftRunner(Drafter):
         if shift is not None and not selector.do_sample and not selector.scorer.processors:
             return DraftProposal(self._greedy_round(tokens, states, shift, lens), None)
         drafted, probs = tokens[:, :0], []
-        active = self.active
+        active = self._active_caches()
         for j, mtp_cache in enumerate(active):
             plan = mtp_cache.plan_forward([n - s for s, n in zip(mtp_cache.seq_lens, lens)], width)
             new, ids, layer_states = _layer_inputs(j, width, tokens, drafted, states, plan.num_new)
@@ -177,7 +177,7 @@ class Step3p5MTPDraftRunner(Drafter):
     def _greedy_round(self, tokens, states, shift, lens) -> torch.Tensor:
         """A greedy round at the fixed width as one call (one graph replay): every layer's forward over its planned
         entries, its draft by argmax, its outputs under the next layer's. Returns the drafts [batch, k]."""
-        active = self.active
+        active = self._active_caches()
         plans = [c.plan_forward([n - s for s, n in zip(c.seq_lens, lens)], self.width) for c in active]
         below = self.below[:len(active) - 1]
         drafted, *below = self.graphs.run("greedy_round", self._greedy_layers, [tokens, states, shift, *below],
