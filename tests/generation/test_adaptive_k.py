@@ -409,9 +409,9 @@ def test_auto_k_is_lossless_and_chooses_per_round(mode, monkeypatch):
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_step_mtp_rounds_whose_k_falls_within_a_call_are_lossless(do_sample, monkeypatch):
     """Step 3.5 MTP with k falling 3 -> 2 -> 1 within a call (each round runs MTP layers 0..k-1; the layers left
-    out go stale): greedy output is plain greedy's, sampled output follows the target's distribution (the
-    drafter's statistics are not checked here, only that every round drafted what its k asks and the output has
-    the plain sampled call's shape); and a k that rises again within the call is refused."""
+    out go stale): greedy output is plain greedy's; a sampled call runs its rounds at the falling k to the end
+    (its drafts and q against the per-row drafter: tests/models/step3p5/test_step3p5_fixed_width.py); a k that rises
+    again within the call is refused."""
     model, extra, _ = bundled.mode("step_mtp")
     ids, mask = bundled.batch(3)
     kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=do_sample, eos_token_id=None, pad_token_id=0)
