@@ -207,6 +207,11 @@ class PagedKVCache(Cache):
         # (``paged_query_attention``) attends with the matching query heads and gathers the others. None otherwise.
         self.head_shard = None
 
+    def widen_windows(self, extra: int) -> None:
+        """Sliding groups keep ``extra`` more positions behind a row's length: for forwards queued before the
+        lengths they read were committed (the lengths then run up to ``extra`` past the positions still read)."""
+        self.manager.windows = [None if w is None else w + extra for w in self.manager.windows]
+
     @property
     def num_used_blocks(self) -> list[int]:
         """Blocks in use per KV group (all zero after :meth:`free`)."""

@@ -42,6 +42,15 @@ class Drafter:
     # whether the loop may drop rows that stopped from the batch (:meth:`keep_rows`) so that later rounds draft
     # and verify only the rows still running
     drops_rows: bool = False
+    # whether the loop may run one round ahead (greedy calls without logits processors, on the GPU): it queues
+    # round r+1's verify before it waits for round r's result, so the target's commit and this drafter's
+    # :meth:`commit` of round r come after round r+1's verify was queued. Then :meth:`propose_ahead` is called after
+    # that commit, with round r+1's acceptance (the caches hold round r+1's verify beside the committed tokens,
+    # ``context.committed_lens`` says where it starts), and :meth:`commit` must not read what :meth:`capture`
+    # recorded once :meth:`propose_ahead` took it (a later verify has overwritten it). Only rounds drafted by
+    # :meth:`propose_ahead` are queued ahead: a None from it (or a round without drafts) makes the loop wait for the
+    # round in flight and commit it before the next one
+    runs_ahead: bool = False
 
     def draft_cost(self, k: int) -> float:
         """The cost of drafting k tokens, in target decode steps (for choosing k per round). Default: k draft

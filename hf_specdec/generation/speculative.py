@@ -11,6 +11,12 @@ prepares the generation config, logits processors and stopping criteria. One ste
    accepted chunk; the cache keeps ``len + accepted + 1`` tokens per row (rollback of the rest is only a
    shorter length) and the drafter commits.
 
+On the GPU a greedy call (no logits processors, no stopping criteria besides EOS and max length) whose drafter
+can draft ahead runs one round ahead: round r+1's verify is queued (its positions from round r's acceptance, on
+the device) before the host waits for round r, so the device verifies and drafts while the host emits and
+commits the round before. Blocks are reserved for both rounds, a row the host saw stop stops advancing on the
+device from the next round on, and the round in flight when every row stopped is dropped.
+
 Greedy output equals plain greedy decoding token for token; sampled output follows the target
 distribution (rejection sampling), whatever the drafter proposes.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -30,7 +37,24 @@ from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector,
 from hf_specdec.generation.sampling import PositionScorer, same_on_every_rank, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
+from hf_specdec.cache.paged_cache import to_device_async
 from hf_specdec.runtime import Readback, exhausted, real_token_counts
+
+# where a call may run one round ahead: on the GPU the host's work of a round overlaps the device's next one; on the
+# CPU the two are one thread and nothing overlaps (tests add "cpu" to run that path there)
+RUN_AHEAD_DEVICES = ("cuda",)
+
+
+@dataclass
+class _Round:
+    """A verified round whose result the host has not read yet."""
+
+    k: int  # its drafts per row
+    pending: object  # its Readback: per row the accepted count, the next token, its first position, the drafts
+    scores: torch.Tensor  # the target's scores of its verify (read by stopping criteria besides EOS and max length)
+    num_accepted: torch.Tensor  # [batch] on the device (for the drafter's commit)
+    advance: list[int] | None = None  # running ahead: per row 1 where the next round's verify sits past this one
+    first: list[int] | None = None  # running ahead: each row's first position as the host derived it
 
 
 class RowStopper:
@@ -109,25 +133,40 @@ class SpeculativeLoop:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.context = self.captured = None
         self.ahead: DraftProposal | None = None  # this round's drafts, queued by the last step
+        # one round ahead (module docstring): greedy, no processors, only EOS / max length, a drafter that drafts
+        # ahead, one process, on a device where the host's work overlaps the device's
+        self.runs_ahead = (drafter.runs_ahead and input_ids.device.type in RUN_AHEAD_DEVICES
+                           and not generation_config.do_sample and not acceptance.draws_random
+                           and not self.scorer.processors and self.stopper.only_builtin and self.ranks is None)
+        self.pending: _Round | None = None  # running ahead: the round in flight whose result the host has not read
+        self.queue_next = False  # running ahead: whether the next round can be queued before that result is read
+        self.next_start: torch.Tensor | None = None  # running ahead: where each row's next verify starts [batch]
+        self.advancing: list[int] = [1] * batch  # running ahead: per row 1 while the device moves it on
+        self.advancing_device: torch.Tensor | None = None
 
     def run(self, input_ids: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
         """Decode until every row stops; returns the rows padded to one width [batch, length]."""
         prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
+        # running ahead, a row's length runs up to two rounds past its committed tokens (the round in flight, and
+        # the one queued before its result is read), and sliding windows keep a round more behind
+        lookahead = 3 * (self.k + 1) if self.runs_ahead else self.k + 1
         self.context = self.runner.start(prompt_lens, self.config.max_length - input_ids.shape[1],
-                                         lookahead=self.k + 1, draft_model=self.draft_model)
+                                         lookahead=lookahead, draft_model=self.draft_model,
+                                         window_slack=self.k + 1 if self.runs_ahead else 0)
         # eager forwards cost what their rows cost (on CPU a round's compute grows with its rows): a row that
         # stopped leaves the batch. A CUDA graph replays its whole batch bucket whatever rows are real, so with
         # graphs a stopped row stays (its drafts and verify slots are padding of the bucket). So do the rows of a
         # call that draws random numbers: a draw over fewer rows takes other numbers, and a seed gives the same
         # tokens with and without graphs
         self.drops_rows = (self.drafter.drops_rows and self.runner.graphs is None and not self.config.do_sample
-                           and not self.acceptance.draws_random)
+                           and not self.acceptance.draws_random and not self.runs_ahead)
         try:
             with self.drafter.capture(self.model) as self.captured:
                 # graphs captured while other hooks recorded into another kind of holder are not replayed here
                 self.runner.record_hooks_of(self.captured, (self.drafter.capture_key,
                                                             type(self.captured).__qualname__))
                 last_tokens = self.prefill(input_ids, prompt_lens, model_kwargs)
+                self.advancing_device = torch.ones(len(self.rows), dtype=torch.int64, device=last_tokens.device)
                 while any(self.running):
                     if self.adaptive_k is not None:
                         self.drafter.num_speculative_tokens = self.adaptive_k.k
@@ -166,7 +205,15 @@ class SpeculativeLoop:
 
     def step(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """One draft -> verify -> accept -> commit round from each row's last token (on the device; a stopped
-        row's is never used); returns each row's next token."""
+        row's is never used); returns each row's next token. Running ahead, the round is queued and the round
+        before it (in flight until now) is read back and committed instead."""
+        if self.pending is not None and not self.queue_next:
+            # no drafts were queued ahead (the drafter could not, or the rows are about to end): the round in
+            # flight is read and committed first, and this one drafts after it as usual
+            self._finish(self.pending)
+            self.pending = None
+            if not any(self.running):
+                return last_tokens
         # the rows' ids go to the device only if a drafter or logits processor reads them this step
         selector = DraftSelector(self.config.do_sample, self.scorer, self.vocab_size,
                                  LazyPrefixes(self.row_ids, self.rows), ranks=self.ranks)
@@ -179,10 +226,18 @@ class SpeculativeLoop:
         else:
             proposal = self.drafter.propose(last_tokens, self.context, selector)
         same_on_every_rank(proposal.tokens, self.ranks)
-        # 2. verify [last token, drafts] in one target forward
+        # 2. verify [last token, drafts] in one target forward (running ahead: at the positions the device derived
+        #    from the round in flight)
         k = proposal.tokens.shape[1]  # this round's (the drafter's k when the round was drafted)
         verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
-        logits = self.runner.forward(verify_ids, [k + 1] * len(self.rows), keep_logits=0).logits
+        try:
+            logits = self.runner.forward(verify_ids, [k + 1] * len(self.rows), keep_logits=0,
+                                         starts=None if self.pending is None else self.next_start).logits
+        except OutOfBlocksError:
+            if self.pending is not None:  # the round in flight holds tokens the rows generated: keep them
+                self._finish(self.pending)
+                self.pending = None
+            raise
         if self.config.do_sample or self.scorer.processors:
             scores = self.scorer.score(selector.prefixes, proposal.tokens, logits.float())
         else:
@@ -194,16 +249,56 @@ class SpeculativeLoop:
         if self.ranks is not None and self.acceptance.draws_random:
             decision = same_on_every_rank(torch.stack([num_accepted, next_token.to(num_accepted.dtype)]), self.ranks)
             num_accepted, next_token = decision[0], decision[1].to(next_token.dtype)
-        # 4. the one host sync of the step, with the next round's drafts queued before it where the drafter can
-        accepted, nxt, drafts = self._read_back(proposal, num_accepted, next_token, selector)
+        # 4. the round's result to the host, behind an event (one copy instead of four)
+        tokens = proposal.tokens
+        first = self.context.forward_meta.q_pos0[:len(self.rows)]
+        host = torch.cat([num_accepted[:, None].to(tokens.dtype), next_token[:, None].to(tokens.dtype),
+                          first[:, None].to(device=tokens.device, dtype=tokens.dtype), tokens], dim=1)
+        verified = _Round(k, self.readback.start(host), scores, num_accepted)
+        if self.pending is not None:  # running ahead: the round before this one, while the device runs this one
+            self._finish(self.pending, in_flight=verified)
+        # 5. the next round's drafts, queued before the host waits (they depend on device tensors only), unless
+        #    every running row is about to reach its max length (a row that stops now wastes its drafts)
+        self.ahead = None
+        if self.adaptive_k is not None:
+            self.drafter.num_speculative_tokens = self.adaptive_k.k
+        more = not all(len(row) + 1 >= self.stopper.max_length for row, run in zip(self.rows, self.running) if run)
+        if self.drafter.num_speculative_tokens and more:
+            self.ahead = self.drafter.propose_ahead(next_token, num_accepted, self.context, self.captured, selector)
+        if self.runs_ahead:
+            # the next round's verify starts past this one's accepted tokens, for the rows the host has not seen
+            # stop (a row it saw stop stays where it is: it writes nothing it will read)
+            # (only drafts queued ahead: a drafter reads the verify it commits before the next verify overwrites it,
+            # in propose_ahead, so a round without drafts waits for the round before it)
+            self.queue_next = more and self.ahead is not None
+            verified.advance = list(self.advancing)
+            self.next_start = (first.to(torch.int64) + (num_accepted.to(torch.int64) + 1)
+                               * self.advancing_device).to(torch.int32)
+            self.pending = verified
+            return next_token
+        self._finish(verified)
+        if self.drops_rows and any(self.running) and not all(self.running):
+            next_token = self._drop_stopped(next_token)
+        return next_token
+
+    def _finish(self, verified: _Round, in_flight: _Round | None = None) -> None:
+        """Read ``verified``'s result back (the step's one host sync), emit its tokens (stopping inside the chunk),
+        commit the caches and let the drafter catch up. ``in_flight``: the round queued after it (running ahead),
+        whose tokens the target's cache keeps besides the committed ones."""
+        host = self.readback.wait(verified.pending)[0].tolist()
+        accepted, nxt, first, drafts = ([h[0] for h in host], [h[1] for h in host], [h[2] for h in host],
+                                        [h[3:] for h in host])
+        if verified.first is not None and first != verified.first:
+            raise RuntimeError(f"the device placed a round at {first}, the host's bookkeeping at {verified.first}.")
+        k = verified.k
         if self.adaptive_k is not None:
             synced, self.synced_at = self.synced_at, time.perf_counter()
-            self.adaptive_k.observe(k, self.synced_at - synced,
-                                    None if self.ahead is None else self.ahead.tokens.shape[1])
-        # 5. emit (stopping inside the chunk), commit, let the drafter catch up
+            ahead_k = in_flight.k if in_flight is not None else (
+                None if self.ahead is None else self.ahead.tokens.shape[1])
+            self.adaptive_k.observe(k, self.synced_at - synced, ahead_k)
         was_running = list(self.running)
         chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(self.rows))]
-        emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks], scores)
+        emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks], verified.scores)
         accepted_running = [a for a, r in zip(accepted, was_running) if r]
         self.stats.record_step([e for e, r in zip(emitted, was_running) if r], accepted_running, k)
         if self.adaptive_k is not None:
@@ -211,11 +306,18 @@ class SpeculativeLoop:
         # a running row keeps its input token and the drafts it emitted (all accepted ones unless it stopped
         # inside the chunk), so the cache always holds one token less than the row; a stopped row stops growing
         kept = [e if r else 0 for e, r in zip(emitted, was_running)]
-        self.runner.commit([n - (k + 1) + keep for n, keep in zip(self.context.cache.seq_lens, kept)])
-        self.drafter.commit(self.context, self.captured, num_accepted, kept)
-        if self.drops_rows and any(self.running) and not all(self.running):
-            next_token = self._drop_stopped(next_token)
-        return next_token
+        if in_flight is None:
+            self.runner.commit([n - (k + 1) + keep for n, keep in zip(self.context.cache.seq_lens, kept)])
+        else:
+            # the device placed the round in flight past every accepted token of the rows it moved on (a row that
+            # stopped inside its chunk too); the cache keeps that round's positions besides
+            committed = [f + (a + 1) * move for f, a, move in zip(first, accepted, verified.advance)]
+            self.runner.commit([n + in_flight.k + 1 for n in committed], in_flight=True)
+            self.context.committed_lens = in_flight.first = committed
+        self.drafter.commit(self.context, self.captured, verified.num_accepted, kept)
+        if self.runs_ahead and any(move and not run for move, run in zip(self.advancing, self.running)):
+            self.advancing = [int(run) for run in self.running]
+            self.advancing_device = to_device_async([torch.tensor(self.advancing)], self.advancing_device.device)[0]
 
     def _drop_stopped(self, next_token: torch.Tensor) -> torch.Tensor:
         """Take the rows that stopped out of the batch: the target's cache, the drafter's per-row state, the rows'
@@ -232,21 +334,6 @@ class SpeculativeLoop:
         if self.adaptive_k is not None:
             self.adaptive_k.shrink(len(keep))
         return take_rows(next_token, keep)
-
-    def _read_back(self, proposal, num_accepted, next_token, selector):
-        """(accepted, next token, drafts) per row on the host. Unless every running row is about to reach its
-        max length, the drafter may queue the next round's drafts first (they depend only on device tensors):
-        the device then drafts while the host emits and commits (a row that stops now wastes its drafts)."""
-        tokens = proposal.tokens
-        host = torch.cat([num_accepted[:, None].to(tokens.dtype), next_token[:, None].to(tokens.dtype), tokens],
-                         dim=1)  # one copy to the host instead of three
-        pending = self.readback.start(host)
-        self.ahead = None
-        if self.drafter.num_speculative_tokens and not all(
-                len(row) + 1 >= self.stopper.max_length for row, run in zip(self.rows, self.running) if run):
-            self.ahead = self.drafter.propose_ahead(next_token, num_accepted, self.context, self.captured, selector)
-        host = self.readback.wait(pending)[0].tolist()
-        return [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
 
     def _no_drafts(self, last_tokens: torch.Tensor) -> DraftProposal:
         """A round with no drafts: the verify is a plain decoding step (sampled: its draw from the target's

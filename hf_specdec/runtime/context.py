@@ -28,6 +28,9 @@ class RequestContext:
     graph_store: GraphStore | None = None  # the model's, when this request uses CUDA graphs
     graph_table_width: int | None = None  # the widest block table a row can reach, bucketed
     forward_meta: ForwardMeta | None = None  # the target's last forward, until the runner's commit
+    # per row, the tokens the target's cache holds for good after the last commit: its lengths, unless a forward
+    # was queued before that commit (a round run ahead), whose tokens the lengths then hold besides
+    committed_lens: list[int] | None = None
     ranks: RankGroup | None = None  # the tensor-parallel group the target is sharded over
     # the model whose attention modules write a drafter's own caches: its assistant, or the target itself when the
     # drafter drafts with the target's own extra layers (Step 3.5's MTP layers); under tensor parallelism a

@@ -82,9 +82,10 @@ class ModelRunner:
         self._cache_argument = cache_argument(model.forward)
 
     def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0,
-              draft_model: torch.nn.Module | None = None) -> RequestContext:
+              draft_model: torch.nn.Module | None = None, window_slack: int = 0) -> RequestContext:
         """Build the request's cache (raises ``CacheCapacityError`` before anything runs when it does not fit)
-        and its context. ``draft_model``: the model whose attention writes a drafter's own caches, if any."""
+        and its context. ``draft_model``: the model whose attention writes a drafter's own caches, if any.
+        ``window_slack``: positions sliding windows keep besides their own (``PagedKVCache.widen_windows``)."""
         dtype = self.model.get_input_embeddings().weight.dtype
         device = input_device(self.model)  # model.device is the meta device when the first weight is on disk
         store = self.graph_store if self.graph_store is not None and device.type == "cuda" else None
@@ -93,6 +94,8 @@ class ModelRunner:
                                               dtype=dtype, device=device, storage_pool=store,
                                               shared_budget=shared_budget)
         self.cache.head_shard = self.head_shard
+        if window_slack:
+            self.cache.widen_windows(window_slack)
         self.context = RequestContext(self.cache, self.cache_config, list(prompt_lens), max_new_tokens, lookahead,
                                       ranks=self.ranks, draft_model=draft_model)
         # A 4D mask is passed through transformers' mask builders untouched; the paged attention ignores it.
@@ -118,15 +121,21 @@ class ModelRunner:
         self.cache = self.context = None
 
     def forward(self, input_ids: torch.Tensor, num_new: list[int], keep_logits: int = 0, *, prefill: bool = False,
-                **model_kwargs):
+                starts: torch.Tensor | None = None, **model_kwargs):
         """Run ``input_ids`` [batch, q_len] (right-aligned real tokens, ``num_new[b]`` per row) through the
         model, with logits of the last ``keep_logits`` slots (0: all); the tokens stay in the cache until
         :meth:`commit` says otherwise. ``model_kwargs`` not owned by the runner (e.g. pixel inputs) pass through.
         A ``prefill`` runs eagerly whatever its width (it runs once per request: a graph would not be replayed).
 
+        ``starts`` [batch] int32 on the cache's device: every row's tokens sit at positions ``starts[b] ..`` that
+        only the device knows (``num_new`` is then the width for every row; ``PagedKVCache.plan_at``).
+
         Decode and verify forwards replay a CUDA graph of the batch's bucket from their second step on (see
         cuda_graphs); the logits they return live in the graph's memory until the next forward."""
-        plan = self.cache.plan_forward(num_new, input_ids.shape[1])
+        if starts is None:
+            plan = self.cache.plan_forward(num_new, input_ids.shape[1])
+        else:
+            plan = self.cache.plan_at(starts, input_ids.shape[1])
         extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
         if prefill or self.graphs is None or not self.graphs.can_run(input_ids, extra):
             return self._eager(input_ids, plan, keep_logits, extra)
@@ -152,7 +161,11 @@ class ModelRunner:
             **{self._cache_argument: self.cache}, **extra,
         )
 
-    def commit(self, new_lens: list[int]) -> None:
-        """Keep ``new_lens[b]`` tokens of each row (the rest is rolled back)."""
+    def commit(self, new_lens: list[int], in_flight: bool = False) -> None:
+        """Keep ``new_lens[b]`` tokens of each row (the rest is rolled back). ``in_flight``: a later forward is
+        queued already (its tokens among the ones kept): the context keeps that forward's metadata, and the caller
+        sets ``context.committed_lens``."""
         self.cache.commit(new_lens)
-        self.context.forward_meta = None
+        if not in_flight:
+            self.context.forward_meta = None
+            self.context.committed_lens = list(new_lens)

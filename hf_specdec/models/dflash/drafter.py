@@ -84,6 +84,7 @@ class DFlashDraftRunner(Drafter):
     spec_mode = "dflash"
     adaptive_k = True  # a round's block is [last token, mask x num_speculative_tokens] (graphs kept per width)
     drops_rows = True  # its per-row state is its context cache
+    runs_ahead = True  # greedy drafts ahead append the verify's context at the committed lengths, then the block
 
     def draft_cost(self, k: int) -> float:
         """One block forward whatever k (docs/perf_log.md: ~0.16 of a 31B target step)."""
@@ -196,9 +197,9 @@ class DFlashDraftRunner(Drafter):
         return self._block_logits(last_tokens, meta).argmax(dim=-1)  # [batch, k]
 
     def commit(self, context, captured, num_accepted, kept):
-        if self._ahead:  # propose_ahead stored every verified position: keep the target's lengths
+        if self._ahead:  # propose_ahead stored every verified position: keep the target's committed tokens
             self._ahead = False
-            self.cache.commit(context.cache.seq_lens)
+            self.cache.commit(context.committed_lens)
             return
         # the verify forward's first kept[b] slots are row b's accepted tokens; right-align them as a forward's
         q_len = captured[0].shape[1]
@@ -208,9 +209,9 @@ class DFlashDraftRunner(Drafter):
         aligned = [h.gather(1, index[:, :, None].expand(-1, -1, h.shape[-1]).to(h.device)).to(device)
                    for h in captured]
         self._append_context(aligned, kept)
-        if self.cache.seq_lens != context.cache.seq_lens:
+        if self.cache.seq_lens != context.committed_lens:
             raise RuntimeError(f"DFlash context lengths {self.cache.seq_lens} drifted from the target's "
-                               f"{context.cache.seq_lens}; commit must follow the target cache's commit.")
+                               f"{context.committed_lens}; commit must follow the target cache's commit.")
 
     def keep_rows(self, rows):
         self.cache.keep_rows(rows)

@@ -62,6 +62,7 @@ class Gemma4MTPDraftRunner(Drafter):
     spec_mode = "mtp"
     adaptive_k = True  # each round runs num_speculative_tokens draft steps (greedy graphs are kept per k)
     drops_rows = True  # its per-row state is the next round's hidden state (it reads the target's cache)
+    runs_ahead = True  # greedy drafts ahead come from the verify's hidden states and metadata (device tensors)
 
     def __init__(self, target, assistant: Gemma4MTPAssistant, num_speculative_tokens: int | None = None):
         check_compatible(assistant, target)

@@ -1,0 +1,120 @@
+"""A greedy call runs one round ahead (on the GPU; here on the CPU, where ``RUN_AHEAD_DEVICES`` lets it): round r+1
+is verified at positions the device derived from round r's acceptance before the host read round r. The output is
+plain greedy decoding's, token for token, whatever the rows accept and wherever they stop; every block comes back.
+The bundled tiny family: rows accept different numbers of drafts, its sliding layers (window 64) slide from the
+first round on, and a batch's rows stop at different rounds."""
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec.generation import speculative
+from hf_specdec.generation.speculative import SpeculativeLoop
+from tests import bundled
+
+NEW_TOKENS = 40
+
+
+@pytest.fixture
+def ahead(monkeypatch):
+    """Every round the loop queued before the host read the round before it (the in-flight round's k)."""
+    monkeypatch.setattr(speculative, "RUN_AHEAD_DEVICES", ("cuda", "cpu"))
+    queued = []
+    finish = SpeculativeLoop._finish
+
+    def spy(self, verified, in_flight=None):
+        if in_flight is not None:
+            queued.append(in_flight.k)
+        return finish(self, verified, in_flight)
+
+    monkeypatch.setattr(SpeculativeLoop, "_finish", spy)
+    return queued
+
+
+def _fresh_token(reference, ids, mask, row: int, at: int) -> int:
+    """A token plain decoding emits at new position ``at`` of ``row`` and not before it in that row."""
+    new = reference.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None)[row, ids.shape[1]:].tolist()
+    return next(new[p] for p in range(at, len(new)) if new[p] not in new[:p])
+
+
+@pytest.mark.parametrize("mode", ["gemma_mtp", "gemma_dflash"])
+@pytest.mark.parametrize("k", ["fixed", "auto"])
+def test_rounds_run_ahead_are_plain_greedy_decoding(mode, k, ahead, monkeypatch):
+    model, extra, reference = bundled.mode(mode)
+    if k == "auto":
+        extra = {**extra, "num_speculative_tokens": "auto"}
+    ids, mask = bundled.batch(4)
+    eos = _fresh_token(reference, ids, mask, row=2, at=3)  # row 2 stops early, the others run to max length
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    with bundled.recorded_caches(monkeypatch) as caches:
+        out = model.generate(ids, **kwargs, **extra)
+    assert torch.equal(out, reference.generate(ids, **kwargs))
+    stats = hf_specdec.last_generation_stats(model)
+    # the loop ran ahead: all but the first round (and a round after the rows' last) were queued before the host
+    # read the one before; fewer rounds than tokens, so drafts were accepted
+    assert len(ahead) >= stats.num_target_forwards - 3 > 0
+    assert stats.num_target_forwards < NEW_TOKENS
+    assert len(caches) >= 1 and all(sum(c.num_used_blocks) == 0 for c in caches)
+
+
+@pytest.mark.parametrize("mode", ["gemma_mtp", "gemma_dflash"])
+def test_rounds_without_drafts_between_rounds_run_ahead(mode, ahead, monkeypatch):
+    """"auto" at k = 0 for some rounds: such a round waits for the round before it (the drafter reads that round's
+    verify before the next overwrites it), and the rounds with drafts around it run ahead again."""
+    model, extra, reference = bundled.mode(mode)
+    ids, mask = bundled.batch(3)
+    schedule = iter([3, 3, 3, 0, 0, 3, 3, 3, 3, 0] * 20)  # (DFlash drafts ahead only where k held)
+
+    class Scripted(speculative.AdaptiveK):
+        def update(self, accepted, k):
+            super().update(accepted, k)
+            self.k = next(schedule)
+
+    monkeypatch.setattr(speculative, "AdaptiveK", Scripted)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"})
+    assert torch.equal(out, reference.generate(ids, **kwargs))
+    assert 0 not in ahead and len(ahead) >= 4
+
+
+@pytest.mark.parametrize("reason", ["sampling", "stop_strings", "step_mtp"])
+def test_what_does_not_run_ahead(reason, ahead):
+    """Sampled calls, stopping criteria that read the rows' text, and a drafter that cannot draft ahead (Step 3.5
+    MTP) wait for each round before the next, as everywhere else."""
+    model, extra, reference = bundled.mode("step_mtp" if reason == "step_mtp" else "gemma_mtp")
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0,
+                  do_sample=reason == "sampling")
+    if reason == "stop_strings":
+        kwargs.update(stop_strings=["zzz"], tokenizer=bundled.tokenizer())
+    model.generate(ids, **kwargs, **extra)
+    assert ahead == []
+
+
+def test_running_out_of_blocks_ahead_keeps_the_round_in_flight(ahead, monkeypatch):
+    """A round queued ahead that finds no blocks first reads and commits the round in flight: the error holds
+    every token the rows generated, a prefix of plain greedy decoding."""
+    model, extra, reference = bundled.mode("gemma_mtp")
+    ids, mask = bundled.batch(2)
+    plan_at = hf_specdec.cache.PagedKVCache.plan_at
+    calls = []
+
+    def exhausted(self, start, q_len):
+        calls.append(1)
+        if len(calls) == 3:
+            raise hf_specdec.cache.OutOfBlocksError("test: no blocks")
+        return plan_at(self, start, q_len)
+
+    monkeypatch.setattr(hf_specdec.cache.PagedKVCache, "plan_at", exhausted)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with pytest.raises(hf_specdec.cache.CacheExhaustedError) as caught:
+        model.generate(ids, **kwargs, **extra)
+    stats = hf_specdec.last_generation_stats(model)
+    partial = caught.value.sequences
+    expected = reference.generate(ids, **kwargs)
+    for row, full in zip(partial, expected):  # rows padded (pad 0) to the longest one's tokens
+        length = int(row.nonzero().max()) + 1
+        assert length > ids.shape[1] + 2 and torch.equal(row[:length], full[:length])
+    # the rounds before the failing one were all committed: one for the first round and each queued ahead
+    assert stats.num_target_forwards == len(ahead) + 1 + 1  # + the prefill's step
