@@ -23,6 +23,7 @@ distribution (rejection sampling), whatever the drafter proposes.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,8 +42,9 @@ from hf_specdec.cache.paged_cache import to_device_async
 from hf_specdec.runtime import Readback, exhausted, real_token_counts
 
 # where a call may run one round ahead: on the GPU the host's work of a round overlaps the device's next one; on the
-# CPU the two are one thread and nothing overlaps (tests add "cpu" to run that path there)
-RUN_AHEAD_DEVICES = ("cuda",)
+# CPU the two are one thread and nothing overlaps (tests add "cpu" to run that path there). HF_SPECDEC_RUN_AHEAD=0
+# (read at import) turns it off, e.g. to compare the two
+RUN_AHEAD_DEVICES = ("cuda",) if os.environ.get("HF_SPECDEC_RUN_AHEAD", "1") != "0" else ()
 
 
 @dataclass
