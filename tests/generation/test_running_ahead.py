@@ -9,8 +9,9 @@ import torch
 
 import hf_specdec
 from hf_specdec.generation import speculative
+from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.generation.speculative import SpeculativeLoop
-from tests import bundled
+from tests import bundled, tiny_models
 
 NEW_TOKENS = 40
 
@@ -118,3 +119,85 @@ def test_running_out_of_blocks_ahead_keeps_the_round_in_flight(ahead, monkeypatc
         assert length > ids.shape[1] + 2 and torch.equal(row[:length], full[:length])
     # the rounds before the failing one were all committed: one for the first round and each queued ahead
     assert stats.num_target_forwards == len(ahead) + 1 + 1  # + the prefill's step
+
+
+class _OracleAhead(Drafter):
+    """Drafts each row's plain greedy continuation (``reference``: the left-padded rows plain decoding returns),
+    wrong with probability ``noise``, so rows accept random numbers of drafts and roll back the rest. Ahead, it
+    finds each row's position on the device only (the verify's first position plus its accepted drafts plus one),
+    as a real drafter must."""
+
+    spec_mode = "mtp"
+    runs_ahead = True
+
+    def __init__(self, reference, prompt_width: int, prompt_lens: list[int], k: int, noise: float, seed: int):
+        self.reference, self.num_speculative_tokens, self.noise = reference, k, noise
+        self.pad = torch.tensor([prompt_width - n for n in prompt_lens])  # where each row's position 0 sits
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def begin(self, context, captured):
+        pass
+
+    def _drafts(self, positions: torch.Tensor) -> torch.Tensor:
+        """Drafts after the token at each row's ``positions`` (the row's last token, not in the cache yet)."""
+        k = self.num_speculative_tokens
+        index = (self.pad + positions)[:, None] + 1 + torch.arange(k)[None, :]
+        drafts = self.reference.gather(1, index.clamp(max=self.reference.shape[1] - 1))
+        wrong = torch.rand(drafts.shape, generator=self.gen) < self.noise
+        return torch.where(wrong, (drafts + 1 + torch.randint(0, 50, drafts.shape, generator=self.gen)) % 97, drafts)
+
+    def propose(self, last_tokens, context, selector):
+        return DraftProposal(self._drafts(torch.tensor(context.cache.seq_lens)), None)
+
+    def propose_ahead(self, next_tokens, num_accepted, context, captured, selector):
+        return DraftProposal(self._drafts(context.forward_meta.q_pos0.long() + num_accepted + 1), None)
+
+    def commit(self, context, captured, num_accepted, kept):
+        pass
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("family", ["mistral", "llama"])
+def test_running_ahead_bookkeeping_under_random_acceptance_stops_and_sliding_windows(family, seed, ahead):
+    """Random prompt lengths, k, acceptance and an EOS that stops one row early, in blocks of 4, over a model whose
+    every layer slides a window of 8 tokens (Mistral-style) or attends to everything (Llama-style: a stopped row
+    that kept moving on would take the others' blocks): each round the host's bookkeeping of where the device
+    placed the round in flight must equal the device's (the loop raises otherwise), and the output must be plain
+    greedy decoding's."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 14, (3,), generator=gen).tolist()
+    k = int(torch.randint(1, 5, (1,), generator=gen))
+    noise = [0.1, 0.3, 0.6][seed % 3]
+    build = getattr(tiny_models, family)
+    ref, ours = build(), build()
+    hf_specdec.enable(ours, hf_specdec.CacheConfig(block_size=4))
+    ids, mask = tiny_models.left_padded_batch(lengths, seed=seed)
+    free = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)
+    new = free[:, ids.shape[1]:].tolist()
+    stopping, others = new[seed % 3], {t for b, row in enumerate(new) if b != seed % 3 for t in row}
+    # a token row seed % 3 emits mid-way, first there and in no other row: that row stops early, the others run on
+    eos = next(t for p, t in enumerate(stopping) if p >= 4 and t not in stopping[:p] and t not in others)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    expected = ref.generate(ids, **kwargs)
+    drafter = _OracleAhead(free, ids.shape[1], lengths, k, noise, seed)
+    longest = [0] * len(lengths)  # each row's longest length in the target's cache over the call
+    commit = hf_specdec.cache.PagedKVCache.commit
+
+    def record(cache, new_lens):
+        if cache.layout.num_layers == 2 and len(new_lens) == len(longest):
+            longest[:] = [max(a, b) for a, b in zip(longest, new_lens)]
+        return commit(cache, new_lens)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_specdec.cache.PagedKVCache, "commit", record)
+        out = ours.generate(ids, assistant_model=drafter, **kwargs)
+    assert torch.equal(out, expected)
+    # a row holds at most two rounds past its tokens (the round in flight, and the one queued before its result
+    # was read), the row that stopped early too: once the host saw it stop, the device stopped moving it on
+    tokens = [n + int((row[ids.shape[1]:] != 0).sum()) for n, row in zip(lengths, out)]
+    assert all(most <= n + 2 * (k + 1) for most, n in zip(longest, tokens)), (longest, tokens, k)
+    stats = hf_specdec.last_generation_stats(ours)
+    assert len(ahead) >= stats.num_target_forwards - 3 > 0
+    histogram = stats.acceptance_histogram
+    assert sum(1 for count in histogram if count) >= 2  # rows accepted different numbers of drafts
