@@ -268,10 +268,10 @@ class SpeculativeLoop:
         if self.drafter.num_speculative_tokens and more:
             self.ahead = self.drafter.propose_ahead(next_token, num_accepted, self.context, self.captured, selector)
         if self.runs_ahead:
-            # the next round's verify starts past this one's accepted tokens, for the rows the host has not seen
-            # stop (a row it saw stop stays where it is: it writes nothing it will read)
-            # (only drafts queued ahead: a drafter reads the verify it commits before the next verify overwrites it,
-            # in propose_ahead, so a round without drafts waits for the round before it)
+            # only drafts queued ahead let the next round go before this one is read: a drafter takes what it needs
+            # of this verify in propose_ahead, before the next verify overwrites it (a round without drafts waits).
+            # The next verify starts past this one's accepted tokens, for the rows the host has not seen stop (a row
+            # it saw stop stays where it is: it writes nothing it will read)
             self.queue_next = more and self.ahead is not None
             verified.advance = list(self.advancing)
             self.next_start = (first.to(torch.int64) + (num_accepted.to(torch.int64) + 1)

@@ -201,3 +201,29 @@ def test_running_ahead_bookkeeping_under_random_acceptance_stops_and_sliding_win
     assert len(ahead) >= stats.num_target_forwards - 3 > 0
     histogram = stats.acceptance_histogram
     assert sum(1 for count in histogram if count) >= 2  # rows accepted different numbers of drafts
+
+
+@pytest.mark.parametrize("new_tokens", [1, 2, 3, 9])
+def test_short_calls_and_a_streamer_running_ahead(new_tokens, ahead):
+    """Calls that end within the first rounds (max length reached in the round queued first, or in the one
+    queued ahead), with a streamer: it gets exactly the returned tokens, one round after the device made them."""
+    model, extra, reference = bundled.mode("gemma_mtp")
+    ids, mask = bundled.batch(2)
+
+    class Recorder:
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Recorder()
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(ids[:1], **{**kwargs, "attention_mask": mask[:1]}, streamer=streamer, **extra)
+    assert torch.equal(out, reference.generate(ids[:1], **{**kwargs, "attention_mask": mask[:1]}))
+    streamed = [t for chunk in streamer.chunks for t in chunk]
+    assert streamed == out[0].tolist() and streamer.ended  # the prompt first (as transformers does), then each chunk
+    assert torch.equal(model.generate(ids, **kwargs, **extra), reference.generate(ids, **kwargs))
