@@ -114,7 +114,11 @@ class SpeculativeLoop:
             # catch up, for where no k pays for its drafting
             self.adaptive_k = AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0], costs=costs,
                                         grows=drafter.k_grows, plain=drafter.k_grows)
-        self.synced_at = 0.0  # when the host last waited for the device (rounds are timed between such waits)
+        # rounds are timed between consecutive rounds' read-backs: on the device clock where there is one (a round
+        # queued ahead runs while the host is held up elsewhere, so the host's clock would time it short), else
+        # between the host's waits
+        self.synced_at = 0.0  # when the host last waited for the device
+        self.last_read = None  # the last round's read-back
         self.config = generation_config
         self.logits_processor = logits_processor
         self.scorer = PositionScorer(logits_processor)
@@ -256,7 +260,7 @@ class SpeculativeLoop:
         first = self.context.forward_meta.q_pos0[:len(self.rows)]
         host = torch.cat([num_accepted[:, None].to(tokens.dtype), next_token[:, None].to(tokens.dtype),
                           first[:, None].to(device=tokens.device, dtype=tokens.dtype), tokens], dim=1)
-        verified = _Round(k, self.readback.start(host), scores, num_accepted)
+        verified = _Round(k, self.readback.start(host, timed=self.adaptive_k is not None), scores, num_accepted)
         if self.pending is not None:  # running ahead: the round before this one, while the device runs this one
             self._finish(self.pending, in_flight=verified)
         # 5. the next round's drafts, queued before the host waits (they depend on device tensors only), unless
@@ -295,9 +299,12 @@ class SpeculativeLoop:
         k = verified.k
         if self.adaptive_k is not None:
             synced, self.synced_at = self.synced_at, time.perf_counter()
+            between = None if self.last_read is None else self.readback.seconds_between(self.last_read,
+                                                                                       verified.pending)
+            self.last_read = verified.pending
             ahead_k = in_flight.k if in_flight is not None else (
                 None if self.ahead is None else self.ahead.tokens.shape[1])
-            self.adaptive_k.observe(k, self.synced_at - synced, ahead_k)
+            self.adaptive_k.observe(k, self.synced_at - synced if between is None else between, ahead_k)
         was_running = list(self.running)
         chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(self.rows))]
         emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks], verified.scores)
