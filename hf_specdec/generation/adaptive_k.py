@@ -11,37 +11,38 @@ few trials leans on the one before it (a few pseudo-trials at its rate), the fir
 are never accepted settles at the smallest k (0 where the loop allows rounds without drafts, else 1); the
 output is lossless whatever k is.
 
-What a round costs is measured where it can be: the loop reports the wall time between its rounds' host syncs
-(:meth:`AdaptiveK.observe`), and the cost of a k is the median of its timed rounds, read off the curve through them
-(piecewise linear, never flatter than :data:`MIN_DRAFT_SHARE` per draft). The k a controller may run are the
-candidates of :func:`candidate_ks` (every k up to 5, then ~1.4x apart, and k_max): near its optimum the curve is flat
-(at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%), and each k run keeps graphs of its own. The first
-call of a model, drafter and batch size (a one-shot script's only one) runs the k that the prior and the acceptance
-choose, capturing graphs for those only. From the second call on, before it chooses, a controller that times rounds
-runs every candidate not timed yet for a few rounds (:data:`PROBE_ROUNDS`; the nearest to the k it runs first),
-capturing their CUDA graphs there (50-300 ms each on a 12-layer 31B cut against a 5 ms round): later calls choose
-among timed k and never capture inside a call. After the sweep the controller goes back to the k it started from,
-timed over more rounds, and leaves it only for a clear gain (a candidate's few rounds are noisier). A probe that the
-estimate alone led to, in a later call, had captured there (docs/perf_log.md, session 26: a batch-8 call at 0.55 of
-the best fixed k). While fewer than two k are timed, and under tensor parallelism (every rank must choose the same k,
-and each would time its own rounds), the cost is the prior: ``1 + v * k`` target steps of verify (the k extra tokens
-per row of the verify forward: ``v`` grows with the batch, as the forward turns from memory-bound to compute-bound)
-plus the drafter's ``draft_cost(k)``, after the H100 measurements in docs/perf_log.md (verify with k=7 at 1.14x a
-decode step at batch 1; at batch 32 k=3 beat k=7). The prior's constants missed by up to 8% on another card
-(docs/perf_log.md, session 14), hence the measurement. A round is timed only when it is steady: the round before it
-ran the same k (a new k captures its graphs in its first round), and the drafts it queued for the next round, which
-run inside its interval, are of its k too (a change of k captures the new k's draft graphs there). Medians, not means,
-so that a stray slow round (a graph captured for a longer context, a page fault) does not move the curve. Timings and
-the acceptance estimate are kept per model, drafter and batch size (:class:`RoundCosts`), so later calls start from
-them rather than from the prior, and at the k the last round ran (a call that started from the estimate instead could
-start at a neighbouring k the estimate's noise put ahead). Once a call's batch drops rows that stopped (eager
-forwards), its rounds are no longer of the timed batch size: the rest of the call is neither timed nor probed
-(:meth:`AdaptiveK.shrink`). A drafter whose k cannot rise again within a call (``grows=False``: Step 3.5 MTP, whose
-layers left out of a round miss its positions) runs its probes from the largest untimed candidate down, and each of
-its calls starts at the best k of the estimate instead of the last round's (the lowest of its call). With ``plain``
-(the loop's controllers), k = 0 is a candidate: a round without drafts commits one token per row at the cost of a
-plain step of the loop, so "auto" stops drafting where no k pays for it; such rounds measure no acceptance, so a call
-always starts at a k >= 1 and every :data:`EXPLORE_EVERY` rounds at 0 one round drafts again.
+What a round costs is measured where it can be: the loop reports the time between its rounds' read-backs, on the device
+clock on CUDA (a round queued ahead of the host's wait runs while the host may be held up elsewhere), else between the
+host's waits (:meth:`AdaptiveK.observe`), and the cost of a k is the median of its timed rounds, read off the curve
+through them (piecewise linear, never flatter than :data:`MIN_DRAFT_SHARE` per draft). The k a controller may run are
+the candidates of :func:`candidate_ks` (every k up to 5, then ~1.4x apart, and k_max): near its optimum the curve is
+flat (at alpha 0.8 and a 0.17 cost per draft, k = 3, 4, 5 lie within 2%), and each k run keeps graphs of its own. The
+first call of a model, drafter and batch size (a one-shot script's only one) runs the k that the prior and the
+acceptance choose, capturing graphs for those only. From the second call on, before it chooses, a controller that times
+rounds runs every candidate not timed yet for a few rounds (:data:`PROBE_ROUNDS`; the nearest to the k it runs first),
+capturing their CUDA graphs there (50-300 ms each on a 12-layer 31B cut against a 5 ms round): later calls choose among
+timed k and never capture inside a call. After the sweep the controller goes back to the k it started from, timed over
+more rounds, and leaves it only for a clear gain (a candidate's few rounds are noisier). A probe that the estimate alone
+led to, in a later call, had captured there (docs/perf_log.md, session 26: a batch-8 call at 0.55 of the best fixed k).
+While fewer than two k are timed, and under tensor parallelism (every rank must choose the same k, and each would time
+its own rounds), the cost is the prior: ``1 + v * k`` target steps of verify (the k extra tokens per row of the verify
+forward: ``v`` grows with the batch, as the forward turns from memory-bound to compute-bound) plus the drafter's
+``draft_cost(k)``, after the H100 measurements in docs/perf_log.md (verify with k=7 at 1.14x a decode step at batch 1;
+at batch 32 k=3 beat k=7). The prior's constants missed by up to 8% on another card (docs/perf_log.md, session 14),
+hence the measurement. A round is timed only when it is steady: the round before it ran the same k (a new k captures its
+graphs in its first round), and the drafts it queued for the next round, which run inside its interval, are of its k too
+(a change of k captures the new k's draft graphs there). Medians, not means, so that a stray slow round (a graph
+captured for a longer context, a page fault) does not move the curve. Timings and the acceptance estimate are kept per
+model, drafter and batch size (:class:`RoundCosts`), so later calls start from them rather than from the prior, and at
+the k the last round ran (a call that started from the estimate instead could start at a neighbouring k the estimate's
+noise put ahead). Once a call's batch drops rows that stopped (eager forwards), its rounds are no longer of the timed
+batch size: the rest of the call is neither timed nor probed (:meth:`AdaptiveK.shrink`). A drafter whose k cannot rise
+again within a call (``grows=False``: Step 3.5 MTP, whose layers left out of a round miss its positions) runs its probes
+from the largest untimed candidate down, and each of its calls starts at the best k of the estimate instead of the last
+round's (the lowest of its call). With ``plain`` (the loop's controllers), k = 0 is a candidate: a round without drafts
+commits one token per row at the cost of a plain step of the loop, so "auto" stops drafting where no k pays for it; such
+rounds measure no acceptance, so a call always starts at a k >= 1 and every :data:`EXPLORE_EVERY` rounds at 0 one round
+drafts again.
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ class AdaptiveK:
         return self.acceptance.rates(self.k_max)
 
     def observe(self, k: int, seconds: float, ahead_k: int | None = None) -> None:
-        """A round of ``k`` drafts took ``seconds`` (from the previous round's host sync to its own); ``ahead_k``: the
+        """A round of ``k`` drafts took ``seconds`` (from the previous round's read-back to its own); ``ahead_k``: the
         drafts it queued for the next round before its sync (None: none). Counted only when steady: the rounds
         before it ran the same k (the first round at a new k captures its graphs), and what it queued is of its k
         too (queued drafts of another k capture their graphs inside this round's time)."""
