@@ -172,6 +172,7 @@ class SpeculativeLoop:
                 self.runner.record_hooks_of(self.captured, (self.drafter.capture_key,
                                                             type(self.captured).__qualname__))
                 last_tokens = self.prefill(input_ids, prompt_lens, model_kwargs)
+                # beside the accepted counts (where the LM head runs)
                 self.advancing_device = torch.ones(len(self.rows), dtype=torch.int64, device=last_tokens.device)
                 while any(self.running):
                     if self.adaptive_k is not None:
@@ -278,8 +279,9 @@ class SpeculativeLoop:
             # it saw stop stays where it is: it writes nothing it will read)
             self.queue_next = more and self.ahead is not None
             verified.advance = list(self.advancing)
-            self.next_start = (first.to(torch.int64) + (num_accepted.to(torch.int64) + 1)
-                               * self.advancing_device).to(torch.int32)
+            # (on the cache's device: the accepted counts live where the LM head ran, another GPU under a device map)
+            moved = ((num_accepted.to(torch.int64) + 1) * self.advancing_device).to(first.device)
+            self.next_start = (first.to(torch.int64) + moved).to(torch.int32)
             self.pending = verified
             return next_token
         self._finish(verified)
