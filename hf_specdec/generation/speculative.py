@@ -11,8 +11,8 @@ prepares the generation config, logits processors and stopping criteria. One ste
    accepted chunk; the cache keeps ``len + accepted + 1`` tokens per row (rollback of the rest is only a
    shorter length) and the drafter commits.
 
-On the GPU a greedy call (no logits processors, no stopping criteria besides EOS and max length) whose drafter
-can draft ahead runs one round ahead: round r+1's verify is queued (its positions from round r's acceptance, on
+On the GPU a greedy call (no logits processors, no stopping criteria that read the scores: EOS, max length, stop
+strings and a time limit are fine) whose drafter can draft ahead runs one round ahead: round r+1's verify is queued (its positions from round r's acceptance, on
 the device) before the host waits for round r, so the device verifies and drafts while the host emits and
 commits the round before. Blocks are reserved for both rounds, a row the host saw stop stops advancing on the
 device from the next round on, and the round in flight when every row stopped is dropped.
@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
+                                                      StopStringCriteria)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
@@ -69,16 +70,23 @@ class RowStopper:
         self.eos = set(eos[0].eos_token_id.tolist()) if eos else set()
         # max length and EOS are checked here directly; anything else goes through the criteria
         self.only_builtin = all(isinstance(c, (EosTokenCriteria, MaxLengthCriteria)) for c in stopping_criteria)
+        # whether a criterion may read the scores (transformers' own stop strings and time limit read the ids or the
+        # clock only; anything else, a subclass of those too, may)
+        self.reads_scores = not all(type(c) in _SCORE_FREE for c in stopping_criteria)
 
     def stops(self, row_ids: list[int], scores=None) -> bool:
         """``scores``: a callable giving the row's scores [1, vocab] at its last token (built only when a
-        criterion other than max length and EOS needs them)."""
+        criterion that may read them is there)."""
         if len(row_ids) >= self.max_length or row_ids[-1] in self.eos:
             return True
         if self.only_builtin:
             return False
         ids = torch.tensor(row_ids)[None, :]
-        return bool(self.criteria(ids, None if scores is None else scores())[0])
+        return bool(self.criteria(ids, scores() if scores is not None and self.reads_scores else None)[0])
+
+
+# the stopping criteria that decide from the ids or the clock alone
+_SCORE_FREE = (EosTokenCriteria, MaxLengthCriteria, StopStringCriteria, MaxTimeCriteria)
 
 
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -139,11 +147,12 @@ class SpeculativeLoop:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.context = self.captured = None
         self.ahead: DraftProposal | None = None  # this round's drafts, queued by the last step
-        # one round ahead (module docstring): greedy, no processors, only EOS / max length, a drafter that drafts
-        # ahead, one process, on a device where the host's work overlaps the device's
+        # one round ahead (module docstring): greedy, no processors, no stopping criterion that reads the scores (the
+        # round in flight overwrites them), a drafter that drafts ahead, one process, on a device where the host's
+        # work overlaps the device's
         self.runs_ahead = (drafter.runs_ahead and input_ids.device.type in RUN_AHEAD_DEVICES
                            and not generation_config.do_sample and not acceptance.draws_random
-                           and not self.scorer.processors and self.stopper.only_builtin and self.ranks is None)
+                           and not self.scorer.processors and not self.stopper.reads_scores and self.ranks is None)
         self.pending: _Round | None = None  # running ahead: the round in flight whose result the host has not read
         self.queue_next = False  # running ahead: whether the next round can be queued before that result is read
         self.next_start: torch.Tensor | None = None  # running ahead: where each row's next verify starts [batch]

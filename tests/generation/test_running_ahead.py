@@ -6,6 +6,7 @@ first round on, and a batch's rows stop at different rounds."""
 
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_specdec
 from hf_specdec.generation import speculative
@@ -79,18 +80,49 @@ def test_rounds_without_drafts_between_rounds_run_ahead(mode, ahead, monkeypatch
     assert 0 not in ahead and len(ahead) >= 4
 
 
-@pytest.mark.parametrize("reason", ["sampling", "stop_strings", "step_mtp"])
+class _ReadsScores(StoppingCriteria):
+    """A user's criterion that reads the scores (never stops; records what it was given)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(scores)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("reason", ["sampling", "reads_scores", "step_mtp"])
 def test_what_does_not_run_ahead(reason, ahead):
-    """Sampled calls, stopping criteria that read the rows' text, and a drafter that cannot draft ahead (Step 3.5
-    MTP) wait for each round before the next, as everywhere else."""
+    """Sampled calls, a stopping criterion that reads the scores (the round in flight overwrites them), and a drafter
+    that cannot draft ahead (Step 3.5 MTP) wait for each round before the next, as everywhere else."""
     model, extra, reference = bundled.mode("step_mtp" if reason == "step_mtp" else "gemma_mtp")
     ids, mask = bundled.batch(2)
     kwargs = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0,
                   do_sample=reason == "sampling")
-    if reason == "stop_strings":
-        kwargs.update(stop_strings=["zzz"], tokenizer=bundled.tokenizer())
+    criterion = _ReadsScores()
+    if reason == "reads_scores":
+        kwargs["stopping_criteria"] = StoppingCriteriaList([criterion])
     model.generate(ids, **kwargs, **extra)
     assert ahead == []
+    if reason == "reads_scores":  # it got each token's scores
+        assert criterion.seen and all(s is not None and s.shape[-1] == model.config.get_text_config().vocab_size
+                                      for s in criterion.seen)
+
+
+def test_stop_strings_run_ahead(ahead):
+    """Stop strings read the rows' text only: the call runs ahead and stops inside the chunk, as plain decoding."""
+    model, extra, reference = bundled.mode("gemma_mtp")
+    ids, mask = bundled.batch(3)
+    tok = bundled.tokenizer()
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    free = reference.generate(ids, **kwargs)
+    stop = tok.decode(free[1, ids.shape[1] + 9:ids.shape[1] + 12])  # three tokens row 1 makes mid-way
+    # an EOS no row makes: with one, transformers pads a row after its stop string (without, it goes on)
+    unused = next(t for t in range(1, 100) if not (free == t).any())
+    kwargs.update(stop_strings=[stop], tokenizer=tok, eos_token_id=unused)
+    out = model.generate(ids, **kwargs, **extra)
+    assert torch.equal(out, reference.generate(ids, **kwargs))
+    assert ahead and (out[1, -5:] == 0).all()  # row 1 stopped mid-way
 
 
 def test_running_out_of_blocks_ahead_keeps_the_round_in_flight(ahead, monkeypatch):
