@@ -13,6 +13,7 @@ from hf_specdec.generation import speculative
 from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.generation.speculative import SpeculativeLoop
 from tests import bundled, tiny_models
+from tests.generation.test_streaming_and_stopping import Recorder
 
 NEW_TOKENS = 40
 
@@ -241,21 +242,10 @@ def test_short_calls_and_a_streamer_running_ahead(new_tokens, ahead):
     queued ahead), with a streamer: it gets exactly the returned tokens, one round after the device made them."""
     model, extra, reference = bundled.mode("gemma_mtp")
     ids, mask = bundled.batch(2)
-
-    class Recorder:
-        def __init__(self):
-            self.chunks = []
-
-        def put(self, value):
-            self.chunks.append(value.reshape(-1).tolist())
-
-        def end(self):
-            self.ended = True
-
     streamer = Recorder()
     kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = model.generate(ids[:1], **{**kwargs, "attention_mask": mask[:1]}, streamer=streamer, **extra)
     assert torch.equal(out, reference.generate(ids[:1], **{**kwargs, "attention_mask": mask[:1]}))
-    streamed = [t for chunk in streamer.chunks for t in chunk]
-    assert streamed == out[0].tolist() and streamer.ended  # the prompt first (as transformers does), then each chunk
+    # the prompt first (as transformers does), then each chunk, then the end
+    assert streamer.chunks[0] + streamer.new_tokens == out[0].tolist() and streamer.chunks[-1] == "end"
     assert torch.equal(model.generate(ids, **kwargs, **extra), reference.generate(ids, **kwargs))
