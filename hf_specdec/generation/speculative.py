@@ -12,10 +12,11 @@ prepares the generation config, logits processors and stopping criteria. One ste
    shorter length) and the drafter commits.
 
 On the GPU a greedy call (no logits processors, no stopping criteria that read the scores: EOS, max length, stop
-strings and a time limit are fine) whose drafter can draft ahead runs one round ahead: round r+1's verify is queued (its positions from round r's acceptance, on
-the device) before the host waits for round r, so the device verifies and drafts while the host emits and
-commits the round before. Blocks are reserved for both rounds, a row the host saw stop stops advancing on the
-device from the next round on, and the round in flight when every row stopped is dropped.
+strings and a time limit are fine) whose drafter can draft ahead runs one round ahead: round r+1's verify is queued
+(its positions from round r's acceptance, on the device) before the host waits for round r, so the device verifies
+and drafts while the host emits and commits the round before. Blocks are reserved for both rounds, a row the host
+saw stop stops advancing on the device from the next round on, and the round in flight when every row stopped is
+dropped.
 
 Greedy output equals plain greedy decoding token for token; sampled output follows the target
 distribution (rejection sampling), whatever the drafter proposes.
@@ -137,6 +138,12 @@ class SpeculativeLoop:
         self.rows = [input_ids[b].tolist() for b in range(batch)]
         self.row_ids = RowIds(input_ids, generation_config.max_length + self.k + 1)
         self.running = [True] * batch
+        # without an EOS, generate pads no finished row: a row a stopping criterion finished goes on decoding until
+        # the batch's last row finishes, and every row ends at that length (``finished``: each row's length when a
+        # criterion finished it, by its index in input_ids; ``until``: the batch's end, once every row finished)
+        self.pads_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+        self.finished: dict[int, int] = {}
+        self.until: int | None = None
         self.runner = state.runner(model)
         self.ranks = state.ranks  # tensor parallel: what a rank draws, every rank uses (runtime/distributed.py)
         self.draft_model = model if draft_model is None else draft_model
@@ -201,10 +208,11 @@ class SpeculativeLoop:
         return _pad_rows(self._all_rows(), self.config._pad_token_tensor, input_ids.device)
 
     def _all_rows(self) -> list[list[int]]:
-        """Every row of the request, in the order of input_ids, whether still in the batch or not."""
+        """Every row of the request, in the order of input_ids, whether still in the batch or not (cut at the
+        batch's end where rows went on past their finish)."""
         rows = dict(self.left)
         rows.update(zip(self.order, self.rows))
-        return [rows[i] for i in range(len(rows))]
+        return [rows[i][:self.until] for i in range(len(rows))]
 
     def prefill(self, input_ids, prompt_lens, model_kwargs) -> torch.Tensor:
         """The prompt, its last logits, and the first token (a plain step); returns each row's first token."""
@@ -375,12 +383,23 @@ class SpeculativeLoop:
                 for j, token in enumerate(accepted_drafts[b] + [last[b]]):
                     row.append(token)
                     count += 1
-                    if self.stopper.stops(row, lambda b=b, j=j: scores[b, j][None].float()):
+                    score = lambda b=b, j=j: scores[b, j][None].float()  # noqa: E731 - called only if read
+                    if self.order[b] not in self.finished and self.stopper.stops(row, score):
+                        if self.pads_finished:
+                            self.running[b] = False
+                            break
+                        self.finished[self.order[b]] = len(row)
+                    if len(row) >= self.stopper.max_length or (self.until is not None and len(row) >= self.until):
                         self.running[b] = False
                         break
             emitted.append(count)
             if self.streamer is not None and count:
                 self.streamer.put(torch.tensor(row[-count:])[None, :])
+        if not self.pads_finished and self.until is None and len(self.finished) == len(self.order) + len(self.left):
+            # every row finished (a row at its max length too): the batch ends where the last one finished, as
+            # generate's batch would; rows past it are cut at the end of the call, rows short of it go on
+            self.until = max(self.finished.values())
+            self.running = [run and len(row) < self.until for run, row in zip(self.running, self.rows)]
         return emitted
 
 

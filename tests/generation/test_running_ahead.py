@@ -13,7 +13,7 @@ from hf_specdec.generation import speculative
 from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.generation.speculative import SpeculativeLoop
 from tests import bundled, tiny_models
-from tests.generation.test_streaming_and_stopping import Recorder
+from tests.generation.test_streaming_and_stopping import Recorder, stop_strings_without_eos
 
 NEW_TOKENS = 40
 
@@ -249,3 +249,12 @@ def test_short_calls_and_a_streamer_running_ahead(new_tokens, ahead):
     # the prompt first (as transformers does), then each chunk, then the end
     assert streamer.chunks[0] + streamer.new_tokens == out[0].tolist() and streamer.chunks[-1] == "end"
     assert torch.equal(model.generate(ids, **kwargs, **extra), reference.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("mode", ["gemma_mtp", "gemma_dflash"])
+def test_rows_going_on_past_their_stop_run_ahead(mode, ahead):
+    """Without an EOS a finished row goes on until the batch's last row finishes (as generate does): running ahead,
+    the rows the host saw finish keep moving on the device, and the call ends where transformers' does."""
+    model, extra, ids, kwargs, expected = stop_strings_without_eos(mode)
+    assert torch.equal(model.generate(ids, **kwargs, **extra), expected)
+    assert ahead

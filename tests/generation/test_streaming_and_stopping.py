@@ -156,3 +156,32 @@ def _free_run_and_a_stop_inside_a_chunk(model, extra, ids, mask, mode):
     if not _trained_drafter(mode):
         pytest.skip("the random DFlash drafter accepts no drafts; bundle tiny-gemma4-dflash for multi-token chunks")
     raise AssertionError(f"no token inside an accepted chunk to stop on; chunks {recorder.chunks[1:-1]}")
+
+
+@pytest.mark.parametrize("mode", ["plain"] + SPEC_MODES)
+def test_without_an_eos_rows_go_on_past_their_stop_until_the_last_row_stops(mode):
+    """Without an EOS, transformers pads no finished row: a row that met its stop string goes on decoding until the
+    batch's last row met one, and the call ends there. Every mode gives transformers' tokens."""
+    model, extra, ids, kwargs, expected = stop_strings_without_eos(mode)
+    assert torch.equal(model.generate(ids, **kwargs, **extra), expected)
+
+
+def stop_strings_without_eos(mode):
+    """(model, generate kwargs of the mode, ids, kwargs, transformers' output) of a batch of three rows without an
+    EOS, each with a stop string it meets at another point: rows finish at different steps and some go on."""
+    model, extra, reference = bundled.mode(mode)
+    tok = bundled.tokenizer()
+    ids, mask = bundled.batch(3)
+    width = ids.shape[1]
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    free = reference.generate(ids, **kwargs)[:, width:]
+    stops = [tok.decode(row[at:at + 2]) for row, at in zip(free.tolist(), (5, 11, 19))]
+    kwargs.update(stop_strings=stops, tokenizer=tok)
+    expected = reference.generate(ids, **kwargs)
+    new = expected[:, width:]
+    assert new.shape[1] < NEW_TOKENS and (new != 0).all()  # every row finished, and none was padded
+    # some row met a stop string well before the call ended, and went on
+    first_stop = [min((len(tok.decode(row[:n])) for n in range(1, len(row) + 1)
+                       if any(stop in tok.decode(row[:n]) for stop in stops)), default=None) for row in new.tolist()]
+    assert any(end is not None and end < len(tok.decode(row)) - 4 for end, row in zip(first_stop, new.tolist()))
+    return model, extra, ids, kwargs, expected
