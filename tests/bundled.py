@@ -120,6 +120,17 @@ def batch(n: int = 2, chars: int = 120):
     return enc["input_ids"], enc["attention_mask"]
 
 
+def fresh_token(reference, ids, mask, row: int, at: int, new_tokens: int) -> int:
+    """A token that plain decoding (``reference``, ``new_tokens`` of them) emits at new position ``at`` of ``row`` or
+    after it, and not before in that row: an EOS that stops the row there while the other rows go on."""
+    new = reference.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None)[row, ids.shape[1]:].tolist()
+    for position in range(at, len(new)):
+        if new[position] not in new[:position]:
+            return new[position]
+    raise AssertionError(f"row {row} repeats itself: no fresh token to stop it")
+
+
 FAMILY_MAX_WEIGHT_BYTES = 30_000_000  # docs/architecture.md: the bundled family's safetensors, all together
 FAMILY_MAX_OTHER_BYTES = 1_000_000  # its tokenizers, held-out snippets, README and loader beside them (0.58 MB)
 

@@ -12,23 +12,12 @@ from tests import bundled
 NEW_TOKENS = 20
 
 
-def _eos_inside(reference, ids, mask, row: int, at: int) -> int:
-    """A token that plain decoding emits at new position ``at`` of ``row`` and not before it in that row (an EOS
-    that stops the row there while the other rows go on)."""
-    new = reference.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None)[row, ids.shape[1]:].tolist()
-    for position in range(at, len(new)):
-        if new[position] not in new[:position]:
-            return new[position]
-    raise AssertionError(f"row {row} repeats itself: no fresh token to stop it")
-
-
 @pytest.mark.parametrize("processors", [False, True], ids=["greedy", "repetition_penalty"])
 @pytest.mark.parametrize("mode", bundled.SPEC_MODES)
 def test_stopped_rows_leave_the_batch_and_the_others_decode_as_plain(mode, processors, monkeypatch):
     model, extra, reference = bundled.mode(mode)
     ids, mask = bundled.batch(4)
-    eos = _eos_inside(reference, ids, mask, row=1, at=1)
+    eos = bundled.fresh_token(reference, ids, mask, row=1, at=1, new_tokens=NEW_TOKENS)
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0)
     if processors:  # the drafts read each row's ids on the device (kept for the rows that stay)
         kwargs["repetition_penalty"] = 1.3

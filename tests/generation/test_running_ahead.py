@@ -34,13 +34,6 @@ def ahead(monkeypatch):
     return queued
 
 
-def _fresh_token(reference, ids, mask, row: int, at: int) -> int:
-    """A token plain decoding emits at new position ``at`` of ``row`` and not before it in that row."""
-    new = reference.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None)[row, ids.shape[1]:].tolist()
-    return next(new[p] for p in range(at, len(new)) if new[p] not in new[:p])
-
-
 @pytest.mark.parametrize("mode", ["gemma_mtp", "gemma_dflash"])
 @pytest.mark.parametrize("k", ["fixed", "auto"])
 def test_rounds_run_ahead_are_plain_greedy_decoding(mode, k, ahead, monkeypatch):
@@ -48,7 +41,8 @@ def test_rounds_run_ahead_are_plain_greedy_decoding(mode, k, ahead, monkeypatch)
     if k == "auto":
         extra = {**extra, "num_speculative_tokens": "auto"}
     ids, mask = bundled.batch(4)
-    eos = _fresh_token(reference, ids, mask, row=2, at=3)  # row 2 stops early, the others run to max length
+    # row 2 stops early, the others run to max length
+    eos = bundled.fresh_token(reference, ids, mask, row=2, at=3, new_tokens=NEW_TOKENS)
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0)
     with bundled.recorded_caches(monkeypatch) as caches:
         out = model.generate(ids, **kwargs, **extra)
