@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
-from .skinny_gemm import load_k_tile
+from .skinny_gemm import load_k_tile, sum_splits
 
 MAX_ROWS = 16  # rows per program (tl.dot's smallest M)
 MAX_KERNEL_ROWS = 8192  # more rows take the reference
@@ -165,18 +165,6 @@ def f16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _f16_rows_kernel[(rows,)](x, y, inverse, k, x.stride(0), BLOCK=F16_ROWS_BLOCK,
                                    **pdl_args(x))
     return y, inverse
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y = the sum of ``splits`` fp32 partials, one after the other (a fixed order: rows stay batch-invariant)."""
-    pdl_wait(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for s in range(1, splits):
-        acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -293,7 +281,6 @@ SPLIT_K_BELOW_PROGRAMS = 264
 SPLIT_PROGRAMS = 504
 MAX_SPLIT_K = 8
 MIN_TILES_PER_SPLIT = 2
-SUM_BLOCK = 1024
 
 
 def split_k_for(n: int, k: int, block_n: int, block_k: int) -> int:
@@ -349,10 +336,7 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
         num_stages=stages, **pdl_args(out))
     if split == 1:
         return out[0].to(x.dtype)
-    summed = torch.empty(rows, n, dtype=torch.float32 if upcast else x.dtype, device=x.device)
-    _sum_splits_kernel[(triton.cdiv(rows * n, SUM_BLOCK),)](out, summed, rows * n, split, BLOCK=SUM_BLOCK,
-                                                              **pdl_args(out))
-    return summed.to(x.dtype)
+    return sum_splits(out, torch.float32 if upcast else x.dtype).to(x.dtype)
 
 
 def _launch_setup(x, scale, bk, block_k, scale_per_k, native_fp8, kernel):

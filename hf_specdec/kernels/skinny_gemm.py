@@ -4,7 +4,9 @@ A decode or verify step multiplies a few rows by each weight matrix, so its GEMM
 weights once. On an H100 cuBLAS streams the Gemma-4-31B shapes at 2.4-2.85 TB/s (a device copy moves 3.0);
 this kernel streams them at 2.85-3.1 (``docs/perf_log.md``, session 7): each program owns ``BLOCK_N`` output
 columns, walks the whole K dimension in ``BLOCK_K`` tiles through a deep software pipeline, and multiplies
-the rows, padded to 16, on the tensor cores. No split-K, so no reduction kernel and no memset.
+the rows, padded to 16, on the tensor cores. Narrow outputs (few column blocks: the o and down projections of the
+smaller targets) also split K, so that every SM streams: each part writes an fp32 partial and a second launch sums
+the parts in their order (:func:`split_k_for`; no atomics, no memset).
 
 Every row is computed by the same dot (16 or 32 rows, the warp-level MMA) over the same tiles in the same K
 order whatever the number of rows, so a row's result does not depend on the batch: a verify step's k+1 rows
@@ -48,10 +50,13 @@ def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_split,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRECISION: tl.constexpr, PDL: tl.constexpr):
-    # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows
+    # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows;
+    # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
@@ -60,29 +65,88 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     pdl_wait(PDL)
-    for k0 in range(0, K, BLOCK_K):
-        w, x = load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w, x = load_k_tile(w_rows, x_rows, k0, k_hi, col_ok, row_ok, BLOCK_K)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    out = (y_ptr + tl.program_id(1).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
+           + cols[None, :])
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """y = the sum of ``splits`` fp32 partials, one after the other (a fixed order: rows stay batch-invariant)."""
+    pdl_wait(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, splits):
+        acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+SUM_BLOCK = 1024
+
+
+def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``parts`` ([splits, rows, n] fp32 partials of split-K) summed in split order, in ``dtype`` ([rows, n])."""
+    splits, rows, n = parts.shape
+    summed = torch.empty(rows, n, dtype=dtype, device=parts.device)
+    _sum_splits_kernel[(triton.cdiv(rows * n, SUM_BLOCK),)](parts, summed, rows * n, splits, BLOCK=SUM_BLOCK,
+                                                              **pdl_args(parts))
+    return summed
 
 
 def config_for(n: int, k: int, rows: int = 1, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a ``[n, k]`` weight, from the H100 sweeps of the perf log
     (graph-timed): up to 16 rows, ~1 program per 64 columns keeps 84+ programs streaming on narrow outputs, and LM
     heads and narrow outputs (< 4096 columns) stream longer K tiles in 32-column programs; 17-32 rows stream
-    256-deep K tiles in 32-column programs (within 1-3% of cuBLAS on the E4B shapes, session 11). Stages are
-    capped so that tiles of ``element_size`` bytes fit in shared memory."""
-    if rows > MAX_ROWS:
-        block_n, block_k, stages = 32, 256, 4
+    256-deep K tiles in 32-column programs (within 1-3% of cuBLAS on the E4B shapes, session 11). A weight that
+    splits K (:func:`split_k_for`) takes :data:`SPLIT_CONFIG` at every row count, so that a row's parts and tiles
+    never depend on the batch. Stages are capped so that tiles of ``element_size`` bytes fit in shared memory."""
+    if split_k_for(n, k) > 1:
+        block_n, block_k, warps, stages = SPLIT_CONFIG
+    elif rows > MAX_ROWS:
+        block_n, block_k, warps, stages = 32, 256, 4, 4
     elif n >= 65536 or n < 4096:
-        block_n, block_k, stages = 32, 512, 4
+        block_n, block_k, warps, stages = 32, 512, 4, 4
     elif n >= 32768:  # e.g. a stacked gate/up: one more stage in flight
-        block_n, block_k, stages = 64, 256, 5
+        block_n, block_k, warps, stages = 64, 256, 4, 5
     else:
-        block_n, block_k, stages = 64, 256, 4
+        block_n, block_k, warps, stages = 64, 256, 4, 4
     per_stage = element_size * block_k * (block_n + block_rows(rows))
-    return block_n, block_k, 4, max(2, min(stages, SHARED_MEMORY_BYTES // per_stage))
+    return block_n, block_k, warps, max(2, min(stages, SHARED_MEMORY_BYTES // per_stage))
+
+
+# Split-K (HF_SPECDEC_SKINNY_SPLIT_K=0, read at import, turns it off; SPLIT_K may be set at run time, with the
+# graphs captured before released). A weight of fewer SPLIT_CONFIG column blocks than SPLIT_K_BELOW_PROGRAMS (one per
+# SM) leaves SMs idle, and each program streams a long row of K alone: such a weight with K >= SPLIT_MIN_K, or of
+# fewer than FEW_PROGRAMS column blocks (a router), cuts K into parts of at least MIN_TILES_PER_SPLIT tiles until the
+# launch has about SPLIT_PROGRAMS programs (at most MAX_SPLIT_K parts); the fp32 partials are summed in split order
+# by a second launch. H200, graph-timed, one and four rows (benchmarks/results/skinny_split_sweep_h200.log): the
+# E4B down projection [2560, 10240] 23.6 -> 19.1 us, E2B's [1536, 6144] 13.5 -> 9.2, the 26B-A4B's o [2816, 4096]
+# 10.9 -> 9.8 and router [128, 2816] 6.4 -> 4.3; shorter K (the q/k/v of E2B and E4B, the 26B-A4B's dense down) gained
+# nothing or lost up to 0.5 us split.
+SPLIT_K = os.environ.get("HF_SPECDEC_SKINNY_SPLIT_K", "1") != "0"
+SPLIT_CONFIG = (32, 128, 4, 4)
+SPLIT_K_BELOW_PROGRAMS = 132
+SPLIT_MIN_K = 4096
+FEW_PROGRAMS = 32
+SPLIT_PROGRAMS = 192
+MAX_SPLIT_K = 8
+MIN_TILES_PER_SPLIT = 4
+
+
+def split_k_for(n: int, k: int, block_n: int | None = None, block_k: int | None = None) -> int:
+    """Parts of K for an ``[n, k]`` weight (in ``block_n`` x ``block_k`` tiles, default :data:`SPLIT_CONFIG`'s).
+    The weight's shape alone decides, never the number of rows: a verify row is summed in the parts a decode
+    row is."""
+    block_n = block_n or SPLIT_CONFIG[0]
+    block_k = block_k or SPLIT_CONFIG[1]
+    column_blocks, tiles = -(-n // block_n), -(-k // block_k)
+    if not SPLIT_K or column_blocks >= SPLIT_K_BELOW_PROGRAMS or (k < SPLIT_MIN_K and column_blocks >= FEW_PROGRAMS):
+        return 1
+    return max(1, min(MAX_SPLIT_K, -(-SPLIT_PROGRAMS // column_blocks), tiles // MIN_TILES_PER_SPLIT))
 
 
 def block_rows(rows: int) -> int:
@@ -129,9 +193,11 @@ def _fp32_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not needs_grad(x) and not needs_grad(weight))  # under autograd: exactly the module's own product
 
 
-def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None,
+                  split_k: int | None = None) -> torch.Tensor:
     """``x @ weight.T`` by the kernel for ``x`` of [rows <= MAX_KERNEL_ROWS, K] (any float dtype; the launcher
-    does not choose, :func:`skinny_linear` does)."""
+    does not choose, :func:`skinny_linear` does). ``split_k``: parts of K (default :func:`split_k_for`, from the
+    weight's shape and ``config``'s tiles)."""
     rows, k = x.shape
     n = weight.shape[0]
     if not 0 < rows <= MAX_KERNEL_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
@@ -139,14 +205,32 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
                          f"rows, got {tuple(x.shape)} and {tuple(weight.shape)} (strides {weight.stride()})")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block_n, block_k, warps, stages = config or config_for(n, k, rows, x.element_size())
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    (block_n, block_k, warps, stages), split, k_per_split = launch_plan(n, k, rows, x.element_size(), config, split_k)
+    out = torch.empty(split, rows, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split)](
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(1), k_per_split, out.stride(0),
         BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: no tf32 rounding
         **pdl_args(x))
-    return out
+    return out[0] if split == 1 else sum_splits(out, x.dtype)
+
+
+def launch_plan(n: int, k: int, rows: int, element_size: int = 2, config: tuple[int, int, int, int] | None = None,
+                split_k: int | None = None) -> tuple[tuple[int, int, int, int], int, int]:
+    """(config, parts of K, K per part) of a launch for ``rows`` rows on an ``[n, k]`` weight. By default the
+    weight's shape alone decides the parts (:func:`split_k_for`), and a weight that splits takes one config at every
+    row count: a verify row is summed in the parts and tiles of a decode row. An explicit ``config`` splits K as
+    its own tiles would (``split_k`` overrides both)."""
+    if config is None:
+        config = config_for(n, k, rows, element_size)
+        split = split_k_for(n, k) if split_k is None else split_k
+    else:
+        split = split_k_for(n, k, config[0], config[1]) if split_k is None else split_k
+    if not (isinstance(split, int) and split >= 1):
+        raise ValueError(f"split_k must be a positive int, got {split!r}")
+    block_k = config[1]
+    k_per_split = -(-(-(-k // split)) // block_k) * block_k
+    return config, -(-k // k_per_split), k_per_split  # no empty part
 
 
 def linear_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hf_specdec.kernels import skinny_gemm
-from hf_specdec.kernels.skinny_gemm import (MAX_KERNEL_ROWS, MAX_ROWS, linear_forward, skinny_eligible, skinny_linear,
-                                           skinny_matmul)
+from hf_specdec.kernels.skinny_gemm import (MAX_KERNEL_ROWS, MAX_ROWS, SPLIT_CONFIG, config_for, launch_plan,
+                                           linear_forward, skinny_eligible, skinny_linear, skinny_matmul, split_k_for)
 
 SMALL = (16, 32, 4, 2)  # BLOCK_N, BLOCK_K, warps, stages: several programs and K tiles at test sizes
 
@@ -25,11 +25,18 @@ def test_skinny_matmul_bf16_on_the_gpu(rows):
     _check_skinny_matmul("cuda", torch.bfloat16, rows)
 
 
-def _check_skinny_matmul(device, dtype, rows):
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("rows", [1, 29])
+def test_triton_skinny_matmul_split_k(triton_device, rows, split):
+    """K in parts (4 tiles of 32 over K=100: 2 parts of 2 tiles, or 4 of 1, the last one short), summed in order."""
+    _check_skinny_matmul(triton_device, torch.float32, rows, split)
+
+
+def _check_skinny_matmul(device, dtype, rows, split=None):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 100, generator=gen).to(dtype).to(device)  # K not a multiple of BLOCK_K
     w = (torch.randn(70, 100, generator=gen) * 0.1).to(dtype).to(device)  # N not a multiple of BLOCK_N
-    got = skinny_matmul(x, w, SMALL)
+    got = skinny_matmul(x, w, SMALL, split)
     expected = (x.double() @ w.double().T)
     assert got.shape == (rows, 70) and got.dtype == dtype
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -47,6 +54,59 @@ def test_triton_skinny_rows_do_not_depend_on_the_batch(triton_device):
         assert torch.equal(skinny_matmul(x[r:r + 1], w, SMALL), full[r:r + 1])
     assert torch.equal(skinny_matmul(x[:3], w, SMALL), full[:3])
     assert torch.equal(skinny_matmul(x[MAX_ROWS - 2:MAX_ROWS + 3], w, SMALL), full[MAX_ROWS - 2:MAX_ROWS + 3])
+
+
+def test_triton_split_rows_do_not_depend_on_the_batch(triton_device, monkeypatch):
+    """A narrow weight splits K by its shape alone, with one config at every row count: a verify row (17-32 rows)
+    is summed in the same parts and tiles as a decode row, bit for bit."""
+    n, k = 24, 8 * SPLIT_CONFIG[1]
+    splits = split_k_for(n, k)
+    assert splits == 2  # 8 tiles, at least 4 a part
+    assert {config_for(n, k, rows) for rows in (1, MAX_ROWS, MAX_ROWS + 1, MAX_KERNEL_ROWS)} == {SPLIT_CONFIG}
+    summed = []
+    monkeypatch.setattr(skinny_gemm, "sum_splits", lambda parts, dtype: summed.append(parts.shape[0])
+                        or parts.sum(0).to(dtype))  # the parts summed in order, as the kernel does
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(MAX_KERNEL_ROWS, k, generator=gen).to(torch.float16).to(triton_device)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.float16).to(triton_device)
+    full = skinny_matmul(x, w)
+    torch.testing.assert_close(full.double().cpu(), (x.double() @ w.double().T).cpu(), atol=2e-2, rtol=2e-2)
+    assert summed == [2]
+    for r in (0, MAX_ROWS - 1, MAX_KERNEL_ROWS - 1):
+        assert torch.equal(skinny_matmul(x[r:r + 1], w), full[r:r + 1])
+    assert torch.equal(skinny_matmul(x[:MAX_ROWS + 3], w), full[:MAX_ROWS + 3])
+    assert summed == [2] * 5
+
+
+def test_split_k_follows_the_weights_shape(monkeypatch):
+    """Narrow outputs split K until the launch has about SPLIT_PROGRAMS programs, in parts of at least two tiles;
+    wide outputs, short K and SPLIT_K off do not split; a bad split_k is named."""
+    block_k = SPLIT_CONFIG[1]
+    assert split_k_for(2816, 4096) == 3  # 88 column blocks: 264 programs
+    assert split_k_for(1536, 6144) == 4  # 48 column blocks: 192 programs
+    assert split_k_for(2560, 10240) == 3  # 80 column blocks: 240 programs
+    assert split_k_for(128, 2816) == 5  # a router: 4 column blocks, 22 tiles: parts of 4+ tiles
+    assert split_k_for(2816, 2112) == 1  # short K on 88 column blocks: not worth a second launch
+    assert split_k_for(16, 7 * block_k) == 1  # 7 tiles: no two parts of 4
+    assert split_k_for(8192, 2816) == 1 and split_k_for(5376, 8192) == 1  # 168+ column blocks stream on their own
+    monkeypatch.setattr(skinny_gemm, "SPLIT_K", False)
+    assert split_k_for(2816, 4096) == 1
+    assert config_for(2816, 4096) != SPLIT_CONFIG
+    with pytest.raises(ValueError, match="split_k must be a positive int"):
+        skinny_matmul(torch.zeros(1, 8), torch.zeros(4, 8), SMALL, 0)
+
+
+@pytest.mark.parametrize("n, k", [(5376, 8192), (5376, 21504), (2816, 8192), (2816, 4096), (2048, 5376),
+                                  (4224, 2816), (2560, 10240), (1536, 6144), (128, 2816), (262144, 5376)])
+def test_launch_plans_do_not_depend_on_the_rows(n, k):
+    """Every row count of a launch on one weight takes the same parts of K, and a split weight one config (the
+    31B's o and down projections, 84 programs of 64 columns, once split at one row and not at 24 rows: a verify
+    row then rounded unlike a decode row on the GPU)."""
+    plans = {rows: launch_plan(n, k, rows) for rows in range(1, MAX_KERNEL_ROWS + 1)}
+    assert len({(split, k_per_split if split > 1 else k) for _, split, k_per_split in plans.values()}) == 1
+    assert plans[1][1] == split_k_for(n, k)
+    if plans[1][1] > 1:
+        assert {config for config, _, _ in plans.values()} == {SPLIT_CONFIG}
 
 
 def test_triton_skinny_linear_on_strided_rows(triton_device, monkeypatch):
