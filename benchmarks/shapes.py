@@ -328,13 +328,17 @@ def streamed_bytes_per_step(model, batch: int, context: int, tokens_per_row: int
     """Bytes a decode step must read: every weight once as stored (FP8: one byte per weight plus its block
     scales; 4-bit: the packed weights and their scales; lookup tables: one row per token), of an MoE layer's
     experts only those the step's ``batch * tokens_per_row`` tokens select (:func:`expected_active_experts`), plus
-    the K/V of ``context`` tokens (the window on sliding layers) per row in each layer that owns K/V."""
+    the K/V of ``context`` tokens (the window on sliding layers) per row in each layer that owns K/V. A target's own
+    MTP layers (Step 3.5) are not counted: only drafting runs them, never a decode or verify step."""
     config = model.config.get_text_config()
     lookups = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     head = model.get_output_embeddings()
     head_weight = head.weight if head is not None else None
+    unread = _drafting_only_parameters(model)
     weight_bytes = 0
     for name, p in {id(p): (n, p) for n, p in model.named_parameters()}.values():
+        if id(p) in unread:
+            continue
         if any(p is w for w in lookups) and p is not head_weight:
             weight_bytes += batch * p.shape[-1] * p.element_size()
         elif name.endswith(EXPERT_WEIGHTS):
@@ -347,6 +351,19 @@ def streamed_bytes_per_step(model, batch: int, context: int, tokens_per_row: int
     for heads, dim, window in _kv_layers(config):
         kv_bytes += 2 * batch * min(context, window or context) * heads * dim * element
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bytes_per_step": weight_bytes + kv_bytes}
+
+
+def _drafting_only_parameters(model) -> set[int]:
+    """Ids of the parameters only a target's own MTP layers hold (``model.model.mtp_layers``: Step 3.5's layers past
+    ``num_hidden_layers``, each with its own head); one the main model shares too is read by decoding."""
+    mtp_layers = getattr(getattr(model, "model", None), "mtp_layers", None) or []
+    if not mtp_layers:
+        return set()
+    prefixes = tuple(f"model.layers.{layer.layer_idx}." for layer in mtp_layers)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {i for i, owners in names.items() if all(n.startswith(prefixes) for n in owners)}
 
 
 def _top_k(config) -> int:

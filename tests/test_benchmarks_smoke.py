@@ -202,6 +202,22 @@ def test_4_bit_weights_rows_count_the_stored_bytes_and_compare_tokens(tmp_path, 
     assert all(r["tau"] > 1 for r in synthetic if r["backend"].endswith("_synthetic"))
 
 
+def test_floors_leave_out_a_targets_own_mtp_layers():
+    """A Step 3.5 target's MTP layers (and their heads) run only when drafting: the bytes of a decode or verify step
+    are those of the same model without them (they had doubled the cut shape's floor: plain decoding measured at
+    "101%" of it)."""
+    from benchmarks.shapes import step3p5_target, streamed_bytes_per_step
+
+    model = step3p5_target("smoke-step3p5", None, "cpu", torch.float32)
+    assert len(model.model.mtp_layers) == 3
+    with_mtp = [streamed_bytes_per_step(model, 2, 40, tokens) for tokens in (1, 4)]
+    mtp_bytes = sum(p.numel() * p.element_size() for layer in model.model.mtp_layers for p in layer.parameters())
+    del model.model.layers[model.config.num_hidden_layers:]
+    assert not model.model.mtp_layers
+    without = [streamed_bytes_per_step(model, 2, 40, tokens) for tokens in (1, 4)]
+    assert with_mtp == without and mtp_bytes > 0.2 * with_mtp[0]["weight_bytes"]
+
+
 def test_multi_gpu_rows_decode_the_single_device_tokens(smoke):
     records = smoke("multi_gpu")
     run = {(r["model_shape"], r["placement"], r["spec_mode"]) for r in records if not r["skipped"]}
