@@ -1,7 +1,8 @@
 """rms_norm: Gemma-style RMSNorm in one kernel.
 
 ``y = x * (mean(x^2) + eps) ** -0.5 [* weight]`` computed in fp32 and cast back to x's dtype — the
-arithmetic of transformers' ``Gemma4RMSNorm`` (fp32 upcast, scale multiplied in fp32). Eager torch runs
+arithmetic of transformers' ``Gemma4RMSNorm`` (fp32 upcast, scale multiplied in fp32); with ``weight_offset=1`` the
+scale is ``1 + weight`` (norms that store their weights zero-centred: ``GemmaRMSNorm``, Step 3.5's). Eager torch runs
 it as ~8 kernels (cast, pow, mean, add, pow, mul, cast, mul, cast); on a decode step those launches, not
 the bytes, are its cost, even inside a CUDA graph. One program per row.
 """
@@ -16,7 +17,7 @@ def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr,  # x, out: [rows, dim] with row strides; weight: [dim]
     stride_x, stride_out, dim, eps, then_mul_ptr, then_scalar,
     HAS_WEIGHT: tl.constexpr, HAS_THEN_MUL: tl.constexpr, HAS_THEN_SCALAR: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
 ):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -27,7 +28,10 @@ def _rms_norm_kernel(
     mean_squared = tl.sum(x * x, 0) / dim + eps
     y = x / tl.sqrt(mean_squared)
     if HAS_WEIGHT:
-        y = y * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHT_OFFSET != 0.0:
+            w = WEIGHT_OFFSET + w
+        y = y * w
     if HAS_THEN_MUL:  # each product rounded to the dtype, as eager torch rounds it
         y = y.to(dtype).to(tl.float32) * tl.load(then_mul_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_THEN_SCALAR:
@@ -36,10 +40,13 @@ def _rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_mul: torch.Tensor | None = None,
-             then_scalar: float | None = None) -> torch.Tensor:
+             then_scalar: float | None = None, weight_offset: float = 0.0) -> torch.Tensor:
     """x [..., dim] -> same shape and dtype; ``weight`` [dim] or None (no scale). ``then_mul`` [dim] and
     ``then_scalar``: the normalised rows times a vector, then times a number, each product rounded to x's
-    dtype (``norm(x) * then_mul * then_scalar`` in eager torch, e.g. a router's input scaling)."""
+    dtype (``norm(x) * then_mul * then_scalar`` in eager torch, e.g. a router's input scaling).
+    ``weight_offset``: the rows are scaled by ``weight_offset + weight`` in fp32 (1 for zero-centred weights)."""
+    check(weight_offset == 0.0 or weight is not None,
+          f"weight_offset={weight_offset} scales by offset + weight: pass the weight, or weight_offset=0 for none")
     for name, vector in (("weight", weight), ("then_mul", then_mul)):
         check(vector is None or vector.shape == (x.shape[-1],),
               f"{name} must be [dim={x.shape[-1]}], got {None if vector is None else tuple(vector.shape)}")
@@ -47,7 +54,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
           f"then_mul must be in x's dtype {x.dtype} (the product is rounded to it), got "
           f"{None if then_mul is None else then_mul.dtype}")
     if not use_triton(x) or x.numel() == 0 or x.shape[-1] > 65536:
-        return rms_norm_reference(x, weight, eps, then_mul=then_mul, then_scalar=then_scalar)
+        return rms_norm_reference(x, weight, eps, then_mul=then_mul, then_scalar=then_scalar,
+                                  weight_offset=weight_offset)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -58,18 +66,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
         rows, weight if weight is not None else rows, out, rows.stride(0), out.stride(0), dim, eps,
         then_mul if then_mul is not None else rows, float(then_scalar or 0.0),
         HAS_WEIGHT=weight is not None, HAS_THEN_MUL=then_mul is not None, HAS_THEN_SCALAR=then_scalar is not None,
-        BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl_args(out),
+        BLOCK=block, num_warps=max(1, min(16, block // 256)), WEIGHT_OFFSET=float(weight_offset), **pdl_args(out),
     )
     return out.view(x.shape)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
-                       then_mul: torch.Tensor | None = None, then_scalar: float | None = None) -> torch.Tensor:
+                       then_mul: torch.Tensor | None = None, then_scalar: float | None = None,
+                       weight_offset: float = 0.0) -> torch.Tensor:
     """Torch version: the CPU path and the test oracle (transformers' Gemma4RMSNorm arithmetic)."""
     h = x.float()
     y = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     if weight is not None:
-        y = y * weight.float()
+        y = y * (weight_offset + weight.float() if weight_offset else weight.float())
     y = y.type_as(x)
     if then_mul is not None:
         y = y * then_mul

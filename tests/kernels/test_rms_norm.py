@@ -42,6 +42,31 @@ def test_triton_rms_norm(triton_device, dim, with_scale, dtype):
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_zero_centred_norm_is_step3p5s(triton_device, dtype):
+    """``weight_offset=1``: rows scaled by ``1 + weight`` (Step 3.5's GemmaRMSNorm, zero-centred weights), as its
+    fused forward runs it; the reference with the offset is the norm of the shifted weight."""
+    from hf_specdec.models.step3p5.fusion import _step3p5_rms_norm_forward
+    from hf_specdec.models.step3p5.layers import Step3p5RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    norm = Step3p5RMSNorm(72).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(72, generator=gen) * 0.3)
+    norm = norm.to(triton_device)
+    x = torch.randn(2, 3, 4, 72, generator=gen).to(dtype).to(triton_device)  # per-head rows, as q_norm's
+    fused = _step3p5_rms_norm_forward(norm, x)
+    expected = Step3p5RMSNorm.forward(norm, x)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert fused.dtype == dtype and fused.shape == x.shape
+    torch.testing.assert_close(fused.float(), expected.float(), atol=tol, rtol=tol)
+    shifted = rms_norm_reference(x.float(), 1 + norm.weight.float(), 1e-5)
+    torch.testing.assert_close(rms_norm_reference(x.float(), norm.weight.float(), 1e-5, weight_offset=1.0), shifted,
+                               atol=0, rtol=0)
+    with pytest.raises(ValueError, match="pass the weight"):
+        rms_norm(x, None, 1e-5, weight_offset=1.0)
+
+
 def test_enable_fuses_gemma_norms_where_the_kernels_run_and_disable_restores_them(monkeypatch):
     model = gemma4_e2b_style()
     norms = [m for m in model.modules() if isinstance(m, Gemma4RMSNorm)]

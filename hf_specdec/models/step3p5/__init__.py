@@ -11,7 +11,7 @@ writes a ``Step3p5ForCausalLM`` as a checkpoint transformers' Step 3.7 loads (do
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_specdec.generation.registry import DrafterBuilder, register_drafter
-from hf_specdec.models.step3p5 import mtp_drafter
+from hf_specdec.models.step3p5 import fusion, mtp_drafter
 
 from hf_specdec.models.step3p5.configuration import Step3p5Config
 from hf_specdec.models.step3p5.modeling import (
@@ -25,6 +25,7 @@ from hf_specdec.models.step3p5.modeling import (
 
 AutoConfig.register(Step3p5Config.model_type, Step3p5Config, exist_ok=True)
 AutoModelForCausalLM.register(Step3p5Config, Step3p5ForCausalLM, exist_ok=True)
+fusion.register()
 register_drafter(DrafterBuilder("mtp", mtp_drafter.matches, mtp_drafter.build,
                                 "a Step 3.5 model drafting with its own MTP layers (no assistant_model)"))
 

@@ -24,6 +24,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import eager_attention_forward, rotate_half
 
 from hf_specdec.kernels.fused_moe import fused_moe, gated_activation_reference, sigmoid_bias_topk_route
+from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.runtime.placement import loaded_weights
 from hf_specdec.models.step3p5.configuration import Step3p5Config
 
@@ -131,7 +132,8 @@ class Step3p5MLP(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = stacked_projections(x, self.gate_proj, self.up_proj)  # one GEMM once enable stacked them
+        return self.down_proj(clamped_swiglu(gate, up, self.limit))
 
 
 class Step3p5ExpertLinear(nn.Module):
@@ -219,9 +221,11 @@ class Step3p5Attention(nn.Module):
         position_embeddings None = no RoPE."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-        key = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        projections = (self.q_proj, self.k_proj, self.v_proj) + ((self.g_proj,) if self.g_proj is not None else ())
+        query, key, value, *gate = stacked_projections(hidden_states, *projections)  # one GEMM once stacked
+        query = self.q_norm(query.reshape(hidden_shape)).transpose(1, 2)
+        key = self.k_norm(key.reshape(hidden_shape)).transpose(1, 2)
+        value = value.reshape(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             query, key = apply_partial_rotary(query, key, *position_embeddings)
         if past_key_values is not None:
@@ -234,6 +238,6 @@ class Step3p5Attention(nn.Module):
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
         )  # out [batch, seq, heads, head_dim]
-        if self.g_proj is not None:
-            out = out * torch.sigmoid(self.g_proj(hidden_states)).unsqueeze(-1).to(out.dtype)
+        if gate:
+            out = out * torch.sigmoid(gate[0]).unsqueeze(-1).to(out.dtype)
         return self.o_proj(out.reshape(*input_shape, -1)), weights
