@@ -7,7 +7,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rota
 
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
 from hf_specdec.kernels.fused_moe import softmax_topk_route
-from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add
+from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add, rms_norm
 
 
 def _case(dtype, device="cpu", batch=2, seq=3, q_heads=4, kv_heads=2, dim=32, cos_batch=None, seed=0):
@@ -77,10 +77,89 @@ def test_triton_qkv_norm_rope_q_only_and_shared_kv_input(triton_device):
 
 def test_bad_shapes_name_the_fix():
     q, k, v, weights, eps, cos, sin = _case(torch.float32)
-    with pytest.raises(ValueError, match="give both k and v"):
-        qkv_norm_rope(q, k, None, weights, eps, cos, sin)
+    with pytest.raises(ValueError, match="v needs k"):
+        qkv_norm_rope(q, None, v, weights, eps, cos, sin)
     with pytest.raises(ValueError, match="cos/sin must be"):
-        qkv_norm_rope(q, k, v, weights, eps, cos[..., :-2], sin[..., :-2])
+        qkv_norm_rope(q, k, v, weights, eps, cos, sin[..., :-2])
+    with pytest.raises(ValueError, match="even number of rotated dims"):
+        qkv_norm_rope(q, k, v, weights, eps, cos[..., :-1], sin[..., :-1])
+    with pytest.raises(ValueError, match="needs its weight"):
+        qkv_norm_rope(q, k, v, weights, eps, cos, sin, weight_offset=1.0)  # v has no weight
+
+
+def _step3p5_heads(q, k, cos, sin, q_weight, k_weight, eps):
+    """Step 3.5's eager attention ops between the projections and the cache: its zero-centred q/k norms (1 +
+    weight), then partial rotary over the first cos.shape[-1] dims (layers.apply_partial_rotary)."""
+    from hf_specdec.models.step3p5.layers import Step3p5RMSNorm, apply_partial_rotary
+
+    norms = []
+    for w in (q_weight, k_weight):
+        norm = Step3p5RMSNorm(q.shape[-1], eps).to(q.dtype)
+        norm.weight.data = w.clone()
+        norms.append(norm.to(q.device))
+    query, key = (n(x).transpose(1, 2) for n, x in zip(norms, (q, k)))  # [batch, heads, seq, dim]
+    query, key = apply_partial_rotary(query, key, cos, sin)
+    return query.transpose(1, 2), key.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype,rot", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 32)])
+def test_triton_partial_rotary_zero_centred_norms_and_no_v_are_step3p5s_heads(triton_device, dtype, rot):
+    """Step 3.5's layers: q and k normalised by 1 + weight, only the first ``rot`` dims rotated (half the head on
+    its full-attention layers), the values left alone (v None)."""
+    q, k, _, _, eps, _, _ = _case(dtype, triton_device, dim=32, seed=2)
+    gen = torch.Generator().manual_seed(7)
+    q_weight, k_weight = ((torch.randn(32, generator=gen) * 0.2).to(dtype).to(triton_device) for _ in range(2))
+    angles = torch.rand(q.shape[0], q.shape[1], rot // 2, generator=gen) * 6
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = (f(angles).to(dtype).to(triton_device) for f in (torch.cos, torch.sin))
+    got_q, got_k, none_v = qkv_norm_rope(q, k, None, (q_weight, k_weight, None), (1e-5, 1e-5, 0.0), cos, sin,
+                                         weight_offset=1.0)
+    assert none_v is None
+    ref_q, ref_k, _ = qkv_norm_rope_reference(q, k, None, (q_weight, k_weight, None), (1e-5, 1e-5, 0.0), cos, sin,
+                                              weight_offset=1.0)
+    step_q, step_k = _step3p5_heads(q, k, cos, sin, q_weight, k_weight, 1e-5)
+    for got, ref, step in ((got_q, ref_q, step_q), (got_k, ref_k, step_k)):
+        _assert_close(got, ref, dtype)
+        _assert_close(ref, step, dtype)  # the reference is Step 3.5's ops (rsqrt vs pow(-0.5): rounding)
+
+
+def test_triton_fused_step3p5_forwards_keep_the_models_logits(triton_device, monkeypatch):
+    """enable's Step 3.5 forwards inside a whole tiny Step 3.5 (full layers rotating half of each head, sliding
+    layers all of it; dense and MoE layers; MTP layers): one qkv_norm_rope launch per attention (zero-centred q/k
+    norms, no v norm), one rms_norm launch per other norm, q/k/v/gate and gate/up stacked into one GEMM each."""
+    from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+    from hf_specdec.kernels.stacked_linear import stacked_weight
+    from hf_specdec.models.step3p5 import fusion
+    from hf_specdec.models.step3p5.layers import Step3p5Attention, Step3p5MLP, Step3p5RMSNorm
+    from tests.models.step3p5.tiny_step3p5 import random_ids, tiny_model
+
+    model = tiny_model().eval().to(triton_device)
+    ids = random_ids().to(triton_device)
+    previous = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    previous = previous.to(triton_device)
+    with torch.inference_mode():
+        expected, expected_mtp = model(ids).logits, model.model.mtp_forward(0, previous, ids)
+        attentions = [m for m in model.modules() if isinstance(m, Step3p5Attention)]
+        mlps = [m for m in model.modules() if isinstance(m, Step3p5MLP)]
+        norms = [m for m in model.modules() if isinstance(m, Step3p5RMSNorm)]
+        fuse_modules(model)
+        assert all("forward" in vars(m) for m in attentions + norms)
+        assert all(stacked_weight(m.q_proj, m.k_proj, m.v_proj, m.g_proj) is not None for m in attentions)
+        assert all(stacked_weight(m.gate_proj, m.up_proj) is not None for m in mlps)
+        ropes, normed = [], []
+        monkeypatch.setattr(fusion, "qkv_norm_rope", lambda *a, **kw: ropes.append(a[6].shape[-1])
+                            or qkv_norm_rope(*a, **kw))
+        monkeypatch.setattr(fusion, "rms_norm", lambda *a, **kw: normed.append(1) or rms_norm(*a, **kw))
+        got = model(ids).logits
+        got_mtp = model.model.mtp_forward(0, previous, ids)
+        main = model.config.num_hidden_layers
+        assert len(ropes) == main + 1 and set(ropes) == {4, 8}  # full layers rotate 4 of 8 dims
+        assert len(normed) == 2 * main + 1 + 4  # two a layer and the final norm; the MTP layer's two and its
+        # norms of the embeddings and of the previous hidden states
+        unfuse_modules(model)
+    assert not any("forward" in vars(m) for m in attentions + norms)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
+    torch.testing.assert_close(got_mtp, expected_mtp, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style", "gemma4_26b_style"])

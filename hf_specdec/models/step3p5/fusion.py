@@ -1,12 +1,13 @@
 """Step 3.5's fused forwards, registered with ``enable`` (``generation/fusion.py``).
 
 A Step 3.5 decode step otherwise runs each of its norms (two per layer, the per-head q and k norms, an MTP
-layer's head norm) as ~8 eager kernels, and its same-input projections as separate GEMMs. Where the kernels run,
-its zero-centred norms take one launch each (:func:`rms_norm` with ``weight_offset=1``: ``x / rms(x) * (1 +
-weight)`` in fp32, GemmaRMSNorm's arithmetic), and ``enable`` stacks an attention's q/k/v and head-wise gate
-projections, and an MLP's (dense or shared expert) gate and up projections, into one storage each, so that their
-forwards (which go through :func:`stacked_projections`) run one GEMM per group. Each fused forward runs the
-module's own forward on CPU and whenever autograd tracks the input (the kernels have no backward).
+layer's head norm) as ~8 eager kernels, its partial rotary as ~10 more per layer, and its same-input projections as
+separate GEMMs. Where the kernels run, its zero-centred norms take one launch each (:func:`rms_norm` with
+``weight_offset=1``: ``x / rms(x) * (1 + weight)`` in fp32, GemmaRMSNorm's arithmetic); an attention's q and k
+norms and its partial rotary take one launch together (:func:`qkv_norm_rope`); and ``enable`` stacks an
+attention's q/k/v and head-wise gate projections, and an MLP's (dense or shared expert) gate and up projections,
+into one storage each, so that they run as one GEMM per group (:func:`stacked_projections`). Each fused forward
+runs the module's own forward on CPU and whenever autograd tracks the input (the kernels have no backward).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from hf_specdec.generation.registry import FusedForward, register_fused_forwards
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import rms_norm
 from hf_specdec.models.step3p5.layers import Step3p5Attention, Step3p5MLP, Step3p5RMSNorm
 
@@ -26,16 +28,40 @@ def _step3p5_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor
     return rms_norm(hidden_states, self.weight, self.eps, weight_offset=1.0)
 
 
+def _step3p5_attention_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask,
+                               past_key_values=None, **kwargs):
+    """``Step3p5Attention.forward`` with its q/k norms and partial rotary in one launch (the values are not
+    normalised: ``qkv_norm_rope`` with v None). The CPU, autograd and a call without rotary run the original."""
+    if not use_triton(hidden_states) or needs_grad(hidden_states) or position_embeddings is None:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  **kwargs)
+    query, key, value, gate = self.projections(hidden_states)
+    hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    norms = (self.q_norm, self.k_norm)
+    query, key, _ = qkv_norm_rope(query.view(hidden_shape), key.view(hidden_shape), None,
+                                  (norms[0].weight, norms[1].weight, None), (norms[0].eps, norms[1].eps, 0.0),
+                                  *position_embeddings, weight_offset=1.0)
+    return self.attend(query.transpose(1, 2), key.transpose(1, 2), value.reshape(hidden_shape).transpose(1, 2),
+                       gate, attention_mask, past_key_values, **kwargs)
+
+
+def _fusible_attention(module) -> bool:
+    """The norms the fused forward reads: zero-centred, one weight per head dim."""
+    return all(type(n) is Step3p5RMSNorm and n.weight.shape == (module.head_dim,)
+               for n in (module.q_norm, module.k_norm))
+
+
 def _fusible_norm(module) -> bool:
     return isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 1
 
 
 def register() -> None:
-    """Register Step 3.5's fused forwards with ``enable`` (idempotent). The attention and MLP keep their own
-    forwards (they run their projections through :func:`stacked_projections`); their entries name the groups that
-    ``enable`` stacks where the kernels run."""
+    """Register Step 3.5's fused forwards with ``enable`` (idempotent). The MLP keeps its own forward (it runs its
+    projections through :func:`stacked_projections`); its entry names the group that ``enable`` stacks where the
+    kernels run."""
     register_fused_forwards(
         FusedForward(Step3p5RMSNorm, _step3p5_rms_norm_forward, _fusible_norm),
-        FusedForward(Step3p5Attention, Step3p5Attention.forward, stacked=(("q_proj", "k_proj", "v_proj", "g_proj"),)),
+        FusedForward(Step3p5Attention, _step3p5_attention_forward, _fusible_attention,
+                     stacked=(("q_proj", "k_proj", "v_proj", "g_proj"),)),
         FusedForward(Step3p5MLP, Step3p5MLP.forward, stacked=(("gate_proj", "up_proj"),)),
     )

@@ -219,18 +219,27 @@ class Step3p5Attention(nn.Module):
                 attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
         """hidden_states [batch, seq, hidden] -> (out [batch, seq, hidden], attention weights or None);
         position_embeddings None = no RoPE."""
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        projections = (self.q_proj, self.k_proj, self.v_proj) + ((self.g_proj,) if self.g_proj is not None else ())
-        query, key, value, *gate = stacked_projections(hidden_states, *projections)  # one GEMM once stacked
+        query, key, value, gate = self.projections(hidden_states)
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         query = self.q_norm(query.reshape(hidden_shape)).transpose(1, 2)
         key = self.k_norm(key.reshape(hidden_shape)).transpose(1, 2)
-        value = value.reshape(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             query, key = apply_partial_rotary(query, key, *position_embeddings)
+        return self.attend(query, key, value.reshape(hidden_shape).transpose(1, 2), gate, attention_mask,
+                           past_key_values, **kwargs)
+
+    def projections(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v, head-wise gate logits or None) [batch, seq, width]: one GEMM once ``enable`` stacked them."""
+        projections = (self.q_proj, self.k_proj, self.v_proj) + ((self.g_proj,) if self.g_proj is not None else ())
+        query, key, value, *gate = stacked_projections(hidden_states, *projections)
+        return query, key, value, gate[0] if gate else None
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gate: torch.Tensor | None,
+               attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
+        """Attention over the normalised, rotated heads [batch, heads, seq, head_dim] (through the cache), the
+        head-wise gate, o_proj -> (out [batch, seq, hidden], attention weights or None)."""
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
@@ -238,6 +247,6 @@ class Step3p5Attention(nn.Module):
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
         )  # out [batch, seq, heads, head_dim]
-        if gate:
-            out = out * torch.sigmoid(gate[0]).unsqueeze(-1).to(out.dtype)
-        return self.o_proj(out.reshape(*input_shape, -1)), weights
+        if gate is not None:
+            out = out * torch.sigmoid(gate).unsqueeze(-1).to(out.dtype)
+        return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
