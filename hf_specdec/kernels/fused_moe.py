@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from ._dispatch import (check, check_same_device, interpreting, needs_grad, next_power_of_2, pdl_args, pdl_wait,
                         tl, triton, use_triton)
 from .fp8_gemm import E8M0_DTYPE, e4m3_bits_to_float, f16_rows, load_scale
-from .gelu_mul import gelu_tanh_mul_reference, is_gelu_tanh
+from .gelu_mul import gelu_tanh_mul_reference, is_gelu_tanh, silu_mul_reference
 
 logger = logging.getLogger(__name__)
 
@@ -749,11 +749,7 @@ def gated_activation_reference(gate: torch.Tensor, up: torch.Tensor, activation:
     """Gemma 4's ``gelu_tanh(gate) * up`` or Step 3.5's ``clamped_swiglu(gate, up, limit)``, in the inputs' dtype."""
     if activation == "gelu_tanh":
         return gelu_tanh_mul_reference(gate, up)
-    act = F.silu(gate)
-    if limit is not None:
-        act = act.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return act * up
+    return silu_mul_reference(gate, up, limit)
 
 
 def fused_moe_reference(hidden_states: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,

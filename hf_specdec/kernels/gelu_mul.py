@@ -1,9 +1,11 @@
-"""gelu_tanh_mul: ``gelu(gate, approximate="tanh") * up`` in one kernel (the gated MLP of Gemma 4).
+"""gelu_tanh_mul: ``gelu(gate, approximate="tanh") * up`` in one kernel (the gated MLP of Gemma 4); silu_mul:
+``silu(gate) * up``, with Step 3.5's optional clamps (``silu(gate).clamp(max=c) * up.clamp(-c, c)``).
 
-Eagerly the activation and the product are two launches over the intermediate width; at decode their
-bytes are ~100 KB, so the launches are their cost. The arithmetic is torch's: the activation in fp32
-(``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))``) rounded to the input dtype, then the product
-rounded. tanh is written with exp (``1 - 2 / (exp(2z) + 1)``), within a few fp32 ulps of the libm tanh.
+Eagerly the activation and the product are two launches over the intermediate width (five with the clamps); at
+decode their bytes are ~100 KB, so the launches are their cost. The arithmetic is torch's: the activation in fp32
+(``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))``, or ``x / (1 + exp(-x))``) rounded to the input
+dtype, the clamps on the rounded values, then the product rounded. tanh is written with exp (``1 - 2 / (exp(2z) +
+1)``), within a few fp32 ulps of the libm tanh.
 """
 
 import math
@@ -47,6 +49,50 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate2, up2, out, width, gate2.stride(0), up2.stride(0), BLOCK=_BLOCK,
         K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715, num_warps=4, **pdl_args(out))
     return out
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, limit, BLOCK: tl.constexpr,
+                     CLAMP: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:
+        act = tl.minimum(act, limit).to(dtype).to(tl.float32)
+        up = tl.minimum(tl.maximum(up, -limit), limit).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``limit``, ``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)`` (Step 3.5's
+    clamped SwiGLU). Same-shape tensors whose last dimension is contiguous (e.g. the halves of one stacked
+    gate/up projection); a new contiguous tensor."""
+    check(gate.shape == up.shape and gate.dtype == up.dtype,
+          f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    check(limit is None or limit > 0, f"limit must be > 0 (None for no clamp), got {limit!r}")
+    if not use_triton(gate) or gate.numel() == 0:
+        return silu_mul_reference(gate, up, limit)
+    width = gate.shape[-1]
+    gate2, up2 = _rows(gate, width), _rows(up, width)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _silu_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
+        gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), BLOCK=_BLOCK,
+        CLAMP=limit is not None, num_warps=4, **pdl_args(out))
+    return out
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """Torch version: the CPU path and the test oracle (Step 3.5's ``clamped_swiglu``)."""
+    act = torch.nn.functional.silu(gate)
+    if limit is not None:
+        act = act.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return act * up
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,11 +1,11 @@
-"""gelu_tanh_mul: the reference is transformers' Gemma 4 MLP gate (``act_fn(gate) * up``) bit for bit; the
-Triton kernel matches it."""
+"""gelu_tanh_mul and silu_mul: the references are transformers' Gemma 4 MLP gate (``act_fn(gate) * up``) and Step
+3.5's clamped SwiGLU bit for bit; the Triton kernels match them."""
 
 import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, gelu_tanh_mul_reference
+from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, gelu_tanh_mul_reference, silu_mul, silu_mul_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -45,3 +45,37 @@ def test_triton_gelu_tanh_mul_on_the_halves_of_one_stacked_projection(triton_dev
     assert got.shape == (3, 4, 1100) and got.is_contiguous()
     torch.testing.assert_close(got.cpu(), gelu_tanh_mul_reference(gate.contiguous(), up.contiguous()).cpu(),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("limit", [None, 0.7])
+def test_silu_mul_reference_is_step3p5s_clamped_swiglu_exactly(limit):
+    from hf_specdec.models.step3p5.layers import clamped_swiglu
+
+    gen = torch.Generator().manual_seed(3)
+    gate, up = (torch.randn(3, 5, 70, generator=gen).mul(3).to(torch.bfloat16) for _ in range(2))
+    expected = torch.nn.functional.silu(gate) * up if limit is None else (
+        torch.nn.functional.silu(gate).clamp(max=limit) * up.clamp(-limit, limit))
+    assert torch.equal(silu_mul_reference(gate, up, limit), expected)
+    assert torch.equal(clamped_swiglu(gate, up, limit), expected)
+
+
+@pytest.mark.parametrize("dtype,limit", [(torch.float32, None), (torch.float32, 0.7), (torch.bfloat16, 0.7),
+                                         (torch.bfloat16, None)])
+def test_triton_silu_mul(triton_device, dtype, limit):
+    """The halves of one stacked gate/up output; values on both sides of the clamps, and past exp's range."""
+    gen = torch.Generator().manual_seed(4)
+    stacked = torch.cat([torch.randn(2, 2 * 1300, generator=gen) * 3,
+                         torch.tensor([[-100.0, -5.0, 0.0, 0.7, 0.71, 100.0] * 2] * 2)], dim=1)
+    gate, up = stacked.to(dtype).to(triton_device).split(stacked.shape[1] // 2, dim=-1)
+    got = silu_mul(gate, up, limit)
+    expected = silu_mul_reference(gate.contiguous(), up.contiguous(), limit)
+    assert got.shape == expected.shape and got.dtype == dtype and got.is_contiguous()
+    if limit is not None:
+        assert got.float().abs().max() <= limit * limit * 1.01
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)
+    torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **tol)
+
+
+def test_silu_mul_bad_limit_names_the_fix():
+    with pytest.raises(ValueError, match="None for no clamp"):
+        silu_mul(torch.zeros(2, 3), torch.zeros(2, 3), 0.0)

@@ -7,6 +7,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rota
 
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
 from hf_specdec.kernels.fused_moe import softmax_topk_route
+from hf_specdec.kernels.gelu_mul import silu_mul
 from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add, rms_norm
 
 
@@ -146,16 +147,18 @@ def test_triton_fused_step3p5_forwards_keep_the_models_logits(triton_device, mon
         assert all("forward" in vars(m) for m in attentions + norms)
         assert all(stacked_weight(m.q_proj, m.k_proj, m.v_proj, m.g_proj) is not None for m in attentions)
         assert all(stacked_weight(m.gate_proj, m.up_proj) is not None for m in mlps)
-        ropes, normed = [], []
+        ropes, normed, swiglus = [], [], []
         monkeypatch.setattr(fusion, "qkv_norm_rope", lambda *a, **kw: ropes.append(a[6].shape[-1])
                             or qkv_norm_rope(*a, **kw))
         monkeypatch.setattr(fusion, "rms_norm", lambda *a, **kw: normed.append(1) or rms_norm(*a, **kw))
+        monkeypatch.setattr(fusion, "silu_mul", lambda *a: swiglus.append(a[2]) or silu_mul(*a))
         got = model(ids).logits
         got_mtp = model.model.mtp_forward(0, previous, ids)
         main = model.config.num_hidden_layers
         assert len(ropes) == main + 1 and set(ropes) == {4, 8}  # full layers rotate 4 of 8 dims
         assert len(normed) == 2 * main + 1 + 4  # two a layer and the final norm; the MTP layer's two and its
         # norms of the embeddings and of the previous hidden states
+        assert len(swiglus) == main + 1 and set(swiglus) == {0.7, None}  # MLPs, shared experts (layer 2 clamps)
         unfuse_modules(model)
     assert not any("forward" in vars(m) for m in attentions + norms)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums

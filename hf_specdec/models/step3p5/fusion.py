@@ -4,10 +4,11 @@ A Step 3.5 decode step otherwise runs each of its norms (two per layer, the per-
 layer's head norm) as ~8 eager kernels, its partial rotary as ~10 more per layer, and its same-input projections as
 separate GEMMs. Where the kernels run, its zero-centred norms take one launch each (:func:`rms_norm` with
 ``weight_offset=1``: ``x / rms(x) * (1 + weight)`` in fp32, GemmaRMSNorm's arithmetic); an attention's q and k
-norms and its partial rotary take one launch together (:func:`qkv_norm_rope`); and ``enable`` stacks an
-attention's q/k/v and head-wise gate projections, and an MLP's (dense or shared expert) gate and up projections,
-into one storage each, so that they run as one GEMM per group (:func:`stacked_projections`). Each fused forward
-runs the module's own forward on CPU and whenever autograd tracks the input (the kernels have no backward).
+norms and its partial rotary take one launch together (:func:`qkv_norm_rope`), an MLP's clamped SwiGLU one
+(:func:`silu_mul`); and ``enable`` stacks an attention's q/k/v and head-wise gate projections, and an MLP's (dense
+or shared expert) gate and up projections, into one storage each, so that they run as one GEMM per group
+(:func:`stacked_projections`). Each fused forward runs the module's own forward on CPU and whenever autograd
+tracks the input (the kernels have no backward).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 from hf_specdec.generation.registry import FusedForward, register_fused_forwards
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.gelu_mul import silu_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
+from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.kernels.rms_norm import rms_norm
 from hf_specdec.models.step3p5.layers import Step3p5Attention, Step3p5MLP, Step3p5RMSNorm
 
@@ -51,17 +54,23 @@ def _fusible_attention(module) -> bool:
                for n in (module.q_norm, module.k_norm))
 
 
+def _step3p5_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``Step3p5MLP.forward`` (a dense MLP or a shared expert) with its clamped SwiGLU in one launch
+    (:func:`silu_mul`) after one GEMM for gate and up. The CPU and autograd run the original."""
+    if not use_triton(x) or needs_grad(x):
+        return type(self).forward(self, x)
+    return self.down_proj(silu_mul(*stacked_projections(x, self.gate_proj, self.up_proj), self.limit))
+
+
 def _fusible_norm(module) -> bool:
     return isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 1
 
 
 def register() -> None:
-    """Register Step 3.5's fused forwards with ``enable`` (idempotent). The MLP keeps its own forward (it runs its
-    projections through :func:`stacked_projections`); its entry names the group that ``enable`` stacks where the
-    kernels run."""
+    """Register Step 3.5's fused forwards with ``enable`` (idempotent)."""
     register_fused_forwards(
         FusedForward(Step3p5RMSNorm, _step3p5_rms_norm_forward, _fusible_norm),
         FusedForward(Step3p5Attention, _step3p5_attention_forward, _fusible_attention,
                      stacked=(("q_proj", "k_proj", "v_proj", "g_proj"),)),
-        FusedForward(Step3p5MLP, Step3p5MLP.forward, stacked=(("gate_proj", "up_proj"),)),
+        FusedForward(Step3p5MLP, _step3p5_mlp_forward, stacked=(("gate_proj", "up_proj"),)),
     )
