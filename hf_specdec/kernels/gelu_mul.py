@@ -18,49 +18,22 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _gelu_tanh_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, BLOCK: tl.constexpr,
-                          K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, PDL: tl.constexpr):
+def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, limit, BLOCK: tl.constexpr,
+                      SILU: tl.constexpr, CLAMP: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
+                      PDL: tl.constexpr):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     dtype = out_ptr.dtype.element_ty
     x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    inner = K_BETA * (x + K_KAPPA * (x * x * x))
-    # |2 * inner| > 80: tanh is +-1 in fp32 already; the clamp keeps exp finite
-    tanh = 1.0 - 2.0 / (tl.exp(tl.minimum(tl.maximum(2.0 * inner, -80.0), 80.0)) + 1.0)
-    act = (0.5 * x * (1.0 + tanh)).to(dtype).to(tl.float32)
-    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)
-
-
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu(gate, approximate="tanh") * up`` for same-shape tensors; a new contiguous tensor. The inputs may
-    be column slices of a wider tensor (e.g. the two halves of one stacked gate/up projection): only the
-    last dimension has to be contiguous."""
-    check(gate.shape == up.shape and gate.dtype == up.dtype,
-          f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
-    if not use_triton(gate) or gate.numel() == 0:
-        return gelu_tanh_mul_reference(gate, up)
-    width = gate.shape[-1]
-    gate2, up2 = _rows(gate, width), _rows(up, width)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _gelu_tanh_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
-        gate2, up2, out, width, gate2.stride(0), up2.stride(0), BLOCK=_BLOCK,
-        K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715, num_warps=4, **pdl_args(out))
-    return out
-
-
-@triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, limit, BLOCK: tl.constexpr,
-                     CLAMP: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    dtype = out_ptr.dtype.element_ty
-    x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
+    if SILU:
+        act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
+    else:
+        inner = K_BETA * (x + K_KAPPA * (x * x * x))
+        # |2 * inner| > 80: tanh is +-1 in fp32 already; the clamp keeps exp finite
+        tanh = 1.0 - 2.0 / (tl.exp(tl.minimum(tl.maximum(2.0 * inner, -80.0), 80.0)) + 1.0)
+        act = (0.5 * x * (1.0 + tanh)).to(dtype).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     if CLAMP:
         act = tl.minimum(act, limit).to(dtype).to(tl.float32)
@@ -68,21 +41,31 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, l
     tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)
 
 
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` for same-shape tensors; a new contiguous tensor. The inputs may
+    be column slices of a wider tensor (e.g. the two halves of one stacked gate/up projection): only the
+    last dimension has to be contiguous."""
+    return _gated_mul(gate, up, silu=False, limit=None)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """``silu(gate) * up``; with ``limit``, ``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)`` (Step 3.5's
-    clamped SwiGLU). Same-shape tensors whose last dimension is contiguous (e.g. the halves of one stacked
-    gate/up projection); a new contiguous tensor."""
+    clamped SwiGLU). The inputs as :func:`gelu_tanh_mul`'s."""
+    check(limit is None or limit > 0, f"limit must be > 0 (None for no clamp), got {limit!r}")
+    return _gated_mul(gate, up, silu=True, limit=limit)
+
+
+def _gated_mul(gate: torch.Tensor, up: torch.Tensor, silu: bool, limit: float | None) -> torch.Tensor:
     check(gate.shape == up.shape and gate.dtype == up.dtype,
           f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
-    check(limit is None or limit > 0, f"limit must be > 0 (None for no clamp), got {limit!r}")
     if not use_triton(gate) or gate.numel() == 0:
-        return silu_mul_reference(gate, up, limit)
+        return silu_mul_reference(gate, up, limit) if silu else gelu_tanh_mul_reference(gate, up)
     width = gate.shape[-1]
     gate2, up2 = _rows(gate, width), _rows(up, width)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    _silu_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
-        gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), BLOCK=_BLOCK,
-        CLAMP=limit is not None, num_warps=4, **pdl_args(out))
+    _gated_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
+        gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), BLOCK=_BLOCK, SILU=silu,
+        CLAMP=limit is not None, K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715, num_warps=4, **pdl_args(out))
     return out
 
 
