@@ -143,10 +143,10 @@ def split_k_for(n: int, k: int, block_n: int | None = None, block_k: int | None 
     row is."""
     block_n = block_n or SPLIT_CONFIG[0]
     block_k = block_k or SPLIT_CONFIG[1]
-    column_blocks, tiles = -(-n // block_n), -(-k // block_k)
+    column_blocks, tiles = _cdiv(n, block_n), _cdiv(k, block_k)
     if not SPLIT_K or column_blocks >= SPLIT_K_BELOW_PROGRAMS or (k < SPLIT_MIN_K and column_blocks >= FEW_PROGRAMS):
         return 1
-    return max(1, min(MAX_SPLIT_K, -(-SPLIT_PROGRAMS // column_blocks), tiles // MIN_TILES_PER_SPLIT))
+    return max(1, min(MAX_SPLIT_K, _cdiv(SPLIT_PROGRAMS, column_blocks), tiles // MIN_TILES_PER_SPLIT))
 
 
 def block_rows(rows: int) -> int:
@@ -229,8 +229,12 @@ def launch_plan(n: int, k: int, rows: int, element_size: int = 2, config: tuple[
     if not (isinstance(split, int) and split >= 1):
         raise ValueError(f"split_k must be a positive int, got {split!r}")
     block_k = config[1]
-    k_per_split = -(-(-(-k // split)) // block_k) * block_k
-    return config, -(-k // k_per_split), k_per_split  # no empty part
+    k_per_split = _cdiv(_cdiv(k, split), block_k) * block_k  # whole tiles
+    return config, _cdiv(k, k_per_split), k_per_split  # no empty part
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def linear_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
 from hf_specdec.kernels.gelu_mul import silu_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
-from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.kernels.rms_norm import rms_norm
+from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.models.step3p5.layers import Step3p5Attention, Step3p5MLP, Step3p5RMSNorm
 
 
