@@ -313,3 +313,38 @@ def test_multi_gpu_reruns_gloo_ranks_once_after_an_abort(tmp_path, monkeypatch, 
     run_bench(multi_gpu, argv, quiet=True)
     records = [json.loads(line) for line in (tmp_path / "multi_gpu.jsonl").read_text().splitlines()]
     assert len(spawned) == 2 and any(r["placement"] == "tp" and not r["skipped"] for r in records)
+
+
+def test_ab_decode_times_each_value_in_turn_and_restores_the_attribute(capsys):
+    """``benchmarks.ab_decode``: one row per (round, value), the tokens of every value compared with the first's,
+    the attribute set back afterwards; a malformed ``--set`` is refused with the form it takes."""
+    import benchmarks.ab_decode as ab
+    from hf_specdec.kernels import skinny_gemm
+
+    before = skinny_gemm.SPLIT_K
+    seen = []
+    original = ab.measure_hf_specdec
+
+    def measuring(model, ids, args):  # which value each measurement ran under
+        seen.append(skinny_gemm.SPLIT_K)
+        return original(model, ids, args)
+
+    ab.measure_hf_specdec = measuring
+    try:
+        assert ab.main(["--set", "hf_specdec.kernels.skinny_gemm.SPLIT_K=False,True", "--shapes", "smoke-31b:2",
+                        "--batch", "2", "--rounds", "2", "--prompt", "6", "--new-tokens", "4", "--repeats", "1",
+                        "--device", "cpu"]) == 0
+    finally:
+        ab.measure_hf_specdec = original
+    assert seen == [False, True, False, True] and skinny_gemm.SPLIT_K == before
+    lines = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in lines if line.startswith('{"shape"')]
+    assert [(r["value"], r["round"]) for r in rows] == [("False", 0), ("True", 0), ("False", 1), ("True", 1)]
+    assert all(r["same_tokens_as_first"] and r["tokens_per_s"] > 0 and r["shape"] == "smoke-31b:2" for r in rows)
+    assert any(line.startswith("smoke-31b:2") and line.rstrip().endswith("True") for line in lines)  # the table
+    for bad, message in (("SPLIT_K=False,True", "MODULE.ATTRIBUTE=V1,V2"),
+                         ("hf_specdec.kernels.skinny_gemm.NOPE=1,2", "has no attribute"),
+                         ("hf_specdec.kernels.skinny_gemm.SPLIT_K=yes,no", "Python literals"),
+                         ("hf_specdec.kernels.skinny_gemm.SPLIT_K=True", "two values or more")):
+        with pytest.raises(SystemExit, match=message):
+            ab.main(["--set", bad, "--device", "cpu"])
