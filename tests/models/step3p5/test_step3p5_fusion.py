@@ -42,6 +42,11 @@ def test_enable_stacks_the_projections_and_fuses_the_norms_where_the_kernels_run
     torch.testing.assert_close(mtp, mtp_expected, atol=1e-5, rtol=1e-5)
     out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, reference.generate(ids, max_new_tokens=6, do_sample=False))
+    # hf_specdec's own loop on the stacked weights: values are column slices of one GEMM output into the paged cache
+    hf_specdec.enable(model)
+    spec = model.generate(ids, max_new_tokens=6, do_sample=False, spec_mode="mtp", num_speculative_tokens=2)
+    hf_specdec.disable(model)
+    assert torch.equal(spec, out)
 
 
 def test_a_layer_without_the_head_wise_gate_stacks_q_k_v(monkeypatch):
