@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_specdec.kernels.argmax import argmax
+
 
 def greedy_accept_no_sync(draft_tokens: torch.Tensor, target_tokens: torch.Tensor):
     """draft_tokens [batch, k], target_tokens [batch, k+1] (target argmax at each verified position)
@@ -71,7 +73,7 @@ class GreedyAcceptance(Acceptance):
     draws_random = False
 
     def __call__(self, draft_tokens, draft_probs, scores):
-        return greedy_accept_no_sync(draft_tokens, scores.argmax(dim=-1))
+        return greedy_accept_no_sync(draft_tokens, argmax(scores))
 
 
 class RejectionSampling(Acceptance):

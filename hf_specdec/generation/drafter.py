@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.generation.sampling import PositionScorer, same_on_every_rank
+from hf_specdec.kernels.argmax import argmax
 from hf_specdec.runtime import RequestContext
 
 
@@ -124,7 +125,7 @@ class DraftSelector:
     def select(self, head, drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """drafted [batch, j]: drafts so far this step -> (token [batch], q [batch, vocab] or None)."""
         if not self.do_sample and not self.scorer.processors:
-            return (head.argmax(dim=-1) if isinstance(head, torch.Tensor) else head.argmax()), None
+            return (argmax(head) if isinstance(head, torch.Tensor) else head.argmax()), None
         # drafts see the same processors as the target's verify (greedy too: a repetition penalty moves the
         # target's argmax, and a draft that ignores it would be rejected)
         logits = head if isinstance(head, torch.Tensor) else head.dense_logits()
@@ -136,7 +137,7 @@ class DraftSelector:
         else:
             logits = self.scorer.score(self.prefixes, drafted, logits)
         if not self.do_sample:
-            return logits[:, 0].argmax(dim=-1), None
+            return argmax(logits[:, 0]), None
         probs = torch.softmax(logits[:, 0], dim=-1)
         token = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         return same_on_every_rank(token, self.ranks), probs
@@ -149,7 +150,7 @@ class DraftSelector:
         position, as :meth:`select` does."""
         batch, k, vocab = logits.shape
         if not self.do_sample and not self.scorer.processors:
-            return logits.argmax(dim=-1), None
+            return argmax(logits), None
         if not self.scorer.batched:
             drafted, probs = torch.zeros(batch, 0, dtype=torch.long, device=logits.device), []
             for j in range(k):
@@ -160,7 +161,7 @@ class DraftSelector:
         scores = self.scorer.score(self.prefixes, torch.zeros(batch, 0, dtype=torch.long, device=logits.device),
                                    logits.float())
         if not self.do_sample:
-            return scores.argmax(dim=-1), None
+            return argmax(scores), None
         probs = torch.softmax(scores, dim=-1)
         tokens = torch.multinomial(probs.view(-1, vocab), 1, generator=self.generator).view(batch, k)
         return same_on_every_rank(tokens, self.ranks), probs

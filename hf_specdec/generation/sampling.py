@@ -8,6 +8,8 @@ import math
 import torch
 from transformers import LogitsProcessorList
 
+from hf_specdec.kernels.argmax import argmax
+
 
 def select_tokens(scores: torch.Tensor, do_sample: bool, ranks=None) -> torch.Tensor:
     """scores [batch, vocab] (after logits processors) -> tokens [batch]. ``ranks`` (a tensor-parallel group):
@@ -15,7 +17,7 @@ def select_tokens(scores: torch.Tensor, do_sample: bool, ranks=None) -> torch.Te
     if do_sample:
         probs = torch.nn.functional.softmax(scores, dim=-1)
         return same_on_every_rank(torch.multinomial(probs, num_samples=1).squeeze(1), ranks)
-    return torch.argmax(scores, dim=-1)
+    return argmax(scores)
 
 
 def same_on_every_rank(tensor: torch.Tensor, ranks) -> torch.Tensor:

@@ -40,6 +40,7 @@ from hf_specdec.cache import ForwardMeta, KVGroup, KVLayout, PagedKVCache
 from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.generation.fusion import fuse_drafter
 from hf_specdec.kernels import paged_attention, store_kv
+from hf_specdec.kernels.argmax import argmax
 from hf_specdec.runtime.placement import execution_device, input_device, loaded_weights, place_drafter
 
 from .modeling import DFlashDrafter
@@ -194,7 +195,7 @@ class DFlashDraftRunner(Drafter):
         return self.drafter.draft_logits(self.target, hidden)
 
     def _greedy_block(self, last_tokens, meta) -> torch.Tensor:
-        return self._block_logits(last_tokens, meta).argmax(dim=-1)  # [batch, k]
+        return argmax(self._block_logits(last_tokens, meta))  # [batch, k]
 
     def commit(self, context, captured, num_accepted, kept):
         if self._ahead:  # propose_ahead stored every verified position: keep the target's committed tokens

@@ -23,6 +23,7 @@ from hf_specdec.attention import QueryRows, paged_query_attention
 from hf_specdec.generation.drafter import Drafter, DraftProposal, take_rows
 from hf_specdec.generation.fusion import fuse_drafter, stack_projections
 from hf_specdec.kernels import use_triton
+from hf_specdec.kernels.argmax import argmax
 from hf_specdec.kernels.stacked_linear import stack_weights
 from hf_specdec.models.gemma4.assistant import Gemma4MTPAssistant, fused_embedding_scale, target_embedding
 from hf_specdec.models.gemma4.assistant_config import check_compatible, producer_layer_for, target_text_config
@@ -164,7 +165,7 @@ class Gemma4MTPDraftRunner(Drafter):
         for _ in range(self.num_speculative_tokens):
             step = self.assistant.draft_step(tokens, hidden, positions, self.embed, kv_source, rope, self.embed_scale)
             head = step.logits
-            tokens = head.argmax(dim=-1) if isinstance(head, torch.Tensor) else head.argmax()
+            tokens = argmax(head) if isinstance(head, torch.Tensor) else head.argmax()
             drafted.append(tokens)
             hidden = step.hidden_next
         return torch.stack(drafted, dim=1)

@@ -42,6 +42,7 @@ import torch
 
 from hf_specdec.cache import ForwardMeta, ForwardPlan, KVGroup, KVLayout, PagedKVCache, to_device_async
 from hf_specdec.generation.drafter import Drafter, DraftProposal, take_rows
+from hf_specdec.kernels.argmax import argmax
 from hf_specdec.runtime.placement import input_device, is_dispatched, layer_devices
 
 
@@ -199,7 +200,7 @@ class Step3p5MTPDraftRunner(Drafter):
             with mtp_cache.forward_with(meta):
                 logits, outputs = self._layer_forward(j, ids, layer_states, meta)
             logits, outputs = logits.to(tokens.device), outputs.to(tokens.device)  # no-ops unless the layer is apart
-            drafted = torch.cat([drafted, logits.argmax(dim=-1)[:, None].to(drafted.dtype)], dim=1)
+            drafted = torch.cat([drafted, argmax(logits)[:, None].to(drafted.dtype)], dim=1)
             if j + 1 < layers:
                 states = _over_last(outputs, new, below[j], shift)
                 outputs_below.append(states)
