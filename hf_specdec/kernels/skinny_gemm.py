@@ -184,6 +184,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return skinny_matmul(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x.float(), weight.float())`` (e.g. a router's fp32 logits): for half-precision operands that
+    :func:`skinny_eligible` takes, the kernel's fp32 sums of their products (exact in fp32), so the weight is read
+    as stored and never cast; the two differ only in the order of the sums."""
+    if skinny_eligible(x, weight):
+        rows = x.reshape(-1, x.shape[-1])
+        return skinny_matmul(rows, weight, out_dtype=torch.float32).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x.float(), weight.float())
+
+
 def _fp32_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether an fp32 product of a few rows on CUDA takes ``weight @ rows.T`` (see FP32_TRANSPOSED_ROWS)."""
     return (x.dtype == torch.float32 and x.is_cuda and weight.dtype == torch.float32 and weight.dim() == 2
@@ -194,10 +204,11 @@ def _fp32_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None,
-                  split_k: int | None = None) -> torch.Tensor:
+                  split_k: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T`` by the kernel for ``x`` of [rows <= MAX_KERNEL_ROWS, K] (any float dtype; the launcher
     does not choose, :func:`skinny_linear` does). ``split_k``: parts of K (default :func:`split_k_for`, from the
-    weight's shape and ``config``'s tiles)."""
+    weight's shape and ``config``'s tiles). ``out_dtype`` (default x's): the fp32 sums rounded to it, e.g. fp32
+    for ``F.linear(x.float(), weight.float())`` of bf16 operands (a router's logits) without casting the weight."""
     rows, k = x.shape
     n = weight.shape[0]
     if not 0 < rows <= MAX_KERNEL_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
@@ -206,13 +217,14 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
     if x.stride(-1) != 1:
         x = x.contiguous()
     (block_n, block_k, warps, stages), split, k_per_split = launch_plan(n, k, rows, x.element_size(), config, split_k)
-    out = torch.empty(split, rows, n, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty(split, rows, n, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(1), k_per_split, out.stride(0),
         BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: no tf32 rounding
         **pdl_args(x))
-    return out[0] if split == 1 else sum_splits(out, x.dtype)
+    return out[0] if split == 1 else sum_splits(out, out_dtype)
 
 
 def launch_plan(n: int, k: int, rows: int, element_size: int = 2, config: tuple[int, int, int, int] | None = None,

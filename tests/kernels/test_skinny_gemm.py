@@ -32,6 +32,20 @@ def test_triton_skinny_matmul_split_k(triton_device, rows, split):
     _check_skinny_matmul(triton_device, torch.float32, rows, split)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_triton_skinny_matmul_fp32_out_of_half_operands(triton_device, split):
+    """``out_dtype=float32``: the fp32 sums of half-precision products, unrounded (``F.linear`` of the operands cast
+    to fp32, as a router computes its logits), with and without split-K."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 100, generator=gen).to(torch.float16).to(triton_device)
+    w = (torch.randn(70, 100, generator=gen) * 0.1).to(torch.float16).to(triton_device)
+    got = skinny_matmul(x, w, SMALL, split, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (3, 70)
+    expected = F.linear(x.float(), w.float())
+    torch.testing.assert_close(got.cpu(), expected.cpu(), atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got.half().float(), got)  # not rounded to the operands' dtype
+
+
 def _check_skinny_matmul(device, dtype, rows, split=None):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 100, generator=gen).to(dtype).to(device)  # K not a multiple of BLOCK_K
