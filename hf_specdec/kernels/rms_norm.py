@@ -15,9 +15,9 @@ from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, u
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr,  # x, out: [rows, dim] with row strides; weight: [dim]
-    stride_x, stride_out, dim, eps, then_mul_ptr, then_scalar,
+    stride_x, stride_out, dim, eps, then_mul_ptr, then_scalar, res_ptr, sum_ptr, stride_res, stride_sum,
     HAS_WEIGHT: tl.constexpr, HAS_THEN_MUL: tl.constexpr, HAS_THEN_SCALAR: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    PDL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -25,6 +25,10 @@ def _rms_norm_kernel(
     mask = cols < dim
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # normalise residual + x, rounded to the dtype as eager torch's add rounds it, and keep it
+        x = (tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32) + x).to(dtype)
+        tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
+        x = x.to(tl.float32)
     mean_squared = tl.sum(x * x, 0) / dim + eps
     y = x / tl.sqrt(mean_squared)
     if HAS_WEIGHT:
@@ -56,19 +60,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
     if not use_triton(x) or x.numel() == 0 or x.shape[-1] > 65536:
         return rms_norm_reference(x, weight, eps, then_mul=then_mul, then_scalar=then_scalar,
                                   weight_offset=weight_offset)
-    rows = x.reshape(-1, x.shape[-1])
+    return _launch(x, weight, eps, then_mul=then_mul, then_scalar=then_scalar, weight_offset=weight_offset)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+                 weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` (rounded to x's dtype) and ``rms_norm(s, weight, eps, weight_offset=...)`` in one launch:
+    a pre-norm block's residual add and the norm of the sublayer after it -> ``(s, norm(s))``, both like x."""
+    check(residual.shape == x.shape and residual.dtype == x.dtype,
+          f"residual must be x's shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(residual.shape)} "
+          f"{residual.dtype}")
+    check(weight is None or weight.shape == (x.shape[-1],),
+          f"weight must be [dim={x.shape[-1]}], got {None if weight is None else tuple(weight.shape)}")
+    check(weight_offset == 0.0 or weight is not None,
+          f"weight_offset={weight_offset} scales by offset + weight: pass the weight, or weight_offset=0 for none")
+    if not use_triton(x) or x.numel() == 0 or x.shape[-1] > 65536:
+        total = residual + x
+        return total, rms_norm_reference(total, weight, eps, weight_offset=weight_offset)
+    out, total = _launch(x, weight, eps, residual=residual, weight_offset=weight_offset)
+    return total, out
+
+
+def _launch(x, weight, eps, *, then_mul=None, then_scalar=None, residual=None, weight_offset=0.0):
+    """-> (the norm, the sum residual + x or None) in x's shape."""
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    dim = rows.shape[1]
+    res = total = rows
+    if residual is not None:
+        res = residual.reshape(-1, dim)
+        res = res if res.stride(-1) == 1 else res.contiguous()
+        total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = next_power_of_2(dim)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, weight if weight is not None else rows, out, rows.stride(0), out.stride(0), dim, eps,
-        then_mul if then_mul is not None else rows, float(then_scalar or 0.0),
-        HAS_WEIGHT=weight is not None, HAS_THEN_MUL=then_mul is not None, HAS_THEN_SCALAR=then_scalar is not None,
-        BLOCK=block, num_warps=max(1, min(16, block // 256)), WEIGHT_OFFSET=float(weight_offset), **pdl_args(out),
+        then_mul if then_mul is not None else rows, float(then_scalar or 0.0), res, total, res.stride(0),
+        total.stride(0), HAS_WEIGHT=weight is not None, HAS_THEN_MUL=then_mul is not None,
+        HAS_THEN_SCALAR=then_scalar is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        WEIGHT_OFFSET=float(weight_offset), HAS_RESIDUAL=residual is not None, **pdl_args(out),
     )
-    return out.view(x.shape)
+    return out.view(x.shape), None if residual is None else total.view(x.shape)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,

@@ -8,6 +8,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 import hf_specdec
 from hf_specdec.generation.fusion import FORCE_TRITON_ENV, fuse_modules, unfuse_modules
 from hf_specdec.kernels.rms_norm import (
+    add_rms_norm,
     dual_norm_add,
     dual_norm_add_reference,
     norm_add,
@@ -65,6 +66,37 @@ def test_triton_zero_centred_norm_is_step3p5s(triton_device, dtype):
                                atol=0, rtol=0)
     with pytest.raises(ValueError, match="pass the weight"):
         rms_norm(x, None, 1e-5, weight_offset=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_triton_add_rms_norm(triton_device, dtype, offset, monkeypatch):
+    """``(residual + x, norm(residual + x))`` in one launch: the sum rounded as eager torch's add, bit for bit, and
+    the norm of that rounded sum; on strided rows too (a column slice)."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 2, 2 * 72, generator=gen) * 2).to(dtype)[..., :72]
+    residual = torch.randn(3, 2, 72, generator=gen).to(dtype)
+    weight = (torch.randn(72, generator=gen) * 0.3).to(dtype)
+    total, normed = add_rms_norm(x.to(triton_device), residual.to(triton_device), weight.to(triton_device), 1e-6,
+                                 weight_offset=offset)
+    assert total.dtype == normed.dtype == dtype and total.shape == normed.shape == (3, 2, 72)
+    if triton_device == "cuda" or dtype == torch.float32:
+        assert torch.equal(total.cpu(), residual + x)
+    else:  # Triton's CPU interpreter truncates fp32 -> bf16 casts where GPUs round them
+        torch.testing.assert_close(total.float(), (residual + x).float(), atol=0, rtol=2 ** -7)
+    expected = rms_norm_reference(residual + x, weight, 1e-6, weight_offset=offset)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(normed.float().cpu(), expected.float(), atol=tol, rtol=tol)
+    monkeypatch.setenv(FORCE_TRITON_ENV, "0")  # the torch path: the same ops, exactly
+    ref_total, ref_normed = add_rms_norm(x, residual, weight, 1e-6, weight_offset=offset)
+    assert torch.equal(ref_total, residual + x) and torch.equal(ref_normed, expected)
+
+
+def test_add_rms_norm_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="residual must be x's shape"):
+        add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 9), None, 1e-6)
+    with pytest.raises(ValueError, match="pass the weight"):
+        add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), None, 1e-6, weight_offset=1.0)
 
 
 def test_enable_fuses_gemma_norms_where_the_kernels_run_and_disable_restores_them(monkeypatch):
