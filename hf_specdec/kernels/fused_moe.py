@@ -510,9 +510,10 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _moe_sum_kernel(parts_ptr, out_ptr, top_k, hidden, BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                    PDL: tl.constexpr):
-    """out[t] = sum over k of parts[t * top_k + k] in fp32 (slot order), rounded to out's dtype."""
+def _moe_sum_kernel(parts_ptr, out_ptr, top_k, hidden, add1_ptr, add2_ptr, stride_add1, stride_add2,
+                    BLOCK: tl.constexpr, EMULATE_BF16: tl.constexpr, ADDENDS: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = sum over k of parts[t * top_k + k] in fp32 (slot order), rounded to out's dtype; then plus each of
+    ``ADDENDS`` (0-2) tensors' row t in turn, each sum rounded to out's dtype (eager torch's adds after the MoE)."""
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -520,7 +521,15 @@ def _moe_sum_kernel(parts_ptr, out_ptr, top_k, hidden, BLOCK: tl.constexpr, EMUL
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in range(0, top_k):
         acc += tl.load(parts_ptr + (token * top_k + k) * hidden + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + token * hidden + cols, _round(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+    dtype = out_ptr.dtype.element_ty
+    y = _round(acc, dtype, EMULATE_BF16)
+    if ADDENDS >= 1:
+        y = _round(y + tl.load(add1_ptr + token * stride_add1 + cols, mask=mask, other=0.0).to(tl.float32), dtype,
+                   EMULATE_BF16)
+    if ADDENDS >= 2:
+        y = _round(y + tl.load(add2_ptr + token * stride_add2 + cols, mask=mask, other=0.0).to(tl.float32), dtype,
+                   EMULATE_BF16)
+    tl.store(out_ptr + token * hidden + cols, y, mask=mask)
 
 
 # ---------------------------------------------------------------- launcher
@@ -537,22 +546,41 @@ def fused_moe(
     activation: str,
     limit: float | None = None,
     config: MoeConfig | None = None,
+    addends: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:  # [tokens, hidden] in hidden_states' dtype
     """The routed experts' weighted sum per token (see the module docstring); ``config`` overrides the launch
-    parameters (:func:`config_for`), e.g. for a tuning sweep."""
+    parameters (:func:`config_for`), e.g. for a tuning sweep. ``addends`` (up to two [tokens, hidden] tensors in
+    hidden_states' dtype, e.g. a shared expert's output and the residual): added to the sum in turn, each result
+    rounded as eager torch's ``moe + shared``, ``residual + ...`` round it, in the sum's launch."""
     _check_args(hidden_states, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit)
+    _check_addends(hidden_states, addends)
     args = (hidden_states, w_gate, w_up, w_down, top_k_index, top_k_weights)
     if (not use_triton(hidden_states) or hidden_states.shape[0] == 0
-            or any(needs_grad(t) for t in (hidden_states, w_gate, w_up, w_down, top_k_weights))):
-        return fused_moe_reference(*args, activation=activation, limit=limit)
+            or any(needs_grad(t) for t in (hidden_states, w_gate, w_up, w_down, top_k_weights, *addends))):
+        return add_in_turn(fused_moe_reference(*args, activation=activation, limit=limit), addends)
     reason = _unsupported(hidden_states, w_gate, top_k_index)
     if reason is not None:
         _warn_once(reason)
-        return fused_moe_reference(*args, activation=activation, limit=limit)
+        return add_in_turn(fused_moe_reference(*args, activation=activation, limit=limit), addends)
     config = config or config_for(hidden_states.shape[0], fp32=hidden_states.dtype == torch.float32)
     check(config.block_m >= 16 and config.block_m == next_power_of_2(config.block_m),
           f"config.block_m must be a power of two >= 16, got {config.block_m}")
-    return launch(*args, activation, limit, config)
+    return launch(*args, activation, limit, config, addends=addends)
+
+
+def _check_addends(x: torch.Tensor, addends: tuple[torch.Tensor, ...]) -> None:
+    check(len(addends) <= 2, f"addends takes at most 2 tensors, got {len(addends)}")
+    for i, a in enumerate(addends):
+        check(a.shape == x.shape and a.dtype == x.dtype and a.device == x.device,
+              f"addends[{i}] must be like hidden_states ({tuple(x.shape)}, {x.dtype}, {x.device}), got "
+              f"{tuple(a.shape)}, {a.dtype}, {a.device}")
+
+
+def add_in_turn(out: torch.Tensor, addends: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``out + a0 + a1 ...``, each sum rounded to the dtype (the torch path of ``addends``)."""
+    for a in addends:
+        out = out + a
+    return out
 
 
 def _check_args(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit) -> None:
@@ -690,7 +718,7 @@ def _k_tile(block_k: int, fp8: Fp8Weights | None, scale: torch.Tensor | None, bk
 
 
 def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit, config: MoeConfig,
-            fp8: Fp8Weights | None = None):
+            fp8: Fp8Weights | None = None, addends: tuple[torch.Tensor, ...] = ()):
     tokens, hidden = x.shape
     experts, inter, _ = w_gate.shape
     top_k = top_k_index.shape[1]
@@ -736,8 +764,10 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
         ONE_TOKEN=one_token, num_warps=warps, num_stages=stages, **down_fp8, **pdl_args(parts))
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     block = min(SUM_BLOCK, next_power_of_2(hidden))
-    _moe_sum_kernel[(tokens, triton.cdiv(hidden, block))](parts, out, top_k, hidden, BLOCK=block,
-                                                         EMULATE_BF16=emulate, num_warps=4, **pdl_args(out))
+    adds = [a if a.stride(-1) == 1 else a.contiguous() for a in addends] + [out] * (2 - len(addends))
+    _moe_sum_kernel[(tokens, triton.cdiv(hidden, block))](
+        parts, out, top_k, hidden, *adds, adds[0].stride(0), adds[1].stride(0), BLOCK=block, EMULATE_BF16=emulate,
+        ADDENDS=len(addends), num_warps=4, **pdl_args(out))
     return out
 
 

@@ -354,6 +354,36 @@ def test_triton_fused_moe_expert_repeated_in_a_row(triton_device, tokens):
     _check_against_reference(args, "silu", None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("count", [1, 2])
+def test_triton_fused_moe_addends(triton_device, dtype, tokens, count):
+    """``addends``: a shared expert's output and the residual added after the sum, each sum rounded as eager torch's
+    ``(moe + shared)`` then ``residual + ...`` (bf16: the same rounding steps, so the same values up to the MoE's own
+    tolerance); one addend a column slice (strided rows)."""
+    args = make_moe(tokens, 8, 2, dtype=dtype, seed=tokens + count, device=triton_device)
+    gen = torch.Generator().manual_seed(count)
+    shared = torch.randn(tokens, 2 * 32, generator=gen).to(dtype).to(triton_device)[:, :32]
+    residual = (torch.randn(tokens, 32, generator=gen) * 4).to(dtype).to(triton_device)
+    addends = (shared, residual)[:count]
+    got = fused_moe(*args, activation="silu", addends=addends)
+    expected = fused_moe_reference(*args, activation="silu")
+    for a in addends:
+        expected = expected + a
+    assert got.shape == expected.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **TOLERANCE[dtype])
+
+
+def test_fused_moe_addends_bad_arguments_name_the_fix():
+    args = make_moe(2, 8, 2)
+    with pytest.raises(ValueError, match=r"addends\[0\] must be like hidden_states"):
+        fused_moe(*args, activation="silu", addends=(torch.zeros(2, 31),))
+    with pytest.raises(ValueError, match="at most 2"):
+        fused_moe(*args, activation="silu", addends=(args[0],) * 3)
+    out = fused_moe(*args, activation="silu", addends=(args[0], args[0]))  # the torch path adds them in turn
+    torch.testing.assert_close(out, fused_moe_reference(*args, activation="silu") + args[0] + args[0])
+
+
 @pytest.mark.parametrize("bad", [-1, 8, 1 << 20])
 def test_triton_out_of_range_expert_spoils_only_its_token(triton_device, bad):
     """Not checked (a host sync): an expert id outside [0, E) leaves its token undefined, reads no weight out of
