@@ -1,5 +1,6 @@
 """gelu_tanh_mul: ``gelu(gate, approximate="tanh") * up`` in one kernel (the gated MLP of Gemma 4); silu_mul:
-``silu(gate) * up``, with Step 3.5's optional clamps (``silu(gate).clamp(max=c) * up.clamp(-c, c)``).
+``silu(gate) * up``, with Step 3.5's optional clamps (``silu(gate).clamp(max=c) * up.clamp(-c, c)``);
+head_gate_mul: ``x * sigmoid(gate)`` with one gate per head (Step 3.5's head-wise attention gate).
 
 Eagerly the activation and the product are two launches over the intermediate width (five with the clamps); at
 decode their bytes are ~100 KB, so the launches are their cost. The arithmetic is torch's: the activation in fp32
@@ -67,6 +68,45 @@ def _gated_mul(gate: torch.Tensor, up: torch.Tensor, silu: bool, limit: float | 
         gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), BLOCK=_BLOCK, SILU=silu,
         CLAMP=limit is not None, K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715, num_warps=4, **pdl_args(out))
     return out
+
+
+@triton.jit
+def _head_gate_kernel(x_ptr, gate_ptr, out_ptr, head_dim, stride_x_row, stride_x_head, stride_gate,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < head_dim
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(gate_ptr + row * stride_gate + head).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch.sigmoid in the gate's dtype
+    x = tl.load(x_ptr + row * stride_x_row + head * stride_x_head + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (row * tl.num_programs(1) + head) * head_dim + cols, (x * s).to(dtype), mask=mask)
+
+
+def head_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * torch.sigmoid(gate).unsqueeze(-1)`` for x [..., heads, head_dim] and gate [..., heads] of one dtype
+    (each head's rows scaled by its gate): one launch; a new contiguous tensor. ``gate`` may be a column slice of a
+    wider tensor (a stacked projection's output), x may have strided rows and heads."""
+    check(gate.shape == x.shape[:-1] and gate.dtype == x.dtype,
+          f"gate must be x's shape without its last dim {tuple(x.shape[:-1])} in x's dtype {x.dtype}, got "
+          f"{tuple(gate.shape)} {gate.dtype}")
+    if not use_triton(x) or x.numel() == 0:
+        return head_gate_mul_reference(x, gate)
+    heads, head_dim = x.shape[-2:]
+    rows = x.reshape(-1, heads, head_dim) if x.stride(-1) == 1 else x.contiguous().view(-1, heads, head_dim)
+    gates = _rows(gate, heads)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _head_gate_kernel[(rows.shape[0], heads)](rows, gates, out, head_dim, rows.stride(0), rows.stride(1),
+                                              gates.stride(0), BLOCK=triton.next_power_of_2(head_dim),
+                                              num_warps=1, **pdl_args(out))
+    return out
+
+
+def head_gate_mul_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Torch version: the CPU path and the test oracle (Step 3.5's attention gate)."""
+    return x * torch.sigmoid(gate).unsqueeze(-1).to(x.dtype)
 
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:

@@ -79,3 +79,24 @@ def test_triton_silu_mul(triton_device, dtype, limit):
 def test_silu_mul_bad_limit_names_the_fix():
     with pytest.raises(ValueError, match="None for no clamp"):
         silu_mul(torch.zeros(2, 3), torch.zeros(2, 3), 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_head_gate_mul(triton_device, dtype):
+    """Each head's rows times its sigmoid gate, as Step 3.5's attention computes it; the gate a column slice of a
+    stacked projection's output, x with strided rows (a view of a wider tensor)."""
+    from hf_specdec.kernels.gelu_mul import head_gate_mul, head_gate_mul_reference
+
+    gen = torch.Generator().manual_seed(9)
+    stacked = (torch.randn(2, 3, 40 + 6, generator=gen) * 4).to(dtype)
+    gate = stacked[..., 40:]  # [batch, seq, heads=6]
+    wide = torch.randn(2, 3, 6, 2 * 20, generator=gen).to(dtype)
+    x = wide[..., :20]  # head_dim 20, not a power of two
+    got = head_gate_mul(x.to(triton_device), gate.to(triton_device))
+    expected = x * torch.sigmoid(gate).unsqueeze(-1).to(dtype)
+    assert torch.equal(head_gate_mul_reference(x, gate), expected)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **tol)
+    with pytest.raises(ValueError, match="gate must be x's shape"):
+        head_gate_mul(x, gate[..., :5])
