@@ -127,11 +127,15 @@ def test_triton_partial_rotary_zero_centred_norms_and_no_v_are_step3p5s_heads(tr
 def test_triton_fused_step3p5_forwards_keep_the_models_logits(triton_device, monkeypatch):
     """enable's Step 3.5 forwards inside a whole tiny Step 3.5 (full layers rotating half of each head, sliding
     layers all of it; dense and MoE layers; MTP layers): one qkv_norm_rope launch per attention (zero-centred q/k
-    norms, no v norm), one rms_norm launch per other norm, q/k/v/gate and gate/up stacked into one GEMM each."""
+    norms, no v norm), one rms_norm launch per other norm, q/k/v/gate and gate/up stacked into one GEMM each; per
+    layer the residual add and the norm after the attention in one add_rms_norm launch, the head-wise gate in one
+    head_gate_mul launch, and an MoE layer's shared expert and residual added in the experts' sum launch."""
     from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
     from hf_specdec.kernels.stacked_linear import stacked_weight
     from hf_specdec.models.step3p5 import fusion
-    from hf_specdec.models.step3p5.layers import Step3p5Attention, Step3p5MLP, Step3p5RMSNorm
+    from hf_specdec.kernels.gelu_mul import head_gate_mul
+    from hf_specdec.kernels.rms_norm import add_rms_norm
+    from hf_specdec.models.step3p5.layers import Step3p5Attention, Step3p5MLP, Step3p5MoE, Step3p5RMSNorm
     from tests.models.step3p5.tiny_step3p5 import random_ids, tiny_model
 
     model = tiny_model().eval().to(triton_device)
@@ -147,17 +151,25 @@ def test_triton_fused_step3p5_forwards_keep_the_models_logits(triton_device, mon
         assert all("forward" in vars(m) for m in attentions + norms)
         assert all(stacked_weight(m.q_proj, m.k_proj, m.v_proj, m.g_proj) is not None for m in attentions)
         assert all(stacked_weight(m.gate_proj, m.up_proj) is not None for m in mlps)
-        ropes, normed, swiglus = [], [], []
+        ropes, normed, swiglus, added, gated, moe_addends = [], [], [], [], [], []
         monkeypatch.setattr(fusion, "qkv_norm_rope", lambda *a, **kw: ropes.append(a[6].shape[-1])
                             or qkv_norm_rope(*a, **kw))
         monkeypatch.setattr(fusion, "rms_norm", lambda *a, **kw: normed.append(1) or rms_norm(*a, **kw))
         monkeypatch.setattr(fusion, "silu_mul", lambda *a: swiglus.append(a[2]) or silu_mul(*a))
+        monkeypatch.setattr(fusion, "add_rms_norm", lambda *a, **kw: added.append(1) or add_rms_norm(*a, **kw))
+        monkeypatch.setattr(fusion, "head_gate_mul", lambda *a: gated.append(1) or head_gate_mul(*a))
+        moe_forward = Step3p5MoE.forward
+        monkeypatch.setattr(Step3p5MoE, "forward", lambda self, x, addends=(): moe_addends.append(len(addends))
+                            or moe_forward(self, x, addends))
         got = model(ids).logits
         got_mtp = model.model.mtp_forward(0, previous, ids)
         main = model.config.num_hidden_layers
+        moe_layers = sum(model.config.is_moe_layer(i) for i in range(main + 1))
         assert len(ropes) == main + 1 and set(ropes) == {4, 8}  # full layers rotate 4 of 8 dims
-        assert len(normed) == 2 * main + 1 + 4  # two a layer and the final norm; the MTP layer's two and its
-        # norms of the embeddings and of the previous hidden states
+        assert len(normed) == main + 1 + 3  # a layer's first norm and the final norm; the MTP layer's first
+        # norm and its norms of the embeddings and of the previous hidden states
+        assert len(added) == len(gated) == main + 1  # every layer's second norm, its gate
+        assert moe_layers and moe_addends == [2] * moe_layers  # the shared expert's output and the residual
         assert len(swiglus) == main + 1 and set(swiglus) == {0.7, None}  # MLPs, shared experts (layer 2 clamps)
         unfuse_modules(model)
     assert not any("forward" in vars(m) for m in attentions + norms)

@@ -24,6 +24,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import eager_attention_forward, rotate_half
 
 from hf_specdec.kernels.fused_moe import fused_moe, gated_activation_reference, sigmoid_bias_topk_route
+from hf_specdec.kernels.skinny_gemm import fp32_linear
 from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.runtime.placement import loaded_weights
 from hf_specdec.models.step3p5.configuration import Step3p5Config
@@ -164,22 +165,25 @@ class Step3p5MoE(nn.Module):
         self.down_proj = Step3p5ExpertLinear(n, inter, h)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [tokens, hidden] -> (weights [tokens, top_k], experts [tokens, top_k]); fp32 router."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        """x [tokens, hidden] -> (weights [tokens, top_k], experts [tokens, top_k]); fp32 router (on the GPU its
+        logits are the fp32 sums of the bf16 products, the weight never cast: :func:`fp32_linear`)."""
+        logits = fp32_linear(x, self.gate.weight)
         return sigmoid_bias_topk_route(logits, self.router_bias, self.top_k, self.renormalize, self.scaling_factor)
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:  # [tokens, hidden] -> [tokens, hidden]
         return self.down_proj(clamped_swiglu(self.gate_proj(x, e), self.up_proj(x, e), self.limit), e)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [..., hidden]
-        """Only the experts the tokens selected run: on CUDA the fused kernel reads each selected expert once per
-        forward with no host sync (CUDA-graph capturable); elsewhere, and under autograd, its torch reference
-        runs one pass per selected expert."""
+    def forward(self, hidden_states: torch.Tensor, addends: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """hidden_states [..., hidden] -> like it. Only the experts the tokens selected run: on CUDA the fused
+        kernel reads each selected expert once per forward with no host sync (CUDA-graph capturable); elsewhere,
+        and under autograd, its torch reference runs one pass per selected expert. ``addends`` (up to two tensors
+        like hidden_states, e.g. the shared expert's output and the residual): added to the experts' sum in turn,
+        in the sum's launch where the kernels run."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         with loaded_weights(self.gate, self.gate_proj, self.up_proj, self.down_proj):  # read without their forwards
             weights, experts = self.route(x)
             out = fused_moe(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, experts, weights,
-                            activation="silu", limit=self.limit)
+                            activation="silu", limit=self.limit, addends=tuple(a.reshape(x.shape) for a in addends))
         return out.reshape(hidden_states.shape)
 
 
@@ -238,15 +242,21 @@ class Step3p5Attention(nn.Module):
                attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
         """Attention over the normalised, rotated heads [batch, heads, seq, head_dim] (through the cache), the
         head-wise gate, o_proj -> (out [batch, seq, hidden], attention weights or None)."""
+        out, weights = self.attention(query, key, value, attention_mask, past_key_values, **kwargs)
+        if gate is not None:
+            out = out * torch.sigmoid(gate).unsqueeze(-1).to(out.dtype)
+        return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
+        """The attention function alone (keys and values through the cache) -> (out [batch, seq, heads, head_dim],
+        attention weights or None)."""
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward)
-        out, weights = attention_interface(
+        return attention_interface(
             self, query, key, value, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
-        )  # out [batch, seq, heads, head_dim]
-        if gate is not None:
-            out = out * torch.sigmoid(gate).unsqueeze(-1).to(out.dtype)
-        return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
+        )
