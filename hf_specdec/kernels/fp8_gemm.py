@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
-from .skinny_gemm import last_part_sums, load_k_tile, split_counters, sum_splits
+from .skinny_gemm import load_k_tile, sum_splits
 
 MAX_ROWS = 16  # rows per program (tl.dot's smallest M)
 MAX_KERNEL_ROWS = 8192  # more rows take the reference
@@ -86,11 +86,10 @@ def load_scale(ptrs, mask, E8M0: tl.constexpr):
 
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, inv_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     stride_sn, stride_sk, scale_bn, scale_bk, k_per_split, stride_split, sum_ptr, counter_ptr,
-                     num_splits,
+                     stride_sn, stride_sk, scale_bn, scale_bk, k_per_split, stride_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                      SCALE_PER_K: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALE_E8M0: tl.constexpr,
-                     UPCAST: tl.constexpr, F16_ROWS: tl.constexpr, PDL: tl.constexpr, LAST_SUMS: tl.constexpr):
+                     UPCAST: tl.constexpr, F16_ROWS: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # row tiles of one column block run side by side
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,10 +129,6 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, inv_ptr, M, N, K, stride_xm, st
     out = (y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
            + cols[None, :])
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    if LAST_SUMS:
-        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        last_part_sums(y_ptr, sum_ptr, counter_ptr + tile, rows, cols, row_ok, col_ok, stride_ym, stride_split,
-                       num_splits)
 
 
 @triton.jit
@@ -332,20 +327,16 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     split = triton.cdiv(k, k_per_split)  # no empty part
     dtype = torch.float32 if upcast or split > 1 else x.dtype
     out = torch.empty(split, rows, n, dtype=dtype, device=x.device)
-    grid_shape = (triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n), split)
-    counters = split_counters(x.device, grid_shape[0] * grid_shape[1]) if split > 1 else None
-    sum_dtype = torch.float32 if upcast else x.dtype
-    summed = torch.empty(rows, n, dtype=sum_dtype, device=x.device) if counters is not None else out
-    _fp8_gemm_kernel[grid_shape](
+    _fp8_gemm_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n), split)](
         rows_in, weight if native_fp8 else weight.view(torch.uint8), grid.view(torch.uint8) if e8m0 else grid, out,
         inverse, rows, n, k, rows_in.stride(0), weight.stride(0), out.stride(1), grid.stride(0), grid.stride(1), bn,
-        bk, k_per_split, out.stride(0), summed, counters if counters is not None else out, split,
+        bk, k_per_split, out.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SUB_K=sub_k, SCALE_PER_K=scale_per_k,
         NATIVE_FP8=native_fp8, SCALE_E8M0=e8m0, UPCAST=upcast, F16_ROWS=fp16_dots, num_warps=warps,
-        num_stages=stages, LAST_SUMS=counters is not None, **pdl_args(out))
+        num_stages=stages, **pdl_args(out))
     if split == 1:
         return out[0].to(x.dtype)
-    return (summed if counters is not None else sum_splits(out, sum_dtype)).to(x.dtype)
+    return sum_splits(out, torch.float32 if upcast else x.dtype).to(x.dtype)
 
 
 def _launch_setup(x, scale, bk, block_k, scale_per_k, native_fp8, kernel):

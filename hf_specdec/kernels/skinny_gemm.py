@@ -51,9 +51,8 @@ def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_split,
-                        sum_ptr, counter_ptr, num_splits,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, PDL: tl.constexpr, LAST_SUMS: tl.constexpr):
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
     # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows;
     # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial
     k_lo = tl.program_id(1) * k_per_split
@@ -72,27 +71,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     out = (y_ptr + tl.program_id(1).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
            + cols[None, :])
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    if LAST_SUMS:
-        last_part_sums(y_ptr, sum_ptr, counter_ptr + tl.program_id(0), rows, cols, row_ok, col_ok, stride_ym,
-                       stride_split, num_splits)
-
-
-@triton.jit
-def last_part_sums(part_ptr, sum_ptr, counter, rows, cols, row_ok, col_ok, stride_row, stride_split, num_splits):
-    """Split-K without a second launch: after writing its fp32 partial, a program counts itself in at its output
-    tile's ``counter``; the last of the tile's ``num_splits`` programs sums the partials in split order (the
-    arithmetic of :func:`sum_splits`), writes them rounded to ``sum_ptr``'s dtype ([rows, n], row stride
-    ``stride_row`` as the partials) and sets the counter back to 0 for the next launch that uses it."""
-    tl.debug_barrier()  # every thread's partial is written before the count (release: visible at the GPU scope)
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        offsets = rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
-        ok = row_ok[:, None] & col_ok[None, :]
-        acc = tl.load(part_ptr + offsets, mask=ok, other=0.0, cache_modifier=".cg")
-        for split in range(1, num_splits):
-            acc += tl.load(part_ptr + split * stride_split + offsets, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(sum_ptr + offsets, acc.to(sum_ptr.dtype.element_ty), mask=ok)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -108,28 +86,6 @@ def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr, PDL:
 
 
 SUM_BLOCK = 1024
-# split-K partials summed by the last program of each column block (last_part_sums) instead of a second launch;
-# HF_SPECDEC_LAST_PART_SUMS=0 (read at import) or LAST_PART_SUMS = False launches sum_splits
-LAST_PART_SUMS = os.environ.get("HF_SPECDEC_LAST_PART_SUMS", "1") != "0"
-COUNTERS = 1 << 16  # int32 counters per device, handed out in turn (each launch leaves its own at 0)
-_counters: dict[torch.device, list] = {}
-
-
-def split_counters(device: torch.device, count: int) -> torch.Tensor | None:
-    """``count`` zeroed int32 counters for one split-K launch (:func:`last_part_sums`), or None to sum the parts in a
-    second launch (LAST_PART_SUMS off, or no counters made yet while a CUDA graph is being captured: the zeroing
-    would be captured with it). Launches take consecutive ranges of one per-device pool in turn, so the launches of
-    one step, which may run side by side on two streams, never share a counter; each leaves its counters at 0."""
-    if not LAST_PART_SUMS or count > COUNTERS:
-        return None
-    pool = _counters.get(device)
-    if pool is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        pool = _counters[device] = [torch.zeros(COUNTERS, dtype=torch.int32, device=device), 0]
-    start = pool[1] if pool[1] + count <= COUNTERS else 0
-    pool[1] = start + count
-    return pool[0][start:start + count]
 
 
 def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -263,18 +219,12 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
     (block_n, block_k, warps, stages), split, k_per_split = launch_plan(n, k, rows, x.element_size(), config, split_k)
     out_dtype = out_dtype or x.dtype
     out = torch.empty(split, rows, n, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
-    blocks = triton.cdiv(n, block_n)
-    counters = split_counters(x.device, blocks) if split > 1 else None
-    summed = torch.empty(rows, n, dtype=out_dtype, device=x.device) if counters is not None else out
-    _skinny_gemm_kernel[(blocks, split)](
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(1), k_per_split, out.stride(0),
-        summed, counters if counters is not None else out, split,
         BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: no tf32 rounding
-        LAST_SUMS=counters is not None, **pdl_args(x))
-    if split == 1:
-        return out[0]
-    return summed if counters is not None else sum_splits(out, out_dtype)
+        **pdl_args(x))
+    return out[0] if split == 1 else sum_splits(out, out_dtype)
 
 
 def launch_plan(n: int, k: int, rows: int, element_size: int = 2, config: tuple[int, int, int, int] | None = None,

@@ -238,22 +238,6 @@ def test_triton_fp8_split_k(triton_device, split_k, scales):
         assert torch.equal(fp8_matmul(x[r:r + 1], weight, scale, block, SMALL, split_k=split_k), full[r:r + 1])
 
 
-def test_triton_fp8_last_part_sums_are_the_second_launchs_bits(triton_device, monkeypatch):
-    """Split-K parts summed by the last program of each output tile (two row tiles x three column blocks here)
-    equal the second launch's sums bit for bit, on repeated launches (the counters go back to 0)."""
-    from hf_specdec.kernels import skinny_gemm
-
-    weight, scale = make_fp8(70, 128, (32, 32), seed=27, device=triton_device)
-    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(27)).to(torch.bfloat16).to(triton_device)
-    monkeypatch.setattr(skinny_gemm, "LAST_PART_SUMS", False)
-    two_launches = fp8_matmul(x, weight, scale, (32, 32), SMALL, split_k=2)
-    monkeypatch.setattr(skinny_gemm, "LAST_PART_SUMS", True)
-    monkeypatch.setattr(skinny_gemm, "_counters", {})
-    for _ in range(2):
-        assert torch.equal(fp8_matmul(x, weight, scale, (32, 32), SMALL, split_k=2), two_launches)
-    assert not skinny_gemm._counters[x.device][0].any()
-
-
 def test_triton_fp8_default_split_k_does_not_depend_on_the_rows(triton_device, monkeypatch):
     """The split is chosen from the weight's shape alone: 1, 17 and 40 rows (one, two, three row tiles) split K
     alike, so every row equals its own result computed alone, bit for bit (a split chosen from the launch's

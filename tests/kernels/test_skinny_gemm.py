@@ -70,12 +70,9 @@ def test_triton_skinny_rows_do_not_depend_on_the_batch(triton_device):
     assert torch.equal(skinny_matmul(x[MAX_ROWS - 2:MAX_ROWS + 3], w, SMALL), full[MAX_ROWS - 2:MAX_ROWS + 3])
 
 
-@pytest.mark.parametrize("last_sums", [False, True])
-def test_triton_split_rows_do_not_depend_on_the_batch(triton_device, monkeypatch, last_sums):
+def test_triton_split_rows_do_not_depend_on_the_batch(triton_device, monkeypatch):
     """A narrow weight splits K by its shape alone, with one config at every row count: a verify row (17-32 rows)
-    is summed in the same parts and tiles as a decode row, bit for bit (the parts summed by a second launch, or
-    by the last program of each column block)."""
-    monkeypatch.setattr(skinny_gemm, "LAST_PART_SUMS", last_sums)
+    is summed in the same parts and tiles as a decode row, bit for bit."""
     n, k = 24, 8 * SPLIT_CONFIG[1]
     splits = split_k_for(n, k)
     assert splits == 2  # 8 tiles, at least 4 a part
@@ -88,43 +85,11 @@ def test_triton_split_rows_do_not_depend_on_the_batch(triton_device, monkeypatch
     w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.float16).to(triton_device)
     full = skinny_matmul(x, w)
     torch.testing.assert_close(full.double().cpu(), (x.double() @ w.double().T).cpu(), atol=2e-2, rtol=2e-2)
-    assert summed == ([] if last_sums else [2])
+    assert summed == [2]
     for r in (0, MAX_ROWS - 1, MAX_KERNEL_ROWS - 1):
         assert torch.equal(skinny_matmul(x[r:r + 1], w), full[r:r + 1])
     assert torch.equal(skinny_matmul(x[:MAX_ROWS + 3], w), full[:MAX_ROWS + 3])
-    assert summed == ([] if last_sums else [2] * 5)
-
-
-@pytest.mark.parametrize("split", [2, 3])
-def test_triton_last_part_sums_are_the_second_launchs_bits(triton_device, monkeypatch, split):
-    """The last program of a column block sums the parts as sum_splits does (same order, same rounding), leaves its
-    counters at 0 for the next launch, and launches in turn take their own counters."""
-    gen = torch.Generator().manual_seed(8)
-    x = torch.randn(5, 100, generator=gen).to(torch.float16).to(triton_device)
-    w = (torch.randn(70, 100, generator=gen) * 0.1).to(torch.float16).to(triton_device)
-    monkeypatch.setattr(skinny_gemm, "LAST_PART_SUMS", False)
-    two_launches = skinny_matmul(x, w, SMALL, split)
-    two_launches_fp32 = skinny_matmul(x, w, SMALL, split, out_dtype=torch.float32)
-    monkeypatch.setattr(skinny_gemm, "LAST_PART_SUMS", True)
-    monkeypatch.setattr(skinny_gemm, "COUNTERS", 9)  # 5 column blocks a launch: the second launch wraps to 0
-    monkeypatch.setattr(skinny_gemm, "_counters", {})
-    for _ in range(3):
-        assert torch.equal(skinny_matmul(x, w, SMALL, split), two_launches)
-        assert torch.equal(skinny_matmul(x, w, SMALL, split, out_dtype=torch.float32), two_launches_fp32)
-    pool, cursor = skinny_gemm._counters[x.device]
-    assert pool.shape == (9,) and cursor == 5 and not pool.any()
-
-
-def test_split_counters_are_handed_out_in_turn(monkeypatch):
-    monkeypatch.setattr(skinny_gemm, "COUNTERS", 10)
-    monkeypatch.setattr(skinny_gemm, "_counters", {})
-    cpu = torch.device("cpu")
-    first, second = skinny_gemm.split_counters(cpu, 4), skinny_gemm.split_counters(cpu, 4)
-    assert first.data_ptr() != second.data_ptr() and second.data_ptr() - first.data_ptr() == 4 * 4
-    assert skinny_gemm.split_counters(cpu, 4).data_ptr() == first.data_ptr()  # 8 + 4 > 10: back to the start
-    assert skinny_gemm.split_counters(cpu, 11) is None  # more than the pool: the second launch sums
-    monkeypatch.setattr(skinny_gemm, "LAST_PART_SUMS", False)
-    assert skinny_gemm.split_counters(cpu, 2) is None
+    assert summed == [2] * 5
 
 
 def test_split_k_follows_the_weights_shape(monkeypatch):
