@@ -42,7 +42,10 @@ from the largest untimed candidate down, and each of its calls starts at the bes
 round's (the lowest of its call). With ``plain`` (the loop's controllers), k = 0 is a candidate: a round without drafts
 commits one token per row at the cost of a plain step of the loop, so "auto" stops drafting where no k pays for it; such
 rounds measure no acceptance, so a call always starts at a k >= 1 and every :data:`EXPLORE_EVERY` rounds at 0 one round
-drafts again.
+drafts again. Where k does not grow within a call (Step 3.5 MTP), k = 0 ends the call's drafting: the rest of the call
+runs plain rounds (each call starts with drafts again), 0 is never a probe of the sweep, and its cost is read off the
+curve of the timed k, extended below the lowest (a verify's cost per token falls as its tokens share weights, so the
+extension overstates a plain round: the switch to 0 needs more than its estimate's gain).
 """
 
 from __future__ import annotations
@@ -256,7 +259,7 @@ class AdaptiveK:
                 self.costs.calls, self.counted = self.costs.calls + 1, True
         self._choose()
         self.without_drafts = self.without_drafts + 1 if k == 0 else 0
-        if self.k == 0 and self.without_drafts >= EXPLORE_EVERY:
+        if self.k == 0 and self.grows and self.without_drafts >= EXPLORE_EVERY:
             # rounds without drafts measure no acceptance: one round with drafts now and then, so that a call whose
             # text became easier to draft (or whose estimate fell on a few unlucky rounds) leaves k = 0 again
             self.without_drafts = 0
@@ -287,7 +290,10 @@ class AdaptiveK:
             self.probe = None
         if not (self.timing and self.sweep):
             return False
-        untimed = [k for k in self.candidates if k not in self.costs.medians and k <= self.ceiling]
+        # where k does not grow, a round without drafts would end the call's drafting: k = 0 is never probed there
+        # (its cost is read off the timed curve, extended below its lowest k)
+        untimed = [k for k in self.candidates if k not in self.costs.medians and k <= self.ceiling
+                   and (k or self.grows)]
         if not untimed:
             return False
         if self.incumbent is None:

@@ -118,11 +118,11 @@ class SpeculativeLoop:
             # choose the same k, so the acceptance alone decides there (the prior cost model)
             costs = None if state.ranks is not None else costs_for(
                 state.round_costs, (type(drafter).__qualname__, id(draft_model or model), input_ids.shape[0]))
-            # k = 0 is a candidate too where k may rise again (a round with drafts now and then measures the
-            # acceptance): a round without drafts, a plain step of this loop whose commit still lets the drafter
-            # catch up, for where no k pays for its drafting
+            # k = 0 is a candidate too: a round without drafts, a plain step of this loop whose commit still lets the
+            # drafter catch up, for where no k pays for its drafting (where k may rise again, a round with drafts
+            # now and then measures the acceptance; where it may not, the rest of the call runs plain rounds)
             self.adaptive_k = AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0], costs=costs,
-                                        grows=drafter.k_grows, plain=drafter.k_grows)
+                                        grows=drafter.k_grows, plain=True)
         # rounds are timed between consecutive rounds' read-backs: on the device clock where there is one (a round
         # queued ahead runs while the host is held up elsewhere, so the host's clock would time it short), else
         # between the host's waits

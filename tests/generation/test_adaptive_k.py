@@ -269,6 +269,39 @@ def test_with_plain_rounds_k_falls_to_zero_where_no_k_pays_and_a_call_starts_wit
     assert 0 in costs.timed() and 0 not in calls[-1] and 0 not in calls[-2], calls[-2:]
 
 
+def test_where_k_does_not_grow_rounds_without_drafts_end_the_calls_drafting_and_are_never_probed():
+    """``grows=False`` with ``plain=True`` (Step 3.5 MTP): where no k pays (each draft costs as much as a target
+    step, acceptance 0.3), a call falls to k = 0 and stays there (k never rises within a call; no exploring round),
+    each call starts with drafts again; the sweep never probes 0 (a probe at 0 would end the sweep call's drafting);
+    its cost comes off the timed curve. Where drafting pays, no call ever runs 0."""
+    import random
+
+    rng = random.Random(11)
+
+    probes = []
+
+    class Watched(AdaptiveK):
+        def _probing(self):
+            probing = super()._probing()
+            probes.append(self.probe if probing else None)
+            return probing
+
+    def run_calls(seconds_of, alpha, calls=5, rounds=40):
+        costs, chosen = RoundCosts(), []
+        for _ in range(calls):
+            controller = Watched(3, lambda k: 0.1 * k, batch=1, costs=costs, grows=False, plain=True)
+            chosen.append(_simulate(controller, alpha, seconds_of, rounds, rng, batch=1))
+        return costs, chosen
+
+    costs, calls = run_calls(lambda k: 1e-3 * (1 + 1.0 * k), 0.3)
+    # the sweep times the k the first call did not run, from the largest down; never 0
+    assert {1, 2, 3} <= set(costs.timed()) and set(probes) - {None} and 0 not in probes, probes
+    assert all(c[0] >= 1 and not any(b > a for a, b in zip(c, c[1:])) for c in calls), calls
+    assert all(c[-1] == 0 for c in calls[2:]) and calls[-1].count(0) >= len(calls[-1]) // 2, calls
+    costs, calls = run_calls(lambda k: 1e-3 * (1 + 0.1 * k), 0.9)
+    assert not any(0 in c for c in calls), calls
+
+
 def test_rounds_without_drafts_draft_again_now_and_then_and_leave_zero_when_the_acceptance_came_back():
     """At k = 0 the acceptance is not measured: after EXPLORE_EVERY rounds at 0 one round drafts (at the best k
     with drafts); if its drafts were accepted, the estimate rises and the controller stays with drafts."""
@@ -425,12 +458,14 @@ def test_step_mtp_rounds_whose_k_falls_within_a_call_are_lossless(monkeypatch):
         model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"})
 
 
-def test_auto_k_settles_at_rounds_without_drafts_when_no_draft_is_accepted(monkeypatch):
+@pytest.mark.parametrize("mode", ["gemma_mtp", "step_mtp"])
+def test_auto_k_settles_at_rounds_without_drafts_when_no_draft_is_accepted(monkeypatch, mode):
     """A drafter whose drafts are always wrong (an acceptance that rejects everything still commits the
-    target's token): the rounds shrink to none (k = 0: plain steps of the loop); the output is plain greedy's."""
+    target's token): the rounds shrink to none (k = 0: plain steps of the loop); the output is plain greedy's.
+    Step 3.5 MTP, whose k does not rise within a call, then runs plain rounds to the end of the call."""
     from hf_specdec.generation.acceptance import GreedyAcceptance
 
-    model, extra, _ = bundled.mode("gemma_mtp")
+    model, extra, _ = bundled.mode(mode)
     ids, mask = bundled.batch(2)
     kwargs = dict(attention_mask=mask, max_new_tokens=40, **GREEDY)
     expected = model.generate(ids, **kwargs)
@@ -445,8 +480,13 @@ def test_auto_k_settles_at_rounds_without_drafts_when_no_draft_is_accepted(monke
     monkeypatch.setattr(AdaptiveK, "update", lambda self, accepted, k: (rounds.append(k), original(self, accepted, k)))
     got = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"}, acceptance=RejectAll())
     assert torch.equal(got, expected)
-    tail = rounds[-2 * (EXPLORE_EVERY + 1):]  # at 0, a round with drafts now and then
-    assert rounds[0] >= 1 and rounds.count(0) >= len(rounds) // 2 and tail.count(0) >= EXPLORE_EVERY, rounds
+    assert rounds[0] >= 1 and rounds.count(0) >= len(rounds) // 2, rounds
+    if mode == "step_mtp":  # once at 0, plain rounds to the end of the call
+        first = rounds.index(0)
+        assert set(rounds[first:]) == {0} and not any(b > a for a, b in zip(rounds, rounds[1:])), rounds
+    else:
+        tail = rounds[-2 * (EXPLORE_EVERY + 1):]  # at 0, a round with drafts now and then
+        assert tail.count(0) >= EXPLORE_EVERY, rounds
 
 
 @pytest.mark.parametrize("mode", bundled.SPEC_MODES)
