@@ -53,12 +53,13 @@ def _row_max_kernel(value_ptr, index_ptr, out_ptr, chunks, BLOCK: tl.constexpr, 
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` for x [..., width] of floats (int64, shape x.shape[:-1]): the kernels on the GPU,
-    torch elsewhere and for rows narrower than one chunk (the first index of the maximum either way)."""
+    """``torch.argmax(x, dim=-1)`` for x [..., width] of floats (int64, shape x.shape[:-1]): the kernels on the GPU
+    for fp32 / bf16 / fp16 rows of two chunks or more, torch otherwise (the first index of the maximum either way)."""
     check(x.is_floating_point(), f"argmax takes floating-point scores, got {x.dtype}")
     check(x.dim() >= 1 and x.shape[-1] > 0, f"argmax needs a non-empty last dim, got shape {tuple(x.shape)}")
     width = x.shape[-1]
-    if not use_triton(x) or width < 2 * CHUNK or x.numel() == 0 or width >= 2**31:
+    if (not use_triton(x) or width < 2 * CHUNK or x.numel() == 0 or width >= 2**31
+            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)):  # fp64 would compare in fp32
         return argmax_reference(x)
     rows = x.reshape(-1, width)
     if rows.stride(-1) != 1:

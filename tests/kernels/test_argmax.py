@@ -61,3 +61,10 @@ def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="non-empty last dim"):
         argmax(torch.zeros(2, 0))
 
+
+
+def test_triton_argmax_keeps_fp64_rows_exact(triton_device):
+    """Two fp64 values that round to one fp32 value: the kernel would tie them, so fp64 rows take torch."""
+    x = torch.zeros(1, 2 * CHUNK, dtype=torch.float64)
+    x[0, 5], x[0, 9] = 1.0, 1.0 + 1e-12
+    assert argmax(x.to(triton_device)).item() == 9
