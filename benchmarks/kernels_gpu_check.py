@@ -1,14 +1,17 @@
 """Triton paged attention vs its torch reference at the real attention shapes, on one CUDA GPU.
 
-    PYTHONPATH=. python benchmarks/kernels_gpu_check.py [--layers sliding full e4b_sliding ...]
+    PYTHONPATH=. python benchmarks/kernels_gpu_check.py [--layers sliding full e4b_sliding ...] [--batch 1 8]
+        [--contexts 2048 8192] [--q-lens 1 8] [--no-prefill] [--graph]
 
 Layers (default: all): Gemma-4-31B sliding (32 q / 16 kv heads, head_dim 256, window 1024) and full (32 q /
 4 kv heads, head_dim 512); Gemma 4 E4B sliding (8 q / 2 kv, 256, window 512) and full (8 q / 2 kv, 512);
-Step 3.5 full (64 q / 8 kv, 128) and sliding (96 q / 8 kv, 128, window 512). Decode (T=1) and verify (T=8);
-batch 1 and 8; context 2048 and 8192; block_size 16;
+Step 3.5 full (64 q / 8 kv, 128) and sliding (96 q / 8 kv, 128, window 512); Gemma 4 E2B sliding (8 q / 1 kv, 256,
+window 512) and full (8 q / 1 kv, 512); 26B-A4B sliding (16 q / 8 kv, 256, window 1024) and full (16 q / 2 kv, 512).
+Decode (T=1) and verify (T=8); batch 1 and 8; context 2048 and 8192 (each settable); block_size 16;
 bf16 with random pages (shuffled physical blocks, released window blocks set to -1); plus a
 left-padded prefill (T=512, batch 2) per layer, whose GB/s is not its measure (compute-bound). Per
-case: relative error ||out - ref|| / ||ref|| (pass < 1e-2), median time (triton.testing.do_bench),
+case: relative error ||out - ref|| / ||ref|| (pass < 1e-2), median time (triton.testing.do_bench, or with
+``--graph`` one call's share of a CUDA graph of calls over copies of the pages, as a decode step runs it),
 and bandwidth counting the K/V bytes of the keys the queries can see. Prints a table, then one JSON
 line.
 """
@@ -31,6 +34,10 @@ LAYERS = {
     "e4b_full": dict(num_heads=8, num_kv_heads=2, head_dim=512, sliding_window=None, scale=1.0),
     "step_full": dict(num_heads=64, num_kv_heads=8, head_dim=128, sliding_window=None, scale=128 ** -0.5),
     "step_sliding": dict(num_heads=96, num_kv_heads=8, head_dim=128, sliding_window=512, scale=128 ** -0.5),
+    "e2b_sliding": dict(num_heads=8, num_kv_heads=1, head_dim=256, sliding_window=512, scale=1.0),
+    "e2b_full": dict(num_heads=8, num_kv_heads=1, head_dim=512, sliding_window=None, scale=1.0),
+    "26b_sliding": dict(num_heads=16, num_kv_heads=8, head_dim=256, sliding_window=1024, scale=1.0),
+    "26b_full": dict(num_heads=16, num_kv_heads=2, head_dim=512, sliding_window=None, scale=1.0),
 }
 BLOCK_SIZE = 16
 PASS_REL_ERROR = 1e-2
@@ -79,7 +86,7 @@ def visible_kv_bytes(kv_lens, q_len, num_kv_heads, head_dim, sliding_window) -> 
     return int(keys.sum()) * num_kv_heads * head_dim * 2 * torch.bfloat16.itemsize
 
 
-def check_case(layer, batch, context, q_len) -> Result:
+def check_case(layer, batch, context, q_len, graph: bool = False) -> Result:
     import triton.testing
 
     shape = LAYERS[layer]
@@ -88,11 +95,25 @@ def check_case(layer, batch, context, q_len) -> Result:
     out = paged_attention(*args, **kwargs)
     ref = paged_attention_reference(*args, **kwargs)
     rel_error = float((out.float() - ref.float()).norm() / ref.float().norm())
-    triton_ms = triton.testing.do_bench(lambda: paged_attention(*args, **kwargs, out=out))
+    if graph:
+        triton_ms = graph_ms(args, kwargs, out)
+    else:
+        triton_ms = triton.testing.do_bench(lambda: paged_attention(*args, **kwargs, out=out))
     reference_ms = triton.testing.do_bench(lambda: paged_attention_reference(*args, **kwargs))
     kv_bytes = visible_kv_bytes(args[4], q_len, shape["num_kv_heads"], shape["head_dim"], shape["sliding_window"])
     return Result(layer, batch, context, q_len, rel_error, triton_ms, reference_ms,
                   kv_bytes / (triton_ms * 1e-3) / 1e9, rel_error < PASS_REL_ERROR)
+
+
+def graph_ms(args, kwargs, out) -> float:
+    """One call's time inside a CUDA graph of calls over enough copies of the K/V pages (>= 256 MB in all) that none
+    finds its pages in L2, as a decode step's layers do not: a decode step's view of the kernel (no launch gaps)."""
+    from benchmarks.gemm_gpu_check import COPY_BYTES, graph_us
+
+    q, k_cache, v_cache, *index = args
+    copies = max(1, -(-COPY_BYTES // (2 * k_cache.numel() * k_cache.element_size())))
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(copies)]
+    return graph_us(lambda q, kv: paged_attention(q, *kv, *index, **kwargs, out=out, validate=False), q, caches) / 1e3
 
 
 def check_store_kv() -> bool:
@@ -113,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", nargs="+", choices=list(LAYERS), default=list(LAYERS))
-    layers = parser.parse_args(argv).layers
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[2048, 8192])
+    parser.add_argument("--q-lens", nargs="+", type=int, default=[1, 8], help="queries per row (decode 1, verify k+1)")
+    parser.add_argument("--no-prefill", action="store_true", help="leave out the prefill case of each layer")
+    parser.add_argument("--graph", action="store_true",
+                        help="time each call inside a CUDA graph over copies of the pages (no launch gaps, no L2 "
+                             "hits), as a decode step runs it, instead of triton's do_bench")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 0
@@ -121,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     store_kv_ok = check_store_kv()
-    cases = [*product(layers, (1, 8), (2048, 8192), (1, 8)), *product(layers, (2,), (2048,), (512,))]
-    results = [check_case(*case) for case in cases]
+    cases = list(product(args.layers, args.batch, args.contexts, args.q_lens))
+    if not args.no_prefill:
+        cases += list(product(args.layers, (2,), (2048,), (512,)))
+    results = [check_case(*case, graph=args.graph and case[3] <= 32) for case in cases]
     print(f"{'layer':12} {'batch':>5} {'ctx':>5} {'T':>3} {'rel_err':>9} {'triton_ms':>9} {'ref_ms':>8} "
           f"{'GB/s':>7}  ok")
     for r in results:
