@@ -49,10 +49,24 @@ def test_triton_argmax_of_a_column_slice(triton_device):
     assert torch.equal(argmax(x.to(triton_device)[:, -1]).cpu(), torch.argmax(x[:, -1], dim=-1))
 
 
-def test_narrow_rows_and_cpu_take_torch():
-    x = torch.randn(3, 100)
-    assert torch.equal(argmax(x), torch.argmax(x, dim=-1))
-    assert torch.equal(argmax_reference(x), torch.argmax(x, dim=-1))
+def test_narrow_rows_and_fp64_rows_take_torch_where_the_kernels_run(monkeypatch):
+    """With the kernels on (forced), rows narrower than two chunks and fp64 rows (the kernel compares in fp32) never
+    reach the kernels, and get torch's index."""
+    from hf_specdec.kernels import argmax as argmax_module
+    from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the kernel was launched")
+
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    monkeypatch.setattr(argmax_module, "_chunk_max_kernel", NoLaunch())
+    narrow = torch.randn(3, 2 * CHUNK - 1, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(argmax(narrow), torch.argmax(narrow, dim=-1))
+    wide = torch.zeros(1, 2 * CHUNK, dtype=torch.float64)
+    wide[0, 5], wide[0, 9] = 1.0, 1.0 + 1e-12  # one fp32 value: a kernel would tie them at 5
+    assert argmax(wide).item() == 9
+    assert torch.equal(argmax_reference(narrow), torch.argmax(narrow, dim=-1))
 
 
 def test_bad_input_names_the_fix():
@@ -60,11 +74,3 @@ def test_bad_input_names_the_fix():
         argmax(torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="non-empty last dim"):
         argmax(torch.zeros(2, 0))
-
-
-
-def test_triton_argmax_keeps_fp64_rows_exact(triton_device):
-    """Two fp64 values that round to one fp32 value: the kernel would tie them, so fp64 rows take torch."""
-    x = torch.zeros(1, 2 * CHUNK, dtype=torch.float64)
-    x[0, 5], x[0, 9] = 1.0, 1.0 + 1e-12
-    assert argmax(x.to(triton_device)).item() == 9
