@@ -45,12 +45,8 @@ def _step3p5_attention_forward(self, hidden_states: torch.Tensor, position_embed
     query, key, _ = qkv_norm_rope(query.view(hidden_shape), key.view(hidden_shape), None,
                                   (norms[0].weight, norms[1].weight, None), (norms[0].eps, norms[1].eps, 0.0),
                                   *position_embeddings, weight_offset=1.0)
-    out, weights = self.attention(query.transpose(1, 2), key.transpose(1, 2),
-                                  value.reshape(hidden_shape).transpose(1, 2), attention_mask, past_key_values,
-                                  **kwargs)
-    if gate is not None:
-        out = head_gate_mul(out, gate)
-    return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
+    return self.attend(query.transpose(1, 2), key.transpose(1, 2), value.reshape(hidden_shape).transpose(1, 2),
+                       gate, attention_mask, past_key_values, head_gate=head_gate_mul, **kwargs)
 
 
 def _fusible_attention(module) -> bool:

@@ -24,6 +24,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import eager_attention_forward, rotate_half
 
 from hf_specdec.kernels.fused_moe import fused_moe, gated_activation_reference, sigmoid_bias_topk_route
+from hf_specdec.kernels.gelu_mul import head_gate_mul_reference
 from hf_specdec.kernels.skinny_gemm import fp32_linear
 from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.runtime.placement import loaded_weights
@@ -239,24 +240,20 @@ class Step3p5Attention(nn.Module):
         return query, key, value, gate[0] if gate else None
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gate: torch.Tensor | None,
-               attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
+               attention_mask: torch.Tensor | None, past_key_values=None, head_gate=head_gate_mul_reference,
+               **kwargs):
         """Attention over the normalised, rotated heads [batch, heads, seq, head_dim] (through the cache), the
-        head-wise gate, o_proj -> (out [batch, seq, hidden], attention weights or None)."""
-        out, weights = self.attention(query, key, value, attention_mask, past_key_values, **kwargs)
-        if gate is not None:
-            out = out * torch.sigmoid(gate).unsqueeze(-1).to(out.dtype)
-        return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
-
-    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, past_key_values=None, **kwargs):
-        """The attention function alone (keys and values through the cache) -> (out [batch, seq, heads, head_dim],
-        attention weights or None)."""
+        head-wise gate (``head_gate(out, gate)``: ``out * sigmoid(gate)`` per head), o_proj -> (out [batch, seq,
+        hidden], attention weights or None)."""
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward)
-        return attention_interface(
+        out, weights = attention_interface(
             self, query, key, value, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, sliding_window=self.sliding_window, **kwargs,
-        )
+        )  # out [batch, seq, heads, head_dim]
+        if gate is not None:
+            out = head_gate(out, gate)
+        return self.o_proj(out.reshape(*out.shape[:2], -1)), weights
