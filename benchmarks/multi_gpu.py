@@ -43,6 +43,8 @@ PRESETS = {
 }
 MODES = {"tiny-gemma4": ["none", "mtp", "dflash"], "tiny-step3p5": ["none", "mtp"]}
 K = 3
+# CPU gloo runs whose rank died on SIGABRT run again this many times at most (see _tensor_parallel)
+CPU_ABORT_RERUNS = 1
 
 
 def add_arguments(parser) -> None:
@@ -224,8 +226,10 @@ def _tensor_parallel(shape: str, modes: list[str], args, **shape_settings) -> di
                         out=os.path.join(folder, "rank0.json"), **shape_settings)
         # gloo ranks on the CPU have aborted now and then right after loading (SIGABRT, "terminate called without
         # an active exception" from a thread without Python frames; 3 runs in ~35 on a 2-core machine, cause not
-        # found): there, a run whose rank died on SIGABRT runs once more, saying so. GPU runs never rerun
-        for attempt in range(1 if cuda else 2):
+        # found): there, a run whose rank died on SIGABRT runs again (CPU_ABORT_RERUNS times at most), saying so. GPU
+        # runs never rerun
+        reruns = 0 if cuda else CPU_ABORT_RERUNS
+        for attempt in range(1 + reruns):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -234,9 +238,9 @@ def _tensor_parallel(shape: str, modes: list[str], args, **shape_settings) -> di
                                    start_method="spawn")
                 break
             except mp.ProcessExitedException as error:
-                if cuda or attempt or error.signal_name != "SIGABRT":
+                if attempt == reruns or error.signal_name != "SIGABRT":
                     raise
-                print(f"[multi_gpu] a gloo rank aborted ({error}); running the ranks once more", file=sys.stderr)
+                print(f"[multi_gpu] a gloo rank aborted ({error}); running the ranks again", file=sys.stderr)
         with open(settings["out"]) as f:
             return {(r["mode"], r["batch"]): r for r in json.load(f)}
 
