@@ -1,13 +1,15 @@
 """The FP8 weight-only skinny GEMM (``hf_specdec.kernels.fp8_gemm``) against its reference and beside the bf16
 skinny GEMM at the Gemma-4-31B decode shapes, on one CUDA GPU.
 
-    python -m benchmarks.fp8_gpu_check [--rows 1 4 16] [--sweep]
+    python -m benchmarks.fp8_gpu_check [--rows 1 4 16] [--sweep] [--w8a8] [--shapes 31b 26b]
 
 Per (shape, scale format, rows): the kernel's error against the dequantize-then-matmul reference (pass:
 bf16 rounding), its graph-replayed time (``triton.testing.do_bench_cudagraph``) and TB/s counting the fp8 weight
 and scale bytes once, beside the bf16 kernel on the same weights (``skinny_matmul``) and the speedup. Prints a
 table, then one JSON line. ``--sweep`` times (BLOCK_N, BLOCK_K, num_warps, num_stages) configs of the kernel at one
-row instead and prints the best few per (shape, format).
+row instead and prints the best few per (shape, format). ``--w8a8`` times the W8A8 kernel (``kernels.fp8_w8a8``:
+activations quantized per row and group in the kernel, e4m3 x e4m3 dots) in both dot orientations beside them, its
+error against its own reference; with ``--sweep``, its configs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import json
 import torch
 
 # (N, K): the 31B MLP's stacked gate/up and its down, the attention's stacked q/k/v (sliding layer)
-SHAPES = [(43008, 5376), (5376, 21504), (16384, 5376)]
+SHAPES = {"31b": [(43008, 5376), (5376, 21504), (16384, 5376)],
+          # the 26B-A4B's q/k/v (sliding), o, dense gate/up and down
+          "26b": [(8192, 2816), (2816, 4096), (4224, 2816), (2816, 2112)]}
 FORMATS = {"block128": (128, 128), "channel": None}
 
 
@@ -31,14 +35,29 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16])
     parser.add_argument("--sweep", action="store_true", help="time tile configs at one row instead")
+    parser.add_argument("--w8a8", action="store_true", help="time the W8A8 kernel too")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["31b"])
     args = parser.parse_args()
     torch.manual_seed(0)
+    shapes = [shape for name in args.shapes for shape in SHAPES[name]]
     if args.sweep:
-        return sweep(triton, fp8_matmul, quantize_fp8)
+        if args.w8a8:
+            from itertools import product
+
+            from hf_specdec.kernels.fp8_w8a8 import w8a8_matmul
+
+            # (BLOCK_N, BLOCK_K, num_warps, num_stages, activations quantized by a launch of their own)
+            grid = list(product((64, 128), (256, 512), (4, 8), (3, 5), (True, False)))
+            return sweep(triton, lambda x, w8, scale, block, c: w8a8_matmul(x, w8, scale, block, config=c[:4],
+                                                                           prequantize=c[4]),
+                         quantize_fp8, shapes, {"block128": FORMATS["block128"]}, grid)
+        return sweep(triton, fp8_matmul, quantize_fp8, shapes)
+    if args.w8a8:
+        return w8a8_rows(triton, quantize_fp8, fp8_matmul, skinny_matmul, shapes, args.rows)
     rows_out, ok = [], True
     print(f"{'N':>6} {'K':>6} {'format':9} {'rows':>4} {'fp8 us':>8} {'fp8 TB/s':>8} {'bf16 us':>8} "
           f"{'bf16 TB/s':>9} {'speedup':>7} {'rel err':>8}")
-    for n, k in SHAPES:
+    for n, k in shapes:
         w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
         for fmt, block in FORMATS.items():
             w8, scale = quantize_fp8(w, block)
@@ -60,19 +79,53 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def sweep(triton, fp8_matmul, quantize_fp8) -> int:
+def w8a8_rows(triton, quantize_fp8, fp8_matmul, skinny_matmul, shapes, row_counts) -> int:
+    from hf_specdec.kernels.fp8_w8a8 import w8a8_linear_reference, w8a8_matmul
+
+    rows_out, ok = [], True
+    print(f"{'N':>6} {'K':>6} {'format':9} {'rows':>4} {'w-only us':>9} {'w8a8 us':>8} {'TB/s':>6} {'unswapped':>9} "
+          f"{'bf16 us':>8} {'vs w-only':>9} {'vs bf16':>7} {'rel err':>8} {'same':>5}")
+    for n, k in shapes:
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
+        for fmt, block in FORMATS.items():
+            w8, scale = quantize_fp8(w, block)
+            for rows in row_counts:
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                got = w8a8_matmul(x, w8, scale, block).float()
+                ref = w8a8_linear_reference(x, w8, scale, block).float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                same = bool(torch.equal(got, w8a8_matmul(x, w8, scale, block, swap=False).float()))
+                ok &= err < 1e-2
+                times = {name: triton.testing.do_bench_cudagraph(fn) * 1e3 for name, fn in (
+                    ("w8a8", lambda: w8a8_matmul(x, w8, scale, block)),
+                    ("unswapped", lambda: w8a8_matmul(x, w8, scale, block, swap=False)),
+                    ("weight_only", lambda: fp8_matmul(x, w8, scale, block)),
+                    ("bf16", lambda: skinny_matmul(x, w)))}
+                fp8_bytes = w8.numel() + scale.numel() * scale.element_size()
+                r = dict(n=n, k=k, format=fmt, rows=rows, **{f"{key}_us": v for key, v in times.items()},
+                         w8a8_tb_s=fp8_bytes / times["w8a8"] / 1e6, rel_error=err, orientations_equal=same)
+                rows_out.append(r)
+                print(f"{n:6d} {k:6d} {fmt:9} {rows:4d} {times['weight_only']:9.1f} {times['w8a8']:8.1f} "
+                      f"{r['w8a8_tb_s']:6.2f} {times['unswapped']:9.1f} {times['bf16']:8.1f} "
+                      f"{times['weight_only'] / times['w8a8']:9.2f} {times['bf16'] / times['w8a8']:7.2f} {err:8.1e} "
+                      f"{str(same):>5}")
+    print(json.dumps(dict(bench="fp8_gpu_check_w8a8", gpu=torch.cuda.get_device_name(), ok=ok, rows=rows_out)))
+    return 0 if ok else 1
+
+
+def sweep(triton, fp8_matmul, quantize_fp8, shapes, formats=FORMATS, configs=None) -> int:
     from itertools import product
 
     results = []
-    for n, k in SHAPES:
+    for n, k in shapes:
         w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        for fmt, block in FORMATS.items():
+        for fmt, block in formats.items():
             w8, scale = quantize_fp8(w, block)
             timed = []
             # block scales: a K tile of BLOCK_K is BLOCK_K / 128 dots, one per block of scales
-            grid = (product((16, 32, 64), (128, 256, 512), (4,), (3, 4, 6)) if block else
-                    product((16, 32, 64), (256, 512, 1024), (4,), (4, 6)))
+            grid = configs or (product((16, 32, 64), (128, 256, 512), (4,), (3, 4, 6)) if block else
+                               product((16, 32, 64), (256, 512, 1024), (4,), (4, 6)))
             for config in grid:
                 try:
                     ms = triton.testing.do_bench_cudagraph(lambda c=config: fp8_matmul(x, w8, scale, block, c))
