@@ -7,9 +7,10 @@ Per (shape, scale format, rows): the kernel's error against the dequantize-then-
 bf16 rounding), its graph-replayed time (``triton.testing.do_bench_cudagraph``) and TB/s counting the fp8 weight
 and scale bytes once, beside the bf16 kernel on the same weights (``skinny_matmul``) and the speedup. Prints a
 table, then one JSON line. ``--sweep`` times (BLOCK_N, BLOCK_K, num_warps, num_stages) configs of the kernel at one
-row instead and prints the best few per (shape, format). ``--w8a8`` times the W8A8 kernel (``kernels.fp8_w8a8``:
-activations quantized per row and group in the kernel, e4m3 x e4m3 dots) in both dot orientations beside them, its
-error against its own reference; with ``--sweep``, its configs.
+row instead and prints the best few per (shape, format). ``--w8a8`` times the W8A8 kernels (``kernels.fp8_w8a8``:
+activations quantized per row and group by one launch, e4m3 x e4m3 dots) beside them, their
+error against its own reference, and its per-row variant (compressed-tensors' activations); with ``--sweep``, its
+configs.
 """
 
 from __future__ import annotations
@@ -46,10 +47,8 @@ def main() -> int:
 
             from hf_specdec.kernels.fp8_w8a8 import w8a8_matmul
 
-            # (BLOCK_N, BLOCK_K, num_warps, num_stages, activations quantized by a launch of their own)
-            grid = list(product((64, 128), (256, 512), (4, 8), (3, 5), (True, False)))
-            return sweep(triton, lambda x, w8, scale, block, c: w8a8_matmul(x, w8, scale, block, config=c[:4],
-                                                                           prequantize=c[4]),
+            grid = list(product((64, 128), (128, 256, 512), (4, 8), (3, 5)))
+            return sweep(triton, lambda x, w8, scale, block, c: w8a8_matmul(x, w8, scale, block, config=c),
                          quantize_fp8, shapes, {"block128": FORMATS["block128"]}, grid)
         return sweep(triton, fp8_matmul, quantize_fp8, shapes)
     if args.w8a8:
@@ -83,32 +82,32 @@ def w8a8_rows(triton, quantize_fp8, fp8_matmul, skinny_matmul, shapes, row_count
     from hf_specdec.kernels.fp8_w8a8 import w8a8_linear_reference, w8a8_matmul
 
     rows_out, ok = [], True
-    print(f"{'N':>6} {'K':>6} {'format':9} {'rows':>4} {'w-only us':>9} {'w8a8 us':>8} {'TB/s':>6} {'unswapped':>9} "
-          f"{'bf16 us':>8} {'vs w-only':>9} {'vs bf16':>7} {'rel err':>8} {'same':>5}")
+    print(f"{'N':>6} {'K':>6} {'format':9} {'rows':>4} {'w-only us':>9} {'w8a8 us':>8} {'TB/s':>6} {'per-row':>7} "
+          f"{'bf16 us':>8} {'vs w-only':>9} {'vs bf16':>7} {'rel err':>8}")
     for n, k in shapes:
         w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
         for fmt, block in FORMATS.items():
             w8, scale = quantize_fp8(w, block)
             for rows in row_counts:
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-                got = w8a8_matmul(x, w8, scale, block).float()
-                ref = w8a8_linear_reference(x, w8, scale, block).float()
-                err = ((got - ref).abs().max() / ref.abs().max()).item()
-                same = bool(torch.equal(got, w8a8_matmul(x, w8, scale, block, swap=False).float()))
+                err = 0.0
+                for per_row in (False, True):
+                    got = w8a8_matmul(x, w8, scale, block, per_row=per_row).float()
+                    ref = w8a8_linear_reference(x, w8, scale, block, per_row=per_row).float()
+                    err = max(err, ((got - ref).abs().max() / ref.abs().max()).item())
                 ok &= err < 1e-2
                 times = {name: triton.testing.do_bench_cudagraph(fn) * 1e3 for name, fn in (
                     ("w8a8", lambda: w8a8_matmul(x, w8, scale, block)),
-                    ("unswapped", lambda: w8a8_matmul(x, w8, scale, block, swap=False)),
+                    ("per_row", lambda: w8a8_matmul(x, w8, scale, block, per_row=True)),
                     ("weight_only", lambda: fp8_matmul(x, w8, scale, block)),
                     ("bf16", lambda: skinny_matmul(x, w)))}
                 fp8_bytes = w8.numel() + scale.numel() * scale.element_size()
                 r = dict(n=n, k=k, format=fmt, rows=rows, **{f"{key}_us": v for key, v in times.items()},
-                         w8a8_tb_s=fp8_bytes / times["w8a8"] / 1e6, rel_error=err, orientations_equal=same)
+                         w8a8_tb_s=fp8_bytes / times["w8a8"] / 1e6, rel_error=err)
                 rows_out.append(r)
                 print(f"{n:6d} {k:6d} {fmt:9} {rows:4d} {times['weight_only']:9.1f} {times['w8a8']:8.1f} "
-                      f"{r['w8a8_tb_s']:6.2f} {times['unswapped']:9.1f} {times['bf16']:8.1f} "
-                      f"{times['weight_only'] / times['w8a8']:9.2f} {times['bf16'] / times['w8a8']:7.2f} {err:8.1e} "
-                      f"{str(same):>5}")
+                      f"{r['w8a8_tb_s']:6.2f} {times['per_row']:7.1f} {times['bf16']:8.1f} "
+                      f"{times['weight_only'] / times['w8a8']:9.2f} {times['bf16'] / times['w8a8']:7.2f} {err:8.1e}")
     print(json.dumps(dict(bench="fp8_gpu_check_w8a8", gpu=torch.cuda.get_device_name(), ok=ok, rows=rows_out)))
     return 0 if ok else 1
 

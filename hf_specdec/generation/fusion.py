@@ -29,7 +29,7 @@ import torch
 
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON
-from hf_specdec.kernels.fp8_gemm import compressed_fp8_linear_forward, fp8_linear_forward, fp8_linear_fusible
+from hf_specdec.kernels.fp8_w8a8 import compressed_fp8_linear_forward, fp8_linear_forward, fp8_linear_fusible
 from hf_specdec.kernels.fp8_moe import fp8_experts_forward, fp8_experts_fusible
 from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import dense_weight, stack_weights
@@ -134,7 +134,8 @@ register_fused_forwards(FusedForward(torch.nn.Linear, linear_forward, _fusible_l
 
 
 def fp8_fused_forwards() -> list[FusedForward]:
-    """The weight-only forwards of transformers' FP8 layers, for the classes this transformers version has."""
+    """The forwards of transformers' FP8 layers (W8A8 linears on GPUs with FP8 tensor cores, else weight-only;
+    weight-only experts), for the classes this transformers version has."""
     fused = []
     try:
         from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear

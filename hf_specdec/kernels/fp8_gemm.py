@@ -408,26 +408,6 @@ def fp8_linear(x: torch.Tensor,  # [..., K] bf16 / fp16 (any float dtype on the 
     return fp8_matmul(rows, weight, scale, block_size).view(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``forward`` of transformers' fine-grained ``FP8Linear`` (``weight`` e4m3 [N, K], ``weight_scale_inv``
-    block [ceil(N/bn), ceil(K/bk)] or a scalar with ``block_size=None``, optional ``bias``) through
-    :func:`fp8_linear`: weight-only, so a static ``activation_scale`` is not applied. A weight the loader left
-    dense (more than one byte per value) takes ``F.linear``, as the module's own forward does."""
-    if self.weight.element_size() > 1:
-        return F.linear(x, self.weight, self.bias)
-    return _add_bias(fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size), self.bias)
-
-
-def compressed_fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``forward`` of transformers' compressed-tensors FP8 linear (``weight`` e4m3 [N, K], per-channel or
-    per-tensor ``weight_scale`` as fp32 [1, N], optional ``bias``) through :func:`fp8_linear`."""
-    return _add_bias(fp8_linear(x, self.weight, self.weight_scale), self.bias)
-
-
-def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return y if bias is None else y + bias.to(y.dtype)
-
-
 # ---------------------------------------------------------------- mixture-of-experts weights [E, N, K]
 
 # (token, expert) pairs above which fp8_expert_linear runs one GEMM per selected expert (a host sync), outside CUDA
@@ -528,10 +508,3 @@ def fp8_expert_linear(x: torch.Tensor,  # [pairs, K]
     if fp8_expert_eligible(x, weight, scale, expert_ids, block_size):
         return fp8_expert_matmul(x, weight, scale, expert_ids, block_size)
     return fp8_expert_linear_reference(x, weight, scale, expert_ids, block_size)
-
-
-def fp8_linear_fusible(module) -> bool:
-    """Whether :func:`fp8_linear_forward` serves this ``FP8Linear``: e4m3 weights (or a weight the loader left
-    dense), not FP4-packed int8 ones."""
-    weight = getattr(module, "weight", None)
-    return isinstance(weight, torch.Tensor) and (weight.dtype == FP8_DTYPE or weight.element_size() > 1)

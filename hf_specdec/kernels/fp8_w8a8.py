@@ -4,10 +4,13 @@ transformers' own FP8 layers (``FP8Linear`` of its fine-grained FP8 quantizer) c
 activations is quantized to e4m3 per group of K values (the weight's K block, 128), with the group's scale
 ``amax / 448`` (dynamic, the default ``activation_scheme``) or one stored scale (``"static"``); the e4m3 products
 are summed in fp32 and each group's partial sum is multiplied by its row's scale and its weight block's scale.
-This kernel computes that product without the activations' round trip through memory: each program quantizes
-its rows' group in registers (the same IEEE operations for every program), then multiplies e4m3 by e4m3 on the
-tensor cores. No weight is converted, so a step streams the stored bytes at the rate of the bf16 kernel instead of
-the rate at which the weight-only kernel (:mod:`.fp8_gemm`) can convert them.
+transformers' compressed-tensors FP8 layers quantize each row with one scale (``per_row``). Here one launch
+quantizes the rows (:func:`quantize_rows`), then the GEMM multiplies e4m3 by e4m3 on the tensor cores, the weights
+as the MMA's rows (Hopper's warpgroup MMA then reads both tiles from shared memory). No weight is converted, so a
+step streams the stored bytes near the bf16 kernel's rate instead of the rate at which the weight-only kernel
+(:mod:`.fp8_gemm`) converts them: on an H200, 1.13-1.4x the weight-only kernel on the Gemma-4-31B and 26B-A4B
+shapes, and quantizing the rows in every program of the GEMM instead, or the activations as the MMA's rows, was
+slower (``benchmarks/results/w8a8_*_h200.log``).
 
 Numerics (the contract of :func:`w8a8_linear_reference`): ``x_q = e4m3(clamp(x / s, -448, 448))`` (ties to even)
 per row and group, ``s = amax(|x_group|) / 448`` (1 for an all-zero group) or the static scale, then
@@ -17,8 +20,8 @@ The reference dequantizes both operands in fp32 and multiplies; the two differ o
 A row's quantization and sums depend on that row alone (its groups, its scale), never on the other rows of the
 forward, and the tiles, K order and split-K parts depend on the weight's shape alone: a verify row rounds like a
 decode row. Triton's CPU interpreter multiplies fp8 tiles as raw bytes and rounds fp32 -> e4m3 wrongly where the
-rounding carries into the exponent: there the kernel rounds by :func:`round_e4m3` and multiplies in fp32 (every
-e4m3 product and its fp32 sum are then the GPU's).
+rounding carries into the exponent: there the codes are rounded by :func:`round_e4m3` and kept as fp32 values, and
+the GEMM multiplies in fp32 (every e4m3 product and its fp32 sum are the GPU's).
 """
 
 import torch
@@ -27,19 +30,14 @@ import torch.nn.functional as F
 from ._dispatch import (check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton,
                         use_triton)
 from .fp8_gemm import (ACTIVATION_DTYPES, E8M0_DTYPE, FP8_DTYPE, MAX_KERNEL_ROWS, MAX_ROWS, SCALE_DTYPES,
-                       config_for, dequantize_fp8, has_native_fp8, load_scale, scale_grid,
+                       config_for, dequantize_fp8, fp8_linear, has_native_fp8, load_scale, scale_grid,
                        split_k_for)
 from .skinny_gemm import load_k_tile, sum_splits
 
 GROUP = 128  # activation values per scale along K (transformers' fine-grained FP8: the weight's K block)
 E4M3_MAX = 448.0
-# the dot's orientation: weights as the MMA's rows ([BLOCK_N, GROUP] x [GROUP, 16]) or the activations'
-# ([16, GROUP] x [GROUP, BLOCK_N]); the sums are the same products in the same K order either way
-SWAP = True
-# the activations quantized by a launch of their own (codes and scales through memory, so the GEMM's loop only
-# loads and multiplies), or by every program of the GEMM in registers
-PREQUANTIZE = True
 QUANTIZE_VALUES = 1024  # activation values per program of the quantizing launch
+ROW_BLOCK = 1024  # values per step of a row's amax (per-row scales)
 
 
 @triton.jit
@@ -52,129 +50,142 @@ def round_e4m3(v):
 
 
 @triton.jit
-def quantize_group(x, static_scale, STATIC: tl.constexpr, EMULATE: tl.constexpr):
-    """A rows x GROUP tile -> (its e4m3 codes: float8 on the GPU, their fp32 values where EMULATE, the rows'
-    scales [rows] fp32)."""
-    xf = x.to(tl.float32)
-    if STATIC:
-        s = tl.zeros([x.shape[0]], dtype=tl.float32) + static_scale
-    else:
-        amax = tl.max(tl.abs(xf), axis=1)
-        s = tl.where(amax > 0.0, amax / 448.0, 1.0)
-    v = tl.minimum(tl.maximum(xf / s[:, None], -448.0), 448.0)
+def to_e4m3(xf, s, EMULATE: tl.constexpr):
+    """``xf / s`` clamped to +-448 as e4m3 (float8; their fp32 values where EMULATE)."""
+    v = tl.minimum(tl.maximum(xf / s, -448.0), 448.0)
     if EMULATE:
-        return round_e4m3(v), s
-    return v.to(tl.float8e4nv), s
+        return round_e4m3(v)
+    return v.to(tl.float8e4nv)
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, qs_ptr, a_ptr, K, stride_xm, groups, GROUP_K: tl.constexpr,
-                          GROUPS_PER_PROGRAM: tl.constexpr, STATIC: tl.constexpr, EMULATE: tl.constexpr,
-                          PDL: tl.constexpr):
-    """Row ``program_id(0)``'s groups ``program_id(1) * GROUPS_PER_PROGRAM ...`` -> e4m3 codes (fp32 values where
-    EMULATE) and their scales [rows, groups]."""
+def _quantize_groups_kernel(x_ptr, q_ptr, qs_ptr, a_ptr, K, stride_xm, groups, GROUP_K: tl.constexpr,
+                            GROUPS_PER_PROGRAM: tl.constexpr, STATIC: tl.constexpr, EMULATE: tl.constexpr,
+                            PDL: tl.constexpr):
+    """Row ``program_id(0)``'s groups ``program_id(1) * GROUPS_PER_PROGRAM ...`` -> e4m3 codes and their scales
+    [rows, groups]: ``amax / 448`` per group (1 for an all-zero group), or the static scale."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     ks = g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
     ok = ks < K
-    x = tl.load(x_ptr + row * stride_xm + ks, mask=ok, other=0.0)
-    static_scale = tl.load(a_ptr).to(tl.float32) if STATIC else 1.0
-    q, s = quantize_group(x, static_scale, STATIC, EMULATE)
-    tl.store(q_ptr + row * K + ks, q, mask=ok)
+    xf = tl.load(x_ptr + row * stride_xm + ks, mask=ok, other=0.0).to(tl.float32)
+    if STATIC:
+        s = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32) + tl.load(a_ptr).to(tl.float32)
+    else:
+        amax = tl.max(tl.abs(xf), axis=1)
+        s = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    tl.store(q_ptr + row * K + ks, to_e4m3(xf, s[:, None], EMULATE), mask=ok)
     tl.store(qs_ptr + row * groups + g, s, mask=g < groups)
 
 
 @triton.jit
-def _w8a8_kernel(x_ptr, w_ptr, s_ptr, a_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 stride_sn, stride_sk, scale_bn, scale_bk, k_per_split, stride_split, xs_ptr, groups,
+def _quantize_row_kernel(x_ptr, q_ptr, qs_ptr, K, stride_xm, BLOCK: tl.constexpr, EMULATE: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Row ``program_id(0)`` -> e4m3 codes and one scale, ``amax / 448`` over the row (1 for a zero row)."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    top = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        top = tl.maximum(top, tl.abs(tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K,
+                                             other=0.0).to(tl.float32)))
+    amax = tl.max(top, axis=0)
+    s = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    for k0 in range(0, K, BLOCK):
+        ok = k0 + offs < K
+        xf = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * K + k0 + offs, to_e4m3(xf, s, EMULATE), mask=ok)
+    tl.store(qs_ptr + row, s)
+
+
+@triton.jit
+def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_ym, stride_sn, stride_sk,
+                 scale_bn, scale_bk, k_per_split, stride_split, stride_qs_row, stride_qs_group,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
-                 SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, STATIC: tl.constexpr,
-                 EMULATE: tl.constexpr, SWAP_AB: tl.constexpr, PREQUANT: tl.constexpr, PDL: tl.constexpr):
+                 SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    # the weights are the MMA's rows: [BLOCK_N, GROUP_K] x [GROUP_K, 16 rows] (Hopper's warpgroup MMA reads both
+    # e4m3 tiles from shared memory); each group's partial times its rows' and its weight block's scales
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     row_ok = rows < M
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * K
     s_rows = s_ptr + (cols // scale_bn).to(tl.int64) * stride_sn
-    static_scale = tl.load(a_ptr).to(tl.float32) if STATIC else 1.0
+    qs_rows = qs_ptr + rows.to(tl.int64) * stride_qs_row
     subs = tl.arange(0, BLOCK_K // GROUP_K)
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if SCALE_PER_K:  # the weight scales of the tile's groups (each inside one block of scales), in one load
             sub_k = tl.minimum((k0 + subs * GROUP_K) // scale_bk, (K - 1) // scale_bk)
             scales = load_scale(s_rows[:, None] + sub_k[None, :] * stride_sk, col_ok[:, None], SCALE_E8M0)
         for j in tl.static_range(BLOCK_K // GROUP_K):
-            w, x = load_k_tile(w_rows, x_rows, k0 + j * GROUP_K, K, col_ok, row_ok, GROUP_K)
-            if PREQUANT:  # codes and scales from _quantize_rows_kernel
-                xq = x
-                xs = tl.load(xs_ptr + rows * groups + (k0 + j * GROUP_K) // GROUP_K, mask=row_ok, other=1.0)
-            else:
-                xq, xs = quantize_group(x, static_scale, STATIC, EMULATE)
+            w, q = load_k_tile(w_rows, q_rows, k0 + j * GROUP_K, K, col_ok, row_ok, GROUP_K)
+            qs = tl.load(qs_rows + ((k0 + j * GROUP_K) // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)
             if EMULATE:
-                w = w.to(tl.float32)
-            if SWAP_AB:
-                if EMULATE:
-                    part = tl.dot(w, tl.trans(xq), input_precision="ieee")
-                else:
-                    part = tl.dot(w, tl.trans(xq))
-                part = part * xs[None, :]
-                if SCALE_PER_K:
-                    part = part * tl.sum(tl.where(subs[None, :] == j, scales, 0.0), axis=1)[:, None]
+                part = tl.dot(w.to(tl.float32), tl.trans(q), input_precision="ieee")
             else:
-                if EMULATE:
-                    part = tl.dot(xq, tl.trans(w), input_precision="ieee")
-                else:
-                    part = tl.dot(xq, tl.trans(w))
-                part = part * xs[:, None]
-                if SCALE_PER_K:
-                    part = part * tl.sum(tl.where(subs[None, :] == j, scales, 0.0), axis=1)[None, :]
+                part = tl.dot(w, tl.trans(q))
+            part = part * qs[None, :]
+            if SCALE_PER_K:
+                part = part * tl.sum(tl.where(subs[None, :] == j, scales, 0.0), axis=1)[:, None]
             acc += part
-    if SWAP_AB:
-        if not SCALE_PER_K:
-            acc = acc * load_scale(s_rows, col_ok, SCALE_E8M0)[:, None]
-        out = (y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_ym
-               + cols[:, None])
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
-    else:
-        if not SCALE_PER_K:
-            acc = acc * load_scale(s_rows, col_ok, SCALE_E8M0)[None, :]
-        out = (y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
-               + cols[None, :])
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if not SCALE_PER_K:
+        acc = acc * load_scale(s_rows, col_ok, SCALE_E8M0)[:, None]
+    out = (y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_ym
+           + cols[:, None])
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
 
 
-def group_for(block_size, scale_per_k: bool, k: int) -> int:
+def group_for(block_size, scale_per_k: bool) -> int:
     """Activation values per scale along K: the weight's K block (a power of two of at least 16, at most
     :data:`GROUP`) with block scales, else :data:`GROUP`."""
     if scale_per_k:
-        _, bk = block_size
-        return min(GROUP, bk & -bk)
+        return min(GROUP, block_size[1] & -block_size[1])
     return GROUP
+
+
+def quantize_rows(x: torch.Tensor,  # [rows, K] bf16 / fp16, rows contiguous
+                  group: int, activation_scale: torch.Tensor | None = None, per_row: bool = False,
+                  emulate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [rows, K] (fp32 values where ``emulate``), their scales fp32: [rows, ceil(K / group)], or [rows,
+    1] with ``per_row``), one launch: :func:`quantize_activations` on the device."""
+    rows, k = x.shape
+    codes = torch.empty(rows, k, dtype=torch.float32 if emulate else FP8_DTYPE, device=x.device)
+    if per_row:
+        scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+        _quantize_row_kernel[(rows,)](x, codes, scales, k, x.stride(0), BLOCK=ROW_BLOCK, EMULATE=emulate,
+                                      num_warps=4, **pdl_args(x))
+        return codes, scales
+    groups = triton.cdiv(k, group)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    per_program = max(1, QUANTIZE_VALUES // group)
+    static = activation_scale is not None
+    _quantize_groups_kernel[(rows, triton.cdiv(groups, per_program))](
+        x, codes, scales, activation_scale if static else scales, k, x.stride(0), groups, GROUP_K=group,
+        GROUPS_PER_PROGRAM=per_program, STATIC=static, EMULATE=emulate, num_warps=4, **pdl_args(x))
+    return codes, scales
 
 
 def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
                 weight: torch.Tensor,  # [N, K] float8_e4m3fn, rows contiguous
                 scale: torch.Tensor,  # block [ceil(N/bn), ceil(K/bk)], channel [N] / [N, 1] / [1, N], or one element
-                block_size=None, activation_scale: torch.Tensor | None = None,
-                config: tuple[int, int, int, int] | None = None, split_k: int | None = None,
-                swap: bool | None = None, prequantize: bool | None = None) -> torch.Tensor:
-    """``w8a8_linear_reference(x, weight, scale, block_size, activation_scale)`` by the kernel ([rows, N], in
-    ``x.dtype``). ``activation_scale``: one fp32 element (static activations), or None (dynamic, per row and
-    group)."""
+                block_size=None, activation_scale: torch.Tensor | None = None, per_row: bool = False,
+                config: tuple[int, int, int, int] | None = None, split_k: int | None = None) -> torch.Tensor:
+    """``w8a8_linear_reference(x, weight, scale, block_size, activation_scale, per_row)`` by the kernels ([rows,
+    N], in ``x.dtype``): the rows quantized by one launch (:func:`quantize_rows`), then the GEMM. ``activation_scale``:
+    one element (static activations), or None (dynamic: per row and group, or per row with ``per_row``)."""
     _check_args(x, weight, scale, activation_scale)
+    check(not (per_row and activation_scale is not None), "per_row takes dynamic activations (activation_scale=None)")
     rows, k = x.shape
     n = weight.shape[0]
     grid, bn, bk = scale_grid(scale, block_size, n, k)
     scale_per_k = grid.shape[1] > 1
-    group = group_for((bn, bk), scale_per_k, k)
+    group = group_for((bn, bk), scale_per_k)
     check(group >= 16, f"block_size[1]={bk} must be a multiple of 16 for the kernel (w8a8_linear takes the "
           "reference for such scales)")
     block_n, block_k, warps, stages = config or config_for(n, k, scale_per_k)
@@ -186,33 +197,18 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     if x.stride(-1) != 1:
         x = x.contiguous()
     emulate = interpreting(_w8a8_kernel) or not has_native_fp8(x.device)
-    dtype = torch.float32 if split > 1 or emulate else x.dtype
-    out = torch.empty(split, rows, n, dtype=dtype, device=x.device)
-    static = activation_scale is not None
+    codes, scales = quantize_rows(x, group, activation_scale, per_row, emulate)
+    out = torch.empty(split, rows, n, dtype=torch.float32 if split > 1 or emulate else x.dtype, device=x.device)
     e8m0 = grid.dtype == E8M0_DTYPE
-    prequantize = PREQUANTIZE if prequantize is None else prequantize
-    groups = triton.cdiv(k, group)
-    xs = grid  # unread unless prequantized
-    if prequantize:
-        codes = torch.empty(rows, k, dtype=torch.float32 if emulate else FP8_DTYPE, device=x.device)
-        xs = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-        per_program = max(1, QUANTIZE_VALUES // group)
-        _quantize_rows_kernel[(rows, triton.cdiv(groups, per_program))](
-            x, codes, xs, activation_scale if static else xs, k, x.stride(0), groups, GROUP_K=group,
-            GROUPS_PER_PROGRAM=per_program, STATIC=static, EMULATE=emulate, num_warps=4, **pdl_args(x))
-        x, out_dtype = codes, x.dtype
-    else:
-        out_dtype = x.dtype
     _w8a8_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n), split)](
-        x, weight, grid.view(torch.uint8) if e8m0 else grid, activation_scale if static else grid, out,
-        rows, n, k, x.stride(0), weight.stride(0), out.stride(1), grid.stride(0), grid.stride(1), bn, bk,
-        k_per_split, out.stride(0), xs, groups,
+        codes, weight, grid.view(torch.uint8) if e8m0 else grid, scales, out, rows, n, k, weight.stride(0),
+        out.stride(1), grid.stride(0), grid.stride(1), bn, bk, k_per_split, out.stride(0), scales.stride(0),
+        0 if per_row else 1,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_K=group, SCALE_PER_K=scale_per_k,
-        SCALE_E8M0=e8m0, STATIC=static, EMULATE=emulate, SWAP_AB=SWAP if swap is None else swap,
-        PREQUANT=prequantize, num_warps=warps, num_stages=stages, **pdl_args(out))
+        SCALE_E8M0=e8m0, EMULATE=emulate, num_warps=warps, num_stages=stages, **pdl_args(out))
     if split == 1:
-        return out[0].to(out_dtype)
-    return sum_splits(out, torch.float32 if emulate else out_dtype).to(out_dtype)
+        return out[0].to(x.dtype)
+    return sum_splits(out, torch.float32 if emulate else x.dtype).to(x.dtype)
 
 
 def _check_args(x, weight, scale, activation_scale) -> None:
@@ -233,11 +229,13 @@ def _check_args(x, weight, scale, activation_scale) -> None:
 
 
 def quantize_activations(x: torch.Tensor,  # [..., K]
-                         group: int = GROUP, activation_scale: torch.Tensor | None = None
+                         group: int = GROUP, activation_scale: torch.Tensor | None = None, per_row: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``x``'s e4m3 codes [..., K], their scales [..., ceil(K / group)] fp32) as the kernel computes them: per row
-    and group of ``group`` values, ``amax / 448`` (1 for an all-zero group), or the static ``activation_scale``."""
+    """(``x``'s e4m3 codes [..., K], their scales [..., ceil(K / group)] fp32) as the kernels compute them: per row
+    and group of ``group`` values (``per_row``: one group, the whole row), ``amax / 448`` (1 for an all-zero group),
+    or the static ``activation_scale``."""
     k = x.shape[-1]
+    group = k if per_row else group
     groups = -(-k // group)
     xf = F.pad(x.float(), (0, groups * group - k)).unflatten(-1, (groups, group))
     if activation_scale is None:
@@ -251,16 +249,16 @@ def quantize_activations(x: torch.Tensor,  # [..., K]
 
 def w8a8_linear_reference(x: torch.Tensor,  # [..., K]
                           weight: torch.Tensor, scale: torch.Tensor, block_size=None,
-                          activation_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          activation_scale: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
     """The contract: ``x`` quantized by :func:`quantize_activations` (groups of the weight's K block, at most
-    :data:`GROUP`) and dequantized in fp32, the weight dequantized in fp32, ``x @ w.T`` accumulated in fp32, rounded
-    once to ``x.dtype`` ([..., N])."""
+    :data:`GROUP`, or whole rows) and dequantized in fp32, the weight dequantized in fp32, ``x @ w.T`` accumulated
+    in fp32, rounded once to ``x.dtype`` ([..., N])."""
     check(weight.dtype == FP8_DTYPE, f"weight must be float8_e4m3fn, got {weight.dtype}")
     check(weight.dim() == 2 and x.dim() > 0 and x.shape[-1] == weight.shape[1],
           f"x [..., K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
     n, k = weight.shape
     grid, bn, bk = scale_grid(scale, block_size, n, k)
-    group = group_for((bn, bk), grid.shape[1] > 1, k)
+    group = k if per_row else group_for((bn, bk), grid.shape[1] > 1)
     codes, s = quantize_activations(x, group, activation_scale)
     dense_x = codes.float() * s.repeat_interleave(group, dim=-1)[..., :k]
     return F.linear(dense_x, dequantize_fp8(weight, scale, block_size)).to(x.dtype)
@@ -285,10 +283,65 @@ def w8a8_eligible(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bl
 
 def w8a8_linear(x: torch.Tensor,  # [..., K] bf16 / fp16 (any float dtype on the reference path)
                 weight: torch.Tensor,  # [N, K] float8_e4m3fn
-                scale: torch.Tensor, block_size=None, activation_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A8 ``x @ (weight * scale).T`` ([..., N], no bias): the kernel when :func:`w8a8_eligible`, else
+                scale: torch.Tensor, block_size=None, activation_scale: torch.Tensor | None = None,
+                per_row: bool = False) -> torch.Tensor:
+    """W8A8 ``x @ (weight * scale).T`` ([..., N], no bias): the kernels when :func:`w8a8_eligible`, else
     :func:`w8a8_linear_reference`."""
     if not w8a8_eligible(x, weight, scale, block_size, activation_scale):
-        return w8a8_linear_reference(x, weight, scale, block_size, activation_scale)
+        return w8a8_linear_reference(x, weight, scale, block_size, activation_scale, per_row)
     rows = x.reshape(-1, x.shape[-1])
-    return w8a8_matmul(rows, weight, scale, block_size, activation_scale).view(*x.shape[:-1], weight.shape[0])
+    return w8a8_matmul(rows, weight, scale, block_size, activation_scale, per_row).view(*x.shape[:-1],
+                                                                                         weight.shape[0])
+
+
+# ---------------------------------------------------------------- transformers' FP8 layers
+
+
+def activations_quantized(x: torch.Tensor) -> bool:
+    """Whether transformers' FP8 layers quantize ``x`` (:func:`fp8_linear_forward`): bf16 / fp16 activations on a
+    GPU with FP8 tensor cores (sm_89+). Elsewhere (CPU, fp32 activations, older GPUs) no FP8 product is fast, and
+    the layers compute the weight-only product (:func:`.fp8_gemm.fp8_linear`), the more accurate one: quantized
+    activations would turn the last-bit differences of torch's CPU kernels between a one-row and a k+1-row forward
+    into different codes, where the GPU's kernels compute each row alike."""
+    return x.is_cuda and x.dtype in ACTIVATION_DTYPES and has_native_fp8(x.device)
+
+
+def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``forward`` of transformers' fine-grained ``FP8Linear`` (``weight`` e4m3 [N, K], ``weight_scale_inv``
+    block [ceil(N/bn), ceil(K/bk)] or a scalar with ``block_size=None``, optional ``bias``). Where
+    :func:`activations_quantized`, transformers' own arithmetic through :func:`w8a8_linear`, with the layer's
+    activation scheme: per row and group of the weight's K block (``"dynamic"``, transformers' default) or its
+    stored ``activation_scale`` (``"static"``); elsewhere the weight-only product (:func:`.fp8_gemm.fp8_linear`). A
+    weight the loader left dense (more than one byte per value) takes ``F.linear``, as the module's own forward
+    does."""
+    if self.weight.element_size() > 1:
+        return F.linear(x, self.weight, self.bias)
+    if not activations_quantized(x):
+        return _add_bias(fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size), self.bias)
+    static = getattr(self, "activation_scheme", "dynamic") == "static"
+    return _add_bias(w8a8_linear(x, self.weight, self.weight_scale_inv, self.block_size,
+                                 self.activation_scale if static else None), self.bias)
+
+
+def compressed_fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``forward`` of transformers' compressed-tensors FP8 linear (``weight`` e4m3 [N, K], per-channel or
+    per-tensor ``weight_scale`` as fp32 [1, N], optional ``bias``): where :func:`activations_quantized`,
+    :func:`w8a8_linear` with one scale per row, as transformers' own forward quantizes the activations for dynamic
+    and static checkpoints alike; elsewhere the weight-only product."""
+    if not activations_quantized(x):
+        return _add_bias(fp8_linear(x, self.weight, self.weight_scale), self.bias)
+    return _add_bias(w8a8_linear(x, self.weight, self.weight_scale, per_row=True), self.bias)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def fp8_linear_fusible(module) -> bool:
+    """Whether :func:`fp8_linear_forward` serves this ``FP8Linear``: e4m3 weights (or a weight the loader left
+    dense), not FP4-packed int8 ones; a static activation scheme with its scale."""
+    weight = getattr(module, "weight", None)
+    if getattr(module, "activation_scheme", "dynamic") == "static" and not isinstance(
+            getattr(module, "activation_scale", None), torch.Tensor):
+        return False
+    return isinstance(weight, torch.Tensor) and (weight.dtype == FP8_DTYPE or weight.element_size() > 1)

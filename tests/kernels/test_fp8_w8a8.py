@@ -1,17 +1,24 @@
-"""w8a8_linear: FP8 weights times activations quantized to FP8 per row and group, in the kernel. The reference is
-quantize, dequantize, matmul; the kernel matches it to a rounding of the activation dtype (block, channel and
-tensor scales, dynamic and static activations, odd shapes, 1 to 40 rows, both dot orientations), its e4m3 codes
-are torch's (an identity weight shows each quantized activation), and a row's result does not depend on the
-batch or the weight's split-K parts' neighbours.
+"""w8a8_linear: FP8 weights times activations quantized to FP8 per row and group (or per row). The reference is
+quantize, dequantize, matmul; the kernels match it to a rounding of the activation dtype (block, channel and
+tensor scales, dynamic, per-row and static activations, odd shapes, 1 to 40 rows), their e4m3 codes are torch's (an
+identity weight shows each quantized activation), and a row's result does not depend on the batch.
 """
+
+import copy
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
+from transformers.integrations.finegrained_fp8 import FP8Linear
 
 from hf_specdec.kernels import fp8_w8a8
-from hf_specdec.kernels.fp8_gemm import FP8_DTYPE, MAX_ROWS, dequantize_fp8
+from hf_specdec.kernels.fp8_gemm import E8M0_DTYPE, FP8_DTYPE, MAX_ROWS, dequantize_fp8
 from hf_specdec.kernels.fp8_w8a8 import (
     E4M3_MAX,
+    compressed_fp8_linear_forward,
+    fp8_linear_forward,
     quantize_activations,
     w8a8_eligible,
     w8a8_linear,
@@ -19,8 +26,9 @@ from hf_specdec.kernels.fp8_w8a8 import (
     w8a8_matmul,
 )
 
+from ..tiny_models import gemma4_31b_style
 from .conftest import run_file_cases_in_interpreter
-from .test_fp8_gemm import TOLERANCE, make_fp8
+from .test_fp8_gemm import TOLERANCE, dequantize_by_blocks, fp8_layer, fp8_quantized_model, make_fp8
 
 SMALL = (16, 128, 4, 2)  # BLOCK_N, BLOCK_K, warps, stages: several programs, one group per K tile
 WIDE = (64, 256, 4, 2)  # two groups per K tile
@@ -31,13 +39,12 @@ def _rows(rows, k, dtype, device, seed=0, scale=3.0):
     return (torch.randn(rows, k, generator=gen) * scale).to(dtype).to(device)
 
 
-def _check(device, dtype, rows, weight, scale, block_size, activation_scale=None, config=SMALL, swap=None, seed=0,
-           prequantize=None):
+def _check(device, dtype, rows, weight, scale, block_size, activation_scale=None, config=SMALL, seed=0,
+           per_row=False):
     x = _rows(rows, weight.shape[1], dtype, device, seed)
-    got = w8a8_matmul(x, weight, scale, block_size, activation_scale, config=config, swap=swap,
-                      prequantize=prequantize)
+    got = w8a8_matmul(x, weight, scale, block_size, activation_scale, per_row, config=config)
     expected = w8a8_linear_reference(x.cpu(), weight.cpu(), scale.cpu(), block_size,
-                                     None if activation_scale is None else activation_scale.cpu())
+                                     None if activation_scale is None else activation_scale.cpu(), per_row)
     assert got.shape == (rows, weight.shape[0]) and got.dtype == dtype
     torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[dtype])
 
@@ -46,34 +53,31 @@ def _check(device, dtype, rows, weight, scale, block_size, activation_scale=None
 
 
 @pytest.mark.parametrize("config", [SMALL, WIDE])
-@pytest.mark.parametrize("prequantize", [True, False])
-@pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("rows", [1, MAX_ROWS, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_w8a8_block_scales(triton_device, dtype, rows, swap, prequantize, config):
+def test_triton_w8a8_block_scales(triton_device, dtype, rows, config):
     weight, scale = make_fp8(80, 384, (32, 128), seed=1, device=triton_device)
-    _check(triton_device, dtype, rows, weight, scale, (32, 128), swap=swap, prequantize=prequantize, config=config)
+    _check(triton_device, dtype, rows, weight, scale, (32, 128), config=config)
 
 
-@pytest.mark.parametrize("prequantize", [True, False])
+@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("block_size", ["channel", "tensor", (48, 64)])
-def test_triton_w8a8_other_scales_and_odd_shapes(triton_device, block_size, prequantize):
+def test_triton_w8a8_other_scales_and_odd_shapes(triton_device, block_size, per_row):
     """Per-channel and per-tensor weight scales (activation groups of 128), K blocks of 64 (groups of 64), K and N
     not multiples of the tiles."""
     weight, scale = make_fp8(70, 200, block_size, seed=2, device=triton_device)
     _check(triton_device, torch.bfloat16, 5, weight, scale, None if block_size in ("channel", "tensor")
-           else block_size, prequantize=prequantize)
+           else block_size, per_row=per_row)
 
 
-@pytest.mark.parametrize("prequantize", [True, False])
-def test_triton_w8a8_static_activation_scale(triton_device, prequantize):
+def test_triton_w8a8_static_activation_scale(triton_device):
     weight, scale = make_fp8(64, 256, (32, 128), seed=3, device=triton_device)
     _check(triton_device, torch.bfloat16, 3, weight, scale, (32, 128),
-           activation_scale=torch.tensor(0.01, device=triton_device), prequantize=prequantize)
+           activation_scale=torch.tensor(0.01, device=triton_device))
 
 
-@pytest.mark.parametrize("prequantize", [True, False])
-def test_triton_w8a8_codes_are_torchs(triton_device, prequantize):
+@pytest.mark.parametrize("per_row", [False, True])
+def test_triton_w8a8_codes_are_torchs(triton_device, per_row):
     """An identity weight (e4m3 1.0, scale 1) returns each row's quantized values times their scales: the kernel's
     e4m3 codes equal torch's round-to-nearest-even conversion, values at ties, near the top of a binade (where the
     rounding carries into the exponent), subnormal and saturated included."""
@@ -86,9 +90,9 @@ def test_triton_w8a8_codes_are_torchs(triton_device, prequantize):
     x[2, :8] = torch.tensor([1.0625, 1.1875, 1.9688, 7.9, -15.5, 0.0029, -0.0012, 448.0])
     x[3, :128] = 0.0  # an all-zero group
     x = x.to(torch.bfloat16).to(triton_device)
-    got = w8a8_matmul(x, weight, scale, None, config=WIDE, prequantize=prequantize)
-    codes, s = quantize_activations(x.cpu())
-    expected = (codes.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+    got = w8a8_matmul(x, weight, scale, None, per_row=per_row, config=WIDE)
+    codes, s = quantize_activations(x.cpu(), per_row=per_row)
+    expected = (codes.float() * s.repeat_interleave(k if per_row else 128, dim=-1)).to(torch.bfloat16)
     assert torch.equal(got.cpu(), expected)
 
 
@@ -111,9 +115,22 @@ def test_triton_w8a8_split_k(triton_device, split_k):
                                **TOLERANCE[torch.bfloat16])
 
 
+def test_triton_fp8_linear_forward_takes_the_kernel(triton_device, monkeypatch):
+    if triton_device == "cpu":  # the interpreter: the kernels on CPU tensors, as on a GPU with FP8 tensor cores
+        monkeypatch.setattr(fp8_w8a8, "activations_quantized", lambda x: True)
+    layer = fp8_layer(256, 48, block_size=(16, 128), bias=True, seed=7).to(triton_device)
+    x = torch.randn(1, 3, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(triton_device)
+    with torch.no_grad():
+        assert w8a8_eligible(x, layer.weight, layer.weight_scale_inv, layer.block_size)
+        got = fp8_linear_forward(layer, x)
+    expected = w8a8_linear_reference(x.cpu(), layer.weight.cpu(), layer.weight_scale_inv.cpu(), (16, 128))
+    torch.testing.assert_close(got.float().cpu(), expected.float() + layer.bias.detach().cpu().bfloat16().float(),
+                               rtol=2e-2, atol=1e-2)
+
+
 def test_w8a8_cases_in_interpreter(request):
     """This file by itself on CPU: its ``triton_`` tests in the interpreter (``conftest.run_file_cases_in_interpreter``)."""
-    run_file_cases_in_interpreter(request, __file__, min_passed=15)
+    run_file_cases_in_interpreter(request, __file__, min_passed=20)
 
 
 # ---------------------------------------------------------------- reference, dispatch, launcher checks (CPU)
@@ -151,6 +168,11 @@ def test_w8a8_linear_takes_the_reference_on_cpu_and_for_odd_blocks():
     got = w8a8_linear(x, weight, scale, (8, 24))
     assert got.shape == (2, 5, 24)
     assert torch.equal(got, w8a8_linear_reference(x, weight, scale, (8, 24)))
+    per_row = w8a8_linear(x, weight, scale, (8, 24), per_row=True)
+    codes, s = quantize_activations(x, per_row=True)
+    assert s.shape == (2, 5, 1)
+    expected = (codes.float() * s) @ dequantize_fp8(weight, scale, (8, 24)).T
+    assert torch.equal(per_row, expected.to(torch.bfloat16))
 
 
 def test_w8a8_launcher_names_bad_arguments():
@@ -164,4 +186,124 @@ def test_w8a8_launcher_names_bad_arguments():
         w8a8_matmul(x, weight, scale, (16, 128), activation_scale=torch.ones(2))
     with pytest.raises(ValueError, match=r"must share K|weight must be \[N, K=64\]"):
         w8a8_matmul(x[:, :64], weight, scale, (16, 128))
+    with pytest.raises(ValueError, match="per_row takes dynamic"):
+        w8a8_matmul(x, weight, scale, (16, 128), torch.tensor(1.0), per_row=True)
     assert fp8_w8a8.GROUP == 128
+
+
+# ---------------------------------------------------------------- transformers' FP8 layers (CPU)
+
+
+@pytest.fixture
+def quantized_activations(monkeypatch):
+    """The layers' forwards as on a GPU with FP8 tensor cores (their W8A8 arithmetic, by the reference here)."""
+    monkeypatch.setattr(fp8_w8a8, "activations_quantized", lambda x: True)
+
+
+def test_cpu_and_fp32_activations_take_the_weight_only_product():
+    layer = fp8_layer(100, 70, block_size=(16, 16), bias=True, seed=10)
+    x = torch.randn(2, 100, generator=torch.Generator().manual_seed(10))
+    assert not fp8_w8a8.activations_quantized(x) and not fp8_w8a8.activations_quantized(x.bfloat16())
+    dense = dequantize_fp8(layer.weight, layer.weight_scale_inv, (16, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(fp8_linear_forward(layer, x), F.linear(x, dense, layer.bias), rtol=1e-5, atol=1e-5)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        assert fp8_w8a8.activations_quantized(x.bfloat16().cuda()) and not fp8_w8a8.activations_quantized(x.cuda())
+
+
+def _quantized_input(x, group=128, per_row=False, activation_scale=None):
+    codes, s = quantize_activations(x, group, activation_scale, per_row)
+    return codes.float() * s.repeat_interleave(x.shape[-1] if per_row else group, dim=-1)[..., :x.shape[-1]]
+
+
+@pytest.mark.parametrize("block_size,bias", [((16, 16), False), ((32, 48), True), (None, True)])
+def test_fp8_linear_forward_serves_fine_grained_fp8_linear(block_size, bias, quantized_activations):
+    """Block scales at odd shapes (activation groups of the K block: 16; 48 -> 16), and ``block_size=None`` (a 0-dim
+    per-tensor ``weight_scale_inv``, groups of 128). The module's own forward needs a GPU kernel (on CPU it raises
+    ImportError); this one runs anywhere."""
+    layer = fp8_layer(100, 70, block_size=block_size, bias=bias, seed=10)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.activation_scheme == "dynamic"
+    x = torch.randn(2, 3, 100, generator=torch.Generator().manual_seed(10))
+    dense = dequantize_fp8(layer.weight, layer.weight_scale_inv, block_size)
+    group = 16 if block_size else 128
+    with torch.no_grad():
+        torch.testing.assert_close(fp8_linear_forward(layer, x), F.linear(_quantized_input(x, group), dense,
+                                                                          layer.bias), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(fp8_linear_forward(layer, x), F.linear(x, dense, layer.bias), atol=1e-3)
+
+
+def test_fp8_linear_forward_static_activation_scale(quantized_activations):
+    layer = FP8Linear(64, 32, block_size=(16, 16), activation_scheme="static")
+    weight, scale = make_fp8(32, 64, (16, 16), seed=14)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.weight_scale_inv.copy_(scale)
+        layer.activation_scale.fill_(0.05)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(14)) * 40  # some values past 448 * 0.05: saturated
+    expected = F.linear(_quantized_input(x, 16, activation_scale=torch.tensor(0.05)), dequantize_fp8(weight, scale,
+                                                                                                    (16, 16)))
+    with torch.no_grad():
+        torch.testing.assert_close(fp8_linear_forward(layer, x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_linear_forward_keeps_a_dense_weight_dense():
+    """transformers leaves FP8Linear layers whose shape does not tile by the block in the checkpoint dtype."""
+    layer = FP8Linear(12, 7, block_size=(16, 16))
+    layer.weight = nn.Parameter(torch.randn(7, 12))
+    x = torch.randn(2, 12)
+    assert torch.equal(fp8_linear_forward(layer, x), F.linear(x, layer.weight))
+
+
+def test_fp8_linear_forward_reads_ue8m0_scales(quantized_activations):
+    layer = FP8Linear(64, 32, block_size=(16, 16), scale_fmt="ue8m0")
+    weight, scale = make_fp8(32, 64, (16, 16), seed=11)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.weight_scale_inv.copy_(torch.exp2(torch.ceil(torch.log2(scale))).to(E8M0_DTYPE))
+    assert layer.weight_scale_inv.dtype == E8M0_DTYPE
+    x = torch.randn(3, 64).bfloat16()
+    expected = F.linear(_quantized_input(x, 16), dequantize_by_blocks(weight, layer.weight_scale_inv, 16, 16))
+    with torch.no_grad():
+        assert torch.equal(fp8_linear_forward(layer, x), expected.bfloat16())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_compressed_fp8_linear_forward(bias, quantized_activations):
+    """transformers' compressed-tensors FP8 layer: ``weight_scale`` fp32 [1, N] (a per-tensor scale arrives
+    expanded to [1, N] by the loader); the activations take one scale per row, as transformers' forward does."""
+    layer = CompressedTensorsFP8Linear(100, 70, has_bias=bias)
+    weight, scale = make_fp8(70, 100, "channel", seed=12)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.weight_scale.copy_(scale.reshape(1, -1))
+        if bias:
+            layer.bias.normal_()
+    x = torch.randn(4, 100, generator=torch.Generator().manual_seed(12)).bfloat16()
+    x[1] *= 100  # one row's scale does not move another's
+    with torch.no_grad():
+        got = compressed_fp8_linear_forward(layer, x)
+    expected = F.linear(_quantized_input(x, per_row=True), weight.float() * scale).bfloat16()
+    assert torch.equal(got, expected if not bias else expected + layer.bias.detach().bfloat16())
+
+
+def test_tiny_fp8_model_matches_its_quantized_dense_twin(quantized_activations):
+    """A Gemma-4-31B-style model quantized by :func:`fp8_quantized_model` (FP8Linear everywhere but the LM head),
+    its layers given :func:`fp8_linear_forward`: the logits of the same model whose nn.Linear layers hold the
+    dequantized weights and quantize their inputs per row and group."""
+    model = gemma4_31b_style()
+    fp8_model = fp8_quantized_model(copy.deepcopy(model), block_size=(16, 16))
+    layers = [m for m in fp8_model.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) > 20 and type(fp8_model.lm_head) is nn.Linear
+    dense_model = copy.deepcopy(model)
+    for name, layer in fp8_model.named_modules():
+        if isinstance(layer, FP8Linear):
+            layer.forward = fp8_linear_forward.__get__(layer)
+            twin = dense_model.get_submodule(name)
+            twin.register_forward_pre_hook(lambda _, args: (_quantized_input(args[0], 16),))
+            with torch.no_grad():
+                twin.weight.copy_(dequantize_fp8(layer.weight, layer.weight_scale_inv, layer.block_size))
+    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        got, expected = fp8_model(ids).logits, dense_model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected, model(ids).logits.detach(), atol=1e-3)  # the weights did change
