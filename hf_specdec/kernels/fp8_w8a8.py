@@ -36,6 +36,9 @@ from .skinny_gemm import load_k_tile, sum_splits
 
 GROUP = 128  # activation values per scale along K (transformers' fine-grained FP8: the weight's K block)
 E4M3_MAX = 448.0
+# False: transformers' FP8 layers compute the weight-only product everywhere (read at each call: an A/B knob, with
+# the CUDA graphs captured before it released)
+W8A8 = True
 QUANTIZE_VALUES = 1024  # activation values per program of the quantizing launch
 ROW_BLOCK = 1024  # values per step of a row's amax (per-row scales)
 
@@ -303,7 +306,7 @@ def activations_quantized(x: torch.Tensor) -> bool:
     the layers compute the weight-only product (:func:`.fp8_gemm.fp8_linear`), the more accurate one: quantized
     activations would turn the last-bit differences of torch's CPU kernels between a one-row and a k+1-row forward
     into different codes, where the GPU's kernels compute each row alike."""
-    return x.is_cuda and x.dtype in ACTIVATION_DTYPES and has_native_fp8(x.device)
+    return W8A8 and x.is_cuda and x.dtype in ACTIVATION_DTYPES and has_native_fp8(x.device)
 
 
 def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
