@@ -54,8 +54,9 @@ def round_e4m3(v):
 
 @triton.jit
 def to_e4m3(xf, s, EMULATE: tl.constexpr):
-    """``xf / s`` clamped to +-448 as e4m3 (float8; their fp32 values where EMULATE)."""
-    v = tl.minimum(tl.maximum(xf / s, -448.0), 448.0)
+    """``xf / s`` (IEEE-rounded, as torch divides: Triton's ``/`` is the GPU's approximate division) clamped to
+    +-448, as e4m3 (float8; their fp32 values where EMULATE)."""
+    v = tl.minimum(tl.maximum(tl.math.div_rn(xf, s), -448.0), 448.0)
     if EMULATE:
         return round_e4m3(v)
     return v.to(tl.float8e4nv)
@@ -77,7 +78,7 @@ def _quantize_groups_kernel(x_ptr, q_ptr, qs_ptr, a_ptr, K, stride_xm, groups, G
         s = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32) + tl.load(a_ptr).to(tl.float32)
     else:
         amax = tl.max(tl.abs(xf), axis=1)
-        s = tl.where(amax > 0.0, amax / 448.0, 1.0)
+        s = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
     tl.store(q_ptr + row * K + ks, to_e4m3(xf, s[:, None], EMULATE), mask=ok)
     tl.store(qs_ptr + row * groups + g, s, mask=g < groups)
 
@@ -94,7 +95,7 @@ def _quantize_row_kernel(x_ptr, q_ptr, qs_ptr, K, stride_xm, BLOCK: tl.constexpr
         top = tl.maximum(top, tl.abs(tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K,
                                              other=0.0).to(tl.float32)))
     amax = tl.max(top, axis=0)
-    s = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    s = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
     for k0 in range(0, K, BLOCK):
         ok = k0 + offs < K
         xf = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=ok, other=0.0).to(tl.float32)

@@ -11,9 +11,11 @@ back to back, so every ``nn.Linear`` keeps its own ``Parameter`` object, name an
 projections one by one. ``save_pretrained`` stores each weight under its own key (transformers clones
 disjoint views of one storage before writing).
 
-FP8 weight-only projections (transformers' fine-grained ``FP8Linear``: e4m3 ``weight`` and block scales
-``weight_scale_inv``) stack the same way, weights and scales each into one storage, when they share a block
-size and each one's outputs are whole blocks of scales; one :func:`fp8_linear` then reads them.
+FP8 projections (transformers' fine-grained ``FP8Linear``: e4m3 ``weight`` and block scales ``weight_scale_inv``,
+dynamic activations) stack the same way, weights and scales each into one storage, when they share a block size and
+each one's outputs are whole blocks of scales; one GEMM then reads them, with the layers' own arithmetic
+(:func:`.fp8_w8a8.fp8_linear_forward`: W8A8 where the GPU has FP8 tensor cores, the rows quantized once for all
+of them, else weight-only).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from .fp8_gemm import FP8_DTYPE, fp8_linear
+from . import fp8_w8a8
 from .skinny_gemm import skinny_linear
 
 
@@ -103,17 +106,19 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Ten
         return skinny_linear(x, weight).split(sizes, dim=-1)
     fp8 = stacked_fp8(*linears)
     if fp8 is not None:
-        return fp8_linear(x, *fp8).split(sizes, dim=-1)
+        product = fp8_w8a8.w8a8_linear if fp8_w8a8.activations_quantized(x) else fp8_linear
+        return product(x, *fp8).split(sizes, dim=-1)
     return tuple(linear(x) for linear in linears)
 
 
 def _stackable_fp8(module, first) -> bool:
-    """An FP8 weight-only projection without bias or hooks, with block scales of ``first``'s block size that
-    cover whole blocks of its outputs."""
+    """An FP8 projection without bias or hooks, with dynamic activations (a static scale is the layer's own) and
+    block scales of ``first``'s block size that cover whole blocks of its outputs."""
     weight, scale = getattr(module, "weight", None), getattr(module, "weight_scale_inv", None)
     block = getattr(module, "block_size", None)
     return (isinstance(weight, torch.Tensor) and isinstance(scale, torch.Tensor) and weight.dtype == FP8_DTYPE
             and getattr(module, "bias", None) is None and block is not None
+            and getattr(module, "activation_scheme", "dynamic") == "dynamic"
             and len(block) == 2 and tuple(block) == tuple(getattr(first, "block_size", None) or ())
             and weight.dim() == 2 and weight.shape[0] % block[0] == 0 and scale.dim() == 2
             and scale.shape[0] == weight.shape[0] // block[0]

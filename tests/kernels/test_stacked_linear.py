@@ -159,11 +159,29 @@ def test_fp8_projections_stack_weights_and_scales():
     assert stacked_fp8(k, q, v) is None  # order matters
 
 
-@pytest.mark.parametrize("case", ["partial block", "block size", "bias"])
+def test_stacked_fp8_projections_quantize_activations_as_each_layer_does(monkeypatch):
+    """Where the layers quantize their activations (a GPU with FP8 tensor cores; here by the reference), the stacked
+    GEMM gives each layer's own W8A8 forward, bit for bit."""
+    from hf_specdec.kernels import fp8_w8a8
+
+    monkeypatch.setattr(fp8_w8a8, "activations_quantized", lambda x: True)
+    q, k, v = _fp8_linears(64, 32, 32, width=96)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    want = [fp8_w8a8.fp8_linear_forward(m, x) for m in (q, k, v)]
+    assert not torch.equal(want[0], fp8_w8a8.fp8_linear(x, q.weight, q.weight_scale_inv, q.block_size))
+    assert stack_weights(q, k, v)
+    for got, expected in zip(stacked_projections(x, q, k, v), want):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("case", ["partial block", "block size", "bias", "static activations"])
 def test_fp8_projections_that_cannot_share_a_gemm_are_left_alone(case):
     a, = _fp8_linears(48 if case == "partial block" else 32)  # 48 rows: a scale block half used
     b, = _fp8_linears(32, block=(16, 16) if case == "block size" else (32, 32), seed=1)
     if case == "bias":
         b.bias = nn.Parameter(torch.zeros(32))
+    if case == "static activations":  # its scale belongs to the layer
+        b.activation_scheme = "static"
+        b.activation_scale = nn.Parameter(torch.tensor(0.1))
     assert not stack_weights(a, b)
     assert stacked_fp8(a, b) is None
