@@ -106,10 +106,11 @@ def _quantize_row_kernel(x_ptr, q_ptr, qs_ptr, K, stride_xm, BLOCK: tl.constexpr
 @triton.jit
 def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_ym, stride_sn, stride_sk,
                  scale_bn, scale_bk, k_per_split, stride_split, stride_qs_row, stride_qs_group,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
-                 SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr,
+                 SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     # the weights are the MMA's rows: [BLOCK_N, GROUP_K] x [GROUP_K, 16 rows] (Hopper's warpgroup MMA reads both
-    # e4m3 tiles from shared memory); each group's partial times its rows' and its weight block's scales
+    # e4m3 tiles from shared memory), one group of K per step; each partial times its rows' and its weight block's
+    # scales
     pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,25 +120,20 @@ def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * K
     s_rows = s_ptr + (cols // scale_bn).to(tl.int64) * stride_sn
     qs_rows = qs_ptr + rows.to(tl.int64) * stride_qs_row
-    subs = tl.arange(0, BLOCK_K // GROUP_K)
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if SCALE_PER_K:  # the weight scales of the tile's groups (each inside one block of scales), in one load
-            sub_k = tl.minimum((k0 + subs * GROUP_K) // scale_bk, (K - 1) // scale_bk)
-            scales = load_scale(s_rows[:, None] + sub_k[None, :] * stride_sk, col_ok[:, None], SCALE_E8M0)
-        for j in tl.static_range(BLOCK_K // GROUP_K):
-            w, q = load_k_tile(w_rows, q_rows, k0 + j * GROUP_K, K, col_ok, row_ok, GROUP_K)
-            qs = tl.load(qs_rows + ((k0 + j * GROUP_K) // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)
-            if EMULATE:
-                part = tl.dot(w.to(tl.float32), tl.trans(q), input_precision="ieee")
-            else:
-                part = tl.dot(w, tl.trans(q))
-            part = part * qs[None, :]
-            if SCALE_PER_K:
-                part = part * tl.sum(tl.where(subs[None, :] == j, scales, 0.0), axis=1)[:, None]
-            acc += part
+    for k0 in range(k_lo, k_hi, GROUP_K):
+        w, q = load_k_tile(w_rows, q_rows, k0, K, col_ok, row_ok, GROUP_K)
+        qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)
+        if EMULATE:
+            part = tl.dot(w.to(tl.float32), tl.trans(q), input_precision="ieee")
+        else:
+            part = tl.dot(w, tl.trans(q))
+        part = part * qs[None, :]
+        if SCALE_PER_K:  # the group lies inside one block of weight scales
+            part = part * load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
+        acc += part
     if not SCALE_PER_K:
         acc = acc * load_scale(s_rows, col_ok, SCALE_E8M0)[:, None]
     out = (y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_ym
@@ -192,11 +188,11 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     group = group_for((bn, bk), scale_per_k)
     check(group >= 16, f"block_size[1]={bk} must be a multiple of 16 for the kernel (w8a8_linear takes the "
           "reference for such scales)")
-    block_n, block_k, warps, stages = config or config_for(n, k, scale_per_k)
-    block_k = max(block_k, group) // group * group
-    split = split_k if split_k is not None else split_k_for(n, k, block_n, block_k)
+    # config: (BLOCK_N, -, num_warps, num_stages); the K step is one group
+    block_n, _, warps, stages = config or config_for(n, k, scale_per_k)
+    split = split_k if split_k is not None else split_k_for(n, k, block_n, group)
     check(isinstance(split, int) and split >= 1, f"split_k must be a positive int, got {split!r}")
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split), group) * group
     split = triton.cdiv(k, k_per_split)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -208,8 +204,8 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
         codes, weight, grid.view(torch.uint8) if e8m0 else grid, scales, out, rows, n, k, weight.stride(0),
         out.stride(1), grid.stride(0), grid.stride(1), bn, bk, k_per_split, out.stride(0), scales.stride(0),
         0 if per_row else 1,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_K=group, SCALE_PER_K=scale_per_k,
-        SCALE_E8M0=e8m0, EMULATE=emulate, num_warps=warps, num_stages=stages, **pdl_args(out))
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, GROUP_K=group, SCALE_PER_K=scale_per_k, SCALE_E8M0=e8m0,
+        EMULATE=emulate, num_warps=warps, num_stages=stages, **pdl_args(out))
     if split == 1:
         return out[0].to(x.dtype)
     return sum_splits(out, torch.float32 if emulate else x.dtype).to(x.dtype)
