@@ -39,6 +39,9 @@ E4M3_MAX = 448.0
 # False: transformers' FP8 layers compute the weight-only product everywhere (read at each call: an A/B knob, with
 # the CUDA graphs captured before it released)
 W8A8 = True
+# e4m3 products summed in the tensor cores before an fp32 add (Hopper's FP8 MMA keeps fewer bits across its own
+# accumulation): 32, one MMA instruction's K; None: Triton's default (the whole dot of 128, faster, ~1e-2 off)
+MAX_IMPRECISE_ACC = 32
 QUANTIZE_VALUES = 1024  # activation values per program of the quantizing launch
 ROW_BLOCK = 1024  # values per step of a row's amax (per-row scales)
 
@@ -107,7 +110,7 @@ def _quantize_row_kernel(x_ptr, q_ptr, qs_ptr, K, stride_xm, BLOCK: tl.constexpr
 def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_ym, stride_sn, stride_sk,
                  scale_bn, scale_bk, k_per_split, stride_split, stride_qs_row, stride_qs_group,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr,
-                 SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                 SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr):
     # the weights are the MMA's rows: [BLOCK_N, GROUP_K] x [GROUP_K, 16 rows] (Hopper's warpgroup MMA reads both
     # e4m3 tiles from shared memory), one group of K per step; each partial times its rows' and its weight block's
     # scales
@@ -129,7 +132,7 @@ def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_
         if EMULATE:
             part = tl.dot(w.to(tl.float32), tl.trans(q), input_precision="ieee")
         else:
-            part = tl.dot(w, tl.trans(q))
+            part = tl.dot(w, tl.trans(q), max_num_imprecise_acc=IMPRECISE_ACC)
         part = part * qs[None, :]
         if SCALE_PER_K:  # the group lies inside one block of weight scales
             part = part * load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
@@ -205,7 +208,7 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
         out.stride(1), grid.stride(0), grid.stride(1), bn, bk, k_per_split, out.stride(0), scales.stride(0),
         0 if per_row else 1,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, GROUP_K=group, SCALE_PER_K=scale_per_k, SCALE_E8M0=e8m0,
-        EMULATE=emulate, num_warps=warps, num_stages=stages, **pdl_args(out))
+        EMULATE=emulate, IMPRECISE_ACC=MAX_IMPRECISE_ACC, num_warps=warps, num_stages=stages, **pdl_args(out))
     if split == 1:
         return out[0].to(x.dtype)
     return sum_splits(out, torch.float32 if emulate else x.dtype).to(x.dtype)
