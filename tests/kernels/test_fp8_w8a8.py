@@ -46,7 +46,17 @@ def _check(device, dtype, rows, weight, scale, block_size, activation_scale=None
     expected = w8a8_linear_reference(x.cpu(), weight.cpu(), scale.cpu(), block_size,
                                      None if activation_scale is None else activation_scale.cpu(), per_row)
     assert got.shape == (rows, weight.shape[0]) and got.dtype == dtype
-    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[dtype])
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **_tolerance(dtype, device, expected))
+
+
+def _tolerance(dtype, device, expected):
+    """A rounding of the activation dtype; on a GPU also the FP8 tensor cores' own accumulation (Hopper's warpgroup
+    MMA aligns an instruction's 32 e4m3 products to fewer bits than fp32 before adding them: up to ~2**-10 of the
+    outputs' magnitude on these shapes, measured on an H200)."""
+    tolerance = dict(TOLERANCE[dtype])
+    if device == "cuda":
+        tolerance["atol"] = 2 ** -9 * expected.abs().max().item()
+    return tolerance
 
 
 # ---------------------------------------------------------------- the kernel (TRITON_INTERPRET=1 child on CPU)
@@ -110,9 +120,8 @@ def test_triton_w8a8_split_k(triton_device, split_k):
     weight, scale = make_fp8(32, 640, (32, 128), seed=6, device=triton_device)
     x = _rows(3, 640, torch.bfloat16, triton_device, seed=6)
     got = w8a8_matmul(x, weight, scale, (32, 128), config=SMALL, split_k=split_k)
-    torch.testing.assert_close(got.float().cpu(), w8a8_linear_reference(x.cpu(), weight.cpu(), scale.cpu(),
-                                                                        (32, 128)).float(),
-                               **TOLERANCE[torch.bfloat16])
+    expected = w8a8_linear_reference(x.cpu(), weight.cpu(), scale.cpu(), (32, 128)).float()
+    torch.testing.assert_close(got.float().cpu(), expected, **_tolerance(torch.bfloat16, triton_device, expected))
 
 
 def test_triton_fp8_linear_forward_takes_the_kernel(triton_device, monkeypatch):
@@ -125,7 +134,7 @@ def test_triton_fp8_linear_forward_takes_the_kernel(triton_device, monkeypatch):
         got = fp8_linear_forward(layer, x)
     expected = w8a8_linear_reference(x.cpu(), layer.weight.cpu(), layer.weight_scale_inv.cpu(), (16, 128))
     torch.testing.assert_close(got.float().cpu(), expected.float() + layer.bias.detach().cpu().bfloat16().float(),
-                               rtol=2e-2, atol=1e-2)
+                               rtol=2e-2, atol=2e-2)
 
 
 def test_w8a8_cases_in_interpreter(request):
