@@ -6,8 +6,11 @@ through the same loop in every mode. What changes is who computes the product:
 
     format         loaded with (transformers)                         the layers' forward under enable
     dense          dtype=bf16 / fp16 / fp32                          the fused forwards (skinny GEMM on CUDA)
-    fp8            FineGrainedFP8Config, or a compressed-tensors     weight-only FP8 GEMMs reading the e4m3 bytes
-                   FP8 checkpoint (CompressedTensorsFP8Linear)       and their scales (kernels/fp8_gemm.py)
+    fp8            FineGrainedFP8Config, or a compressed-tensors     on GPUs with FP8 tensor cores, W8A8 as the
+                   FP8 checkpoint (CompressedTensorsFP8Linear)       layers' own forwards compute it
+                                                                     (kernels/fp8_w8a8.py); elsewhere, and for
+                                                                     experts, weight-only FP8 GEMMs reading the
+                                                                     e4m3 bytes and scales (kernels/fp8_gemm.py)
     bitsandbytes   BitsAndBytesConfig (NF4 / FP4; 8-bit with         the layers' own (bitsandbytes' kernels)
                    llm_int8_threshold=0.0)
     torchao        TorchAoConfig, weight-only configs                the layers' own (torchao's tensor subclasses)
@@ -22,8 +25,9 @@ draft forwards run the same layer forwards, and in every supported format a toke
 token alone. Formats where it depends on the other tokens of a forward are refused: bitsandbytes' 8-bit layers
 with an outlier threshold (LLM.int8() computes apart the columns where any token of the forward has an outlier,
 so a verify of k+1 tokens and a one-token decode round a token differently) and torchao tensors that quantize
-the activations. For FP8 the plain output is not transformers' own on the same checkpoint: transformers' FP8
-layers quantize the activations too (W8A8), hf_specdec's keep them in bf16 (W8A16, the more accurate product).
+the activations. FP8 layers quantize each row's activations with that row's own scales (W8A8, as transformers'
+layers do) where the GPU has FP8 tensor cores, and keep them unquantized elsewhere (the weight-only product: on the
+CPU, torch's one-row and several-row kernels differ in last bits that quantized activations would magnify).
 
 Drafters run in the dtype they are loaded in; a quantized drafter is refused (:func:`check_drafter_weights`),
 as is a target in any other format (:func:`weight_format`): GPTQ, AWQ, HQQ, quanto, GGUF, FP4, ... Both errors

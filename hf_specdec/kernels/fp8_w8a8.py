@@ -8,8 +8,8 @@ transformers' compressed-tensors FP8 layers quantize each row with one scale (``
 quantizes the rows (:func:`quantize_rows`), then the GEMM multiplies e4m3 by e4m3 on the tensor cores, the weights
 as the MMA's rows (Hopper's warpgroup MMA then reads both tiles from shared memory). No weight is converted, so a
 step streams the stored bytes near the bf16 kernel's rate instead of the rate at which the weight-only kernel
-(:mod:`.fp8_gemm`) converts them: on an H200, 1.13-1.4x the weight-only kernel on the Gemma-4-31B and 26B-A4B
-shapes, and quantizing the rows in every program of the GEMM instead, or the activations as the MMA's rows, was
+(:mod:`.fp8_gemm`) converts them: on an H200, 1.1-1.4x the weight-only kernel on the block-scaled Gemma-4-31B and
+26B-A4B shapes at one row, 1.0-1.2x at 4-16 rows, and quantizing the rows in every program of the GEMM instead, or the activations as the MMA's rows, was
 slower (``benchmarks/results/w8a8_*_h200.log``).
 
 Numerics (the contract of :func:`w8a8_linear_reference`): ``x_q = e4m3(clamp(x / s, -448, 448))`` (ties to even)
@@ -194,8 +194,10 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     group = group_for((bn, bk), scale_per_k)
     check(group >= 16, f"block_size[1]={bk} must be a multiple of 16 for the kernel (w8a8_linear takes the "
           "reference for such scales)")
-    # config: (BLOCK_N, -, num_warps, num_stages); the K step is one group
-    block_n, _, warps, stages = config or config_for(n, k, scale_per_k)
+    # config: (BLOCK_N, -, num_warps, num_stages); the K step is one group, so every scale layout takes the block
+    # scales' configs (the per-channel ones stream 256-deep tiles in 4 stages: 67 us against 60 on the 31B gate/up
+    # at one group per step, w8a8_check_h200.log)
+    block_n, _, warps, stages = config or config_for(n, k, True)
     split = split_k if split_k is not None else split_k_for(n, k, block_n, group)
     check(isinstance(split, int) and split >= 1, f"split_k must be a positive int, got {split!r}")
     k_per_split = triton.cdiv(triton.cdiv(k, split), group) * group
