@@ -304,7 +304,7 @@ def fp8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     row's result never depends on the number of rows). ``fp16_dots`` (default: bf16 rows with native fp8): the
     rows go to fp16 first (:func:`f16_rows`), so that each weight needs one conversion (e4m3 -> fp16) instead of
     three (e4m3 -> fp16 -> fp32 -> bf16)."""
-    _check_args(x, weight, scale)
+    check_matmul_args(x, weight, scale)
     rows, k = x.shape
     n = weight.shape[0]
     grid, bn, bk = scale_grid(scale, block_size, n, k)
@@ -354,10 +354,11 @@ def _launch_setup(x, scale, bk, block_k, scale_per_k, native_fp8, kernel):
     return x, block_k, native_fp8, scale.dtype == E8M0_DTYPE, upcast
 
 
-def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
+def check_matmul_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, name: str = "fp8_matmul",
+                      linear: str = "fp8_linear") -> None:
+    """The rows, weight and scale that an FP8 GEMM launcher (``name``; ``linear`` takes any rows) takes."""
     check(x.dim() == 2 and 0 < x.shape[0] <= MAX_KERNEL_ROWS,
-          f"fp8_matmul takes [1..{MAX_KERNEL_ROWS}, K] rows (reshape(-1, K); fp8_linear takes any), got "
-          f"{tuple(x.shape)}")
+          f"{name} takes [1..{MAX_KERNEL_ROWS}, K] rows (reshape(-1, K); {linear} takes any), got {tuple(x.shape)}")
     check(x.dtype in ACTIVATION_DTYPES, f"activations must be bfloat16 or float16, got {x.dtype}")
     check(weight.dtype == FP8_DTYPE, f"weight must be float8_e4m3fn, got {weight.dtype}")
     check(weight.dim() == 2 and weight.shape[1] == x.shape[1],

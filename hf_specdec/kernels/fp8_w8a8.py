@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ._dispatch import (check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton,
                         use_triton)
 from .fp8_gemm import (ACTIVATION_DTYPES, E8M0_DTYPE, FP8_DTYPE, MAX_KERNEL_ROWS, MAX_ROWS, SCALE_DTYPES,
-                       config_for, dequantize_fp8, fp8_linear, has_native_fp8, load_scale, scale_grid,
+                       check_matmul_args, config_for, dequantize_fp8, fp8_linear, has_native_fp8, load_scale, scale_grid,
                        split_k_for)
 from .skinny_gemm import load_k_tile, sum_splits
 
@@ -220,20 +220,13 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
 
 
 def _check_args(x, weight, scale, activation_scale) -> None:
-    check(x.dim() == 2 and 0 < x.shape[0] <= MAX_KERNEL_ROWS,
-          f"w8a8_matmul takes [1..{MAX_KERNEL_ROWS}, K] rows (reshape(-1, K); w8a8_linear takes any), got "
-          f"{tuple(x.shape)}")
-    check(x.dtype in ACTIVATION_DTYPES, f"activations must be bfloat16 or float16, got {x.dtype}")
-    check(weight.dtype == FP8_DTYPE, f"weight must be float8_e4m3fn, got {weight.dtype}")
-    check(weight.dim() == 2 and weight.shape[1] == x.shape[1],
-          f"weight must be [N, K={x.shape[1]}], got shape {tuple(weight.shape)}")
-    check(weight.stride(1) == 1, f"weight rows must be contiguous (stride(1) == 1), got strides {weight.stride()}")
+    check_matmul_args(x, weight, scale, "w8a8_matmul", "w8a8_linear")
     check(activation_scale is None or (isinstance(activation_scale, torch.Tensor) and activation_scale.numel() == 1
                                        and activation_scale.is_floating_point()),
           "activation_scale must be one floating-point element (static activations) or None (dynamic), got "
           f"{getattr(activation_scale, 'shape', activation_scale)!r}")
-    check_same_device(x=x, weight=weight, scale=scale,
-                      **({} if activation_scale is None else {"activation_scale": activation_scale}))
+    if activation_scale is not None:
+        check_same_device(x=x, activation_scale=activation_scale)
 
 
 def quantize_activations(x: torch.Tensor,  # [..., K]
