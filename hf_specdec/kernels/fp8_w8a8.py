@@ -28,11 +28,9 @@ the GEMM multiplies in fp32 (every e4m3 product and its fp32 sum are the GPU's).
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import (check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton,
-                        use_triton)
-from .fp8_gemm import (ACTIVATION_DTYPES, E8M0_DTYPE, FP8_DTYPE, MAX_KERNEL_ROWS, MAX_ROWS, SCALE_DTYPES,
-                       check_matmul_args, config_for, dequantize_fp8, fp8_linear, has_native_fp8, load_scale, scale_grid,
-                       split_k_for)
+from ._dispatch import check, check_same_device, interpreting, pdl_args, pdl_wait, tl, triton
+from .fp8_gemm import (ACTIVATION_DTYPES, E8M0_DTYPE, FP8_DTYPE, MAX_ROWS, check_matmul_args, config_for,
+                       dequantize_fp8, fp8_eligible, fp8_linear, has_native_fp8, load_scale, scale_grid, split_k_for)
 from .skinny_gemm import load_k_tile, sum_splits
 
 GROUP = 128  # activation values per scale along K (transformers' fine-grained FP8: the weight's K block)
@@ -267,19 +265,10 @@ def w8a8_linear_reference(x: torch.Tensor,  # [..., K]
 
 def w8a8_eligible(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size=None,
                   activation_scale: torch.Tensor | None = None) -> bool:
-    """Whether :func:`w8a8_linear` runs the kernel for these arguments (else the reference)."""
-    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1] or scale.dtype not in SCALE_DTYPES:
-        return False
-    rows = x.numel() // max(1, x.shape[-1])
-    ok = (use_triton(x) and x.device == weight.device == scale.device and x.dtype in ACTIVATION_DTYPES
-          and weight.dtype == FP8_DTYPE and type(weight) in (torch.Tensor, torch.nn.Parameter)
-          and weight.layout == torch.strided and weight.stride(1) == 1 and 0 < rows <= MAX_KERNEL_ROWS
-          and (activation_scale is None or activation_scale.device == x.device)
-          and not needs_grad(x) and not needs_grad(weight) and not needs_grad(scale))
-    if not ok:
-        return False
-    grid, _, bk = scale_grid(scale, block_size, *weight.shape)
-    return grid.shape[1] == 1 or (bk & -bk) >= 16
+    """Whether :func:`w8a8_linear` runs the kernels for these arguments (else the reference): where the weight-only
+    kernel would (:func:`.fp8_gemm.fp8_eligible`: the groups follow the same K blocks), a static scale beside x."""
+    return (fp8_eligible(x, weight, scale, block_size)
+            and (activation_scale is None or activation_scale.device == x.device))
 
 
 def w8a8_linear(x: torch.Tensor,  # [..., K] bf16 / fp16 (any float dtype on the reference path)
