@@ -64,7 +64,8 @@ def greedy(model, ids, mask, new_tokens: int = NEW_TOKENS, **kwargs) -> torch.Te
 def compressed_fp8_model(model: nn.Module) -> nn.Module:
     """``model`` (in place) as a compressed-tensors FP8 checkpoint (channel strategy) loads with
     ``CompressedTensorsConfig(run_compressed=True)``: every ``nn.Linear`` but the LM head a
-    ``CompressedTensorsFP8Linear`` with an e4m3 weight and fp32 ``weight_scale`` [1, N]."""
+    ``CompressedTensorsFP8Linear`` with an e4m3 weight and fp32 ``weight_scale`` [1, N], on the device of the layer it
+    replaces."""
     from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
 
     head = model.get_output_embeddings()
@@ -72,6 +73,7 @@ def compressed_fp8_model(model: nn.Module) -> nn.Module:
         if type(module) is not nn.Linear or module is head:
             continue
         layer = CompressedTensorsFP8Linear(module.in_features, module.out_features, has_bias=module.bias is not None)
+        layer.to(module.weight.device)
         weight, scale = quantize_fp8(module.weight.detach(), None)
         with torch.no_grad():
             layer.weight.copy_(weight)

@@ -2,10 +2,10 @@
 logits bit for bit, because a verify step computes each of its k+1 queries per row with the reductions, in the
 order, of a one-token decode step (skinny GEMMs with one row-tile shape, paged attention with key tiles and
 split-KV chunks counted from key 0, per-row norms; FP8 layers quantize each row's activations alone). Random bf16
-weights at the Gemma-4-31B and E4B shapes, and the 31B's quantized to FP8 (W8A8 on GPUs with FP8 tensor cores: a
-last-bit difference between a verify row and a decode row would change its codes), real widths, cut depth, prompts
-past the sliding windows; the drafts are plain decoding's own tokens with some replaced, so rounds accept, reject and
-roll back at varying positions."""
+weights at the Gemma-4-31B and E4B shapes, and the 31B's quantized to FP8, fine-grained and compressed-tensors' (W8A8
+on GPUs with FP8 tensor cores: a last-bit difference between a verify row and a decode row would change its codes),
+real widths, cut depth, prompts past the sliding windows; the drafts are plain decoding's own tokens with some
+replaced, so rounds accept, reject and roll back at varying positions."""
 
 import pytest
 import torch
@@ -67,13 +67,19 @@ class RecordScores(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-@pytest.fixture(scope="module", params=[("gemma4-31b", 6, "bf16"), ("gemma4-e4b", 12, "bf16"), ("gemma4-31b", 6, "fp8")],
-                ids=["31b-L6", "e4b-L12", "31b-L6-fp8"])
+@pytest.fixture(scope="module", params=[("gemma4-31b", 6, "bf16"), ("gemma4-e4b", 12, "bf16"), ("gemma4-31b", 6, "fp8"),
+                                        ("gemma4-31b", 6, "compressed-fp8")],
+                ids=["31b-L6", "e4b-L12", "31b-L6-fp8", "31b-L6-compressed-fp8"])
 def target(request):
     from benchmarks.shapes import target_for
+    from tests.quantized.helpers import compressed_fp8_model
 
     shape, layers, weights = request.param
-    model = hf_specdec.enable(target_for(shape, layers, "cuda", torch.bfloat16, weights))
+    if weights == "compressed-fp8":  # per-channel weight scales, activations quantized per row
+        model = compressed_fp8_model(target_for(shape, layers, "cuda", torch.bfloat16))
+    else:
+        model = target_for(shape, layers, "cuda", torch.bfloat16, weights)
+    model = hf_specdec.enable(model)
     yield model
     hf_specdec.disable(model)
     del model
