@@ -120,7 +120,7 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
         model._hf_specdec.graph_store.max_graphs = max_cuda_graphs
     model.generate = types.MethodType(generate, model)
     if ranks is None:  # a sharded model keeps transformers' tensor-parallel forwards (single-device kernels)
-        fuse_modules(model, kernels=False)  # what every device needs (FP8 layers' weight-only forwards)
+        fuse_modules(model, kernels=False)  # what every device needs (the FP8 layers' forwards)
         model._hf_specdec.fuse_where_kernels_run(model)
         model._hf_specdec.original_experts = select_experts(model)
     return model

@@ -11,11 +11,12 @@ backward). A model with no weights where the kernels run (all on CPU) goes witho
 ``generate`` call install or remove them as the model's weights move (:func:`kernels_may_run`).
 
 transformers' FP8 layers (``FP8Linear`` and ``FP8Experts`` of its fine-grained FP8 quantizer,
-``CompressedTensorsFP8Linear`` of compressed-tensors FP8 checkpoints) are the exception: their own forwards
-quantize the activations too (W8A8) and need a GPU kernel, so an enabled model's FP8 layers always take the
-weight-only forwards of ``kernels/fp8_gemm.py`` — the FP8 GEMM on the device, its dequantize-then-matmul
-reference elsewhere. Plain, verify and draft forwards of the target then compute the same products, which is
-what makes its speculative output equal its plain output (see ``generation/quantization.py``).
+``CompressedTensorsFP8Linear`` of compressed-tensors FP8 checkpoints) are the exception: their own forwards need a
+GPU kernel, so an enabled model's FP8 layers always take hf_specdec's forwards, on every device: the linears
+transformers' own W8A8 arithmetic where the GPU has FP8 tensor cores (``kernels/fp8_w8a8.py``), the weight-only
+product elsewhere (``kernels/fp8_gemm.py``, its dequantize-then-matmul reference on CPU); the experts the
+weight-only product. Plain, verify and draft forwards of the target then compute the same products, which is what
+makes its speculative output equal its plain output (see ``generation/quantization.py``).
 """
 
 from __future__ import annotations

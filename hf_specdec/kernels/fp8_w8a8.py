@@ -43,6 +43,7 @@ W8A8 = True
 # its sums drift from exact fp32 sums: on an H200 the test shapes' largest errors fell from ~0.1 to ~0.01-0.04 of
 # outputs of magnitude ~10-30 with 32, at no measurable cost (``w8a8_check_h200.log``, "fast acc")
 MAX_IMPRECISE_ACC = 32
+MIN_GROUP = 32  # an e4m3 x e4m3 dot's smallest K (and one MMA instruction's)
 QUANTIZE_VALUES = 1024  # activation values per program of the quantizing launch
 ROW_BLOCK = 1024  # values per step of a row's amax (per-row scales)
 
@@ -158,6 +159,8 @@ def quantize_rows(x: torch.Tensor,  # [rows, K] bf16 / fp16, rows contiguous
                   emulate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes [rows, K] (fp32 values where ``emulate``), their scales fp32: [rows, ceil(K / group)], or [rows,
     1] with ``per_row``), one launch: :func:`quantize_activations` on the device."""
+    check(x.dim() == 2 and x.stride(-1) == 1, f"quantize_rows takes [rows, K] with contiguous rows, got shape "
+          f"{tuple(x.shape)} strides {x.stride()}: pass x.contiguous()")
     rows, k = x.shape
     codes = torch.empty(rows, k, dtype=torch.float32 if emulate else FP8_DTYPE, device=x.device)
     if per_row:
@@ -183,15 +186,14 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     """``w8a8_linear_reference(x, weight, scale, block_size, activation_scale, per_row)`` by the kernels ([rows,
     N], in ``x.dtype``): the rows quantized by one launch (:func:`quantize_rows`), then the GEMM. ``activation_scale``:
     one element (static activations), or None (dynamic: per row and group, or per row with ``per_row``)."""
-    _check_args(x, weight, scale, activation_scale)
-    check(not (per_row and activation_scale is not None), "per_row takes dynamic activations (activation_scale=None)")
+    _check_args(x, weight, scale, activation_scale, per_row)
     rows, k = x.shape
     n = weight.shape[0]
     grid, bn, bk = scale_grid(scale, block_size, n, k)
     scale_per_k = grid.shape[1] > 1
     group = group_for((bn, bk), scale_per_k)
-    check(group >= 16, f"block_size[1]={bk} must be a multiple of 16 for the kernel (w8a8_linear takes the "
-          "reference for such scales)")
+    check(group >= MIN_GROUP, f"block_size[1]={bk} must be a multiple of {MIN_GROUP} for the kernel (an e4m3 dot's "
+          "smallest K; w8a8_linear takes the reference for such scales)")
     # config: (BLOCK_N, -, num_warps, num_stages); the K step is one group, so every scale layout takes the block
     # scales' configs (the per-channel ones stream 256-deep tiles in 4 stages: 67 us against 60 on the 31B gate/up
     # at one group per step, w8a8_check_h200.log)
@@ -217,14 +219,19 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     return sum_splits(out, torch.float32 if emulate else x.dtype).to(x.dtype)
 
 
-def _check_args(x, weight, scale, activation_scale) -> None:
+def _check_args(x, weight, scale, activation_scale, per_row) -> None:
     check_matmul_args(x, weight, scale, "w8a8_matmul", "w8a8_linear")
+    _check_activation_scale(activation_scale, per_row)
+    if activation_scale is not None:
+        check_same_device(x=x, activation_scale=activation_scale)
+
+
+def _check_activation_scale(activation_scale, per_row) -> None:
     check(activation_scale is None or (isinstance(activation_scale, torch.Tensor) and activation_scale.numel() == 1
                                        and activation_scale.is_floating_point()),
           "activation_scale must be one floating-point element (static activations) or None (dynamic), got "
           f"{getattr(activation_scale, 'shape', activation_scale)!r}")
-    if activation_scale is not None:
-        check_same_device(x=x, activation_scale=activation_scale)
+    check(not (per_row and activation_scale is not None), "per_row takes dynamic activations (activation_scale=None)")
 
 
 def quantize_activations(x: torch.Tensor,  # [..., K]
@@ -255,6 +262,7 @@ def w8a8_linear_reference(x: torch.Tensor,  # [..., K]
     check(weight.dtype == FP8_DTYPE, f"weight must be float8_e4m3fn, got {weight.dtype}")
     check(weight.dim() == 2 and x.dim() > 0 and x.shape[-1] == weight.shape[1],
           f"x [..., K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    _check_activation_scale(activation_scale, per_row)
     n, k = weight.shape
     grid, bn, bk = scale_grid(scale, block_size, n, k)
     group = k if per_row else group_for((bn, bk), grid.shape[1] > 1)
@@ -266,9 +274,13 @@ def w8a8_linear_reference(x: torch.Tensor,  # [..., K]
 def w8a8_eligible(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size=None,
                   activation_scale: torch.Tensor | None = None) -> bool:
     """Whether :func:`w8a8_linear` runs the kernels for these arguments (else the reference): where the weight-only
-    kernel would (:func:`.fp8_gemm.fp8_eligible`: the groups follow the same K blocks), a static scale beside x."""
-    return (fp8_eligible(x, weight, scale, block_size)
-            and (activation_scale is None or activation_scale.device == x.device))
+    kernel would (:func:`.fp8_gemm.fp8_eligible`), on a device with e4m3 dots, with groups of at least
+    :data:`MIN_GROUP` values (a K block of 16 or 48 takes the reference), a static scale beside x."""
+    if not (fp8_eligible(x, weight, scale, block_size) and has_native_fp8(x.device)
+            and (activation_scale is None or activation_scale.device == x.device)):
+        return False
+    grid, bn, bk = scale_grid(scale, block_size, *weight.shape)
+    return group_for((bn, bk), grid.shape[1] > 1) >= MIN_GROUP
 
 
 def w8a8_linear(x: torch.Tensor,  # [..., K] bf16 / fp16 (any float dtype on the reference path)
@@ -300,8 +312,8 @@ def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     """``forward`` of transformers' fine-grained ``FP8Linear`` (``weight`` e4m3 [N, K], ``weight_scale_inv``
     block [ceil(N/bn), ceil(K/bk)] or a scalar with ``block_size=None``, optional ``bias``). Where
     :func:`activations_quantized`, transformers' own arithmetic through :func:`w8a8_linear`, with the layer's
-    activation scheme: per row and group of the weight's K block (``"dynamic"``, transformers' default) or its
-    stored ``activation_scale`` (``"static"``); elsewhere the weight-only product (:func:`.fp8_gemm.fp8_linear`). A
+    activation scheme: per row and group of the weight's K block, or per row without block scales (``"dynamic"``,
+    transformers' default, :func:`per_row_activations`), or its stored ``activation_scale`` (``"static"``); elsewhere the weight-only product (:func:`.fp8_gemm.fp8_linear`). A
     weight the loader left dense (more than one byte per value) takes ``F.linear``, as the module's own forward
     does."""
     if self.weight.element_size() > 1:
@@ -310,7 +322,14 @@ def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
         return _add_bias(fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size), self.bias)
     static = getattr(self, "activation_scheme", "dynamic") == "static"
     return _add_bias(w8a8_linear(x, self.weight, self.weight_scale_inv, self.block_size,
-                                 self.activation_scale if static else None), self.bias)
+                                 self.activation_scale if static else None,
+                                 per_row=not static and per_row_activations(self.block_size, x.shape[-1])), self.bias)
+
+
+def per_row_activations(block_size, k: int) -> bool:
+    """Whether transformers' ``FP8Linear`` quantizes its dynamic activations with one scale per row: its groups are
+    the weight's K block, the whole row without block scales or with a block as wide as K."""
+    return block_size is None or block_size[1] >= k
 
 
 def compressed_fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -106,8 +106,10 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Ten
         return skinny_linear(x, weight).split(sizes, dim=-1)
     fp8 = stacked_fp8(*linears)
     if fp8 is not None:
-        product = fp8_w8a8.w8a8_linear if fp8_w8a8.activations_quantized(x) else fp8_linear
-        return product(x, *fp8).split(sizes, dim=-1)
+        if fp8_w8a8.activations_quantized(x):  # as each layer's forward (dynamic activations: stacked_fp8)
+            per_row = fp8_w8a8.per_row_activations(fp8[2], x.shape[-1])
+            return fp8_w8a8.w8a8_linear(x, *fp8, per_row=per_row).split(sizes, dim=-1)
+        return fp8_linear(x, *fp8).split(sizes, dim=-1)
     return tuple(linear(x) for linear in linears)
 
 

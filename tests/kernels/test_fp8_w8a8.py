@@ -31,7 +31,7 @@ from .conftest import run_file_cases_in_interpreter
 from .test_fp8_gemm import TOLERANCE, dequantize_by_blocks, fp8_layer, fp8_quantized_model, make_fp8
 
 SMALL = (16, 128, 4, 2)  # BLOCK_N, BLOCK_K, warps, stages: several programs, one group per K tile
-WIDE = (64, 256, 4, 2)  # two groups per K tile
+WIDE = (64, 256, 4, 2)  # 64-column programs (the K step is always one group)
 
 
 def _rows(rows, k, dtype, device, seed=0, scale=3.0):
@@ -127,6 +127,8 @@ def test_triton_w8a8_split_k(triton_device, split_k):
 def test_triton_fp8_linear_forward_takes_the_kernel(triton_device, monkeypatch):
     if triton_device == "cpu":  # the interpreter: the kernels on CPU tensors, as on a GPU with FP8 tensor cores
         monkeypatch.setattr(fp8_w8a8, "activations_quantized", lambda x: True)
+    elif torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no e4m3 dots before sm_89: the layers compute the weight-only product there")
     layer = fp8_layer(256, 48, block_size=(16, 128), bias=True, seed=7).to(triton_device)
     x = torch.randn(1, 3, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).to(triton_device)
     with torch.no_grad():
@@ -184,6 +186,20 @@ def test_w8a8_linear_takes_the_reference_on_cpu_and_for_odd_blocks():
     assert torch.equal(per_row, expected.to(torch.bfloat16))
 
 
+def test_w8a8_kernels_take_groups_of_32_or_more(monkeypatch):
+    """An e4m3 dot's smallest K is 32: a K block of 16 (or 48) leaves the layer on the reference, not a failed
+    launch."""
+    from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV
+
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    for block, eligible in (((16, 128), True), ((16, 32), True), ((16, 16), False), ((16, 48), False)):
+        weight, scale = make_fp8(16, 128, block, seed=9)
+        assert w8a8_eligible(x, weight, scale, block) is eligible, block
+    with pytest.raises(ValueError, match="multiple of 32"):
+        w8a8_matmul(x, *make_fp8(16, 128, (16, 16), seed=9), (16, 16))
+
+
 def test_w8a8_launcher_names_bad_arguments():
     weight, scale = make_fp8(16, 128, (16, 128), seed=9)
     x = torch.randn(2, 128).to(torch.bfloat16)
@@ -197,6 +213,13 @@ def test_w8a8_launcher_names_bad_arguments():
         w8a8_matmul(x[:, :64], weight, scale, (16, 128))
     with pytest.raises(ValueError, match="per_row takes dynamic"):
         w8a8_matmul(x, weight, scale, (16, 128), torch.tensor(1.0), per_row=True)
+    # the reference path (CPU) checks the same
+    with pytest.raises(ValueError, match="per_row takes dynamic"):
+        w8a8_linear(x, weight, scale, (16, 128), torch.tensor(1.0), per_row=True)
+    with pytest.raises(ValueError, match="activation_scale must be one"):
+        w8a8_linear(x, weight, scale, (16, 128), torch.ones(2))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        fp8_w8a8.quantize_rows(torch.randn(128, 4).to(torch.bfloat16).T, 128)
     assert fp8_w8a8.GROUP == 128
 
 
@@ -228,16 +251,19 @@ def _quantized_input(x, group=128, per_row=False, activation_scale=None):
 @pytest.mark.parametrize("block_size,bias", [((16, 16), False), ((32, 48), True), (None, True)])
 def test_fp8_linear_forward_serves_fine_grained_fp8_linear(block_size, bias, quantized_activations):
     """Block scales at odd shapes (activation groups of the K block: 16; 48 -> 16), and ``block_size=None`` (a 0-dim
-    per-tensor ``weight_scale_inv``, groups of 128). The module's own forward needs a GPU kernel (on CPU it raises
-    ImportError); this one runs anywhere."""
-    layer = fp8_layer(100, 70, block_size=block_size, bias=bias, seed=10)
+    per-tensor ``weight_scale_inv``, one activation scale per row, as transformers quantizes then). The module's own
+    forward needs a GPU kernel (on CPU it raises ImportError); this one runs anywhere."""
+    layer = fp8_layer(300, 70, block_size=block_size, bias=bias, seed=10)  # K > 128: per row is not one group
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.activation_scheme == "dynamic"
-    x = torch.randn(2, 3, 100, generator=torch.Generator().manual_seed(10))
+    x = torch.randn(2, 3, 300, generator=torch.Generator().manual_seed(10))
+    x[..., 200:] *= 30
     dense = dequantize_fp8(layer.weight, layer.weight_scale_inv, block_size)
-    group = 16 if block_size else 128
+    quantized = _quantized_input(x, 16) if block_size else _quantized_input(x, per_row=True)
     with torch.no_grad():
-        torch.testing.assert_close(fp8_linear_forward(layer, x), F.linear(_quantized_input(x, group), dense,
-                                                                          layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fp8_linear_forward(layer, x), F.linear(quantized, dense, layer.bias), rtol=1e-5,
+                                   atol=1e-5)
+        other = _quantized_input(x, 128) if block_size is None else _quantized_input(x, per_row=True)
+        assert not torch.allclose(fp8_linear_forward(layer, x), F.linear(other, dense, layer.bias), atol=1e-3)
         assert not torch.allclose(fp8_linear_forward(layer, x), F.linear(x, dense, layer.bias), atol=1e-3)
 
 

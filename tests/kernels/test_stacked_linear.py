@@ -160,8 +160,9 @@ def test_fp8_projections_stack_weights_and_scales():
 
 
 def test_stacked_fp8_projections_quantize_activations_as_each_layer_does(monkeypatch):
-    """Where the layers quantize their activations (a GPU with FP8 tensor cores; here by the reference), the stacked
-    GEMM gives each layer's own W8A8 forward, bit for bit."""
+    """Where the layers quantize their activations (a GPU with FP8 tensor cores), the stacked projections take the
+    layers' W8A8 arithmetic (here on CPU tensors, by the reference: each layer's own W8A8 forward, bit for bit), and
+    a block as wide as K quantizes per row as the layers do."""
     from hf_specdec.kernels import fp8_w8a8
 
     monkeypatch.setattr(fp8_w8a8, "activations_quantized", lambda x: True)
@@ -171,6 +172,14 @@ def test_stacked_fp8_projections_quantize_activations_as_each_layer_does(monkeyp
     assert not torch.equal(want[0], fp8_w8a8.fp8_linear(x, q.weight, q.weight_scale_inv, q.block_size))
     assert stack_weights(q, k, v)
     for got, expected in zip(stacked_projections(x, q, k, v), want):
+        assert torch.equal(got, expected)
+    gate, up = _fp8_linears(32, 32, width=256, block=(32, 256))  # one K block: per-row activation scales
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    x[:, 128:] *= 50  # per row and per group of 128 differ
+    want = [fp8_w8a8.fp8_linear_forward(m, x) for m in (gate, up)]
+    assert not torch.equal(want[0], fp8_w8a8.w8a8_linear(x, gate.weight, gate.weight_scale_inv, (32, 256)))
+    assert stack_weights(gate, up)
+    for got, expected in zip(stacked_projections(x, gate, up), want):
         assert torch.equal(got, expected)
 
 

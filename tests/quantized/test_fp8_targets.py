@@ -1,6 +1,8 @@
-"""FP8 weight-only targets in every speculative mode: greedy output equals the same FP8 model's own plain greedy
-output (invariant 1, batches with left padding, prompts and outputs past the sliding windows), sampled output
-follows its distribution (invariant 4), and ``enable`` / ``disable`` swap the FP8 layers' forwards in and out.
+"""FP8 targets in every speculative mode: greedy output equals the same FP8 model's own plain greedy output
+(invariant 1, batches with left padding, prompts and outputs past the sliding windows), sampled output follows its
+distribution (invariant 4), and ``enable`` / ``disable`` swap the FP8 layers' forwards in and out. On the CPU the
+layers compute the weight-only product; their W8A8 product on GPUs with FP8 tensor cores is checked by
+``tests/runtime/test_batch_invariance.py``.
 
 The bundled tiny family, quantized to FP8, keeps its drafters' real acceptance, so rounds mix full, partial and
 no acceptance; the random tiny configs of ``tests/tiny_models.py`` add each architecture's quirks (KV-shared
