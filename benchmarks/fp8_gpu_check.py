@@ -41,6 +41,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
     shapes = [shape for name in args.shapes for shape in SHAPES[name]]
+    if args.w8a8 and torch.cuda.get_device_capability() < (8, 9):
+        raise SystemExit("fp8_gpu_check: --w8a8 needs e4m3 dots (sm_89+: Ada, Hopper and later); this GPU is "
+                         f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
     if args.sweep:
         if args.w8a8:
             from itertools import product
