@@ -310,26 +310,27 @@ def activations_quantized(x: torch.Tensor) -> bool:
 
 def fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     """``forward`` of transformers' fine-grained ``FP8Linear`` (``weight`` e4m3 [N, K], ``weight_scale_inv``
-    block [ceil(N/bn), ceil(K/bk)] or a scalar with ``block_size=None``, optional ``bias``). Where
-    :func:`activations_quantized`, transformers' own arithmetic through :func:`w8a8_linear`, with the layer's
-    activation scheme: per row and group of the weight's K block, or per row without block scales (``"dynamic"``,
-    transformers' default, :func:`per_row_activations`), or its stored ``activation_scale`` (``"static"``); elsewhere the weight-only product (:func:`.fp8_gemm.fp8_linear`). A
+    block [ceil(N/bn), ceil(K/bk)] or a scalar with ``block_size=None``, optional ``bias``) through
+    :func:`fine_grained_fp8_linear`, with the layer's stored ``activation_scale`` where its scheme is ``"static"``. A
     weight the loader left dense (more than one byte per value) takes ``F.linear``, as the module's own forward
     does."""
     if self.weight.element_size() > 1:
         return F.linear(x, self.weight, self.bias)
-    if not activations_quantized(x):
-        return _add_bias(fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size), self.bias)
     static = getattr(self, "activation_scheme", "dynamic") == "static"
-    return _add_bias(w8a8_linear(x, self.weight, self.weight_scale_inv, self.block_size,
-                                 self.activation_scale if static else None,
-                                 per_row=not static and per_row_activations(self.block_size, x.shape[-1])), self.bias)
+    return _add_bias(fine_grained_fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size,
+                                             self.activation_scale if static else None), self.bias)
 
 
-def per_row_activations(block_size, k: int) -> bool:
-    """Whether transformers' ``FP8Linear`` quantizes its dynamic activations with one scale per row: its groups are
-    the weight's K block, the whole row without block scales or with a block as wide as K."""
-    return block_size is None or block_size[1] >= k
+def fine_grained_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size,
+                            activation_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The product of fine-grained FP8 weights (one layer's, or stacked layers' sharing dynamic activations).
+    Where :func:`activations_quantized`, transformers' own arithmetic through :func:`w8a8_linear`: dynamic
+    activations per row and group of the weight's K block, or per row without block scales or with a block as wide
+    as K; or the static ``activation_scale``. Elsewhere the weight-only product (:func:`.fp8_gemm.fp8_linear`)."""
+    if not activations_quantized(x):
+        return fp8_linear(x, weight, scale, block_size)
+    per_row = activation_scale is None and (block_size is None or block_size[1] >= x.shape[-1])
+    return w8a8_linear(x, weight, scale, block_size, activation_scale, per_row)
 
 
 def compressed_fp8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:

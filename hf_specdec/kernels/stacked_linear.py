@@ -14,7 +14,7 @@ disjoint views of one storage before writing).
 FP8 projections (transformers' fine-grained ``FP8Linear``: e4m3 ``weight`` and block scales ``weight_scale_inv``,
 dynamic activations) stack the same way, weights and scales each into one storage, when they share a block size and
 each one's outputs are whole blocks of scales; one GEMM then reads them, with the layers' own arithmetic
-(:func:`.fp8_w8a8.fp8_linear_forward`: W8A8 where the GPU has FP8 tensor cores, the rows quantized once for all
+(:func:`.fp8_w8a8.fine_grained_fp8_linear`: W8A8 where the GPU has FP8 tensor cores, the rows quantized once for all
 of them, else weight-only).
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .fp8_gemm import FP8_DTYPE, fp8_linear
-from . import fp8_w8a8
+from .fp8_gemm import FP8_DTYPE
+from .fp8_w8a8 import fine_grained_fp8_linear
 from .skinny_gemm import skinny_linear
 
 
@@ -105,11 +105,8 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Ten
     if weight is not None:
         return skinny_linear(x, weight).split(sizes, dim=-1)
     fp8 = stacked_fp8(*linears)
-    if fp8 is not None:
-        if fp8_w8a8.activations_quantized(x):  # as each layer's forward (dynamic activations: stacked_fp8)
-            per_row = fp8_w8a8.per_row_activations(fp8[2], x.shape[-1])
-            return fp8_w8a8.w8a8_linear(x, *fp8, per_row=per_row).split(sizes, dim=-1)
-        return fp8_linear(x, *fp8).split(sizes, dim=-1)
+    if fp8 is not None:  # the layers' own product (their activations are dynamic: stacked_fp8)
+        return fine_grained_fp8_linear(x, *fp8).split(sizes, dim=-1)
     return tuple(linear(x) for linear in linears)
 
 
