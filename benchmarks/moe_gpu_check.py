@@ -1,7 +1,7 @@
 """Fused MoE (``hf_specdec.kernels.fused_moe``) vs its torch reference at the real expert shapes, on one CUDA GPU.
 
     python -m benchmarks.moe_gpu_check [--shapes gemma4-26b-a4b step3p5] [--tokens 1 4 8 32 512] [--sweep | --profile]
-                                       [--weights bf16 | fp8 | both]
+                                       [--weights bf16 | fp8 | w8a8 | both | all]
 
 Shapes (bf16, random weights of std 1/sqrt(fan_in)): Gemma 4 26B-A4B experts (128 experts, top-8, hidden 2816,
 intermediate 704, gelu-tanh, gate/up as the two halves of one stacked ``gate_up_proj``) and Step 3.5's
@@ -9,7 +9,9 @@ intermediate 704, gelu-tanh, gate/up as the two halves of one stacked ``gate_up_
 routed by the models' routers (``softmax_topk_route`` / ``sigmoid_bias_topk_route``) on random logits. Tokens 1
 (decode), 4 (verify, k=3), 8, 32 and 512 (prefill). ``--weights fp8``: the same weights quantized to e4m3 in 128 x 128
 blocks (``hf_specdec.kernels.fp8_moe.fused_moe_fp8``, its reference the dequantizing ``fused_moe_fp8_reference``;
-bytes counted at one per weight); ``both``: bf16, then fp8.
+bytes counted at one per weight); ``w8a8``: the same e4m3 weights with the token and intermediate rows quantized per
+row and group of 128 (``fused_moe_fp8(..., w8a8=True)``, as transformers' ``FP8Experts`` computes on GPUs with FP8
+tensor cores; its reference quantizes and dequantizes the rows); ``both``: bf16, then fp8; ``all``: bf16, fp8, w8a8.
 
 Per case: the max error relative to the output's scale, ``max|out - ref| / max|ref|`` (pass < 2e-2); whether the
 whole layer captures in a CUDA graph and a replay on a new routing equals the eager call; the graph-replayed
@@ -37,7 +39,7 @@ import torch
 from benchmarks.shapes import STEP3P5
 from hf_specdec.kernels import fused_moe as fm
 from hf_specdec.kernels.fp8_gemm import quantize_fp8
-from hf_specdec.kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_reference
+from hf_specdec.kernels.fp8_moe import W8A8_CONFIG, fused_moe_fp8, fused_moe_fp8_reference
 
 SHAPES = {
     "gemma4-26b-a4b": dict(experts=128, top_k=8, hidden=2816, inter=704, activation="gelu_tanh", limit=None,
@@ -85,7 +87,7 @@ class Layer:
             self.w_gate, self.w_up = gate_up[:, :i].contiguous(), gate_up[:, i:].contiguous()
             del gate_up
         self.w_down = torch.randn(e, h, i, **bf16).mul_(i ** -0.5)
-        if weights == "fp8":  # the stacked gate/up and the down projection, expert by expert
+        if weights in ("fp8", "w8a8"):  # the stacked gate/up and the down projection, expert by expert
             if not self.shape["stacked"]:
                 gate_up = torch.cat([self.w_gate, self.w_up], dim=1)
             self.fp8 = [_quantized(gate_up), _quantized(self.w_down)]
@@ -105,24 +107,27 @@ class Layer:
         """The layer's arguments for ``tokens`` tokens, the routing's index and weights last."""
         x = torch.randn(tokens, self.shape["hidden"], device="cuda", generator=self.gen).bfloat16()
         weights, index = self.routing(tokens)
-        if self.weights == "fp8":
+        if self.weights in ("fp8", "w8a8"):
             return x, *self.fp8[0], *self.fp8[1], index, weights
         return x, self.w_gate, self.w_up, self.w_down, index, weights
 
     def kwargs(self, config=None) -> dict:
-        extra = dict(block_size=FP8_BLOCKS) if self.weights == "fp8" else {}
+        extra = dict(block_size=FP8_BLOCKS, w8a8=self.weights == "w8a8") if self.weights != "bf16" else {}
         return dict(activation=self.shape["activation"], limit=self.shape["limit"], config=config, **extra)
 
     def call(self, args, config=None) -> torch.Tensor:
-        return (fused_moe_fp8 if self.weights == "fp8" else fm.fused_moe)(*args, **self.kwargs(config))
+        return (fm.fused_moe if self.weights == "bf16" else fused_moe_fp8)(*args, **self.kwargs(config))
 
     def reference(self, args) -> torch.Tensor:
         kwargs = self.kwargs()
         del kwargs["config"]
-        return (fused_moe_fp8_reference if self.weights == "fp8" else fm.fused_moe_reference)(*args, **kwargs)
+        return (fm.fused_moe_reference if self.weights == "bf16" else fused_moe_fp8_reference)(*args, **kwargs)
+
+    def default_config(self, tokens: int) -> fm.MoeConfig:
+        return W8A8_CONFIG if self.weights == "w8a8" else fm.config_for(tokens, fp8=self.weights == "fp8")
 
     def expert_bytes(self, distinct: float) -> float:
-        return distinct * 3 * self.shape["inter"] * self.shape["hidden"] * (1 if self.weights == "fp8" else 2)
+        return distinct * 3 * self.shape["inter"] * self.shape["hidden"] * (2 if self.weights == "bf16" else 1)
 
 
 def _quantized(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,13 +197,14 @@ def check_case(layer: Layer, tokens: int) -> Result:
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) grids: decode / verify (16-row blocks), prefill (taller blocks)
 SWEEP_GRID = {16: ((16, 32, 64), (64, 128, 256), (2, 4), (3, 4, 5)),
               64: ((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))}
+W8A8_SWEEP_GRID = ((16, 32, 64, 128), (128,), (2, 4, 8), (2, 3, 4, 6))  # the K step is the activations' group
 
 
 def sweep(layer: Layer, tokens_list=(1, 4)) -> dict:
     """Graph-timed medians (summed over ``tokens_list``) of each gate/up config with the default down config, then
     of each down config with the best gate/up: the best MoeConfig (block_m: the default for tokens_list[0])."""
     cases = [layer.inputs(t) for t in tokens_list]
-    default = fm.config_for(tokens_list[0])
+    default = layer.default_config(tokens_list[0])
 
     def total_us(config: fm.MoeConfig) -> float:
         try:
@@ -210,7 +216,8 @@ def sweep(layer: Layer, tokens_list=(1, 4)) -> dict:
         print(f"  {config}: {us:.1f} us", flush=True)
         return us
 
-    grid = list(product(*SWEEP_GRID[16 if default.block_m <= 32 else 64]))
+    grid = list(product(*(W8A8_SWEEP_GRID if layer.weights == "w8a8" else SWEEP_GRID[16 if default.block_m <= 32
+                                                                                     else 64])))
     gate_up = {c: total_us(fm.MoeConfig(default.block_m, c, default.down)) for c in grid}
     best_gate_up = min(gate_up, key=gate_up.get)
     down = {c: total_us(fm.MoeConfig(default.block_m, best_gate_up, c)) for c in grid}
@@ -246,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="tune the launch configs at tokens 1 and 4 (or the --tokens given) instead")
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel at each --tokens instead")
-    parser.add_argument("--weights", choices=("bf16", "fp8", "both"), default="bf16",
-                        help="the experts' weights: bf16, e4m3 in 128 x 128 blocks, or each in turn")
+    parser.add_argument("--weights", choices=("bf16", "fp8", "w8a8", "both", "all"), default="bf16",
+                        help="the experts' weights: bf16, e4m3 in 128 x 128 blocks (fp8: weight-only; w8a8: the rows "
+                        "quantized as transformers' FP8Experts does), bf16 then fp8 (both), or all three")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device")
@@ -256,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     results, sweeps = [], []
-    for name, weights in product(args.shapes, ("bf16", "fp8") if args.weights == "both" else (args.weights,)):
+    kinds = {"both": ("bf16", "fp8"), "all": ("bf16", "fp8", "w8a8")}.get(args.weights, (args.weights,))
+    for name, weights in product(args.shapes, kinds):
         layer = Layer(name, weights)
         if args.sweep:
             sweeps.append(sweep(layer, tuple(args.tokens) if args.tokens != list(TOKENS) else (1, 4)))

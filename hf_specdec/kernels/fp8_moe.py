@@ -17,6 +17,17 @@ accumulated in fp32 and rounded once to the activations' dtype (the contract of 
 weight, the k contributions summed in fp32 and cast back once. Only the summation order inside the products
 differs between the kernels and the reference.
 
+W8A8 (``fused_moe_fp8(..., w8a8=True)``, :func:`fused_moe_w8a8_kernels`): transformers' ``FP8Experts`` compute
+each expert's projections with its ``fp8_linear``, which quantizes the rows (per row and group of the weight's K
+block, ``amax / 448``; per row without K blocks) and multiplies e4m3 by e4m3. The W8A8 kernels do the same with the
+grouping above: the token rows quantized once for all experts (``fp8_w8a8.quantize_rows``), the gate/up and down
+kernels multiplying e4m3 codes by e4m3 weights on the FP8 tensor cores (the weights as the MMA's rows, one group of
+K per step, each partial times its rows' and its weight block's scales, as ``fp8_w8a8``'s GEMM), the intermediate
+rows quantized by a launch of their own between the two. No weight is converted. ``FP8Experts`` take them where
+``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8 tensor cores) and the activations are dynamic
+(:func:`experts_w8a8`); elsewhere the weight-only kernels above. The reference (``w8a8=True``) quantizes and
+dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``) before the products.
+
 ``FP8Experts`` modules whose gate this does not compute (a soft-capped or clamped SwiGLU, an activation other
 than tanh-GELU or SiLU) or whose weights it does not take keep the per-pair path
 (:func:`.fp8_gemm.fp8_expert_linear`: one matrix-vector product per (token, expert) pair, the module's own
@@ -26,9 +37,10 @@ than tanh-GELU or SiLU) or whose weights it does not take keep the per-pair path
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import check, check_same_device, needs_grad, use_triton
+from ._dispatch import check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
 from .fp8_gemm import (
     ACTIVATION_DTYPES,
+    E8M0_DTYPE,
     FP8_DTYPE,
     MIN_BLOCK_K,
     SCALE_DTYPES,
@@ -36,20 +48,44 @@ from .fp8_gemm import (
     expert_scale_blocks,
     fp8_expert_linear,
     has_native_fp8,
+    load_scale,
+)
+from .fp8_w8a8 import (
+    GROUP,
+    MAX_IMPRECISE_ACC,
+    MIN_GROUP,
+    activations_quantized,
+    dequantized_activations,
+    e4m3_dot,
+    group_for,
+    quantize_rows,
 )
 from .fused_moe import (
     ACTIVATIONS,
+    GELU_TANH_CONSTANTS,
     MAX_EXPERTS,
     MAX_TOP_K,
     Fp8Weights,
     MoeConfig,
     activation_name,
+    block_pairs,
     config_for,
+    gated_activation,
     gated_activation_reference,
     launch,
+    round_to,
+    route_blocks,
+    sum_parts,
 )
+from .skinny_gemm import load_k_tile
 
 FP16_DOTS = True  # bf16 token rows multiply the gate/up weights as fp16 where e4m3 loads natively (False: as bf16)
+# W8A8 expert kernels: (BLOCK_N, -, num_warps, num_stages) of the gate/up and down kernels (the K step is one group
+# of the activations' scales); 16-row blocks at every width, as the weight-only FP8 kernels
+W8A8_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 4, 4), down=(64, GROUP, 4, 4))
+# False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
+# with the CUDA graphs captured before it released)
+W8A8_EXPERTS = True
 
 
 def fused_moe_fp8(hidden_states: torch.Tensor,  # [tokens, hidden] bf16 / fp16
@@ -60,14 +96,18 @@ def fused_moe_fp8(hidden_states: torch.Tensor,  # [tokens, hidden] bf16 / fp16
                   top_k_index: torch.Tensor,  # [tokens, top_k] int
                   top_k_weights: torch.Tensor,  # [tokens, top_k] float
                   *, activation: str, block_size=None, limit: float | None = None,
-                  config: MoeConfig | None = None) -> torch.Tensor:  # [tokens, hidden] in hidden_states' dtype
+                  config: MoeConfig | None = None, w8a8: bool = False
+                  ) -> torch.Tensor:  # [tokens, hidden] in hidden_states' dtype
     """The routed experts' weighted sum per token over e4m3 weights (module docstring); ``block_size``: the scales'
-    ``(bn, bk)`` (None: the scale grid spans the weight, :func:`.fp8_gemm.expert_scale_blocks`). The kernels when
-    :func:`fused_moe_fp8_eligible`, else :func:`fused_moe_fp8_reference`."""
+    ``(bn, bk)`` (None: the scale grid spans the weight, :func:`.fp8_gemm.expert_scale_blocks`). ``w8a8``: the
+    rows quantized as transformers' ``FP8Experts`` quantizes them (:func:`fused_moe_w8a8_kernels`), else weight-only.
+    The kernels when :func:`fused_moe_fp8_eligible`, else :func:`fused_moe_fp8_reference`."""
     args = (hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights)
     _check_args(*args, activation, limit)
-    if not fused_moe_fp8_eligible(*args, block_size=block_size):
-        return fused_moe_fp8_reference(*args, activation=activation, block_size=block_size, limit=limit)
+    if not fused_moe_fp8_eligible(*args, block_size=block_size, w8a8=w8a8):
+        return fused_moe_fp8_reference(*args, activation=activation, block_size=block_size, limit=limit, w8a8=w8a8)
+    if w8a8:
+        return fused_moe_w8a8_kernels(*args, activation, block_size, limit, config)
     return _kernels(*args, activation, block_size, limit, config)
 
 
@@ -83,8 +123,9 @@ def _kernels(hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_inde
 
 
 def fused_moe_fp8_eligible(hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights,
-                           block_size=None) -> bool:
-    """Whether :func:`fused_moe_fp8` runs the kernels for these (checked) arguments."""
+                           block_size=None, w8a8: bool = False) -> bool:
+    """Whether :func:`fused_moe_fp8` runs the kernels for these (checked) arguments; ``w8a8``: also a device with
+    e4m3 dots and activation groups of at least :data:`.fp8_w8a8.MIN_GROUP` values."""
     tensors = (hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights)
     if not (use_triton(hidden_states) and hidden_states.shape[0] > 0 and hidden_states.dtype in ACTIVATION_DTYPES
             and all(type(w) in (torch.Tensor, torch.nn.Parameter) and w.stride(2) == 1 for w in (gate_up, down))
@@ -95,7 +136,17 @@ def fused_moe_fp8_eligible(hidden_states, gate_up, gate_up_scale, down, down_sca
         _, bk = expert_scale_blocks(scale, block_size, *weight.shape[1:])
         if scale.shape[2] > 1 and (bk & -bk) < MIN_BLOCK_K:  # a K tile must lie inside one block of scales
             return False
+        if w8a8 and not (has_native_fp8(hidden_states.device) and _activation_group(scale, bk)[1] >= MIN_GROUP):
+            return False
     return True
+
+
+def _activation_group(scale: torch.Tensor, bk: int) -> tuple[bool, int]:
+    """(per_row, the kernels' K step) of one expert weight's activations: per row and group of the weight's K block
+    (at most :data:`.fp8_w8a8.GROUP`) with block scales, else per row (one scale for the row, as transformers'
+    ``fp8_linear`` without K blocks), stepping by :data:`.fp8_w8a8.GROUP`."""
+    per_row = scale.shape[2] == 1
+    return per_row, GROUP if per_row else group_for((0, bk), True)
 
 
 def _check_args(x, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights, activation, limit) -> None:
@@ -132,21 +183,181 @@ def _dequantized(weight: torch.Tensor, scale: torch.Tensor, expert: int, blocks:
 
 
 def fused_moe_fp8_reference(hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights, *,
-                            activation: str, block_size=None, limit: float | None = None) -> torch.Tensor:
-    """Torch version of :func:`fused_moe_fp8` (module docstring), one pass per selected expert (a host sync)."""
+                            activation: str, block_size=None, limit: float | None = None,
+                            w8a8: bool = False) -> torch.Tensor:
+    """Torch version of :func:`fused_moe_fp8` (module docstring), one pass per selected expert (a host sync).
+    ``w8a8``: each projection's rows quantized and dequantized first (``fp8_w8a8.dequantized_activations``, per row
+    and group of the weight's K block, or per row without K blocks)."""
     dtype, inter = hidden_states.dtype, down.shape[2]
     gate_up_blocks = expert_scale_blocks(gate_up_scale, block_size, *gate_up.shape[1:])
     down_blocks = expert_scale_blocks(down_scale, block_size, *down.shape[1:])
+
+    def rows(v: torch.Tensor, scale: torch.Tensor, blocks: tuple[int, int]) -> torch.Tensor:
+        if not w8a8:
+            return v.float()
+        per_row, group = _activation_group(scale, blocks[1])
+        return dequantized_activations(v, v.shape[-1] if per_row else group)
+
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     for e in top_k_index.unique().tolist():
         token, slot = torch.where(top_k_index == e)
-        x = hidden_states[token].float()
+        x = rows(hidden_states[token], gate_up_scale, gate_up_blocks)
         w_gate_up = _dequantized(gate_up, gate_up_scale, e, gate_up_blocks)
         h = gated_activation_reference(F.linear(x, w_gate_up[:inter]).to(dtype),
                                        F.linear(x, w_gate_up[inter:]).to(dtype), activation, limit)
-        y = F.linear(h.float(), _dequantized(down, down_scale, e, down_blocks)).to(dtype)
+        y = F.linear(rows(h, down_scale, down_blocks), _dequantized(down, down_scale, e, down_blocks)).to(dtype)
         out.index_add_(0, token, y.float() * top_k_weights[token, slot, None].float())
     return out.to(dtype)
+
+
+# ---------------------------------------------------------------- W8A8: e4m3 rows times e4m3 experts
+
+
+@triton.jit
+def _w8a8_gate_up_kernel(
+    q_ptr, qs_ptr, wg_ptr, wu_ptr, inter_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
+    num_pairs, num_experts, top_k, hidden, inter_size, limit, stride_qs_row, stride_qs_group,
+    stride_ge, stride_gn, stride_ue, stride_un, s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, up_row0,
+    ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program per (block, BLOCK_N columns of I): the block's token codes [BLOCK_M, H] (gathered by token)
+    times the expert's gate and up tiles, the weights as the MMA's rows, one group of K per step, each partial
+    times its rows' and its weight block's scales; then the activation, written [BLOCK_M, BLOCK_N] in the
+    activations' dtype (padding rows: zeros)."""
+    pdl_wait(PDL)
+    block = tl.program_id(0)
+    if not ONE_TOKEN:
+        if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
+            return
+    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
+                                     ONE_TOKEN)
+    row_ok = pair < num_pairs
+    token = tl.where(row_ok, pair // top_k, 0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter_size
+    q_rows = q_ptr + token[:, None] * hidden
+    qs_rows = qs_ptr + token * stride_qs_row
+    g_rows = wg_ptr + expert * stride_ge + cols.to(tl.int64)[:, None] * stride_gn
+    u_rows = wu_ptr + expert * stride_ue + cols.to(tl.int64)[:, None] * stride_un
+    sg_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn
+    su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, hidden, GROUP_K):
+        g, q = load_k_tile(g_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
+        u, _ = load_k_tile(u_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
+        qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
+        part_g = e4m3_dot(g, q, EMULATE, IMPRECISE_ACC) * qs
+        part_u = e4m3_dot(u, q, EMULATE, IMPRECISE_ACC) * qs
+        if SCALE_PER_K:  # the group lies inside one block of weight scales
+            part_g = part_g * load_scale(sg_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
+            part_u = part_u * load_scale(su_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
+        acc_g += part_g
+        acc_u += part_u
+    if not SCALE_PER_K:  # one scale per column (or per tensor): on the finished sums
+        acc_g = acc_g * load_scale(sg_cols, col_ok, SCALE_E8M0)[:, None]
+        acc_u = acc_u * load_scale(su_cols, col_ok, SCALE_E8M0)[:, None]
+    dtype: tl.constexpr = inter_ptr.dtype.element_ty
+    h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, dtype,
+                         ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
+    tl.store(inter_ptr + rows[None, :] * inter_size + cols[:, None], h, mask=col_ok[:, None])
+
+
+@triton.jit
+def _w8a8_down_kernel(
+    c_ptr, cs_ptr, wd_ptr, out_ptr, weights_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
+    num_pairs, num_experts, hidden, inter_size, stride_cs_row, stride_cs_group, stride_de, stride_dn,
+    s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
+    DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    ONE_TOKEN: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program per (block, BLOCK_N columns of H): the block's intermediate codes times the expert's down tiles
+    as in the gate/up kernel, rounded to DTYPE, times each pair's routing weight, written fp32 to row ``pair``."""
+    pdl_wait(PDL)
+    block = tl.program_id(0)
+    if not ONE_TOKEN:
+        if block >= tl.load(num_blocks_ptr):
+            return
+    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
+                                     ONE_TOKEN)
+    row_ok = pair < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    c_rows = c_ptr + rows[:, None] * inter_size
+    cs_rows = cs_ptr + rows * stride_cs_row
+    w_rows = wd_ptr + expert * stride_de + cols.to(tl.int64)[:, None] * stride_dn
+    s_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, inter_size, GROUP_K):
+        w, c = load_k_tile(w_rows, c_rows, k0, inter_size, col_ok, row_ok, GROUP_K)
+        cs = tl.load(cs_rows + (k0 // GROUP_K) * stride_cs_group, mask=row_ok, other=1.0)[None, :]
+        part = e4m3_dot(w, c, EMULATE, IMPRECISE_ACC) * cs
+        if SCALE_PER_K:
+            part = part * load_scale(s_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
+        acc += part
+    if not SCALE_PER_K:
+        acc = acc * load_scale(s_cols, col_ok, SCALE_E8M0)[:, None]
+    # the projection's output in the activations' dtype, then .float() * the routing weight
+    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    y = round_to(acc, DTYPE, EMULATE_BF16) * weight[None, :]
+    tl.store(out_ptr + pair[None, :] * hidden + cols[:, None], y, mask=row_ok[None, :] & col_ok[:, None])
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights,
+                           activation, block_size, limit=None, config=None) -> torch.Tensor:
+    """W8A8 experts for arguments already checked and found eligible (``fused_moe_fp8(..., w8a8=True)``): the
+    token rows quantized once for every expert (``fp8_w8a8.quantize_rows``, one launch), the gate/up kernel, the
+    intermediate rows quantized (one launch), the down kernel, the top-k sum. A row's codes and scales depend on
+    that row alone and each (token, expert) pair is a column of its own in the MMAs, so a token's output does not
+    depend on the other tokens of its forward."""
+    x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
+    config = config or W8A8_CONFIG
+    tokens, hidden = x.shape
+    experts, inter = down.shape[0], down.shape[2]
+    top_k = top_k_index.shape[1]
+    pairs = tokens * top_k
+    one_token, row_pair, block_expert, num_blocks, max_blocks = route_blocks(top_k_index, experts, config.block_m)
+    emulate = interpreting(_w8a8_gate_up_kernel)
+    emulate_bf16 = emulate and x.dtype == torch.bfloat16
+    common = dict(BLOCK_M=config.block_m, EMULATE=emulate, EMULATE_BF16=emulate_bf16, ONE_TOKEN=one_token,
+                  IMPRECISE_ACC=MAX_IMPRECISE_ACC)
+    # gate/up: the token rows' codes, then the kernel
+    bn, bk = expert_scale_blocks(gate_up_scale, block_size, *gate_up.shape[1:])
+    per_row, step = _activation_group(gate_up_scale, bk)
+    codes, scales = quantize_rows(x, step, per_row=per_row, emulate=emulate)
+    intermediate = torch.empty(max_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
+    block_n, _, warps, stages = config.gate_up
+    e8m0 = gate_up_scale.dtype == E8M0_DTYPE
+    grid_scale = gate_up_scale.view(torch.uint8) if e8m0 else gate_up_scale
+    _w8a8_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n))](
+        codes, scales, gate_up, gate_up[:, inter:], intermediate, row_pair, block_expert, num_blocks,
+        pairs, experts, top_k, hidden, inter, float(limit or 0.0), scales.stride(0), 0 if per_row else 1,
+        gate_up.stride(0), gate_up.stride(1), gate_up.stride(0), gate_up.stride(1), grid_scale, *grid_scale.stride(),
+        bn, bk, inter, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_N=block_n, GROUP_K=step,
+        SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, **common,
+        **pdl_args(intermediate))
+    # down: the intermediate rows' codes, then the kernel
+    bn, bk = expert_scale_blocks(down_scale, block_size, *down.shape[1:])
+    per_row, step = _activation_group(down_scale, bk)
+    codes, scales = quantize_rows(intermediate, step, per_row=per_row, emulate=emulate)
+    parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    block_n, _, warps, stages = config.down
+    e8m0 = down_scale.dtype == E8M0_DTYPE
+    grid_scale = down_scale.view(torch.uint8) if e8m0 else down_scale
+    _w8a8_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
+        codes, scales, down, parts, top_k_weights.reshape(-1).float(), row_pair, block_expert, num_blocks,
+        pairs, experts, hidden, inter, scales.stride(0), 0 if per_row else 1, down.stride(0), down.stride(1),
+        grid_scale, *grid_scale.stride(), bn, bk, DTYPE=_TL_DTYPES[x.dtype], BLOCK_N=block_n, GROUP_K=step,
+        SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages, **common,
+        **pdl_args(parts))
+    return sum_parts(parts, tokens, top_k, x.dtype, emulate_bf16)
 
 
 # ---------------------------------------------------------------- transformers' FP8Experts
@@ -177,7 +388,11 @@ def fp8_experts_forward(self, hidden_states: torch.Tensor,  # [tokens, hidden]
     if activation is not None:
         args = (hidden_states, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
                 self.down_proj_scale_inv, top_k_index, top_k_weights)
-        if fused_moe_fp8_eligible(*args, block_size=self.block_size):  # the module's own tensors: no argument checks
+        # the module's own tensors: no argument checks
+        if experts_w8a8(self, hidden_states) and fused_moe_fp8_eligible(*args, block_size=self.block_size,
+                                                                         w8a8=True):
+            return fused_moe_w8a8_kernels(*args, activation, self.block_size)
+        if fused_moe_fp8_eligible(*args, block_size=self.block_size):
             return _kernels(*args, activation, self.block_size)
     tokens, top_k = top_k_index.shape
     ids = top_k_index.reshape(-1)
@@ -190,6 +405,15 @@ def fp8_experts_forward(self, hidden_states: torch.Tensor,  # [tokens, hidden]
     out = fp8_expert_linear(h, self.down_proj, self.down_proj_scale_inv, ids, self.block_size)
     out = out.view(tokens, top_k, -1) * top_k_weights[..., None].to(out.dtype)
     return out.float().sum(dim=1).to(hidden_states.dtype)
+
+
+def experts_w8a8(experts, hidden_states: torch.Tensor) -> bool:
+    """Whether an ``FP8Experts`` module's grouped kernels quantize the rows (W8A8), as transformers' own forward
+    does: where ``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8 tensor cores) and the
+    module's activations are dynamic. Static activation scales (one per expert) keep the weight-only product: the
+    rows would need codes per expert."""
+    return (W8A8_EXPERTS and activations_quantized(hidden_states)
+            and getattr(experts, "activation_scheme", "dynamic") == "dynamic")
 
 
 def fp8_experts_fusible(module) -> bool:

@@ -68,6 +68,15 @@ def to_e4m3(xf, s, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def e4m3_dot(w, q, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
+    """``w @ q.T`` in fp32 ([BLOCK_N, BLOCK_M]): e4m3 weights as the MMA's rows times e4m3 codes; EMULATE: the codes
+    are fp32 values and both are multiplied in fp32 (every e4m3 product and its fp32 sum are the GPU's)."""
+    if EMULATE:
+        return tl.dot(w.to(tl.float32), tl.trans(q), input_precision="ieee")
+    return tl.dot(w, tl.trans(q), max_num_imprecise_acc=IMPRECISE_ACC)
+
+
+@triton.jit
 def _quantize_groups_kernel(x_ptr, q_ptr, qs_ptr, a_ptr, K, stride_xm, groups, GROUP_K: tl.constexpr,
                             GROUPS_PER_PROGRAM: tl.constexpr, STATIC: tl.constexpr, EMULATE: tl.constexpr,
                             PDL: tl.constexpr):
@@ -131,11 +140,7 @@ def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_
     for k0 in range(k_lo, k_hi, GROUP_K):
         w, q = load_k_tile(w_rows, q_rows, k0, K, col_ok, row_ok, GROUP_K)
         qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)
-        if EMULATE:
-            part = tl.dot(w.to(tl.float32), tl.trans(q), input_precision="ieee")
-        else:
-            part = tl.dot(w, tl.trans(q), max_num_imprecise_acc=IMPRECISE_ACC)
-        part = part * qs[None, :]
+        part = e4m3_dot(w, q, EMULATE, IMPRECISE_ACC) * qs[None, :]
         if SCALE_PER_K:  # the group lies inside one block of weight scales
             part = part * load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
         acc += part
@@ -253,6 +258,14 @@ def quantize_activations(x: torch.Tensor,  # [..., K]
     return codes.flatten(-2)[..., :k], s
 
 
+def dequantized_activations(x: torch.Tensor, group: int, activation_scale: torch.Tensor | None = None
+                            ) -> torch.Tensor:
+    """``x`` quantized by :func:`quantize_activations` and dequantized, in fp32: what the kernels multiply."""
+    k = x.shape[-1]
+    codes, s = quantize_activations(x, group, activation_scale)
+    return codes.float() * s.repeat_interleave(group, dim=-1)[..., :k]
+
+
 def w8a8_linear_reference(x: torch.Tensor,  # [..., K]
                           weight: torch.Tensor, scale: torch.Tensor, block_size=None,
                           activation_scale: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
@@ -266,9 +279,8 @@ def w8a8_linear_reference(x: torch.Tensor,  # [..., K]
     n, k = weight.shape
     grid, bn, bk = scale_grid(scale, block_size, n, k)
     group = k if per_row else group_for((bn, bk), grid.shape[1] > 1)
-    codes, s = quantize_activations(x, group, activation_scale)
-    dense_x = codes.float() * s.repeat_interleave(group, dim=-1)[..., :k]
-    return F.linear(dense_x, dequantize_fp8(weight, scale, block_size)).to(x.dtype)
+    return F.linear(dequantized_activations(x, group, activation_scale),
+                    dequantize_fp8(weight, scale, block_size)).to(x.dtype)
 
 
 def w8a8_eligible(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size=None,

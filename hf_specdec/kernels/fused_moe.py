@@ -77,6 +77,7 @@ MAX_TOP_K = 32
 ALIGN_MAX_PAIRS = 256
 SUM_BLOCK = 1024
 _warned: set[str] = set()
+GELU_TANH_CONSTANTS = dict(K_BETA=0.7978845608028654, K_KAPPA=0.044715)  # the kernels' tanh-GELU: sqrt(2/pi), 0.044715
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ def _topk_route_kernel(scores_ptr, bias_ptr, scale_ptr, weights_ptr, index_ptr, 
 
 
 @triton.jit
-def _round(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def round_to(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """fp32 `x` rounded to DTYPE (to nearest even), as fp32. EMULATE_BF16: by integer ops, for Triton's CPU
     interpreter (3.9), whose fp32 -> bf16 cast truncates."""
     if EMULATE_BF16:
@@ -313,20 +314,20 @@ def _round(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
-def _gated_activation(gate, up, limit, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
+def gated_activation(gate, up, limit, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
                       EMULATE_BF16: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr):
     """act(gate) * up of fp32 tiles holding DTYPE values, rounded to DTYPE after each op as torch does (fp32)."""
     if ACTIVATION == "gelu_tanh":
         inner = K_BETA * (gate + K_KAPPA * (gate * gate * gate))
         # |2 * inner| > 80: tanh is +-1 in fp32 already; the clamp keeps exp finite
         tanh = 1.0 - 2.0 / (tl.exp(tl.minimum(tl.maximum(2.0 * inner, -80.0), 80.0)) + 1.0)
-        act = _round(0.5 * gate * (1.0 + tanh), DTYPE, EMULATE_BF16)
+        act = round_to(0.5 * gate * (1.0 + tanh), DTYPE, EMULATE_BF16)
     else:
-        act = _round(gate / (1.0 + tl.exp(-gate)), DTYPE, EMULATE_BF16)
+        act = round_to(gate / (1.0 + tl.exp(-gate)), DTYPE, EMULATE_BF16)
         if HAS_LIMIT:
-            act = _round(tl.minimum(act, limit), DTYPE, EMULATE_BF16)
-            up = _round(tl.minimum(tl.maximum(up, -limit), limit), DTYPE, EMULATE_BF16)
-    return _round(act * up, DTYPE, EMULATE_BF16)
+            act = round_to(tl.minimum(act, limit), DTYPE, EMULATE_BF16)
+            up = round_to(tl.minimum(tl.maximum(up, -limit), limit), DTYPE, EMULATE_BF16)
+    return round_to(act * up, DTYPE, EMULATE_BF16)
 
 
 @triton.jit
@@ -363,7 +364,7 @@ def _moe_align_kernel(index_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
 
 
 @triton.jit
-def _block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr,
+def block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr,
                  ONE_TOKEN: tl.constexpr):
     """(expert, rows, pair): a block's expert, its rows of the intermediate and each row's pair (``num_pairs`` on
     padding rows). ONE_TOKEN: block b is pair b alone and block_expert_ptr the routing itself (no grouping); a
@@ -425,7 +426,7 @@ def _moe_gate_up_kernel(
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
             return
-    expert, rows, pair = _block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
+    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
                                       ONE_TOKEN)
     row_ok = pair < num_pairs
     token = tl.where(row_ok, pair // top_k, 0)
@@ -461,7 +462,7 @@ def _moe_gate_up_kernel(
         acc_g, acc_u = acc_g * inverse, acc_u * inverse
     dtype: tl.constexpr = inter_ptr.dtype.element_ty
     # F.linear rounds gate and up to the model dtype before the activation
-    h = _gated_activation(_round(acc_g, dtype, EMULATE_BF16), _round(acc_u, dtype, EMULATE_BF16), limit, dtype,
+    h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, dtype,
                           ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
     tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :], h, mask=col_ok[None, :])
 
@@ -481,7 +482,7 @@ def _moe_down_kernel(
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):
             return
-    expert, rows, pair = _block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
+    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
                                       ONE_TOKEN)
     row_ok = pair < num_pairs
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -505,7 +506,7 @@ def _moe_down_kernel(
             acc = acc * load_scale(s_cols, col_ok, SCALE_E8M0)[None, :]
     # F.linear's output in the model dtype, then .float() * the routing weight
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
-    y = _round(acc, out_dtype, EMULATE_BF16) * weight[:, None]
+    y = round_to(acc, out_dtype, EMULATE_BF16) * weight[:, None]
     tl.store(out_ptr + pair[:, None] * hidden + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -522,12 +523,12 @@ def _moe_sum_kernel(parts_ptr, out_ptr, top_k, hidden, add1_ptr, add2_ptr, strid
     for k in range(0, top_k):
         acc += tl.load(parts_ptr + (token * top_k + k) * hidden + cols, mask=mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
-    y = _round(acc, dtype, EMULATE_BF16)
+    y = round_to(acc, dtype, EMULATE_BF16)
     if ADDENDS >= 1:
-        y = _round(y + tl.load(add1_ptr + token * stride_add1 + cols, mask=mask, other=0.0).to(tl.float32), dtype,
+        y = round_to(y + tl.load(add1_ptr + token * stride_add1 + cols, mask=mask, other=0.0).to(tl.float32), dtype,
                    EMULATE_BF16)
     if ADDENDS >= 2:
-        y = _round(y + tl.load(add2_ptr + token * stride_add2 + cols, mask=mask, other=0.0).to(tl.float32), dtype,
+        y = round_to(y + tl.load(add2_ptr + token * stride_add2 + cols, mask=mask, other=0.0).to(tl.float32), dtype,
                    EMULATE_BF16)
     tl.store(out_ptr + token * hidden + cols, y, mask=mask)
 
@@ -723,12 +724,7 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
     experts, inter, _ = w_gate.shape
     top_k = top_k_index.shape[1]
     pairs = tokens * top_k
-    one_token = tokens == 1  # decode: each pair is its own block, no grouping launch
-    if one_token:
-        row_pair = block_expert = num_blocks = top_k_index.reshape(-1)
-        max_blocks = top_k
-    else:
-        row_pair, block_expert, num_blocks, max_blocks = group_pairs(top_k_index, experts, config.block_m)
+    one_token, row_pair, block_expert, num_blocks, max_blocks = route_blocks(top_k_index, experts, config.block_m)
     # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits and truncates fp32 -> bf16
     # casts: there the kernels upcast the tiles and round by integer ops
     emulate = x.dtype == torch.bfloat16 and interpreting(_moe_gate_up_kernel)
@@ -751,7 +747,7 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
         *rows_in.stride(), *w_gate.stride(), *w_up.stride(), *gate_up_args, 0 if fp8 is None else fp8.up_row0,
         inverse, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate, ONE_TOKEN=one_token,
-        K_BETA=0.7978845608028654, K_KAPPA=0.044715, num_warps=warps, num_stages=stages, F16_ROWS=fp16_dots,
+        **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, F16_ROWS=fp16_dots,
         **gate_up_fp8, **pdl_args(intermediate))
     weights = top_k_weights.reshape(-1).float()
     parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
@@ -762,7 +758,26 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
         pairs, experts, hidden, inter, *w_down.stride(), *down_args,
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate,
         ONE_TOKEN=one_token, num_warps=warps, num_stages=stages, **down_fp8, **pdl_args(parts))
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    return sum_parts(parts, tokens, top_k, x.dtype, emulate, addends)
+
+
+def route_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int):
+    """(one_token, row_pair, block_expert, num_blocks, max_blocks) of the expert kernels: a one-token forward
+    (decode) takes each pair as its own block with no grouping launch (the routing itself stands for the three
+    tensors), wider ones :func:`group_pairs`."""
+    if top_k_index.shape[0] == 1:
+        flat = top_k_index.reshape(-1)
+        return True, flat, flat, flat, top_k_index.shape[1]
+    return False, *group_pairs(top_k_index, num_experts, block_m)
+
+
+def sum_parts(parts: torch.Tensor,  # [tokens * top_k, hidden] fp32: each pair's weighted expert output
+              tokens: int, top_k: int, dtype: torch.dtype, emulate: bool,
+              addends: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """Each token's ``top_k`` parts summed in fp32 in slot order, rounded to ``dtype``, plus ``addends`` in turn
+    (``_moe_sum_kernel``, one launch)."""
+    hidden = parts.shape[1]
+    out = torch.empty(tokens, hidden, dtype=dtype, device=parts.device)
     block = min(SUM_BLOCK, next_power_of_2(hidden))
     adds = [a if a.stride(-1) == 1 else a.contiguous() for a in addends] + [out] * (2 - len(addends))
     _moe_sum_kernel[(tokens, triton.cdiv(hidden, block))](

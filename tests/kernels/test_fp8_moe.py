@@ -9,6 +9,7 @@ import torch
 from hf_specdec.generation.quantization import fp8_quantize_model
 from hf_specdec.kernels import fp8_moe
 from hf_specdec.kernels.fp8_gemm import E8M0_DTYPE, dequantize_fp8, quantize_fp8
+from hf_specdec.kernels.fp8_w8a8 import w8a8_linear_reference
 from hf_specdec.kernels.fp8_moe import (
     fp8_experts_forward,
     fused_moe_fp8,
@@ -73,6 +74,38 @@ def test_reference_is_fused_moe_on_the_dequantized_weights(block_size, activatio
     expected = fused_moe_reference(x, dense_gate_up[:, :24], dense_gate_up[:, 24:],
                                    dequantized(down, down_scale, block_size), index, weights, activation=activation)
     torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("block_size", [(16, 32), None])
+def test_w8a8_reference_is_transformers_fp8_linear_per_expert(block_size):
+    """W8A8: each (token, expert) pair's projections are ``fp8_w8a8.w8a8_linear_reference`` of the expert's weight
+    (its rows quantized per group of the K block, or per row without K blocks), the outputs weighted and summed in
+    fp32; and the rows' quantization shows (the weight-only product differs)."""
+    x, gate_up, gate_up_scale, down, down_scale, index, weights = make_fp8_moe(
+        5, 8, 2, hidden=64, inter=48, block_size=block_size, seed=2)
+    got = fused_moe_fp8_reference(x, gate_up, gate_up_scale, down, down_scale, index, weights,
+                                  activation="gelu_tanh", block_size=block_size, w8a8=True)
+    expected = torch.zeros(x.shape)
+    for t in range(5):
+        for slot in range(2):
+            e = index[t, slot].item()
+            per_row = block_size is None
+
+            def linear(v, w, s):
+                n, k = w.shape
+                grid = s[:-(-n // block_size[0])] if block_size else s[:1].expand(1, 1)
+                return w8a8_linear_reference(v, w, grid, block_size, per_row=per_row)
+
+            gu = linear(x[t:t + 1], gate_up[e], gate_up_scale[e])
+            if block_size is None:  # one scale for each half of the stacked gate/up
+                gu = torch.cat([linear(x[t:t + 1], gate_up[e, :48], gate_up_scale[e, :1]),
+                                linear(x[t:t + 1], gate_up[e, 48:], gate_up_scale[e, 1:])], dim=-1)
+            h = torch.nn.functional.gelu(gu[:, :48], approximate="tanh") * gu[:, 48:]
+            expected[t] += linear(h, down[e], down_scale[e])[0].float() * weights[t, slot]
+    torch.testing.assert_close(got, expected.to(x.dtype), rtol=0, atol=0)
+    weight_only = fused_moe_fp8_reference(x, gate_up, gate_up_scale, down, down_scale, index, weights,
+                                          activation="gelu_tanh", block_size=block_size)
+    assert not torch.equal(got, weight_only)
 
 
 def test_bad_arguments_name_the_fix():
@@ -171,6 +204,73 @@ def test_triton_fp8_experts_forward_takes_the_grouped_kernels(triton_device, mon
     torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("block_size,scale_dtype", [((16, 32), torch.float32), ((32, 64), E8M0_DTYPE),
+                                                    (None, torch.float32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_fused_moe_w8a8(triton_device, dtype, block_size, scale_dtype, tokens):
+    """W8A8 kernels against the W8A8 reference: block scales (groups of 32 and 64; rows of the stacked gate/up
+    straddling the seam), e8m0 scales, per-row activations without K blocks; decode (one token: no grouping),
+    verify and a prefill (40 tokens: an expert's pairs over several 16-row blocks)."""
+    x, gate_up, gate_up_scale, down, down_scale, index, weights = make_fp8_moe(
+        tokens, 8, 2, hidden=64, inter=48, block_size=block_size, dtype=dtype, seed=tokens)
+    if scale_dtype == E8M0_DTYPE:
+        gate_up_scale, down_scale = (torch.exp2(s.log2().round()).to(E8M0_DTYPE) for s in (gate_up_scale, down_scale))
+    args = tuple(t.to(triton_device) for t in (x, gate_up, gate_up_scale, down, down_scale, index, weights))
+    assert fused_moe_fp8_eligible(*args, block_size=block_size, w8a8=True)
+    activation = "gelu_tanh" if dtype == torch.bfloat16 else "silu"
+    got = fused_moe_fp8(*args, activation=activation, block_size=block_size, config=SMALL, w8a8=True)
+    expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation=activation, block_size=block_size,
+                                       w8a8=True)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[dtype])
+    if tokens == 5:  # the default tiles
+        got = fused_moe_fp8(*args, activation=activation, block_size=block_size, w8a8=True)
+        torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[dtype])
+
+
+def test_triton_fused_moe_w8a8_token_alone_gives_the_same_bits(triton_device):
+    """W8A8: a verify forward's token and a decode step of the same token round alike (batch invariance)."""
+    x, *rest, index, weights = make_fp8_moe(6, 8, 2, hidden=64, block_size=(16, 32), seed=4, device=triton_device)
+    together = fused_moe_fp8(x, *rest, index, weights, activation="gelu_tanh", block_size=(16, 32), w8a8=True)
+    for t in (0, 4):
+        alone = fused_moe_fp8(x[t:t + 1], *rest, index[t:t + 1], weights[t:t + 1], activation="gelu_tanh",
+                              block_size=(16, 32), w8a8=True)
+        assert torch.equal(alone[0], together[t])
+
+
+def test_w8a8_needs_groups_of_32():
+    """Groups of 16 values (a 16-wide K block) are below an e4m3 dot's smallest K: the reference, not a launch."""
+    args = make_fp8_moe(3, 8, 2, block_size=(16, 16))
+    assert not fused_moe_fp8_eligible(*args, block_size=(16, 16), w8a8=True)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_triton_fp8_experts_forward_quantizes_rows_where_transformers_does(triton_device, monkeypatch, scheme):
+    """Where the activations are quantized (bf16 / fp16 on a GPU with FP8 tensor cores: forced here), FP8Experts
+    with dynamic activations take the W8A8 kernels and equal the W8A8 reference; static activation scales keep the
+    weight-only kernels."""
+    experts = fp8_quantize_model(gemma4_26b_style(), (16, 32)).model.layers[0].experts.to(triton_device)
+    experts.activation_scheme = scheme
+    monkeypatch.setattr(fp8_moe, "activations_quantized", lambda x: True)
+    launched = []
+    for name in ("fused_moe_w8a8_kernels", "_kernels"):
+        monkeypatch.setattr(fp8_moe, name, (lambda f, n: lambda *a, **k: launched.append(n) or f(*a, **k))(
+            getattr(fp8_moe, name), name))
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(4, 32, generator=gen).bfloat16().to(triton_device)
+    index = torch.tensor([[0, 5], [5, 7], [2, 0], [5, 1]], device=triton_device)
+    weights = torch.rand(4, 2, generator=gen).to(triton_device)
+    with torch.no_grad():
+        got = fp8_experts_forward(experts, hidden, index, weights)
+    w8a8 = scheme == "dynamic"
+    assert launched == ["fused_moe_w8a8_kernels" if w8a8 else "_kernels"]
+    args = [t.cpu() for t in (hidden, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
+                              experts.down_proj_scale_inv, index, weights)]
+    expected = fused_moe_fp8_reference(*args, activation="gelu_tanh", block_size=(16, 32), w8a8=w8a8)
+    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_fused_moe_fp8_captures_in_a_cuda_graph():
     """No host sync inside: the layer captures, and a replay on a new routing equals the eager call on it."""
@@ -179,15 +279,18 @@ def test_fused_moe_fp8_captures_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe_fp8(*args, activation="gelu_tanh", block_size=(128, 128))
+        out_w8a8 = fused_moe_fp8(*args, activation="gelu_tanh", block_size=(128, 128), w8a8=True)
     index.copy_(torch.stack([torch.randperm(8, device="cuda")[:2] for _ in range(4)]))
     weights.copy_(torch.rand(4, 2, device="cuda"))
     graph.replay()
-    expected = fused_moe_fp8(*args, activation="gelu_tanh", block_size=(128, 128))
-    assert torch.equal(out, expected)
-    reference = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=(128, 128))
-    torch.testing.assert_close(out.float().cpu(), reference.float(), **TOLERANCE[torch.bfloat16])
+    for got, w8a8 in ((out, False), (out_w8a8, True)):
+        expected = fused_moe_fp8(*args, activation="gelu_tanh", block_size=(128, 128), w8a8=w8a8)
+        assert torch.equal(got, expected)
+        reference = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=(128, 128),
+                                            w8a8=w8a8)
+        torch.testing.assert_close(got.float().cpu(), reference.float(), **TOLERANCE[torch.bfloat16])
 
 
 def test_fp8_moe_cases_in_interpreter(request):
     """This file by itself on CPU: its ``triton_`` tests in the interpreter (``conftest.run_file_cases_in_interpreter``)."""
-    run_file_cases_in_interpreter(request, __file__, min_passed=15)
+    run_file_cases_in_interpreter(request, __file__, min_passed=35)
