@@ -50,6 +50,9 @@ SHAPES = {
 }
 TOKENS = (1, 4, 8, 32, 512)
 PASS_REL_ERROR = 2e-2
+# W8A8: an intermediate value one ulp from the reference's can round to the neighbouring e4m3 code (1/8-1/16 of it),
+# so single outputs move by ~2% of the outputs' scale (tests/kernels/test_fp8_moe.py, assert_w8a8_close)
+W8A8_PASS_REL_ERROR = 5e-2
 REPLAYS = 100
 
 
@@ -189,7 +192,7 @@ def check_case(layer: Layer, tokens: int) -> Result:
     gb_per_s = statistics.median(layer.expert_bytes(d) / (t * 1e-6) / 1e9 for t, d in zip(times, distinct))
     return Result(layer.name, layer.weights, tokens, rel_error, graph_ok, statistics.median(times), eager_us,
                   reference_us, statistics.median(group_times), statistics.mean(distinct), gb_per_s,
-                  rel_error < PASS_REL_ERROR and graph_ok)
+                  rel_error < (W8A8_PASS_REL_ERROR if layer.weights == "w8a8" else PASS_REL_ERROR) and graph_ok)
 
 
 # ---------------------------------------------------------------- --sweep
@@ -197,7 +200,7 @@ def check_case(layer: Layer, tokens: int) -> Result:
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) grids: decode / verify (16-row blocks), prefill (taller blocks)
 SWEEP_GRID = {16: ((16, 32, 64), (64, 128, 256), (2, 4), (3, 4, 5)),
               64: ((32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))}
-W8A8_SWEEP_GRID = ((16, 32, 64, 128), (128,), (2, 4, 8), (2, 3, 4, 6))  # the K step is the activations' group
+W8A8_SWEEP_GRID = ((32, 64, 128), (128,), (2, 4), (3, 4, 6, 8))  # the K step is the activations' group
 
 
 def sweep(layer: Layer, tokens_list=(1, 4)) -> dict:

@@ -53,6 +53,19 @@ def make_fp8_moe(tokens, experts, top_k, hidden=32, inter=24, block_size=(16, 16
     return tuple(t.to(device) for t in (x.to(dtype), gate_up, gate_up_scale, down, down_scale, index, weights))
 
 
+def assert_w8a8_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """W8A8 kernels against the W8A8 reference. The kernels' gate/up sums differ from the reference's in the last
+    bits (summation order; on Hopper the FP8 MMA's own accumulation), so an intermediate value can round to the
+    neighbouring value of the dtype, and where that sits at an e4m3 rounding boundary its code moves by one e4m3 step
+    (1/8 to 1/16 of the value): a few outputs move by up to ~2% of the outputs' scale. So: nearly every output within
+    the dtype's tolerance, and none off by more than 5% of the largest (a wrong scale or row moves most of them)."""
+    got, expected = got.float().cpu(), expected.float()
+    tolerance = TOLERANCE[dtype]
+    close = (got - expected).abs() <= tolerance["atol"] + tolerance["rtol"] * expected.abs()
+    assert close.float().mean() >= 0.95, f"{(~close).sum().item()} of {close.numel()} outputs off"
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * expected.abs().max().item())
+
+
 def dequantized(weight, scale, block_size):
     n, k = weight.shape[1:]
     bn, bk = block_size or (-(-n // scale.shape[1]), k)
@@ -223,10 +236,10 @@ def test_triton_fused_moe_w8a8(triton_device, dtype, block_size, scale_dtype, to
     expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation=activation, block_size=block_size,
                                        w8a8=True)
     assert got.shape == x.shape and got.dtype == dtype
-    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[dtype])
+    assert_w8a8_close(got, expected, dtype)
     if tokens == 5:  # the default tiles
-        got = fused_moe_fp8(*args, activation=activation, block_size=block_size, w8a8=True)
-        torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[dtype])
+        assert_w8a8_close(fused_moe_fp8(*args, activation=activation, block_size=block_size, w8a8=True), expected,
+                          dtype)
 
 
 def test_triton_fused_moe_w8a8_token_alone_gives_the_same_bits(triton_device):
@@ -268,7 +281,10 @@ def test_triton_fp8_experts_forward_quantizes_rows_where_transformers_does(trito
     args = [t.cpu() for t in (hidden, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
                               experts.down_proj_scale_inv, index, weights)]
     expected = fused_moe_fp8_reference(*args, activation="gelu_tanh", block_size=(16, 32), w8a8=w8a8)
-    torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[torch.bfloat16])
+    if w8a8:
+        assert_w8a8_close(got, expected, torch.bfloat16)
+    else:
+        torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -288,7 +304,10 @@ def test_fused_moe_fp8_captures_in_a_cuda_graph():
         assert torch.equal(got, expected)
         reference = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=(128, 128),
                                             w8a8=w8a8)
-        torch.testing.assert_close(got.float().cpu(), reference.float(), **TOLERANCE[torch.bfloat16])
+        if w8a8:
+            assert_w8a8_close(got, reference, torch.bfloat16)
+        else:
+            torch.testing.assert_close(got.float().cpu(), reference.float(), **TOLERANCE[torch.bfloat16])
 
 
 def test_fp8_moe_cases_in_interpreter(request):
