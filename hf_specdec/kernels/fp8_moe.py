@@ -81,8 +81,10 @@ from .skinny_gemm import load_k_tile
 
 FP16_DOTS = True  # bf16 token rows multiply the gate/up weights as fp16 where e4m3 loads natively (False: as bf16)
 # W8A8 expert kernels: (BLOCK_N, -, num_warps, num_stages) of the gate/up and down kernels (the K step is one group
-# of the activations' scales); 16-row blocks at every width, as the weight-only FP8 kernels
-W8A8_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 4, 4), down=(64, GROUP, 4, 4))
+# of the activations' scales); 16-row blocks at every width, as the weight-only FP8 kernels. The best of 24 configs
+# per kernel at the 26B-A4B experts, 1 + 4 tokens graph-timed on an H200 (`moe_gpu_check --weights w8a8 --sweep`,
+# benchmarks/results/moe_w8a8_sweep_h200.log): 101.7 us against 110.9 for (32, 128, 4, 4) / (64, 128, 4, 4)
+W8A8_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 2, 4), down=(64, GROUP, 4, 4))
 # False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
 # with the CUDA graphs captured before it released)
 W8A8_EXPERTS = True
