@@ -14,8 +14,8 @@ transformers' FP8 layers (``FP8Linear`` and ``FP8Experts`` of its fine-grained F
 ``CompressedTensorsFP8Linear`` of compressed-tensors FP8 checkpoints) are the exception: their own forwards need a
 GPU kernel, so an enabled model's FP8 layers always take hf_specdec's forwards, on every device: the linears
 transformers' own W8A8 arithmetic where the GPU has FP8 tensor cores (``kernels/fp8_w8a8.py``), the weight-only
-product elsewhere (``kernels/fp8_gemm.py``, its dequantize-then-matmul reference on CPU); the experts the
-weight-only product. Plain, verify and draft forwards of the target then compute the same products, which is what
+product elsewhere (``kernels/fp8_gemm.py``, its dequantize-then-matmul reference on CPU); the experts likewise
+(``kernels/fp8_moe.py``: W8A8 grouped kernels for dynamic activations, else weight-only). Plain, verify and draft forwards of the target then compute the same products, which is what
 makes its speculative output equal its plain output (see ``generation/quantization.py``).
 """
 
@@ -135,8 +135,8 @@ register_fused_forwards(FusedForward(torch.nn.Linear, linear_forward, _fusible_l
 
 
 def fp8_fused_forwards() -> list[FusedForward]:
-    """The forwards of transformers' FP8 layers (W8A8 linears on GPUs with FP8 tensor cores, else weight-only;
-    weight-only experts), for the classes this transformers version has."""
+    """The forwards of transformers' FP8 layers (W8A8 linears and experts on GPUs with FP8 tensor cores, else
+    weight-only), for the classes this transformers version has."""
     fused = []
     try:
         from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear

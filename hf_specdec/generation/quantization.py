@@ -8,8 +8,8 @@ through the same loop in every mode. What changes is who computes the product:
     dense          dtype=bf16 / fp16 / fp32                          the fused forwards (skinny GEMM on CUDA)
     fp8            FineGrainedFP8Config, or a compressed-tensors     on GPUs with FP8 tensor cores, W8A8 as the
                    FP8 checkpoint (CompressedTensorsFP8Linear)       layers' own forwards compute it
-                                                                     (kernels/fp8_w8a8.py); elsewhere, and for
-                                                                     experts, weight-only FP8 GEMMs reading the
+                                                                     (kernels/fp8_w8a8.py, experts fp8_moe.py);
+                                                                     elsewhere weight-only FP8 GEMMs reading the
                                                                      e4m3 bytes and scales (kernels/fp8_gemm.py)
     bitsandbytes   BitsAndBytesConfig (NF4 / FP4; 8-bit with         the layers' own (bitsandbytes' kernels)
                    llm_int8_threshold=0.0)
