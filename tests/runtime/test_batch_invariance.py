@@ -4,7 +4,7 @@ order, of a one-token decode step (skinny GEMMs with one row-tile shape, paged a
 split-KV chunks counted from key 0, per-row norms; FP8 layers quantize each row's activations alone). Random bf16
 weights at the Gemma-4-31B and E4B shapes, and the 31B's quantized to FP8, fine-grained and compressed-tensors' (W8A8
 on GPUs with FP8 tensor cores: a last-bit difference between a verify row and a decode row would change its codes),
-and the 26B-A4B's in fine-grained FP8 (its experts W8A8 too: a verify's tokens share expert blocks),
+and the 26B-A4B's in bf16 and fine-grained FP8 (its experts W8A8 too: a verify's tokens share expert blocks),
 real widths, cut depth, prompts past the sliding windows; the drafts are plain decoding's own tokens with some
 replaced, so rounds accept, reject and roll back at varying positions."""
 
@@ -69,8 +69,9 @@ class RecordScores(StoppingCriteria):
 
 
 @pytest.fixture(scope="module", params=[("gemma4-31b", 6, "bf16"), ("gemma4-e4b", 12, "bf16"), ("gemma4-31b", 6, "fp8"),
-                                        ("gemma4-31b", 6, "compressed-fp8"), ("gemma4-26b-a4b", 4, "fp8")],
-                ids=["31b-L6", "e4b-L12", "31b-L6-fp8", "31b-L6-compressed-fp8", "26b-L4-fp8"])
+                                        ("gemma4-31b", 6, "compressed-fp8"), ("gemma4-26b-a4b", 4, "bf16"),
+                                        ("gemma4-26b-a4b", 4, "fp8")],
+                ids=["31b-L6", "e4b-L12", "31b-L6-fp8", "31b-L6-compressed-fp8", "26b-L4", "26b-L4-fp8"])
 def target(request):
     from benchmarks.shapes import target_for
     from tests.quantized.helpers import compressed_fp8_model
