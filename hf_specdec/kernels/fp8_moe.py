@@ -71,8 +71,6 @@ from .fused_moe import (
     block_pairs,
     config_for,
     gated_activation,
-    gate_up_finish,
-    gate_up_partials,
     gated_activation_reference,
     launch,
     round_to,
@@ -225,10 +223,9 @@ def _w8a8_gate_up_kernel(
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr,
     EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, k_per_split, partial_ptr, stride_split, SPLIT: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (block, BLOCK_N columns of I, part of K: as ``fused_moe``'s gate/up kernel, SPLIT writes fp32
-    partials for ``gate_up_finish``): the block's token codes [BLOCK_M, H] (gathered by token)
+    """One program per (block, BLOCK_N columns of I): the block's token codes [BLOCK_M, H] (gathered by token)
     times the expert's gate and up tiles, the weights as the MMA's rows, one group of K per step, each partial
     times its rows' and its weight block's scales; then the activation, written [BLOCK_M, BLOCK_N] in the
     activations' dtype (padding rows: zeros)."""
@@ -251,8 +248,7 @@ def _w8a8_gate_up_kernel(
     su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    k_lo = tl.program_id(2) * k_per_split
-    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, hidden), GROUP_K):
+    for k0 in range(0, hidden, GROUP_K):
         g, q = load_k_tile(g_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
         u, _ = load_k_tile(u_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
         qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
@@ -266,15 +262,10 @@ def _w8a8_gate_up_kernel(
     if not SCALE_PER_K:  # one scale per column (or per tensor): on the finished sums
         acc_g = acc_g * load_scale(sg_cols, col_ok, SCALE_E8M0)[:, None]
         acc_u = acc_u * load_scale(su_cols, col_ok, SCALE_E8M0)[:, None]
-    if SPLIT:
-        out = partial_ptr + tl.program_id(2) * stride_split + rows[None, :] * (2 * inter_size) + cols[:, None]
-        tl.store(out, acc_g, mask=col_ok[:, None])
-        tl.store(out + inter_size, acc_u, mask=col_ok[:, None])
-    else:
-        dtype: tl.constexpr = inter_ptr.dtype.element_ty
-        h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit,
-                             dtype, ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
-        tl.store(inter_ptr + rows[None, :] * inter_size + cols[:, None], h, mask=col_ok[:, None])
+    dtype: tl.constexpr = inter_ptr.dtype.element_ty
+    h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, dtype,
+                         ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
+    tl.store(inter_ptr + rows[None, :] * inter_size + cols[:, None], h, mask=col_ok[:, None])
 
 
 @triton.jit
@@ -347,16 +338,13 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     block_n, _, warps, stages = config.gate_up
     e8m0 = gate_up_scale.dtype == E8M0_DTYPE
     grid_scale = gate_up_scale.view(torch.uint8) if e8m0 else gate_up_scale
-    split, k_per_split, partials = gate_up_partials(config, hidden, step, intermediate)
-    _w8a8_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n), split)](
+    _w8a8_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n))](
         codes, scales, gate_up, gate_up[:, inter:], intermediate, row_pair, block_expert, num_blocks,
         pairs, experts, top_k, hidden, inter, float(limit or 0.0), scales.stride(0), 0 if per_row else 1,
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(0), gate_up.stride(1), grid_scale, *grid_scale.stride(),
         bn, bk, inter, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_N=block_n, GROUP_K=step,
         SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, **common,
-        k_per_split=k_per_split, partial_ptr=partials, stride_split=partials.stride(0), SPLIT=split > 1,
         **pdl_args(intermediate))
-    gate_up_finish(partials, intermediate, num_blocks, one_token, activation, limit, config.block_m, emulate_bf16)
     # down: the intermediate rows' codes, then the kernel
     bn, bk = expert_scale_blocks(down_scale, block_size, *down.shape[1:])
     per_row, step = _activation_group(down_scale, bk)

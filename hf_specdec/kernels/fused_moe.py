@@ -84,30 +84,11 @@ GELU_TANH_CONSTANTS = dict(K_BETA=0.7978845608028654, K_KAPPA=0.044715)  # the k
 class MoeConfig:
     """Launch parameters: ``block_m`` pair rows per block (a power of two >= 16: tl.dot's minimum), and
     ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the gate/up kernel (N over I, K over H) and of the down
-    kernel (N over H, K over I); ``gate_up_split``: parts of K of the gate/up kernel (None: :func:`gate_up_splits`)."""
+    kernel (N over H, K over I)."""
 
     block_m: int
     gate_up: tuple[int, int, int, int]
     down: tuple[int, int, int, int]
-    gate_up_split: int | None = None
-
-
-# Split-K of the gate/up kernels. At one token the 26B-A4B's gate/up is 176 programs of 22 K steps, each step's loads
-# waiting on the last (~0.8 us a step whatever the tile: 17-20 us for 34-67 MB, moe_w8a8_profile_h200.log); parts
-# of K halve the steps a program runs, the fp32 partials are summed in order by a second launch that applies the
-# activation. The parts come from the hidden size and the K tile alone (never from the number of tokens), so a verify
-# row's gate and up are summed like a decode row's.
-GATE_UP_SPLIT_K = 2
-MIN_STEPS_PER_SPLIT = 8
-
-
-def gate_up_splits(config: MoeConfig, hidden: int, block_k: int) -> tuple[int, int]:
-    """(parts, K per part, a multiple of ``block_k``) of the gate/up kernels for ``hidden`` in ``block_k`` tiles."""
-    steps = -(-hidden // block_k)
-    split = config.gate_up_split or max(1, min(GATE_UP_SPLIT_K, steps // MIN_STEPS_PER_SPLIT))
-    check(isinstance(split, int) and split >= 1, f"gate_up_split must be a positive int, got {split!r}")
-    k_per_split = -(-steps // split) * block_k
-    return -(-hidden // k_per_split), k_per_split
 
 
 # Decode / verify: memory bound; narrow N tiles make many programs so the weights stream at full bandwidth (Gemma 4
@@ -434,11 +415,9 @@ def _moe_gate_up_kernel(
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr,
     K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
     SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False, F16_ROWS: tl.constexpr = False,
-    PDL: tl.constexpr = False, k_per_split=1 << 30, partial_ptr=None, stride_split=0, SPLIT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    """SPLIT: program_id(2) sums K in [k_lo, k_hi) (``k_per_split`` a multiple of BLOCK_K) and writes its fp32
-    gate and up partials to ``partial_ptr`` [splits, rows, 2I]; ``gate_up_finish`` sums them and applies the
-    activation. FP8: e4m3 gate and up weights (views of one stacked [E, 2I, H] tensor), their scales at ``s_ptr`` [E, sn,
+    """FP8: e4m3 gate and up weights (views of one stacked [E, 2I, H] tensor), their scales at ``s_ptr`` [E, sn,
     sk] (gate column c takes scale row ``c // scale_bn``, up column c row ``(up_row0 + c) // scale_bn``).
     F16_ROWS: ``x`` holds the bf16 token rows as fp16 times powers of two (``fp8_gemm.f16_rows``), the inverse
     powers at ``inv_ptr``: the weights convert to fp16 in one instruction per two, the sums are scaled back exactly."""
@@ -460,8 +439,7 @@ def _moe_gate_up_kernel(
     su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = tl.program_id(2) * k_per_split
-    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, hidden), BLOCK_K):
+    for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         w_mask = col_ok[:, None] & k_ok[None, :]
@@ -482,41 +460,10 @@ def _moe_gate_up_kernel(
     if F16_ROWS:  # undo the rows' powers of two (exact)
         inverse = tl.load(inv_ptr + token, mask=row_ok, other=1.0)[:, None]
         acc_g, acc_u = acc_g * inverse, acc_u * inverse
-    if SPLIT:
-        out = partial_ptr + tl.program_id(2) * stride_split + rows[:, None] * (2 * inter_size) + cols[None, :]
-        tl.store(out, acc_g, mask=col_ok[None, :])
-        tl.store(out + inter_size, acc_u, mask=col_ok[None, :])
-    else:
-        dtype: tl.constexpr = inter_ptr.dtype.element_ty
-        # F.linear rounds gate and up to the model dtype before the activation
-        h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit,
-                             dtype, ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
-        tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :], h, mask=col_ok[None, :])
-
-
-@triton.jit
-def _gate_up_finish_kernel(partial_ptr, inter_ptr, num_blocks_ptr, splits, stride_split, inter_size, limit,
-                           ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr,
-                           K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, PDL: tl.constexpr):
-    """A block's gate and up partials summed in split order, rounded to the intermediate's dtype, the activation."""
-    pdl_wait(PDL)
-    block = tl.program_id(0)
-    if not ONE_TOKEN:
-        if block >= tl.load(num_blocks_ptr):
-            return
-    rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter_size
-    parts = partial_ptr + rows[:, None] * (2 * inter_size) + cols[None, :]
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for split in range(0, splits):
-        acc_g += tl.load(parts + split * stride_split, mask=col_ok[None, :], other=0.0)
-        acc_u += tl.load(parts + split * stride_split + inter_size, mask=col_ok[None, :], other=0.0)
     dtype: tl.constexpr = inter_ptr.dtype.element_ty
+    # F.linear rounds gate and up to the model dtype before the activation
     h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, dtype,
-                         ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
+                          ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
     tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :], h, mask=col_ok[None, :])
 
 
@@ -794,17 +741,14 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
     rows_in, inverse = f16_rows(x) if fp16_dots else (x, x)  # inverse: unread without fp16 dots
     block_n, block_k, warps, stages = _tile(config.gate_up, inter, hidden)
     block_k = _k_tile(block_k, fp8, gate_up_scale, gate_up_args[-1])
-    split, k_per_split, partials = gate_up_partials(config, hidden, block_k, intermediate)
-    _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n), split)](
+    _moe_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n))](
         rows_in, w_gate, w_up, intermediate, row_pair, block_expert, num_blocks,
         pairs, experts, top_k, hidden, inter, float(limit or 0.0),
         *rows_in.stride(), *w_gate.stride(), *w_up.stride(), *gate_up_args, 0 if fp8 is None else fp8.up_row0,
         inverse, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate, ONE_TOKEN=one_token,
         **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, F16_ROWS=fp16_dots,
-        **gate_up_fp8, k_per_split=k_per_split, partial_ptr=partials, stride_split=partials.stride(0),
-        SPLIT=split > 1, **pdl_args(intermediate))
-    gate_up_finish(partials, intermediate, num_blocks, one_token, activation, limit, config.block_m, emulate)
+        **gate_up_fp8, **pdl_args(intermediate))
     weights = top_k_weights.reshape(-1).float()
     parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = _tile(config.down, hidden, inter)
@@ -815,30 +759,6 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate,
         ONE_TOKEN=one_token, num_warps=warps, num_stages=stages, **down_fp8, **pdl_args(parts))
     return sum_parts(parts, tokens, top_k, x.dtype, emulate, addends)
-
-
-def gate_up_partials(config: MoeConfig, hidden: int, block_k: int, intermediate: torch.Tensor):
-    """(parts, K per part, the fp32 partials [parts, rows, 2I]; the intermediate itself, unread, for one part) of a
-    gate/up launch."""
-    split, k_per_split = gate_up_splits(config, hidden, block_k)
-    if split == 1:
-        return 1, k_per_split, intermediate[None]
-    rows, inter = intermediate.shape
-    return split, k_per_split, torch.empty(split, rows, 2 * inter, dtype=torch.float32, device=intermediate.device)
-
-
-def gate_up_finish(partials: torch.Tensor, intermediate: torch.Tensor, num_blocks: torch.Tensor, one_token: bool,
-                   activation: str, limit: float | None, block_m: int, emulate_bf16: bool) -> None:
-    """The intermediate from a split gate/up launch's partials (``_gate_up_finish_kernel``); nothing for one part."""
-    if partials.shape[0] == 1:
-        return
-    rows, inter = intermediate.shape
-    block_n = min(64, next_power_of_2(inter))
-    _gate_up_finish_kernel[(rows // block_m, triton.cdiv(inter, block_n))](
-        partials, intermediate, num_blocks, partials.shape[0], partials.stride(0), inter, float(limit or 0.0),
-        ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        EMULATE_BF16=emulate_bf16, ONE_TOKEN=one_token, **GELU_TANH_CONSTANTS, num_warps=4,
-        **pdl_args(intermediate))
 
 
 def route_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int):

@@ -240,22 +240,15 @@ def test_triton_fused_moe_w8a8(triton_device, dtype, block_size, scale_dtype, to
     if tokens == 5:  # the default tiles
         assert_w8a8_close(fused_moe_fp8(*args, activation=activation, block_size=block_size, w8a8=True), expected,
                           dtype)
-    split = MoeConfig(block_m=16, gate_up=(16, 16, 4, 2), down=(16, 16, 4, 2), gate_up_split=2)  # parts of K
-    assert_w8a8_close(fused_moe_fp8(*args, activation=activation, block_size=block_size, config=split, w8a8=True),
-                      expected, dtype)
 
 
-@pytest.mark.parametrize("gate_up_split", [None, 2])
-def test_triton_fused_moe_w8a8_token_alone_gives_the_same_bits(triton_device, gate_up_split):
-    """W8A8: a verify forward's token and a decode step of the same token round alike (batch invariance), also with
-    the gate/up in parts of K."""
-    config = MoeConfig(block_m=16, gate_up=(32, 128, 2, 4), down=(64, 128, 4, 4), gate_up_split=gate_up_split)
+def test_triton_fused_moe_w8a8_token_alone_gives_the_same_bits(triton_device):
+    """W8A8: a verify forward's token and a decode step of the same token round alike (batch invariance)."""
     x, *rest, index, weights = make_fp8_moe(6, 8, 2, hidden=64, block_size=(16, 32), seed=4, device=triton_device)
-    together = fused_moe_fp8(x, *rest, index, weights, activation="gelu_tanh", block_size=(16, 32), config=config,
-                             w8a8=True)
+    together = fused_moe_fp8(x, *rest, index, weights, activation="gelu_tanh", block_size=(16, 32), w8a8=True)
     for t in (0, 4):
         alone = fused_moe_fp8(x[t:t + 1], *rest, index[t:t + 1], weights[t:t + 1], activation="gelu_tanh",
-                              block_size=(16, 32), config=config, w8a8=True)
+                              block_size=(16, 32), w8a8=True)
         assert torch.equal(alone[0], together[t])
 
 
@@ -319,4 +312,4 @@ def test_fused_moe_fp8_captures_in_a_cuda_graph():
 
 def test_fp8_moe_cases_in_interpreter(request):
     """This file by itself on CPU: its ``triton_`` tests in the interpreter (``conftest.run_file_cases_in_interpreter``)."""
-    run_file_cases_in_interpreter(request, __file__, min_passed=36)
+    run_file_cases_in_interpreter(request, __file__, min_passed=35)

@@ -346,37 +346,6 @@ def test_triton_fused_moe_several_tiles_and_blocks(triton_device, dtype):
     _check_against_reference(args, "gelu_tanh", None, SMALL)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split", [2, 3])
-def test_triton_fused_moe_gate_up_split_k(triton_device, dtype, split):
-    """The gate/up kernel in parts of K (their fp32 partials summed by a second launch that applies the activation):
-    the reference's answer at one token (no grouping) and at 17 (grouped blocks, two of one expert), K not a
-    multiple of the parts, and each token's bits alone equal to its bits in the 17-token forward (batch invariance)."""
-    config = MoeConfig(block_m=16, gate_up=(16, 16, 4, 2), down=(16, 16, 4, 2), gate_up_split=split)
-    args = make_moe(17, 8, 2, hidden=72, inter=24, dtype=dtype, routing="same", device=triton_device)
-    _check_against_reference(args, "silu", 0.5, config)
-    together = fused_moe(*args, activation="gelu_tanh", config=config)
-    x, w_gate, w_up, w_down, index, weights = args
-    for t in (0, 16):
-        alone = fused_moe(x[t:t + 1], w_gate, w_up, w_down, index[t:t + 1], weights[t:t + 1], activation="gelu_tanh",
-                          config=config)
-        assert torch.equal(alone[0], together[t])
-
-
-def test_gate_up_parts_come_from_the_shape():
-    """The default parts: two for the 26B-A4B (hidden 2816, 22 K tiles of 128) and Step 3.5 (4096), none below 16
-    K tiles; a part is a whole number of K tiles; an explicit count is taken as given."""
-    default = fused_moe_module.config_for(1)
-    assert fused_moe_module.gate_up_splits(default, 2816, 128) == (2, 1408)
-    assert fused_moe_module.gate_up_splits(default, 4096, 128) == (2, 2048)
-    assert fused_moe_module.gate_up_splits(default, 1536, 128) == (1, 1536)
-    assert fused_moe_module.gate_up_splits(default, 32, 32) == (1, 32)
-    three = MoeConfig(16, (16, 16, 4, 2), (16, 16, 4, 2), gate_up_split=3)
-    assert fused_moe_module.gate_up_splits(three, 72, 16) == (3, 32)
-    with pytest.raises(ValueError, match="gate_up_split must be a positive int"):
-        fused_moe_module.gate_up_splits(MoeConfig(16, (16, 16, 4, 2), (16, 16, 4, 2), gate_up_split=-1), 72, 16)
-
-
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_triton_fused_moe_expert_repeated_in_a_row(triton_device, tokens):
     """A routing that names one expert twice for a token (top-k never does) still sums both slots."""
