@@ -68,11 +68,11 @@ from .fused_moe import (
     Fp8Weights,
     MoeConfig,
     activation_name,
-    block_pairs,
     config_for,
     gated_activation,
     gated_activation_reference,
     launch,
+    program_rows,
     round_to,
     route_blocks,
     sum_parts,
@@ -234,12 +234,9 @@ def _w8a8_gate_up_kernel(
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
             return
-    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
-                                     ONE_TOKEN)
-    row_ok = pair < num_pairs
-    token = tl.where(row_ok, pair // top_k, 0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter_size
+    expert, rows, _, row_ok, token, cols, col_ok = program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs,
+                                                                num_experts, top_k, inter_size, BLOCK_M, BLOCK_N,
+                                                                ONE_TOKEN)
     q_rows = q_ptr + token[:, None] * hidden
     qs_rows = qs_ptr + token * stride_qs_row
     g_rows = wg_ptr + expert * stride_ge + cols.to(tl.int64)[:, None] * stride_gn
@@ -284,11 +281,8 @@ def _w8a8_down_kernel(
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):
             return
-    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
-                                     ONE_TOKEN)
-    row_ok = pair < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    expert, rows, pair, row_ok, _, cols, col_ok = program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs,
+                                                               num_experts, 1, hidden, BLOCK_M, BLOCK_N, ONE_TOKEN)
     c_rows = c_ptr + rows[:, None] * inter_size
     cs_rows = cs_ptr + rows * stride_cs_row
     w_rows = wd_ptr + expert * stride_de + cols.to(tl.int64)[:, None] * stride_dn

@@ -381,6 +381,19 @@ def block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, B
 
 
 @triton.jit
+def program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, top_k, n,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TOKEN: tl.constexpr):
+    """(expert, rows, pair, row_ok, token, cols, col_ok) of an expert kernel's program: its block's expert and rows
+    of the intermediate, each row's pair, which rows hold one and their tokens (0 on padding rows), its ``BLOCK_N``
+    columns of the ``n`` outputs."""
+    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
+                                     ONE_TOKEN)
+    row_ok = pair < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows, pair, row_ok, tl.where(row_ok, pair // top_k, 0), cols, cols < n
+
+
+@triton.jit
 def _weight_tile(w, x, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """(x, w) ready for ``tl.dot``: FP8 weights in x's dtype (exact: every e4m3 value is a bf16 / fp16 value);
     under the interpreter, bf16 and FP8 tiles as fp32 (it multiplies bf16 tiles as their raw bits)."""
@@ -426,12 +439,9 @@ def _moe_gate_up_kernel(
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
             return
-    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
-                                      ONE_TOKEN)
-    row_ok = pair < num_pairs
-    token = tl.where(row_ok, pair // top_k, 0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter_size
+    expert, rows, _, row_ok, token, cols, col_ok = program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs,
+                                                                num_experts, top_k, inter_size, BLOCK_M, BLOCK_N,
+                                                                ONE_TOKEN)
     x_rows = x_ptr + token[:, None] * stride_xt
     g_rows = wg_ptr + expert * stride_ge + cols.to(tl.int64)[:, None] * stride_gn
     u_rows = wu_ptr + expert * stride_ue + cols.to(tl.int64)[:, None] * stride_un
@@ -482,11 +492,8 @@ def _moe_down_kernel(
     if not ONE_TOKEN:
         if block >= tl.load(num_blocks_ptr):
             return
-    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
-                                      ONE_TOKEN)
-    row_ok = pair < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
+    expert, rows, pair, row_ok, _, cols, col_ok = program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs,
+                                                               num_experts, 1, hidden, BLOCK_M, BLOCK_N, ONE_TOKEN)
     a_rows = inter_ptr + rows[:, None] * inter_size
     w_rows = wd_ptr + expert * stride_de + cols.to(tl.int64)[:, None] * stride_dn
     s_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn  # FP8: the scales' rows

@@ -200,19 +200,25 @@ def test_triton_fused_moe_fp8_token_alone_gives_the_same_bits(triton_device):
         assert torch.equal(alone[0], together[t])
 
 
+def run_experts(experts, device, seed: int):
+    """(``fp8_experts_forward`` of 4 bf16 tokens routed to 2 experts each, the call's arguments for
+    ``fused_moe_fp8_reference`` on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(4, 32, generator=gen).bfloat16().to(device)
+    index = torch.tensor([[0, 5], [5, 7], [2, 0], [5, 1]], device=device)
+    weights = torch.rand(4, 2, generator=gen).to(device)
+    with torch.no_grad():
+        got = fp8_experts_forward(experts, hidden, index, weights)
+    return got, [t.cpu() for t in (hidden, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
+                                   experts.down_proj_scale_inv, index, weights)]
+
+
 def test_triton_fp8_experts_forward_takes_the_grouped_kernels(triton_device, monkeypatch):
     """transformers' FP8Experts of a 26B-A4B-style model (8 experts, top-2, inter 16 in 16 x 16 blocks): the forward
     runs the grouped kernels (never the per-pair one) and equals the grouped reference."""
     experts = fp8_quantize_model(gemma4_26b_style(), (16, 16)).model.layers[0].experts.to(triton_device)
     monkeypatch.setattr(fp8_moe, "fp8_expert_linear", lambda *a, **k: pytest.fail("the per-pair path ran"))
-    gen = torch.Generator().manual_seed(5)
-    hidden = torch.randn(4, 32, generator=gen).bfloat16().to(triton_device)
-    index = torch.tensor([[0, 5], [5, 7], [2, 0], [5, 1]], device=triton_device)
-    weights = torch.rand(4, 2, generator=gen).to(triton_device)
-    with torch.no_grad():
-        got = fp8_experts_forward(experts, hidden, index, weights)
-    args = [t.cpu() for t in (hidden, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
-                              experts.down_proj_scale_inv, index, weights)]
+    got, args = run_experts(experts, triton_device, seed=5)
     expected = fused_moe_fp8_reference(*args, activation="gelu_tanh", block_size=(16, 16))
     torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[torch.bfloat16])
 
@@ -270,16 +276,9 @@ def test_triton_fp8_experts_forward_quantizes_rows_where_transformers_does(trito
     for name in ("fused_moe_w8a8_kernels", "_kernels"):
         monkeypatch.setattr(fp8_moe, name, (lambda f, n: lambda *a, **k: launched.append(n) or f(*a, **k))(
             getattr(fp8_moe, name), name))
-    gen = torch.Generator().manual_seed(6)
-    hidden = torch.randn(4, 32, generator=gen).bfloat16().to(triton_device)
-    index = torch.tensor([[0, 5], [5, 7], [2, 0], [5, 1]], device=triton_device)
-    weights = torch.rand(4, 2, generator=gen).to(triton_device)
-    with torch.no_grad():
-        got = fp8_experts_forward(experts, hidden, index, weights)
+    got, args = run_experts(experts, triton_device, seed=6)
     w8a8 = scheme == "dynamic"
     assert launched == ["fused_moe_w8a8_kernels" if w8a8 else "_kernels"]
-    args = [t.cpu() for t in (hidden, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
-                              experts.down_proj_scale_inv, index, weights)]
     expected = fused_moe_fp8_reference(*args, activation="gelu_tanh", block_size=(16, 32), w8a8=w8a8)
     if w8a8:
         assert_w8a8_close(got, expected, torch.bfloat16)
