@@ -13,8 +13,8 @@ bytes counted at one per weight); ``w8a8``: the same e4m3 weights with the token
 row and group of 128 (``fused_moe_fp8(..., w8a8=True)``, as transformers' ``FP8Experts`` computes on GPUs with FP8
 tensor cores; its reference quantizes and dequantizes the rows); ``both``: bf16, then fp8; ``all``: bf16, fp8, w8a8.
 
-Per case: the max error relative to the output's scale, ``max|out - ref| / max|ref|`` (pass < 2e-2); whether the
-whole layer captures in a CUDA graph and a replay on a new routing equals the eager call; the graph-replayed
+Per case: the max error relative to the output's scale, ``max|out - ref| / max|ref|`` (pass < 2e-2; W8A8: < 5e-2
+with 95% of the outputs within 2e-2, ``W8A8_PASS_REL_ERROR``); whether the whole layer captures in a CUDA graph and a replay on a new routing equals the eager call; the graph-replayed
 time (median of 100 replays, each on a fresh routing so the selected experts are not already in L2), the eager
 times of fused_moe and of the reference (triton.testing.do_bench), the graph time of the expert grouping alone,
 and the bytes of the union of the selected experts (``distinct * 3 * I * H * 2``) over the graph time as GB/s
@@ -51,8 +51,11 @@ SHAPES = {
 TOKENS = (1, 4, 8, 32, 512)
 PASS_REL_ERROR = 2e-2
 # W8A8: an intermediate value one ulp from the reference's can round to the neighbouring e4m3 code (1/8-1/16 of it),
-# so single outputs move by ~2% of the outputs' scale (tests/kernels/test_fp8_moe.py, assert_w8a8_close)
+# so single outputs move by ~2% of the outputs' scale (tests/kernels/test_fp8_moe.py, assert_w8a8_close): a W8A8
+# case passes with every output within W8A8_PASS_REL_ERROR and W8A8_CLOSE_SHARE of them within PASS_REL_ERROR (of
+# the largest output)
 W8A8_PASS_REL_ERROR = 5e-2
+W8A8_CLOSE_SHARE = 0.95
 REPLAYS = 100
 
 
@@ -72,6 +75,7 @@ class Result:
     group_us: float
     distinct_experts: float
     gb_per_s: float
+    close_share: float  # outputs within PASS_REL_ERROR of the largest
     passed: bool
 
 
@@ -182,7 +186,9 @@ def check_case(layer: Layer, tokens: int) -> Result:
     args = layer.inputs(tokens)
     out = layer.call(args)
     ref = layer.reference(args)
-    rel_error = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    scale = ref.float().abs().max()
+    rel_error = float((out.float() - ref.float()).abs().max() / scale)
+    close_share = float(((out.float() - ref.float()).abs() <= PASS_REL_ERROR * scale).float().mean())
     graph_ok = check_graph(layer, args)
     times, distinct = graph_time(layer, args, lambda: layer.call(args))
     group_times, _ = graph_time(layer, args, lambda: fm.group_pairs(args[-2], layer.shape["experts"],
@@ -192,7 +198,13 @@ def check_case(layer: Layer, tokens: int) -> Result:
     gb_per_s = statistics.median(layer.expert_bytes(d) / (t * 1e-6) / 1e9 for t, d in zip(times, distinct))
     return Result(layer.name, layer.weights, tokens, rel_error, graph_ok, statistics.median(times), eager_us,
                   reference_us, statistics.median(group_times), statistics.mean(distinct), gb_per_s,
-                  rel_error < (W8A8_PASS_REL_ERROR if layer.weights == "w8a8" else PASS_REL_ERROR) and graph_ok)
+                  close_share, _passes(layer, rel_error, close_share) and graph_ok)
+
+
+def _passes(layer: Layer, rel_error: float, close_share: float) -> bool:
+    if layer.weights == "w8a8":
+        return rel_error < W8A8_PASS_REL_ERROR and close_share >= W8A8_CLOSE_SHARE
+    return rel_error < PASS_REL_ERROR
 
 
 # ---------------------------------------------------------------- --sweep

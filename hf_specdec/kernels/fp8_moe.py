@@ -145,7 +145,9 @@ def fused_moe_fp8_eligible(hidden_states, gate_up, gate_up_scale, down, down_sca
 
 def _activation_group(scale: torch.Tensor, bk: int) -> tuple[bool, int]:
     """(per_row, the kernels' K step) of one expert weight's activations: per row and group of the weight's K block
-    (at most :data:`.fp8_w8a8.GROUP`) with block scales, else per row (one scale for the row, as transformers'
+    with block scales (``fp8_w8a8.group_for``, as the dense layers: the block when it is a power of two of at most
+    :data:`.fp8_w8a8.GROUP`, the checkpoints' 128; else its largest power-of-two divisor up to that, where
+    transformers' kernel would take the whole block), else per row (one scale for the row, as transformers'
     ``fp8_linear`` without K blocks), stepping by :data:`.fp8_w8a8.GROUP`."""
     per_row = scale.shape[2] == 1
     return per_row, GROUP if per_row else group_for((0, bk), True)
@@ -339,7 +341,8 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
         bn, bk, inter, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_N=block_n, GROUP_K=step,
         SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, **common,
         **pdl_args(intermediate))
-    # down: the intermediate rows' codes, then the kernel
+    # down: the intermediate rows' codes, then the kernel (rows of blocks past the real count hold no values and are
+    # never read; quantizing them costs a few rows' work)
     bn, bk = expert_scale_blocks(down_scale, block_size, *down.shape[1:])
     per_row, step = _activation_group(down_scale, bk)
     codes, scales = quantize_rows(intermediate, step, per_row=per_row, emulate=emulate)
@@ -374,8 +377,11 @@ def fp8_experts_forward(self, hidden_states: torch.Tensor,  # [tokens, hidden]
                         top_k_index: torch.Tensor,  # [tokens, top_k]
                         top_k_weights: torch.Tensor) -> torch.Tensor:  # [tokens, top_k] -> [tokens, hidden]
     """``forward`` of transformers' ``FP8Experts`` (``gate_up_proj`` [E, 2I, H] or ``up_proj`` [E, I, H], and
-    ``down_proj`` [E, H, I], e4m3 with ``*_scale_inv`` scales), weight-only. Where :func:`grouped_activation`
-    names the gate and the kernels take the arguments: :func:`fused_moe_fp8`. Else each (token, slot) pair runs
+    ``down_proj`` [E, H, I], e4m3 with ``*_scale_inv`` scales). Where :func:`grouped_activation` names the gate
+    and the kernels take the arguments: the W8A8 kernels where :func:`experts_w8a8` (transformers' arithmetic),
+    else the weight-only ones (:func:`fused_moe_fp8`). Experts whose activation groups would be under 32 values (a
+    K block of 16) keep the weight-only kernels even where the dense layers take their W8A8 reference: the experts'
+    reference syncs with the host, which CUDA graphs cannot capture. Else each (token, slot) pair runs
     its expert's up projection (:func:`.fp8_gemm.fp8_expert_linear`), the module's own ``_apply_gate`` or
     activation, and its down projection; the top-k outputs, times their routing weights, are summed in fp32 in slot
     order. Expert-parallel sentinels (``top_k_index == E``) are not handled: such models keep their own forward
