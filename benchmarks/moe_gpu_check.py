@@ -14,14 +14,16 @@ row and group of 128 (``fused_moe_fp8(..., w8a8=True)``, as transformers' ``FP8E
 tensor cores; its reference quantizes and dequantizes the rows); ``both``: bf16, then fp8; ``all``: bf16, fp8, w8a8.
 
 Per case: the max error relative to the output's scale, ``max|out - ref| / max|ref|`` (pass < 2e-2; W8A8: < 5e-2
-with 95% of the outputs within 2e-2, ``W8A8_PASS_REL_ERROR``); whether the whole layer captures in a CUDA graph and a replay on a new routing equals the eager call; the graph-replayed
+with 95% of the outputs within 2e-2, ``W8A8_PASS_REL_ERROR``); whether the whole layer captures in a CUDA graph and
+a replay on a new routing equals the eager call; the graph-replayed
 time (median of 100 replays, each on a fresh routing so the selected experts are not already in L2), the eager
 times of fused_moe and of the reference (triton.testing.do_bench), the graph time of the expert grouping alone,
 and the bytes of the union of the selected experts (``distinct * 3 * I * H * 2``) over the graph time as GB/s
 (an H100's copy bandwidth is ~3.0 TB/s).
 
 ``--sweep`` times (BLOCK_N, BLOCK_K, num_warps, num_stages) of each kernel (gate/up, then down with the best
-gate/up) at tokens 1 and 4 (or the given ``--tokens``, e.g. ``--sweep --tokens 512``) by graph replay and prints the best ``MoeConfig`` per shape; ``--profile`` prints the
+gate/up) at tokens 1 and 4 (or the given ``--tokens``, e.g. ``--sweep --tokens 512``) by graph replay and prints the
+best ``MoeConfig`` per shape; ``--profile`` prints the
 CUDA time of each kernel. Prints a table, then one JSON line.
 """
 

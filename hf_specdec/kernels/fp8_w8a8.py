@@ -9,8 +9,8 @@ quantizes the rows (:func:`quantize_rows`), then the GEMM multiplies e4m3 by e4m
 as the MMA's rows (Hopper's warpgroup MMA then reads both tiles from shared memory). No weight is converted, so a
 step streams the stored bytes near the bf16 kernel's rate instead of the rate at which the weight-only kernel
 (:mod:`.fp8_gemm`) converts them: on an H200, 1.1-1.4x the weight-only kernel on the block-scaled Gemma-4-31B and
-26B-A4B shapes at one row, 1.0-1.2x at 4-16 rows, and quantizing the rows in every program of the GEMM instead, or the activations as the MMA's rows, was
-slower (``benchmarks/results/w8a8_*_h200.log``).
+26B-A4B shapes at one row, 1.0-1.2x at 4-16 rows, and quantizing the rows in every program of the GEMM instead, or
+the activations as the MMA's rows, was slower (``benchmarks/results/w8a8_*_h200.log``).
 
 Numerics (the contract of :func:`w8a8_linear_reference`): ``x_q = e4m3(clamp(x / s, -448, 448))`` (ties to even)
 per row and group, ``s = amax(|x_group|) / 448`` (1 for an all-zero group) or the static scale, then
