@@ -315,7 +315,7 @@ def round_to(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 @triton.jit
 def gated_activation(gate, up, limit, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                      EMULATE_BF16: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr):
+                     EMULATE_BF16: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr):
     """act(gate) * up of fp32 tiles holding DTYPE values, rounded to DTYPE after each op as torch does (fp32)."""
     if ACTIVATION == "gelu_tanh":
         inner = K_BETA * (gate + K_KAPPA * (gate * gate * gate))
@@ -365,7 +365,7 @@ def _moe_align_kernel(index_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
 
 @triton.jit
 def block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr,
-                 ONE_TOKEN: tl.constexpr):
+                ONE_TOKEN: tl.constexpr):
     """(expert, rows, pair): a block's expert, its rows of the intermediate and each row's pair (``num_pairs`` on
     padding rows). ONE_TOKEN: block b is pair b alone and block_expert_ptr the routing itself (no grouping); a
     pair whose expert is out of range gets no row (and no weight outside the tensors is read)."""
@@ -473,7 +473,7 @@ def _moe_gate_up_kernel(
     dtype: tl.constexpr = inter_ptr.dtype.element_ty
     # F.linear rounds gate and up to the model dtype before the activation
     h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, dtype,
-                          ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
+                         ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
     tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :], h, mask=col_ok[None, :])
 
 
@@ -533,10 +533,10 @@ def _moe_sum_kernel(parts_ptr, out_ptr, top_k, hidden, add1_ptr, add2_ptr, strid
     y = round_to(acc, dtype, EMULATE_BF16)
     if ADDENDS >= 1:
         y = round_to(y + tl.load(add1_ptr + token * stride_add1 + cols, mask=mask, other=0.0).to(tl.float32), dtype,
-                   EMULATE_BF16)
+                     EMULATE_BF16)
     if ADDENDS >= 2:
         y = round_to(y + tl.load(add2_ptr + token * stride_add2 + cols, mask=mask, other=0.0).to(tl.float32), dtype,
-                   EMULATE_BF16)
+                     EMULATE_BF16)
     tl.store(out_ptr + token * hidden + cols, y, mask=mask)
 
 
