@@ -11,8 +11,8 @@
 #               shape cut to 8 layers, batch 1 and 8, transformers' own MoE forward beside ours (~8 min)
 #   moe-spec    verify_cost, draft_cost and e2e_synthetic (acceptance 0.8) on the same two shapes (~9 min)
 #   fp8         the FP8 GPU tests (W8A8 and weight-only kernels, FP8 batch invariance), the W8A8 kernels beside the
-#               weight-only and bf16 ones, then the 31B at 60 layers in FP8 (plain, MTP k=7 at 0.8), its verify
-#               cost (12 layers) and the 26B-A4B's FP8 decode (~6 min)
+#               weight-only and bf16 ones (dense and the 26B-A4B's experts), then the 31B at 60 layers in FP8 (plain,
+#               MTP k=7 at 0.8), its verify cost (12 layers) and the 26B-A4B's FP8 decode (~8 min)
 #   all         tests, then quick (default)
 #
 # COMMIT tags the records (a copied checkout may carry a stale git HEAD). Records go to OUT_DIR/results/*.jsonl
@@ -85,13 +85,16 @@ run_fp8() {
     tests/quantized -k "fp8 or w8a8 or stacked" -p no:cacheprovider >"$out/gpu_fp8_tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_fp8_tests.log" | tail -12
   python -m benchmarks.fp8_gpu_check --w8a8 --shapes 31b 26b --rows 1 4 16 >"$out/w8a8_check.log" 2>&1 || rc=1
+  timeout 150 python -m benchmarks.moe_gpu_check --shapes gemma4-26b-a4b --weights all --tokens 1 4 8 \
+    >"$out/moe_w8a8_check.log" 2>&1 || rc=1
   python -m benchmarks.e2e_synthetic --layers 60 --weights fp8 --alpha 0.8 --k 7 --batch 1 --drafter mtp \
     --prompt 256 --new-tokens 128 --repeats 3 --skip-hf --results-dir "$out/results" >"$out/fp8_e2e_31b.log" 2>&1 || rc=1
   python -m benchmarks.verify_cost --shape gemma4-31b --layers 12 --weights fp8 --k 3 7 --batch 1 \
     --results-dir "$out/results" >"$out/fp8_verify.log" 2>&1 || rc=1
   python -m benchmarks.decode --shapes gemma4-26b-a4b --weights fp8 --batch 1 8 --backends hf_specdec \
     --results-dir "$out/results" >"$out/fp8_decode_26b.log" 2>&1 || rc=1
-  grep -hE "^ *(N|[0-9]+ )|^ *(model_shape|gemma4)|Error" "$out/w8a8_check.log" "$out"/fp8_*.log
+  grep -hE "^ *(N|[0-9]+ )|^ *(model_shape|gemma4|shape)|Error" "$out/w8a8_check.log" "$out/moe_w8a8_check.log" \
+    "$out"/fp8_*.log
   return $rc
 }
 
