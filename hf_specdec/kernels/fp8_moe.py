@@ -305,9 +305,6 @@ def _w8a8_down_kernel(
     tl.store(out_ptr + pair[None, :] * hidden + cols[:, None], y, mask=row_ok[None, :] & col_ok[:, None])
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights,
                            activation, block_size, limit=None, config=None) -> torch.Tensor:
     """W8A8 experts for arguments already checked and found eligible (``fused_moe_fp8(..., w8a8=True)``): the
@@ -353,7 +350,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     _w8a8_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         codes, scales, down, parts, top_k_weights.reshape(-1).float(), row_pair, block_expert, num_blocks,
         pairs, experts, hidden, inter, scales.stride(0), 0 if per_row else 1, down.stride(0), down.stride(1),
-        grid_scale, *grid_scale.stride(), bn, bk, DTYPE=_TL_DTYPES[x.dtype], BLOCK_N=block_n, GROUP_K=step,
+        grid_scale, *grid_scale.stride(), bn, bk, DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, BLOCK_N=block_n, GROUP_K=step,
         SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages, **common,
         **pdl_args(parts))
     return sum_parts(parts, tokens, top_k, x.dtype, emulate_bf16)
