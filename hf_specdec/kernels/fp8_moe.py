@@ -249,7 +249,9 @@ def _w8a8_gate_up_kernel(
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, hidden, GROUP_K):
         g, q = load_k_tile(g_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
-        u, _ = load_k_tile(u_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
+        ks = k0 + tl.arange(0, GROUP_K)
+        u = tl.load(u_rows + ks[None, :], mask=col_ok[:, None] & (ks < hidden)[None, :], other=0.0,
+                    eviction_policy="evict_first")  # the same tile of the up half (the codes loaded once)
         qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
         part_g = e4m3_dot(g, q, EMULATE, IMPRECISE_ACC) * qs
         part_u = e4m3_dot(u, q, EMULATE, IMPRECISE_ACC) * qs
@@ -350,9 +352,9 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     _w8a8_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         codes, scales, down, parts, top_k_weights.reshape(-1).float(), row_pair, block_expert, num_blocks,
         pairs, experts, hidden, inter, scales.stride(0), 0 if per_row else 1, down.stride(0), down.stride(1),
-        grid_scale, *grid_scale.stride(), bn, bk, DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, BLOCK_N=block_n, GROUP_K=step,
-        SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages, **common,
-        **pdl_args(parts))
+        grid_scale, *grid_scale.stride(), bn, bk, DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16,
+        BLOCK_N=block_n, GROUP_K=step, SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages,
+        **common, **pdl_args(parts))
     return sum_parts(parts, tokens, top_k, x.dtype, emulate_bf16)
 
 
