@@ -259,6 +259,7 @@ def test_triton_fused_moe_w8a8_wide_k(triton_device, block_size):
     """K past one 128-wide step: per-row activations over several steps (no K blocks: one scale per row, read at
     every step), and a 256-wide K block (activation groups of 128, two per block of weight scales)."""
     args = make_fp8_moe(5, 8, 2, hidden=320, inter=200, block_size=block_size, seed=7, device=triton_device)
+    assert fused_moe_fp8_eligible(*args, block_size=block_size, w8a8=True)  # the kernels, not the reference
     got = fused_moe_fp8(*args, activation="silu", block_size=block_size, w8a8=True)
     expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="silu", block_size=block_size,
                                        w8a8=True)
