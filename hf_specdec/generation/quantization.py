@@ -39,7 +39,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from hf_specdec.kernels._dispatch import needs_grad
 from hf_specdec.kernels.fp8_gemm import FP8_DTYPE, quantize_fp8
+from hf_specdec.kernels.fp8_moe import experts_input_group
+from hf_specdec.kernels.fp8_w8a8 import activations_quantized, fp8_linear_input_group
 
 SUPPORTED = ("dense", "fp8", "bitsandbytes", "torchao")
 # transformers' quantization_config.quant_method -> the format it loads as
@@ -58,6 +61,11 @@ _HINTS = {
                                     "forward (per-tensor granularity); use a weight-only config "
                                     "(Int4WeightOnlyConfig, IntxWeightOnlyConfig, ...).",
 }
+
+
+# False: norms never quantize their outputs for the FP8 products after them (read at each call: an A/B knob, with the
+# CUDA graphs captured before it released)
+NORM_CODES = True
 
 
 class UnsupportedWeights(ValueError):
@@ -148,6 +156,22 @@ def _module_format(module: nn.Module) -> str | None:
 
 
 # ---------------------------------------------------------------- a dense model as transformers' FP8 layers
+
+
+def w8a8_input_group(x: torch.Tensor, *consumers: nn.Module | None) -> int | None:
+    """For a kernel about to compute ``x`` (a norm) that only ``consumers`` read next: the values per scale (x's
+    width: one per row) in which all of them quantize x's rows, when each one is an FP8 product under ``enable``
+    that computes W8A8 here (fine-grained ``FP8Linear`` or compressed-tensors FP8 linears with dynamic activations,
+    ``FP8Experts``' grouped kernels), so that the kernel can write the codes beside x (``rms_norm``'s
+    ``quantize_group``) and the products skip their own quantizing launch; else None. ``None`` consumers (a
+    projection the layer does not have) are left out."""
+    consumers = [m for m in consumers if m is not None]
+    if not NORM_CODES or not consumers or not activations_quantized(x) or needs_grad(x):
+        return None
+    k = x.shape[-1]
+    groups = {experts_input_group(m, x) if hasattr(m, "gate_up_proj_scale_inv") else fp8_linear_input_group(m, k)
+              for m in consumers}
+    return groups.pop() if len(groups) == 1 and None not in groups else None
 
 
 def fp8_quantize_model(model: nn.Module, block_size: tuple[int, int] | None = (128, 128),

@@ -59,6 +59,7 @@ from .fp8_w8a8 import (
     e4m3_dot,
     group_for,
     quantize_rows,
+    row_codes,
 )
 from .fused_moe import (
     ACTIVATIONS,
@@ -328,7 +329,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     # gate/up: the token rows' codes, then the kernel
     bn, bk = expert_scale_blocks(gate_up_scale, block_size, *gate_up.shape[1:])
     per_row, step = _activation_group(gate_up_scale, bk)
-    codes, scales = quantize_rows(x, step, per_row=per_row, emulate=emulate)
+    codes, scales = quantize_rows(x, step, per_row=per_row, emulate=emulate, attached=row_codes(hidden_states))
     intermediate = torch.empty(max_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     block_n, _, warps, stages = config.gate_up
     e8m0 = gate_up_scale.dtype == E8M0_DTYPE
@@ -415,6 +416,23 @@ def experts_w8a8(experts, hidden_states: torch.Tensor) -> bool:
     rows would need codes per expert."""
     return (W8A8_EXPERTS and activations_quantized(hidden_states)
             and getattr(experts, "activation_scheme", "dynamic") == "dynamic")
+
+
+def experts_input_group(experts, hidden_states: torch.Tensor) -> int | None:
+    """How an ``FP8Experts`` module under ``enable`` quantizes its token rows [..., hidden] where its grouped kernels
+    compute W8A8 (:func:`experts_w8a8`): the values per scale (the row's width: one per row); else None."""
+    if (getattr(vars(experts).get("forward"), "__func__", None) is not fp8_experts_forward
+            or grouped_activation(experts) is None or not experts_w8a8(experts, hidden_states)):
+        return None
+    steps = []
+    for weight, scale in ((experts.gate_up_proj, experts.gate_up_proj_scale_inv),
+                          (experts.down_proj, experts.down_proj_scale_inv)):
+        _, bk = expert_scale_blocks(scale, experts.block_size, *weight.shape[1:])
+        steps.append(_activation_group(scale, bk))
+    if min(step for _, step in steps) < MIN_GROUP:  # the weight-only kernels (fused_moe_fp8_eligible)
+        return None
+    per_row, step = steps[0]
+    return hidden_states.shape[-1] if per_row else step
 
 
 def fp8_experts_fusible(module) -> bool:

@@ -118,6 +118,22 @@ def _quantize_row_kernel(x_ptr, q_ptr, qs_ptr, K, stride_xm, BLOCK: tl.constexpr
 
 
 @triton.jit
+def store_row_codes(y, row, cols, q_ptr, qs_ptr, dim, groups, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    """For a kernel that computes whole rows (a norm): row ``row``'s values ``y`` [BLOCK] at ``cols`` (rounded to the
+    activation dtype, zero past ``dim``) -> their e4m3 codes ``q_ptr[row, :dim]`` and scales ``qs_ptr[row, :groups]``,
+    as :func:`quantize_rows` computes them from the stored row: ``amax / 448`` per group of GROUP values (1 for an
+    all-zero group); GROUP = BLOCK: one scale for the row (``per_row``)."""
+    yf = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))
+    ks = tl.reshape(cols, (BLOCK // GROUP, GROUP))
+    amax = tl.max(tl.abs(yf), axis=1)
+    s = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
+    tl.store(q_ptr + row * dim + ks, to_e4m3(yf, s[:, None], EMULATE), mask=ks < dim)
+    g = tl.arange(0, BLOCK // GROUP)
+    tl.store(qs_ptr + row * groups + g, s, mask=g < groups)
+
+
+@triton.jit
 def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_ym, stride_sn, stride_sk,
                  scale_bn, scale_bk, k_per_split, stride_split, stride_qs_row, stride_qs_group,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr,
@@ -161,12 +177,17 @@ def group_for(block_size, scale_per_k: bool) -> int:
 
 def quantize_rows(x: torch.Tensor,  # [rows, K] bf16 / fp16, rows contiguous
                   group: int, activation_scale: torch.Tensor | None = None, per_row: bool = False,
-                  emulate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  emulate: bool = False, attached: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes [rows, K] (fp32 values where ``emulate``), their scales fp32: [rows, ceil(K / group)], or [rows,
-    1] with ``per_row``), one launch: :func:`quantize_activations` on the device."""
+    1] with ``per_row``), one launch: :func:`quantize_activations` on the device. ``attached``: x's rows quantized
+    already by the kernel that computed them (:func:`row_codes` of the tensor x was reshaped from), returned instead
+    where they are what this call computes (dynamic scales, this group)."""
     check(x.dim() == 2 and x.stride(-1) == 1, f"quantize_rows takes [rows, K] with contiguous rows, got shape "
           f"{tuple(x.shape)} strides {x.stride()}: pass x.contiguous()")
     rows, k = x.shape
+    if (attached is not None and activation_scale is None and attached[0] == (k if per_row else group)
+            and attached[1].shape == x.shape):
+        return attached[1], attached[2]
     codes = torch.empty(rows, k, dtype=torch.float32 if emulate else FP8_DTYPE, device=x.device)
     if per_row:
         scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
@@ -187,10 +208,13 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
                 weight: torch.Tensor,  # [N, K] float8_e4m3fn, rows contiguous
                 scale: torch.Tensor,  # block [ceil(N/bn), ceil(K/bk)], channel [N] / [N, 1] / [1, N], or one element
                 block_size=None, activation_scale: torch.Tensor | None = None, per_row: bool = False,
-                config: tuple[int, int, int, int] | None = None, split_k: int | None = None) -> torch.Tensor:
+                config: tuple[int, int, int, int] | None = None, split_k: int | None = None,
+                codes: tuple | None = None) -> torch.Tensor:
     """``w8a8_linear_reference(x, weight, scale, block_size, activation_scale, per_row)`` by the kernels ([rows,
     N], in ``x.dtype``): the rows quantized by one launch (:func:`quantize_rows`), then the GEMM. ``activation_scale``:
-    one element (static activations), or None (dynamic: per row and group, or per row with ``per_row``)."""
+    one element (static activations), or None (dynamic: per row and group, or per row with ``per_row``). ``codes``:
+    x's rows quantized already by the kernel that computed them (:func:`row_codes`; :func:`quantize_rows` takes them
+    where they are what this product quantizes)."""
     _check_args(x, weight, scale, activation_scale, per_row)
     rows, k = x.shape
     n = weight.shape[0]
@@ -209,8 +233,8 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     split = triton.cdiv(k, k_per_split)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    emulate = interpreting(_w8a8_kernel) or not has_native_fp8(x.device)
-    codes, scales = quantize_rows(x, group, activation_scale, per_row, emulate)
+    emulate = codes_emulated(x.device)
+    codes, scales = quantize_rows(x, group, activation_scale, per_row, emulate, attached=codes)
     out = torch.empty(split, rows, n, dtype=torch.float32 if split > 1 or emulate else x.dtype, device=x.device)
     e8m0 = grid.dtype == E8M0_DTYPE
     _w8a8_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n), split)](
@@ -304,8 +328,74 @@ def w8a8_linear(x: torch.Tensor,  # [..., K] bf16 / fp16 (any float dtype on the
     if not w8a8_eligible(x, weight, scale, block_size, activation_scale):
         return w8a8_linear_reference(x, weight, scale, block_size, activation_scale, per_row)
     rows = x.reshape(-1, x.shape[-1])
-    return w8a8_matmul(rows, weight, scale, block_size, activation_scale, per_row).view(*x.shape[:-1],
-                                                                                         weight.shape[0])
+    return w8a8_matmul(rows, weight, scale, block_size, activation_scale, per_row,
+                       codes=row_codes(x)).view(*x.shape[:-1], weight.shape[0])
+
+
+# ---------------------------------------------------------------- rows quantized by the kernel that computed them
+
+_ROW_CODES = "_hf_specdec_row_codes"
+
+
+def row_code_buffers(rows: int, dim: int, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (codes [rows, dim], scales [rows, ceil(dim / group)] fp32) for a kernel that quantizes the rows it
+    computes (:func:`store_row_codes`); the codes are fp32 values where the device has no e4m3 type (the
+    interpreter's emulation, as :func:`quantize_rows`)."""
+    return (torch.empty(rows, dim, dtype=torch.float32 if codes_emulated(device) else FP8_DTYPE, device=device),
+            torch.empty(rows, -(-dim // group), dtype=torch.float32, device=device))
+
+
+def codes_emulated(device) -> bool:
+    """Whether e4m3 codes on ``device`` are kept as their fp32 values (Triton's interpreter, GPUs without e4m3)."""
+    return interpreting(_w8a8_kernel) or not has_native_fp8(device)
+
+
+def attach_row_codes(x: torch.Tensor, group: int, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` carrying its rows' codes and scales (dynamic, ``group`` values per scale; x's width: per row), for the
+    FP8 products that read x next (:func:`row_codes`): they skip their own quantizing launch. Returns x."""
+    setattr(x, _ROW_CODES, (group, _version(x), codes, scales))
+    return x
+
+
+def row_codes(x: torch.Tensor) -> tuple | None:
+    """(group, codes [rows, K], scales) attached to ``x`` by :func:`attach_row_codes`, or None (none attached, or
+    x written in place since, where torch counts writes: not for tensors made under ``torch.inference_mode``). A
+    view of x is another tensor object: it carries none unless attached to it too."""
+    found = getattr(x, _ROW_CODES, None)
+    if found is None or found[1] != _version(x):
+        return None
+    return found[0], *found[2:]
+
+
+def reshape_with_codes(x: torch.Tensor, shape) -> torch.Tensor:
+    """``x.reshape(shape)`` (the same rows: the last dimension kept) carrying x's attached codes, if any."""
+    out = x.reshape(shape)
+    found = row_codes(x)
+    return out if found is None else attach_row_codes(out, *found)
+
+
+def fp8_linear_input_group(module, k: int) -> int | None:
+    """How this module's forward under ``enable`` quantizes its [..., k] rows where the layers compute W8A8: the
+    values per scale (k: one scale per row) of a fine-grained ``FP8Linear`` with dynamic activations
+    (:func:`fp8_linear_forward`) or a compressed-tensors FP8 linear (:func:`compressed_fp8_linear_forward`); None
+    for anything else (another forward, static scales, groups the kernels do not take)."""
+    forward = getattr(vars(module).get("forward"), "__func__", None)
+    if forward is compressed_fp8_linear_forward:
+        return k
+    if (forward is not fp8_linear_forward or getattr(module, "activation_scheme", "dynamic") != "dynamic"
+            or module.weight.dtype != FP8_DTYPE or module.weight.shape[1] != k):
+        return None
+    block = module.block_size
+    if block is None or block[1] >= k:
+        return k
+    grid, bn, bk = scale_grid(module.weight_scale_inv, block, *module.weight.shape)
+    group = group_for((bn, bk), grid.shape[1] > 1)
+    return group if group >= MIN_GROUP else None
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """x's count of in-place writes, or None for an inference tensor (which counts none)."""
+    return None if x.is_inference() else x._version
 
 
 # ---------------------------------------------------------------- transformers' FP8 layers

@@ -5,19 +5,27 @@ arithmetic of transformers' ``Gemma4RMSNorm`` (fp32 upcast, scale multiplied in 
 scale is ``1 + weight`` (norms that store their weights zero-centred: ``GemmaRMSNorm``, Step 3.5's). Eager torch runs
 it as ~8 kernels (cast, pow, mean, add, pow, mul, cast, mul, cast); on a decode step those launches, not
 the bytes, are its cost, even inside a CUDA graph. One program per row.
+
+A norm whose output feeds FP8 products that quantize their rows (W8A8: ``fp8_w8a8``) can quantize it too
+(``quantize_group``): the program that computed a row writes its e4m3 codes and scales beside it, as the products'
+own quantizing launch would (``fp8_w8a8.quantize_rows``, the same values bit for bit), and attaches them to the
+output (``fp8_w8a8.attach_row_codes``), so the products skip that launch.
 """
 
 import torch
 
 from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
+from .fp8_w8a8 import attach_row_codes, codes_emulated, row_code_buffers, store_row_codes
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr,  # x, out: [rows, dim] with row strides; weight: [dim]
     stride_x, stride_out, dim, eps, then_mul_ptr, then_scalar, res_ptr, sum_ptr, stride_res, stride_sum,
+    q_ptr, qs_ptr, groups,  # the output's e4m3 codes [rows, dim] and scales [rows, groups] where QGROUP
     HAS_WEIGHT: tl.constexpr, HAS_THEN_MUL: tl.constexpr, HAS_THEN_SCALAR: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QGROUP: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -40,17 +48,24 @@ def _rms_norm_kernel(
         y = y.to(dtype).to(tl.float32) * tl.load(then_mul_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_THEN_SCALAR:
         y = y.to(dtype).to(tl.float32) * then_scalar
-    tl.store(out_ptr + row * stride_out + cols, y.to(dtype), mask=mask)
+    y = y.to(dtype)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+    if QGROUP != 0:
+        store_row_codes(tl.where(mask, y, 0.0), row, cols, q_ptr, qs_ptr, dim, groups, QGROUP, BLOCK, EMULATE)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_mul: torch.Tensor | None = None,
-             then_scalar: float | None = None, weight_offset: float = 0.0) -> torch.Tensor:
+             then_scalar: float | None = None, weight_offset: float = 0.0,
+             quantize_group: int | None = None) -> torch.Tensor:
     """x [..., dim] -> same shape and dtype; ``weight`` [dim] or None (no scale). ``then_mul`` [dim] and
     ``then_scalar``: the normalised rows times a vector, then times a number, each product rounded to x's
     dtype (``norm(x) * then_mul * then_scalar`` in eager torch, e.g. a router's input scaling).
-    ``weight_offset``: the rows are scaled by ``weight_offset + weight`` in fp32 (1 for zero-centred weights)."""
+    ``weight_offset``: the rows are scaled by ``weight_offset + weight`` in fp32 (1 for zero-centred weights).
+    ``quantize_group``: the kernel also quantizes the output rows for W8A8 products, ``quantize_group`` values per
+    scale (``dim``: per row), and attaches the codes to it (module docstring); the torch path attaches none."""
     check(weight_offset == 0.0 or weight is not None,
           f"weight_offset={weight_offset} scales by offset + weight: pass the weight, or weight_offset=0 for none")
+    _check_group(quantize_group, x.shape[-1])
     for name, vector in (("weight", weight), ("then_mul", then_mul)):
         check(vector is None or vector.shape == (x.shape[-1],),
               f"{name} must be [dim={x.shape[-1]}], got {None if vector is None else tuple(vector.shape)}")
@@ -60,7 +75,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
     if not use_triton(x) or x.numel() == 0 or x.shape[-1] > 65536:
         return rms_norm_reference(x, weight, eps, then_mul=then_mul, then_scalar=then_scalar,
                                   weight_offset=weight_offset)
-    return _launch(x, weight, eps, then_mul=then_mul, then_scalar=then_scalar, weight_offset=weight_offset)[0]
+    return _launch(x, weight, eps, then_mul=then_mul, then_scalar=then_scalar, weight_offset=weight_offset,
+                   quantize_group=quantize_group)[0]
+
+
+def _check_group(group: int | None, dim: int) -> None:
+    check(group is None or group == dim or (isinstance(group, int) and 0 < group <= dim and group & (group - 1) == 0),
+          f"quantize_group must be None, the row's width {dim} (one scale per row) or a power of two up to it, "
+          f"got {group!r}")
+
+
+def _codes(rows: torch.Tensor, group: int | None) -> tuple:
+    """(codes, scales, groups, the kernel's QGROUP) of a launch whose output rows are quantized in groups of
+    ``group`` (the row's width: one scale per row), or placeholders and QGROUP 0 for none."""
+    if group is None:
+        return rows, rows, 0, 0
+    dim = rows.shape[1]
+    codes, scales = row_code_buffers(rows.shape[0], dim, group, rows.device)
+    return codes, scales, scales.shape[1], next_power_of_2(dim) if group == dim else group
+
+
+def _attach(out: torch.Tensor, group: int | None, codes: tuple) -> torch.Tensor:
+    return out if group is None else attach_row_codes(out, group, codes[0], codes[1])
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
@@ -81,7 +117,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     return total, out
 
 
-def _launch(x, weight, eps, *, then_mul=None, then_scalar=None, residual=None, weight_offset=0.0):
+def _launch(x, weight, eps, *, then_mul=None, then_scalar=None, residual=None, weight_offset=0.0,
+            quantize_group=None):
     """-> (the norm, the sum residual + x or None) in x's shape."""
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)
@@ -94,14 +131,17 @@ def _launch(x, weight, eps, *, then_mul=None, then_scalar=None, residual=None, w
         res = res if res.stride(-1) == 1 else res.contiguous()
         total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = next_power_of_2(dim)
+    codes = _codes(out, quantize_group)
     _rms_norm_kernel[(rows.shape[0],)](
         rows, weight if weight is not None else rows, out, rows.stride(0), out.stride(0), dim, eps,
         then_mul if then_mul is not None else rows, float(then_scalar or 0.0), res, total, res.stride(0),
-        total.stride(0), HAS_WEIGHT=weight is not None, HAS_THEN_MUL=then_mul is not None,
+        total.stride(0), *codes[:3], HAS_WEIGHT=weight is not None, HAS_THEN_MUL=then_mul is not None,
         HAS_THEN_SCALAR=then_scalar is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
-        WEIGHT_OFFSET=float(weight_offset), HAS_RESIDUAL=residual is not None, **pdl_args(out),
+        WEIGHT_OFFSET=float(weight_offset), HAS_RESIDUAL=residual is not None, QGROUP=codes[3],
+        EMULATE=codes_emulated(x.device), **pdl_args(out),
     )
-    return out.view(x.shape), None if residual is None else total.view(x.shape)
+    return (_attach(out.view(x.shape), quantize_group, codes),
+            None if residual is None else total.view(x.shape))
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
@@ -143,9 +183,10 @@ def _residual_add(y, res_ptr, offsets, mask, scale_ptr, HAS_SCALE: tl.constexpr)
 def _norm_add_kernel(
     x_ptr, res_ptr, w_ptr, sum_ptr, scale_ptr, w2_ptr, out2_ptr,  # rows [rows, dim]; w, w2 [dim]; scale [1]
     stride_x, stride_res, stride_sum, stride_out2, dim, eps, eps2, w3_ptr, out3_ptr, stride_out3, eps3,
+    q2_ptr, qs2_ptr, groups2, q3_ptr, qs3_ptr, groups3,  # the next norms' codes and scales (QGROUP2, QGROUP3)
     HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr, NEXT_HAS_WEIGHT: tl.constexpr, HAS_NEXT2: tl.constexpr,
-    NEXT2_HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    NEXT2_HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QGROUP2: tl.constexpr, QGROUP3: tl.constexpr,
+    EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -157,11 +198,15 @@ def _norm_add_kernel(
     s = _residual_add(y, res_ptr, row * stride_res + cols, mask, scale_ptr, HAS_SCALE)
     tl.store(sum_ptr + row * stride_sum + cols, s, mask=mask)
     if HAS_NEXT:
-        z = _norm(s.to(tl.float32), dim, eps2, w2_ptr, cols, mask, NEXT_HAS_WEIGHT)
-        tl.store(out2_ptr + row * stride_out2 + cols, z.to(dtype), mask=mask)
+        z = _norm(s.to(tl.float32), dim, eps2, w2_ptr, cols, mask, NEXT_HAS_WEIGHT).to(dtype)
+        tl.store(out2_ptr + row * stride_out2 + cols, z, mask=mask)
+        if QGROUP2 != 0:
+            store_row_codes(z, row, cols, q2_ptr, qs2_ptr, dim, groups2, QGROUP2, BLOCK, EMULATE)
     if HAS_NEXT2:
-        z = _norm(s.to(tl.float32), dim, eps3, w3_ptr, cols, mask, NEXT2_HAS_WEIGHT)
-        tl.store(out3_ptr + row * stride_out3 + cols, z.to(dtype), mask=mask)
+        z = _norm(s.to(tl.float32), dim, eps3, w3_ptr, cols, mask, NEXT2_HAS_WEIGHT).to(dtype)
+        tl.store(out3_ptr + row * stride_out3 + cols, z, mask=mask)
+        if QGROUP3 != 0:
+            store_row_codes(z, row, cols, q3_ptr, qs3_ptr, dim, groups3, QGROUP3, BLOCK, EMULATE)
 
 
 def norm_add(
@@ -175,6 +220,8 @@ def norm_add(
     next_eps: float | None = None,  # None: no next norm
     next2_weight: torch.Tensor | None = None,  # [dim] of a second norm that reads the sum (None: no scale)
     next2_eps: float | None = None,  # None: no second norm
+    next_quantize_group: int | None = None,  # the next norm's output quantized too (rms_norm's quantize_group)
+    next2_quantize_group: int | None = None,  # the second's
 ) -> tuple[torch.Tensor, ...]:
     """``s = (residual + rms_norm(x, weight)) [* scale]`` and, with ``next_eps``, ``rms_norm(s, next_weight)``:
     the sandwich-norm seams of a Gemma 4 block (post-norm, residual add, layer scalar, the next pre-norm),
@@ -186,6 +233,11 @@ def norm_add(
           f"residual must be x's shape {tuple(x.shape)} and weight [{dim}], got {tuple(residual.shape)}, "
           f"{tuple(weight.shape)}")
     check(next2_eps is None or next_eps is not None, "next2_eps needs next_eps (the first next norm)")
+    check((next_quantize_group is None or next_eps is not None) and (next2_quantize_group is None
+                                                                     or next2_eps is not None),
+          "next_quantize_group / next2_quantize_group quantize a next norm's output: pass its eps too")
+    _check_group(next_quantize_group, dim)
+    _check_group(next2_quantize_group, dim)
     if not use_triton(x) or x.numel() == 0 or dim > 65536:
         return norm_add_reference(x, residual, weight, eps, scale=scale, next_weight=next_weight, next_eps=next_eps,
                                   next2_weight=next2_weight, next2_eps=next2_eps)
@@ -196,18 +248,22 @@ def norm_add(
     nxt = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if next_eps is not None else None
     nxt2 = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if next2_eps is not None else None
     block = next_power_of_2(dim)
+    codes2, codes3 = _codes(rows, next_quantize_group), _codes(rows, next2_quantize_group)
     _norm_add_kernel[(rows.shape[0],)](
         rows, res, weight, total, scale if scale is not None else weight,
         next_weight if next_weight is not None else weight, nxt if nxt is not None else total,
         rows.stride(0), res.stride(0), total.stride(0), (nxt if nxt is not None else total).stride(0), dim,
         float(eps), float(next_eps or 0.0), next2_weight if next2_weight is not None else weight,
         nxt2 if nxt2 is not None else total, (nxt2 if nxt2 is not None else total).stride(0), float(next2_eps or 0.0),
+        *codes2[:3], *codes3[:3],
         HAS_SCALE=scale is not None, HAS_NEXT=next_eps is not None, NEXT_HAS_WEIGHT=next_weight is not None,
         HAS_NEXT2=next2_eps is not None, NEXT2_HAS_WEIGHT=next2_weight is not None,
-        BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl_args(total),
+        BLOCK=block, QGROUP2=codes2[3], QGROUP3=codes3[3],
+        EMULATE=codes_emulated(x.device),
+        num_warps=max(1, min(16, block // 256)), **pdl_args(total),
     )
-    out = total.view(x.shape), None if nxt is None else nxt.view(x.shape)
-    return out if nxt2 is None else (*out, nxt2.view(x.shape))
+    out = total.view(x.shape), None if nxt is None else _attach(nxt.view(x.shape), next_quantize_group, codes2)
+    return out if nxt2 is None else (*out, _attach(nxt2.view(x.shape), next2_quantize_group, codes3))
 
 
 def norm_add_reference(x, residual, weight, eps, *, scale=None, next_weight=None, next_eps=None, next2_weight=None,

@@ -30,6 +30,11 @@ from .fp8_w8a8 import fine_grained_fp8_linear
 from .skinny_gemm import skinny_linear
 
 
+# False: FP8 projections whose outputs end inside a block of scales run one GEMM each even where they are stacked
+# (read at each call: an A/B knob)
+PAD_PARTIAL_BLOCKS = True
+
+
 def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
     """The weights of ``linears`` as one ``[sum of out_features, in_features]`` view when they lie back to back
     in one storage, in this order, without biases, and each module is a plain ``nn.Linear`` without hooks
@@ -144,6 +149,7 @@ def _stackable_fp8(module, first) -> bool:
             and getattr(module, "activation_scheme", "dynamic") == "dynamic"
             and len(block) == 2 and tuple(block) == tuple(getattr(first, "block_size", None) or ())
             and weight.dim() == 2 and scale.dim() == 2 and scale.shape[0] == -(-weight.shape[0] // block[0])
+            and (PAD_PARTIAL_BLOCKS or weight.shape[0] % block[0] == 0)
             and not module._forward_hooks and not module._forward_pre_hooks and not getattr(module, "_hf_hook", None))
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
 from transformers.integrations.finegrained_fp8 import FP8Linear
 
+import hf_specdec
 from hf_specdec.kernels import fp8_w8a8
 from hf_specdec.kernels.fp8_gemm import E8M0_DTYPE, FP8_DTYPE, MAX_ROWS, dequantize_fp8
 from hf_specdec.kernels.fp8_w8a8 import (
@@ -341,3 +342,56 @@ def test_tiny_fp8_model_matches_its_quantized_dense_twin(quantized_activations):
         got, expected = fp8_model(ids).logits, dense_model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(expected, model(ids).logits.detach(), atol=1e-3)  # the weights did change
+
+
+class _Launches:
+    """A jitted kernel whose launches are counted."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("hidden", [64, 32])  # groups of 32 values; one K block per row: one scale per row
+def test_triton_norms_hand_their_codes_to_the_fp8_products(triton_device, monkeypatch, hidden):
+    """A 26B-A4B-style FP8 model with W8A8 products: the input norm, the seam's two next norms and the router's norm
+    quantize their outputs for the q/k/v, gate/up, experts and router products, which then skip their own
+    quantizing launch (3 of 7 launches a layer are left: o, down and the experts' intermediate rows); the logits
+    are those of the products quantizing their rows themselves, bit for bit."""
+    from hf_specdec.generation import quantization
+    from hf_specdec.generation.quantization import fp8_quantize_model
+    from hf_specdec.kernels import fp8_moe
+    from hf_specdec.models.gemma4 import fusion
+
+    from ..tiny_models import gemma4_26b_style
+
+    if triton_device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no e4m3 dots before sm_89: the layers compute the weight-only product there")
+    for module in (fp8_w8a8, fp8_moe, quantization):
+        monkeypatch.setattr(module, "activations_quantized", lambda x: x.dtype == torch.bfloat16)
+    model = gemma4_26b_style(hidden_size=hidden, moe_intermediate_size=32, num_hidden_layers=2,
+                             layer_types=["sliding_attention", "full_attention"])
+    model = hf_specdec.enable(fp8_quantize_model(model.to(torch.bfloat16), (32, 32)).to(triton_device))
+    layer = model.model.layers[0]
+    group = 32 if hidden == 64 else hidden
+    x = torch.randn(3, hidden, dtype=torch.bfloat16, device=triton_device)
+    assert quantization.w8a8_input_group(x, layer.self_attn.q_proj, layer.self_attn.k_proj) == group
+    assert quantization.w8a8_input_group(x, layer.experts, layer.router.proj) == group
+    assert quantization.w8a8_input_group(x.float(), layer.self_attn.q_proj) is None
+    assert quantization.w8a8_input_group(x, layer.self_attn.q_proj, nn.Linear(hidden, 4)) is None
+    ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(3)).to(triton_device)
+    counted = {}
+    for name in ("_quantize_groups_kernel", "_quantize_row_kernel"):
+        counted[name] = _Launches(getattr(fp8_w8a8, name))
+        monkeypatch.setattr(fp8_w8a8, name, counted[name])
+    with torch.no_grad():
+        fused = model(ids).logits
+    launches = sum(c.count for c in counted.values())
+    monkeypatch.setattr(fusion, "w8a8_input_group", lambda *args: None)
+    with torch.no_grad():
+        unfused = model(ids).logits
+    assert (launches, sum(c.count for c in counted.values()) - launches) == (2 * 3, 2 * 7)
+    assert torch.equal(fused, unfused)

@@ -203,6 +203,60 @@ def test_triton_moe_block_norms(triton_device, dtype, dim):
         torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **tol)
 
 
+def _assert_codes_of(out, group, per_row):
+    """``out`` carries the codes and scales that the W8A8 products' own launch computes from its rows (the same
+    values bit for bit), and they are torch's quantization of those rows."""
+    from hf_specdec.kernels.fp8_w8a8 import quantize_activations, quantize_rows, row_codes
+
+    rows = out.reshape(-1, out.shape[-1])
+    got_group, codes, scales = row_codes(out)
+    assert got_group == (out.shape[-1] if per_row else group)
+    want_codes, want_scales = quantize_rows(rows, group, per_row=per_row, emulate=codes.dtype == torch.float32)
+    assert torch.equal(codes.float(), want_codes.float()) and torch.equal(scales, want_scales)
+    torch_codes, torch_scales = quantize_activations(rows.cpu(), group, per_row=per_row)
+    assert torch.equal(codes.float().cpu(), torch_codes.float()) and torch.equal(scales.cpu(), torch_scales)
+
+
+@pytest.mark.parametrize("dim,group", [(2816, 128), (96, 32), (96, 96)])
+def test_triton_norms_quantize_their_rows_for_w8a8_products(triton_device, dim, group):
+    """``quantize_group``: the norm kernels write their output rows' e4m3 codes and scales beside them (per row and
+    group of K values, or per row), what ``quantize_rows`` gives for the stored rows; the outputs are unchanged."""
+    x, residual, w, w2, scale = _block_seam_case(torch.bfloat16, triton_device, dim)
+    x = x * torch.linspace(0.1, 20, dim, device=triton_device).to(x.dtype)  # groups of different amax
+    x[1, :group] = 0  # an all-zero group (its scale: 1)
+    per_row = group == dim
+    plain = rms_norm(x, w, 1e-6)
+    got = rms_norm(x, w, 1e-6, quantize_group=group)
+    assert torch.equal(got, plain)
+    _assert_codes_of(got, group, per_row)
+    from hf_specdec.kernels.fp8_w8a8 import row_codes
+
+    assert row_codes(plain) is None
+    kwargs = dict(next_weight=w2, next_eps=1e-5, next2_weight=w * 2, next2_eps=1e-6)
+    plain = norm_add(x, residual, w, 1e-6, **kwargs)
+    for which in ("next", "next2", "both"):
+        groups = dict(next_quantize_group=group if which != "next2" else None,
+                      next2_quantize_group=group if which != "next" else None)
+        got = norm_add(x, residual, w, 1e-6, **kwargs, **groups)
+        assert all(torch.equal(g, p) for g, p in zip(got, plain))
+        assert row_codes(got[0]) is None
+        for out, wanted in zip(got[1:], groups.values()):
+            if wanted is None:
+                assert row_codes(out) is None
+            else:
+                _assert_codes_of(out, group, per_row)
+
+
+def test_norm_codes_are_dropped_once_the_output_is_written():
+    from hf_specdec.kernels.fp8_w8a8 import attach_row_codes, row_codes
+
+    x = torch.randn(2, 64)
+    attach_row_codes(x, 32, torch.zeros(2, 64), torch.ones(2, 2))
+    assert row_codes(x)[0] == 32 and row_codes(x.view(2, 64)) is None  # a view carries none
+    x.mul_(2)
+    assert row_codes(x) is None
+
+
 def test_moe_block_norms_bad_arguments_name_the_fix():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"then_mul must be \[dim=8\]"):
@@ -211,5 +265,9 @@ def test_moe_block_norms_bad_arguments_name_the_fix():
         rms_norm(x, None, 1e-6, then_mul=torch.ones(8, dtype=torch.float64))
     with pytest.raises(ValueError, match="next2_eps needs next_eps"):
         norm_add(x, x, torch.ones(8), 1e-6, next2_eps=1e-6)
+    with pytest.raises(ValueError, match="quantize_group must be None, the row's width 8"):
+        rms_norm(x, None, 1e-6, quantize_group=3)
+    with pytest.raises(ValueError, match="pass its eps too"):
+        norm_add(x, x, torch.ones(8), 1e-6, next_quantize_group=8)
     with pytest.raises(ValueError, match=r"must be a's shape"):
         dual_norm_add(x, torch.ones(8), 1e-6, x[:1], torch.ones(8), 1e-6, x, torch.ones(8), 1e-6)

@@ -23,9 +23,11 @@ from transformers.models.gemma4.modeling_gemma4 import (
 )
 
 from hf_specdec.compat import cache_argument
+from hf_specdec.generation.quantization import w8a8_input_group
 from hf_specdec.generation.registry import FusedForward, register_fused_forwards
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels.fp8_w8a8 import reshape_with_codes
 from hf_specdec.kernels.fused_moe import softmax_topk_route
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, is_gelu_tanh
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
@@ -105,13 +107,17 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
             or (per_layer and (per_layer_input is None or per_layer_input.dtype != hidden_states.dtype))):
         return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states, position_embeddings,
                                   attention_mask, position_ids, **{cache_argument(type(self)): cache}, **kwargs)
-    attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+    attn, _ = self.self_attn(_input_norm(self, hidden_states), position_embeddings, attention_mask,
                              shared_kv_states, cache, position_ids=position_ids, **kwargs)
     post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
-    seam = dict(next_weight=_norm_weight(pre), next_eps=pre.eps)
+    mlp = self.mlp
+    seam = dict(next_weight=_norm_weight(pre), next_eps=pre.eps,
+                next_quantize_group=w8a8_input_group(attn, getattr(mlp, "gate_proj", None),
+                                                     getattr(mlp, "up_proj", None)))
     if self.enable_moe_block:  # the experts' pre-norm reads the same sum as the dense MLP's
         seam.update(next2_weight=_norm_weight(self.pre_feedforward_layernorm_2),
-                    next2_eps=self.pre_feedforward_layernorm_2.eps)
+                    next2_eps=self.pre_feedforward_layernorm_2.eps,
+                    next2_quantize_group=w8a8_input_group(attn, self.experts))
     hidden_states, mlp_in, *experts_in = norm_add(attn, hidden_states, post.weight, post.eps, **seam)
     post = self.post_feedforward_layernorm
     scale = None if per_layer else self.layer_scalar
@@ -128,6 +134,17 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
         hidden_states, _ = norm_add(self.per_layer_projection(gated), hidden_states, post.weight, post.eps,
                                     scale=self.layer_scalar)
     return hidden_states
+
+
+def _input_norm(self, hidden_states):
+    """The layer's input norm; where its attention's projections are FP8 products that quantize their rows (W8A8),
+    the norm's kernel writes the codes beside its output for them (``rms_norm``'s ``quantize_group``)."""
+    norm, attention = self.input_layernorm, self.self_attn
+    group = w8a8_input_group(hidden_states, attention.q_proj, getattr(attention, "k_proj", None),
+                             getattr(attention, "v_proj", None))
+    if group is None:
+        return norm(hidden_states)
+    return rms_norm(hidden_states, _norm_weight(norm), norm.eps, quantize_group=group)
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -162,7 +179,8 @@ def _experts_branch(self, residual, experts_in):
     on the pre-normed input through the model's experts implementation (on CUDA, fused_moe)."""
     flat = residual.reshape(-1, residual.shape[-1])
     _, top_k_weights, top_k_index = self.router(flat)
-    return self.experts(experts_in.reshape(flat.shape), top_k_index, top_k_weights).reshape(residual.shape)
+    return self.experts(reshape_with_codes(experts_in, flat.shape), top_k_index, top_k_weights).reshape(
+        residual.shape)
 
 
 def _gemma4_router_forward(self, hidden_states):
@@ -172,7 +190,8 @@ def _gemma4_router_forward(self, hidden_states):
     experts but at near-ties, the probabilities and weights within a few ulps). The CPU runs the original."""
     if not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states)
-    normed = rms_norm(hidden_states, None, self.norm.eps, then_mul=self.scale, then_scalar=self.scalar_root_size)
+    normed = rms_norm(hidden_states, None, self.norm.eps, then_mul=self.scale, then_scalar=self.scalar_root_size,
+                      quantize_group=w8a8_input_group(hidden_states, self.proj))
     return softmax_topk_route(self.proj(normed), self.config.top_k_experts, self.per_expert_scale,
                               return_probabilities=True)
 
