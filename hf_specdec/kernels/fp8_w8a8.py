@@ -118,18 +118,16 @@ def _quantize_row_kernel(x_ptr, q_ptr, qs_ptr, K, stride_xm, BLOCK: tl.constexpr
 
 
 @triton.jit
-def store_row_codes(y, row, cols, q_ptr, qs_ptr, dim, groups, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                    EMULATE: tl.constexpr):
-    """For a kernel that computes whole rows (a norm): row ``row``'s values ``y`` [BLOCK] at ``cols`` (rounded to the
-    activation dtype, zero past ``dim``) -> their e4m3 codes ``q_ptr[row, :dim]`` and scales ``qs_ptr[row, :groups]``,
-    as :func:`quantize_rows` computes them from the stored row: ``amax / 448`` per group of GROUP values (1 for an
-    all-zero group); GROUP = BLOCK: one scale for the row (``per_row``)."""
-    yf = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))
-    ks = tl.reshape(cols, (BLOCK // GROUP, GROUP))
+def store_row_codes(y, row, ks, g, q_ptr, qs_ptr, dim, groups, EMULATE: tl.constexpr):
+    """For a kernel that computes whole groups of a row (a norm): row ``row``'s values ``y`` [n, group] at columns
+    ``ks`` (groups ``g``; rounded to the activation dtype) -> their e4m3 codes ``q_ptr[row, ks]`` and scales
+    ``qs_ptr[row, g]`` ([rows, dim] and [rows, groups]), as :func:`quantize_rows` computes them from the stored row:
+    ``amax / 448`` per group (1 for an all-zero group); one group as wide as the row: one scale for it."""
+    ok = ks < dim
+    yf = tl.where(ok, y.to(tl.float32), 0.0)
     amax = tl.max(tl.abs(yf), axis=1)
     s = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
-    tl.store(q_ptr + row * dim + ks, to_e4m3(yf, s[:, None], EMULATE), mask=ks < dim)
-    g = tl.arange(0, BLOCK // GROUP)
+    tl.store(q_ptr + row * dim + ks, to_e4m3(yf, s[:, None], EMULATE), mask=ok)
     tl.store(qs_ptr + row * groups + g, s, mask=g < groups)
 
 

@@ -25,8 +25,10 @@ def _rms_norm_kernel(
     q_ptr, qs_ptr, groups,  # the output's e4m3 codes [rows, dim] and scales [rows, groups] where QGROUP
     HAS_WEIGHT: tl.constexpr, HAS_THEN_MUL: tl.constexpr, HAS_THEN_SCALAR: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QGROUP: tl.constexpr,
-    EMULATE: tl.constexpr,
+    CHUNK: tl.constexpr, EMULATE: tl.constexpr,
 ):
+    # program (row, c) computes the row's statistics and writes its chunk c of CHUNK values (QGROUP: with their
+    # codes); without codes one program writes the whole row (CHUNK = BLOCK)
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -37,8 +39,26 @@ def _rms_norm_kernel(
         x = (tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32) + x).to(dtype)
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
         x = x.to(tl.float32)
-    mean_squared = tl.sum(x * x, 0) / dim + eps
-    y = x / tl.sqrt(mean_squared)
+    root = tl.sqrt(tl.sum(x * x, 0) / dim + eps)
+    if QGROUP == 0:
+        y = _scaled(x / root, weight_ptr, then_mul_ptr, then_scalar, cols, mask, dtype, HAS_WEIGHT, WEIGHT_OFFSET,
+                    HAS_THEN_MUL, HAS_THEN_SCALAR)
+        tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+    else:  # this program's groups of the row, as a [groups, QGROUP] tile
+        g = tl.program_id(1) * (CHUNK // QGROUP) + tl.arange(0, CHUNK // QGROUP)
+        ks = g[:, None] * QGROUP + tl.arange(0, QGROUP)[None, :]
+        ok = ks < dim
+        xc = tl.load(x_ptr + row * stride_x + ks, mask=ok, other=0.0).to(tl.float32)
+        y = _scaled(xc / root, weight_ptr, then_mul_ptr, then_scalar, ks, ok, dtype, HAS_WEIGHT, WEIGHT_OFFSET,
+                    HAS_THEN_MUL, HAS_THEN_SCALAR)
+        tl.store(out_ptr + row * stride_out + ks, y, mask=ok)
+        store_row_codes(y, row, ks, g, q_ptr, qs_ptr, dim, groups, EMULATE)
+
+
+@triton.jit
+def _scaled(y, weight_ptr, then_mul_ptr, then_scalar, cols, mask, dtype, HAS_WEIGHT: tl.constexpr,
+            WEIGHT_OFFSET: tl.constexpr, HAS_THEN_MUL: tl.constexpr, HAS_THEN_SCALAR: tl.constexpr):
+    """Normalised values times the norm's weight, then ``then_mul`` and ``then_scalar``, rounded to ``dtype``."""
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if WEIGHT_OFFSET != 0.0:
@@ -48,10 +68,7 @@ def _rms_norm_kernel(
         y = y.to(dtype).to(tl.float32) * tl.load(then_mul_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_THEN_SCALAR:
         y = y.to(dtype).to(tl.float32) * then_scalar
-    y = y.to(dtype)
-    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
-    if QGROUP != 0:
-        store_row_codes(tl.where(mask, y, 0.0), row, cols, q_ptr, qs_ptr, dim, groups, QGROUP, BLOCK, EMULATE)
+    return y.to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_mul: torch.Tensor | None = None,
@@ -85,14 +102,26 @@ def _check_group(group: int | None, dim: int) -> None:
           f"got {group!r}")
 
 
+CODES_CHUNK = 256  # values a program writes where a norm quantizes its rows (several programs a row)
+
+
 def _codes(rows: torch.Tensor, group: int | None) -> tuple:
-    """(codes, scales, groups, the kernel's QGROUP) of a launch whose output rows are quantized in groups of
-    ``group`` (the row's width: one scale per row), or placeholders and QGROUP 0 for none."""
+    """(codes, scales, groups) of a launch whose output rows are quantized in groups of ``group`` (the row's width:
+    one scale per row), or placeholders for none."""
     if group is None:
-        return rows, rows, 0, 0
-    dim = rows.shape[1]
-    codes, scales = row_code_buffers(rows.shape[0], dim, group, rows.device)
-    return codes, scales, scales.shape[1], next_power_of_2(dim) if group == dim else group
+        return rows, rows, 0
+    codes, scales = row_code_buffers(rows.shape[0], rows.shape[1], group, rows.device)
+    return codes, scales, scales.shape[1]
+
+
+def _tiles(dim: int, group: int | None) -> tuple[int, int]:
+    """(QGROUP, CHUNK) of a norm kernel's launch: without codes (0, the row); with codes the group (the row padded
+    to a power of two for one scale per row) and the values a program writes, whole groups."""
+    block = next_power_of_2(dim)
+    if group is None:
+        return 0, block
+    group = block if group == dim else group
+    return group, max(group, CODES_CHUNK)
 
 
 def _attach(out: torch.Tensor, group: int | None, codes: tuple) -> torch.Tensor:
@@ -131,13 +160,15 @@ def _launch(x, weight, eps, *, then_mul=None, then_scalar=None, residual=None, w
         res = res if res.stride(-1) == 1 else res.contiguous()
         total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = next_power_of_2(dim)
+    check(quantize_group is None or residual is None, "quantize_group takes a norm without a residual add")
     codes = _codes(out, quantize_group)
-    _rms_norm_kernel[(rows.shape[0],)](
+    group, chunk = _tiles(dim, quantize_group)
+    _rms_norm_kernel[(rows.shape[0], triton.cdiv(dim, chunk))](
         rows, weight if weight is not None else rows, out, rows.stride(0), out.stride(0), dim, eps,
         then_mul if then_mul is not None else rows, float(then_scalar or 0.0), res, total, res.stride(0),
-        total.stride(0), *codes[:3], HAS_WEIGHT=weight is not None, HAS_THEN_MUL=then_mul is not None,
+        total.stride(0), *codes, HAS_WEIGHT=weight is not None, HAS_THEN_MUL=then_mul is not None,
         HAS_THEN_SCALAR=then_scalar is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
-        WEIGHT_OFFSET=float(weight_offset), HAS_RESIDUAL=residual is not None, QGROUP=codes[3],
+        WEIGHT_OFFSET=float(weight_offset), HAS_RESIDUAL=residual is not None, QGROUP=group, CHUNK=chunk,
         EMULATE=codes_emulated(x.device), **pdl_args(out),
     )
     return (_attach(out.view(x.shape), quantize_group, codes),
@@ -161,12 +192,24 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
 
 @triton.jit
-def _norm(x, dim, eps, w_ptr, cols, mask, HAS_WEIGHT: tl.constexpr):
-    """One row in fp32: ``x * rsqrt(mean(x^2) + eps) [* w]`` (the caller rounds it)."""
-    y = x * tl.math.rsqrt(tl.sum(x * x, 0) / dim + eps)
+def _rstd(x, dim, eps):
+    """``rsqrt(mean(x^2) + eps)`` of a row in fp32."""
+    return tl.math.rsqrt(tl.sum(x * x, 0) / dim + eps)
+
+
+@triton.jit
+def _apply(x, r, w_ptr, cols, mask, HAS_WEIGHT: tl.constexpr):
+    """``x * r [* w]`` in fp32 for values ``x`` of a row at ``cols`` (the caller rounds it)."""
+    y = x * r
     if HAS_WEIGHT:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return y
+
+
+@triton.jit
+def _norm(x, dim, eps, w_ptr, cols, mask, HAS_WEIGHT: tl.constexpr):
+    """One row in fp32: ``x * rsqrt(mean(x^2) + eps) [* w]`` (the caller rounds it)."""
+    return _apply(x, _rstd(x, dim, eps), w_ptr, cols, mask, HAS_WEIGHT)
 
 
 @triton.jit
@@ -183,30 +226,62 @@ def _residual_add(y, res_ptr, offsets, mask, scale_ptr, HAS_SCALE: tl.constexpr)
 def _norm_add_kernel(
     x_ptr, res_ptr, w_ptr, sum_ptr, scale_ptr, w2_ptr, out2_ptr,  # rows [rows, dim]; w, w2 [dim]; scale [1]
     stride_x, stride_res, stride_sum, stride_out2, dim, eps, eps2, w3_ptr, out3_ptr, stride_out3, eps3,
-    q2_ptr, qs2_ptr, groups2, q3_ptr, qs3_ptr, groups3,  # the next norms' codes and scales (QGROUP2, QGROUP3)
+    q2_ptr, qs2_ptr, groups2, q3_ptr, qs3_ptr, groups3,  # the next norms' codes and scales (CODES2, CODES3)
     HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr, NEXT_HAS_WEIGHT: tl.constexpr, HAS_NEXT2: tl.constexpr,
-    NEXT2_HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QGROUP2: tl.constexpr, QGROUP3: tl.constexpr,
-    EMULATE: tl.constexpr, PDL: tl.constexpr,
+    NEXT2_HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QGROUP: tl.constexpr, CHUNK: tl.constexpr,
+    CODES2: tl.constexpr, CODES3: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
+    # program (row, c) computes the row's statistics and writes chunk c of its outputs as a [groups, QGROUP] tile,
+    # with the codes of the next norms' outputs (CODES2, CODES3); without codes one program writes the whole row
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     dtype = sum_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _norm(x, dim, eps, w_ptr, cols, mask, True).to(dtype)
-    s = _residual_add(y, res_ptr, row * stride_res + cols, mask, scale_ptr, HAS_SCALE)
-    tl.store(sum_ptr + row * stride_sum + cols, s, mask=mask)
+    r = _rstd(x, dim, eps)
+    s = _residual_add(_apply(x, r, w_ptr, cols, mask, True).to(dtype), res_ptr, row * stride_res + cols, mask,
+                      scale_ptr, HAS_SCALE)
+    r2 = r
+    r3 = r
     if HAS_NEXT:
-        z = _norm(s.to(tl.float32), dim, eps2, w2_ptr, cols, mask, NEXT_HAS_WEIGHT).to(dtype)
-        tl.store(out2_ptr + row * stride_out2 + cols, z, mask=mask)
-        if QGROUP2 != 0:
-            store_row_codes(z, row, cols, q2_ptr, qs2_ptr, dim, groups2, QGROUP2, BLOCK, EMULATE)
+        r2 = _rstd(s.to(tl.float32), dim, eps2)
     if HAS_NEXT2:
-        z = _norm(s.to(tl.float32), dim, eps3, w3_ptr, cols, mask, NEXT2_HAS_WEIGHT).to(dtype)
-        tl.store(out3_ptr + row * stride_out3 + cols, z, mask=mask)
-        if QGROUP3 != 0:
-            store_row_codes(z, row, cols, q3_ptr, qs3_ptr, dim, groups3, QGROUP3, BLOCK, EMULATE)
+        r3 = _rstd(s.to(tl.float32), dim, eps3)
+    if QGROUP == 0:
+        _seam_outputs(s, r2, r3, row, cols, mask, cols, sum_ptr, stride_sum, w2_ptr, out2_ptr, stride_out2, w3_ptr,
+                      out3_ptr, stride_out3, q2_ptr, qs2_ptr, groups2, q3_ptr, qs3_ptr, groups3, dim, HAS_NEXT,
+                      NEXT_HAS_WEIGHT, HAS_NEXT2, NEXT2_HAS_WEIGHT, False, False, EMULATE)
+    else:  # this program's groups of the row: the sum recomputed there from its x and residual values
+        g = tl.program_id(1) * (CHUNK // QGROUP) + tl.arange(0, CHUNK // QGROUP)
+        ks = g[:, None] * QGROUP + tl.arange(0, QGROUP)[None, :]
+        ok = ks < dim
+        xc = tl.load(x_ptr + row * stride_x + ks, mask=ok, other=0.0).to(tl.float32)
+        sc = _residual_add(_apply(xc, r, w_ptr, ks, ok, True).to(dtype), res_ptr, row * stride_res + ks, ok,
+                           scale_ptr, HAS_SCALE)
+        _seam_outputs(sc, r2, r3, row, ks, ok, g, sum_ptr, stride_sum, w2_ptr, out2_ptr, stride_out2, w3_ptr,
+                      out3_ptr, stride_out3, q2_ptr, qs2_ptr, groups2, q3_ptr, qs3_ptr, groups3, dim, HAS_NEXT,
+                      NEXT_HAS_WEIGHT, HAS_NEXT2, NEXT2_HAS_WEIGHT, CODES2, CODES3, EMULATE)
+
+
+@triton.jit
+def _seam_outputs(s, r2, r3, row, ks, ok, g, sum_ptr, stride_sum, w2_ptr, out2_ptr, stride_out2, w3_ptr, out3_ptr,
+                  stride_out3, q2_ptr, qs2_ptr, groups2, q3_ptr, qs3_ptr, groups3, dim, HAS_NEXT: tl.constexpr,
+                  NEXT_HAS_WEIGHT: tl.constexpr, HAS_NEXT2: tl.constexpr, NEXT2_HAS_WEIGHT: tl.constexpr,
+                  CODES2: tl.constexpr, CODES3: tl.constexpr, EMULATE: tl.constexpr):
+    """A seam's outputs at ``ks`` (a row, or a [groups, group] tile of it): the sum ``s``, the next norms
+    (``s * r2 [* w2]``, ``s * r3 [* w3]``) and, where CODES2 / CODES3, their codes."""
+    tl.store(sum_ptr + row * stride_sum + ks, s, mask=ok)
+    if HAS_NEXT:
+        z = _apply(s.to(tl.float32), r2, w2_ptr, ks, ok, NEXT_HAS_WEIGHT).to(s.dtype)
+        tl.store(out2_ptr + row * stride_out2 + ks, z, mask=ok)
+        if CODES2:
+            store_row_codes(z, row, ks, g, q2_ptr, qs2_ptr, dim, groups2, EMULATE)
+    if HAS_NEXT2:
+        z = _apply(s.to(tl.float32), r3, w3_ptr, ks, ok, NEXT2_HAS_WEIGHT).to(s.dtype)
+        tl.store(out3_ptr + row * stride_out3 + ks, z, mask=ok)
+        if CODES3:
+            store_row_codes(z, row, ks, g, q3_ptr, qs3_ptr, dim, groups3, EMULATE)
 
 
 def norm_add(
@@ -248,18 +323,21 @@ def norm_add(
     nxt = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if next_eps is not None else None
     nxt2 = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if next2_eps is not None else None
     block = next_power_of_2(dim)
+    if next_quantize_group is not None and next2_quantize_group not in (None, next_quantize_group):
+        next2_quantize_group = None  # one tile shape for both: the second's products quantize their rows themselves
     codes2, codes3 = _codes(rows, next_quantize_group), _codes(rows, next2_quantize_group)
-    _norm_add_kernel[(rows.shape[0],)](
+    group, chunk = _tiles(dim, next_quantize_group or next2_quantize_group)
+    _norm_add_kernel[(rows.shape[0], triton.cdiv(dim, chunk))](
         rows, res, weight, total, scale if scale is not None else weight,
         next_weight if next_weight is not None else weight, nxt if nxt is not None else total,
         rows.stride(0), res.stride(0), total.stride(0), (nxt if nxt is not None else total).stride(0), dim,
         float(eps), float(next_eps or 0.0), next2_weight if next2_weight is not None else weight,
         nxt2 if nxt2 is not None else total, (nxt2 if nxt2 is not None else total).stride(0), float(next2_eps or 0.0),
-        *codes2[:3], *codes3[:3],
+        *codes2, *codes3,
         HAS_SCALE=scale is not None, HAS_NEXT=next_eps is not None, NEXT_HAS_WEIGHT=next_weight is not None,
         HAS_NEXT2=next2_eps is not None, NEXT2_HAS_WEIGHT=next2_weight is not None,
-        BLOCK=block, QGROUP2=codes2[3], QGROUP3=codes3[3],
-        EMULATE=codes_emulated(x.device),
+        BLOCK=block, QGROUP=group, CHUNK=chunk, CODES2=next_quantize_group is not None,
+        CODES3=next2_quantize_group is not None, EMULATE=codes_emulated(x.device),
         num_warps=max(1, min(16, block // 256)), **pdl_args(total),
     )
     out = total.view(x.shape), None if nxt is None else _attach(nxt.view(x.shape), next_quantize_group, codes2)
