@@ -164,14 +164,17 @@ def w8a8_input_group(x: torch.Tensor, *consumers: nn.Module | None) -> int | Non
     that computes W8A8 here (fine-grained ``FP8Linear`` or compressed-tensors FP8 linears with dynamic activations,
     ``FP8Experts``' grouped kernels), so that the kernel can write the codes beside x (``rms_norm``'s
     ``quantize_group``) and the products skip their own quantizing launch; else None. ``None`` consumers (a
-    projection the layer does not have) are left out."""
+    projection the layer does not have) are left out. Products that quantize whole rows (one scale a row:
+    compressed-tensors checkpoints) keep their own launch: a norm would quantize a row in one program, slower than
+    a norm and the products' launch on wide rows (4.6 against 3.3 us for 5376 values on an H200)."""
     consumers = [m for m in consumers if m is not None]
     if not NORM_CODES or not consumers or not activations_quantized(x) or needs_grad(x):
         return None
     k = x.shape[-1]
     groups = {experts_input_group(m, x) if hasattr(m, "gate_up_proj_scale_inv") else fp8_linear_input_group(m, k)
               for m in consumers}
-    return groups.pop() if len(groups) == 1 and None not in groups else None
+    group = groups.pop() if len(groups) == 1 else None
+    return group if group is not None and group < k else None
 
 
 def fp8_quantize_model(model: nn.Module, block_size: tuple[int, int] | None = (128, 128),

@@ -122,7 +122,7 @@ def store_row_codes(y, row, ks, g, q_ptr, qs_ptr, dim, groups, EMULATE: tl.const
     """For a kernel that computes whole groups of a row (a norm): row ``row``'s values ``y`` [n, group] at columns
     ``ks`` (groups ``g``; rounded to the activation dtype) -> their e4m3 codes ``q_ptr[row, ks]`` and scales
     ``qs_ptr[row, g]`` ([rows, dim] and [rows, groups]), as :func:`quantize_rows` computes them from the stored row:
-    ``amax / 448`` per group (1 for an all-zero group); one group as wide as the row: one scale for it."""
+    ``amax / 448`` per group (1 for an all-zero group)."""
     ok = ks < dim
     yf = tl.where(ok, y.to(tl.float32), 0.0)
     amax = tl.max(tl.abs(yf), axis=1)

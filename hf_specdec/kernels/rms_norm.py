@@ -78,8 +78,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
     ``then_scalar``: the normalised rows times a vector, then times a number, each product rounded to x's
     dtype (``norm(x) * then_mul * then_scalar`` in eager torch, e.g. a router's input scaling).
     ``weight_offset``: the rows are scaled by ``weight_offset + weight`` in fp32 (1 for zero-centred weights).
-    ``quantize_group``: the kernel also quantizes the output rows for W8A8 products, ``quantize_group`` values per
-    scale (``dim``: per row), and attaches the codes to it (module docstring); the torch path attaches none."""
+    ``quantize_group``: the kernel also quantizes the output rows for W8A8 products, ``quantize_group`` values (a
+    power of two) per scale, and attaches the codes to it (module docstring); the torch path attaches none."""
     check(weight_offset == 0.0 or weight is not None,
           f"weight_offset={weight_offset} scales by offset + weight: pass the weight, or weight_offset=0 for none")
     _check_group(quantize_group, x.shape[-1])
@@ -97,9 +97,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
 
 
 def _check_group(group: int | None, dim: int) -> None:
-    check(group is None or group == dim or (isinstance(group, int) and 0 < group <= dim and group & (group - 1) == 0),
-          f"quantize_group must be None, the row's width {dim} (one scale per row) or a power of two up to it, "
-          f"got {group!r}")
+    check(group is None or (isinstance(group, int) and 0 < group <= dim and group & (group - 1) == 0),
+          f"quantize_group must be None or a power of two up to the row's width {dim}, got {group!r}")
 
 
 CODES_CHUNK = 256  # values a program writes where a norm quantizes its rows (several programs a row)
@@ -115,13 +114,9 @@ def _codes(rows: torch.Tensor, group: int | None) -> tuple:
 
 
 def _tiles(dim: int, group: int | None) -> tuple[int, int]:
-    """(QGROUP, CHUNK) of a norm kernel's launch: without codes (0, the row); with codes the group (the row padded
-    to a power of two for one scale per row) and the values a program writes, whole groups."""
-    block = next_power_of_2(dim)
-    if group is None:
-        return 0, block
-    group = block if group == dim else group
-    return group, max(group, CODES_CHUNK)
+    """(QGROUP, CHUNK) of a norm kernel's launch: without codes (0, the row); with codes the group and the values a
+    program writes, whole groups."""
+    return (0, next_power_of_2(dim)) if group is None else (group, max(group, CODES_CHUNK))
 
 
 def _attach(out: torch.Tensor, group: int | None, codes: tuple) -> torch.Tensor:

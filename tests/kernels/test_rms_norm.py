@@ -217,10 +217,10 @@ def _assert_codes_of(out, group, per_row):
     assert torch.equal(codes.float().cpu(), torch_codes.float()) and torch.equal(scales.cpu(), torch_scales)
 
 
-@pytest.mark.parametrize("dim,group", [(2816, 128), (96, 32), (96, 96)])
+@pytest.mark.parametrize("dim,group", [(2816, 128), (96, 32), (64, 64)])  # last: one group a row
 def test_triton_norms_quantize_their_rows_for_w8a8_products(triton_device, dim, group):
     """``quantize_group``: the norm kernels write their output rows' e4m3 codes and scales beside them (per row and
-    group of K values, or per row), what ``quantize_rows`` gives for the stored rows; the outputs are unchanged."""
+    group of K values), what ``quantize_rows`` gives for the stored rows; the outputs are unchanged."""
     x, residual, w, w2, scale = _block_seam_case(torch.bfloat16, triton_device, dim)
     x = x * torch.linspace(0.1, 20, dim, device=triton_device).to(x.dtype)  # groups of different amax
     x[1, :group] = 0  # an all-zero group (its scale: 1)
@@ -265,8 +265,10 @@ def test_moe_block_norms_bad_arguments_name_the_fix():
         rms_norm(x, None, 1e-6, then_mul=torch.ones(8, dtype=torch.float64))
     with pytest.raises(ValueError, match="next2_eps needs next_eps"):
         norm_add(x, x, torch.ones(8), 1e-6, next2_eps=1e-6)
-    with pytest.raises(ValueError, match="quantize_group must be None, the row's width 8"):
+    with pytest.raises(ValueError, match="quantize_group must be None or a power of two up to the row's width 8"):
         rms_norm(x, None, 1e-6, quantize_group=3)
+    with pytest.raises(ValueError, match="quantize_group must be None or a power of two"):
+        rms_norm(torch.randn(2, 12), None, 1e-6, quantize_group=12)
     with pytest.raises(ValueError, match="pass its eps too"):
         norm_add(x, x, torch.ones(8), 1e-6, next_quantize_group=8)
     with pytest.raises(ValueError, match=r"must be a's shape"):
