@@ -14,17 +14,22 @@ import math
 import torch
 
 from ._dispatch import check, pdl_args, pdl_wait, tl, triton, use_triton
+from .fp8_w8a8 import attach_row_codes, codes_emulated, row_code_buffers, store_row_codes
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, limit, BLOCK: tl.constexpr,
-                      SILU: tl.constexpr, CLAMP: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
+def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, limit, q_ptr, qs_ptr, groups,
+                      BLOCK: tl.constexpr, SILU: tl.constexpr, CLAMP: tl.constexpr, K_BETA: tl.constexpr,
+                      K_KAPPA: tl.constexpr, GROUP: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr,
                       PDL: tl.constexpr):
+    # program (row, c): values c * BLOCK ... of the row as a [BLOCK // GROUP, GROUP] tile (CODES: with their e4m3
+    # codes and scales per group, for the W8A8 product that reads them)
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < width
     dtype = out_ptr.dtype.element_ty
     x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
@@ -39,14 +44,22 @@ def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, 
     if CLAMP:
         act = tl.minimum(act, limit).to(dtype).to(tl.float32)
         up = tl.minimum(tl.maximum(up, -limit), limit).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * width + cols, (act * up).to(dtype), mask=mask)
+    y = (act * up).to(dtype)
+    tl.store(out_ptr + row * width + cols, y, mask=mask)
+    if CODES:
+        store_row_codes(y, row, cols, g, q_ptr, qs_ptr, width, groups, EMULATE)
 
 
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, quantize_group: int | None = None) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up`` for same-shape tensors; a new contiguous tensor. The inputs may
     be column slices of a wider tensor (e.g. the two halves of one stacked gate/up projection): only the
-    last dimension has to be contiguous."""
-    return _gated_mul(gate, up, silu=False, limit=None)
+    last dimension has to be contiguous. ``quantize_group`` (a power of two up to 1024): the kernel also writes the
+    output rows' e4m3 codes, per group of that many values, for the W8A8 product that reads them
+    (``fp8_w8a8.attach_row_codes``; the torch path attaches none)."""
+    check(quantize_group is None or (isinstance(quantize_group, int) and 0 < quantize_group <= _BLOCK
+                                     and quantize_group & (quantize_group - 1) == 0),
+          f"quantize_group must be None or a power of two up to {_BLOCK}, got {quantize_group!r}")
+    return _gated_mul(gate, up, silu=False, limit=None, quantize_group=quantize_group)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
@@ -56,7 +69,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -
     return _gated_mul(gate, up, silu=True, limit=limit)
 
 
-def _gated_mul(gate: torch.Tensor, up: torch.Tensor, silu: bool, limit: float | None) -> torch.Tensor:
+def _gated_mul(gate: torch.Tensor, up: torch.Tensor, silu: bool, limit: float | None,
+               quantize_group: int | None = None) -> torch.Tensor:
     check(gate.shape == up.shape and gate.dtype == up.dtype,
           f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
     if not use_triton(gate) or gate.numel() == 0:
@@ -64,10 +78,14 @@ def _gated_mul(gate: torch.Tensor, up: torch.Tensor, silu: bool, limit: float | 
     width = gate.shape[-1]
     gate2, up2 = _rows(gate, width), _rows(up, width)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    codes = (out, out, 0) if quantize_group is None else (
+        *row_code_buffers(gate2.shape[0], width, quantize_group, gate.device), -(-width // quantize_group))
     _gated_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
-        gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), BLOCK=_BLOCK, SILU=silu,
-        CLAMP=limit is not None, K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715, num_warps=4, **pdl_args(out))
-    return out
+        gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), *codes, BLOCK=_BLOCK,
+        SILU=silu, CLAMP=limit is not None, K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715,
+        GROUP=quantize_group or _BLOCK, CODES=quantize_group is not None, EMULATE=codes_emulated(gate.device),
+        num_warps=4, **pdl_args(out))
+    return out if quantize_group is None else attach_row_codes(out, quantize_group, codes[0], codes[1])
 
 
 @triton.jit

@@ -47,6 +47,23 @@ def test_triton_gelu_tanh_mul_on_the_halves_of_one_stacked_projection(triton_dev
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("width,group", [(2112, 128), (96, 32)])  # the 26B-A4B's 16.5 groups; a small row
+def test_triton_gelu_tanh_mul_quantizes_its_rows_for_a_w8a8_product(triton_device, width, group):
+    """``quantize_group``: the kernel writes its output rows' e4m3 codes and scales beside them, what the W8A8
+    product's own launch (``quantize_rows``) gives for the stored rows; the output is unchanged."""
+    from .test_rms_norm import _assert_codes_of
+
+    gen = torch.Generator().manual_seed(3)
+    stacked = (torch.randn(3, 2 * width, generator=gen) * 3).bfloat16().to(triton_device)
+    stacked[1, :group] = 0  # an all-zero group
+    gate, up = stacked.split(width, dim=-1)
+    got = gelu_tanh_mul(gate, up, quantize_group=group)
+    assert torch.equal(got, gelu_tanh_mul(gate, up))
+    _assert_codes_of(got, group, per_row=False)
+    with pytest.raises(ValueError, match="quantize_group must be None or a power of two up to 1024"):
+        gelu_tanh_mul(gate, up, quantize_group=48)
+
+
 @pytest.mark.parametrize("limit", [None, 0.7])
 def test_silu_mul_reference_is_step3p5s_clamped_swiglu_exactly(limit):
     from hf_specdec.models.step3p5.layers import clamped_swiglu

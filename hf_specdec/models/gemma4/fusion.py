@@ -197,10 +197,12 @@ def _gemma4_router_forward(self, hidden_states):
 
 
 def gemma4_mlp_forward(self, x):
-    """transformers' ``Gemma4TextMLP.forward`` with the activation and the product in one launch."""
+    """transformers' ``Gemma4TextMLP.forward`` with the activation and the product in one launch (which also
+    quantizes its rows where the down projection is a W8A8 product, see :func:`_input_norm`)."""
     if not use_triton(x) or needs_grad(x):
         return type(self).forward(self, x)
-    return self.down_proj(gelu_tanh_mul(*stacked_projections(x, self.gate_proj, self.up_proj)))
+    gate, up = stacked_projections(x, self.gate_proj, self.up_proj)
+    return self.down_proj(gelu_tanh_mul(gate, up, quantize_group=w8a8_input_group(gate, self.down_proj)))
 
 
 def _fusible_gemma4_mlp(module) -> bool:
