@@ -12,12 +12,10 @@ projections one by one. ``save_pretrained`` stores each weight under its own key
 disjoint views of one storage before writing).
 
 FP8 projections (transformers' fine-grained ``FP8Linear``: e4m3 ``weight`` and block scales ``weight_scale_inv``,
-dynamic activations) stack the same way, weights and scales each into one storage, when they share a block size; one
-GEMM then reads them, with the layers' own arithmetic (:func:`.fp8_w8a8.fine_grained_fp8_linear`: W8A8 where the GPU
-has FP8 tensor cores, the rows quantized once for all of them, else weight-only). A projection whose outputs end
-inside a block of scales (the Gemma-4-26B-A4B's gate and up: 2112 outputs, 16.5 blocks of 128) is followed in the
-storage by zero rows up to the block's end, so that the next projection's rows start on a block of its own scales;
-the GEMM computes those padding columns (zeros) and :func:`stacked_projections` leaves them out.
+dynamic activations) stack the same way, weights and scales each into one storage, when they share a block size and
+each one's outputs are whole blocks of scales; one GEMM then reads them, with the layers' own arithmetic
+(:func:`.fp8_w8a8.fine_grained_fp8_linear`: W8A8 where the GPU has FP8 tensor cores, the rows quantized once for all
+of them, else weight-only).
 """
 
 from __future__ import annotations
@@ -28,11 +26,6 @@ import torch.nn as nn
 from .fp8_gemm import FP8_DTYPE
 from .fp8_w8a8 import fine_grained_fp8_linear
 from .skinny_gemm import skinny_linear
-
-
-# False: FP8 projections whose outputs end inside a block of scales run one GEMM each even where they are stacked
-# (read at each call: an A/B knob)
-PAD_PARTIAL_BLOCKS = True
 
 
 def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
@@ -46,42 +39,28 @@ def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
 
 def stacked_fp8(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
     """(weights, block scales, block size) of FP8 ``linears`` as one view each when both lie back to back in one
-    storage (:func:`stack_weights`: each projection's weight rows padded to whole blocks of scales), in this order;
-    otherwise None. The weights' view holds the padding rows too (:func:`padded_row_starts`)."""
+    storage (:func:`stack_weights`), in this order; otherwise None."""
     if not linears or not all(_stackable_fp8(linear, linears[0]) for linear in linears):
         return None
-    block = tuple(linears[0].block_size)
-    weight = _adjacent([linear.weight for linear in linears], block[0])
+    weight = _adjacent([linear.weight for linear in linears])
     scale = _adjacent([linear.weight_scale_inv for linear in linears])
-    return None if weight is None or scale is None else (weight, scale, block)
+    return None if weight is None or scale is None else (weight, scale, tuple(linears[0].block_size))
 
 
-def padded_row_starts(sizes: list[int], row_multiple: int) -> list[int]:
-    """Where each of stacked projections of ``sizes`` outputs starts among the stacked rows, then their total: each
-    one's rows padded to a multiple of ``row_multiple``."""
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + -(-n // row_multiple) * row_multiple)
-    return starts
-
-
-def _adjacent(tensors: list[torch.Tensor], row_multiple: int = 1) -> torch.Tensor | None:
-    """``tensors`` (2-D, one width and dtype) as one ``[rows, width]`` view when they lie back to back in one
-    storage, in this order, each one's rows padded to a multiple of ``row_multiple`` (the padding inside the storage
-    and inside the view); otherwise None."""
+def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """``tensors`` (2-D, one width and dtype) as one ``[sum of rows, width]`` view when they lie back to back in
+    one storage, in this order; otherwise None."""
     first = tensors[0]
     if first.dim() != 2 or not first.is_contiguous() or first.device.type == "meta":
         return None
-    width, base = first.shape[1], first.untyped_storage().data_ptr()
-    starts = padded_row_starts([t.shape[0] for t in tensors], row_multiple)
-    for t, start in zip(tensors, starts):
+    width, rows, base = first.shape[1], 0, first.untyped_storage().data_ptr()
+    for t in tensors:
         if (t.dim() != 2 or t.shape[1] != width or not t.is_contiguous() or t.dtype != first.dtype
                 or t.untyped_storage().data_ptr() != base
-                or t.storage_offset() != first.storage_offset() + start * width):
+                or t.storage_offset() != first.storage_offset() + rows * width):
             return None
-    if (first.storage_offset() + starts[-1] * width) * first.element_size() > first.untyped_storage().nbytes():
-        return None
-    return first.detach().as_strided((starts[-1], width), (width, 1))
+        rows += t.shape[0]
+    return first.detach().as_strided((rows, width), (width, 1))
 
 
 def stack_weights(*linears: nn.Module) -> bool:
@@ -92,7 +71,7 @@ def stack_weights(*linears: nn.Module) -> bool:
     if linears and all(_stackable_fp8(linear, linears[0]) for linear in linears):
         if stacked_fp8(*linears) is not None:
             return True
-        return (_move_into_one_storage([linear.weight for linear in linears], linears[0].block_size[0])
+        return (_move_into_one_storage([linear.weight for linear in linears])
                 and _move_into_one_storage([linear.weight_scale_inv for linear in linears]))
     if not all(_plain_linear(linear) for linear in linears):
         return False
@@ -103,23 +82,18 @@ def stack_weights(*linears: nn.Module) -> bool:
     return _move_into_one_storage([linear.weight for linear in linears])
 
 
-def _move_into_one_storage(params: list[torch.Tensor], row_multiple: int = 1) -> bool:
-    """Move ``params`` into one storage, back to back, each one's rows followed by zero rows up to a multiple of
-    ``row_multiple``."""
+def _move_into_one_storage(params: list[torch.Tensor]) -> bool:
     first = params[0]
     if any(type(p) is not nn.Parameter or p.dim() != 2 or p.layout != torch.strided or p.shape[1] != first.shape[1]
            or p.dtype != first.dtype or p.device != first.device or p.device.type == "meta" for p in params):
         return False
-    starts = padded_row_starts([p.shape[0] for p in params], row_multiple)
     with torch.no_grad():
-        # through bytes: cat and zeros have no kernel for every dtype (float8 on some devices)
-        stacked = torch.zeros(starts[-1], first.shape[1] * first.element_size(), dtype=torch.uint8,
-                              device=first.device)
-        for p, start in zip(params, starts):
-            stacked[start:start + p.shape[0]] = p.detach().contiguous().view(torch.uint8)
-        stacked = stacked.view(first.dtype)
-        for p, start in zip(params, starts):
-            p.data = stacked[start:start + p.shape[0]]
+        # through bytes: cat has no kernel for every dtype (float8 on some devices)
+        stacked = torch.cat([p.detach().contiguous().view(torch.uint8) for p in params]).view(first.dtype)
+        row = 0
+        for p in params:
+            p.data = stacked[row:row + p.shape[0]]
+            row += p.shape[0]
     return True
 
 
@@ -132,24 +106,21 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Ten
         return skinny_linear(x, weight).split(sizes, dim=-1)
     fp8 = stacked_fp8(*linears)
     if fp8 is not None:  # the layers' own product (their activations are dynamic: stacked_fp8)
-        out = fine_grained_fp8_linear(x, *fp8)
-        starts = padded_row_starts(sizes, fp8[2][0])
-        return tuple(out[..., start:start + n] for start, n in zip(starts, sizes))
+        return fine_grained_fp8_linear(x, *fp8).split(sizes, dim=-1)
     return tuple(linear(x) for linear in linears)
 
 
 def _stackable_fp8(module, first) -> bool:
     """An FP8 projection without bias or hooks, with dynamic activations (a static scale is the layer's own) and
-    block scales of ``first``'s block size, one row of them per block of its outputs (the last one may be part
-    used)."""
+    block scales of ``first``'s block size that cover whole blocks of its outputs."""
     weight, scale = getattr(module, "weight", None), getattr(module, "weight_scale_inv", None)
     block = getattr(module, "block_size", None)
     return (isinstance(weight, torch.Tensor) and isinstance(scale, torch.Tensor) and weight.dtype == FP8_DTYPE
             and getattr(module, "bias", None) is None and block is not None
             and getattr(module, "activation_scheme", "dynamic") == "dynamic"
             and len(block) == 2 and tuple(block) == tuple(getattr(first, "block_size", None) or ())
-            and weight.dim() == 2 and scale.dim() == 2 and scale.shape[0] == -(-weight.shape[0] // block[0])
-            and (PAD_PARTIAL_BLOCKS or weight.shape[0] % block[0] == 0)
+            and weight.dim() == 2 and weight.shape[0] % block[0] == 0 and scale.dim() == 2
+            and scale.shape[0] == weight.shape[0] // block[0]
             and not module._forward_hooks and not module._forward_pre_hooks and not getattr(module, "_hf_hook", None))
 
 
