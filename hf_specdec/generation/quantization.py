@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from hf_specdec.kernels._dispatch import needs_grad
-from hf_specdec.kernels.fp8_gemm import FP8_DTYPE, quantize_fp8
+from hf_specdec.kernels.fp8_gemm import FP8_DTYPE, MAX_KERNEL_ROWS, quantize_fp8
 from hf_specdec.kernels.fp8_moe import experts_input_group
 from hf_specdec.kernels.fp8_w8a8 import activations_quantized, fp8_linear_input_group
 
@@ -159,22 +159,24 @@ def _module_format(module: nn.Module) -> str | None:
 
 
 def w8a8_input_group(x: torch.Tensor, *consumers: nn.Module | None) -> int | None:
-    """For a kernel about to compute ``x`` (a norm) that only ``consumers`` read next: the values per scale (x's
-    width: one per row) in which all of them quantize x's rows, when each one is an FP8 product under ``enable``
-    that computes W8A8 here (fine-grained ``FP8Linear`` or compressed-tensors FP8 linears with dynamic activations,
-    ``FP8Experts``' grouped kernels), so that the kernel can write the codes beside x (``rms_norm``'s
-    ``quantize_group``) and the products skip their own quantizing launch; else None. ``None`` consumers (a
-    projection the layer does not have) are left out. Products that quantize whole rows (one scale a row:
-    compressed-tensors checkpoints) keep their own launch: a norm would quantize a row in one program, slower than
-    a norm and the products' launch on wide rows (4.6 against 3.3 us for 5376 values on an H200)."""
+    """For a kernel (a norm, a gated activation) about to compute rows like ``x`` (its input, or a tensor of the
+    output's shape, dtype and device) that only ``consumers`` read next: the values per scale in which all of them
+    quantize those rows, when each one is an FP8 product under ``enable`` that computes W8A8 here in groups
+    (fine-grained ``FP8Linear`` with dynamic activations, ``FP8Experts``' grouped kernels), so that the kernel can
+    write the codes beside its output (``rms_norm``'s ``quantize_group``) and the products skip their own
+    quantizing launch; else None. ``None`` consumers (a projection the layer does not have) are left out. Products
+    that quantize whole rows (one scale a row: compressed-tensors checkpoints) keep their own launch: a norm would
+    quantize a row in one program, slower than a norm and the products' launch on wide rows (4.6 against 3.3 us for
+    5376 values on an H200); so do rows the products would hand to their reference (more than
+    ``MAX_KERNEL_ROWS``: a long prefill)."""
     consumers = [m for m in consumers if m is not None]
-    if not NORM_CODES or not consumers or not activations_quantized(x) or needs_grad(x):
-        return None
     k = x.shape[-1]
+    if (not NORM_CODES or not consumers or not activations_quantized(x) or needs_grad(x)
+            or x.numel() // max(1, k) > MAX_KERNEL_ROWS):
+        return None
     groups = {experts_input_group(m, x) if hasattr(m, "gate_up_proj_scale_inv") else fp8_linear_input_group(m, k)
               for m in consumers}
-    group = groups.pop() if len(groups) == 1 else None
-    return group if group is not None and group < k else None
+    return groups.pop() if len(groups) == 1 else None
 
 
 def fp8_quantize_model(model: nn.Module, block_size: tuple[int, int] | None = (128, 128),

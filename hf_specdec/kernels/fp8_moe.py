@@ -420,7 +420,7 @@ def experts_w8a8(experts, hidden_states: torch.Tensor) -> bool:
 
 def experts_input_group(experts, hidden_states: torch.Tensor) -> int | None:
     """How an ``FP8Experts`` module under ``enable`` quantizes its token rows [..., hidden] where its grouped kernels
-    compute W8A8 (:func:`experts_w8a8`): the values per scale (the row's width: one per row); else None."""
+    compute W8A8 (:func:`experts_w8a8`) in groups: the values per scale; else None (one scale per row too)."""
     if (getattr(vars(experts).get("forward"), "__func__", None) is not fp8_experts_forward
             or grouped_activation(experts) is None or not experts_w8a8(experts, hidden_states)):
         return None
@@ -432,7 +432,7 @@ def experts_input_group(experts, hidden_states: torch.Tensor) -> int | None:
     if min(step for _, step in steps) < MIN_GROUP:  # the weight-only kernels (fused_moe_fp8_eligible)
         return None
     per_row, step = steps[0]
-    return hidden_states.shape[-1] if per_row else step
+    return None if per_row else step
 
 
 def fp8_experts_fusible(module) -> bool:

@@ -119,7 +119,8 @@ def _quantize_row_kernel(x_ptr, q_ptr, qs_ptr, K, stride_xm, BLOCK: tl.constexpr
 
 @triton.jit
 def store_row_codes(y, row, ks, g, q_ptr, qs_ptr, dim, groups, EMULATE: tl.constexpr):
-    """For a kernel that computes whole groups of a row (a norm): row ``row``'s values ``y`` [n, group] at columns
+    """For a kernel that computes whole groups of a row (a norm, a gated activation): row ``row``'s values ``y``
+    [n, group] at columns
     ``ks`` (groups ``g``; rounded to the activation dtype) -> their e4m3 codes ``q_ptr[row, ks]`` and scales
     ``qs_ptr[row, g]`` ([rows, dim] and [rows, groups]), as :func:`quantize_rows` computes them from the stored row:
     ``amax / 448`` per group (1 for an all-zero group)."""
@@ -179,12 +180,13 @@ def quantize_rows(x: torch.Tensor,  # [rows, K] bf16 / fp16, rows contiguous
     """(e4m3 codes [rows, K] (fp32 values where ``emulate``), their scales fp32: [rows, ceil(K / group)], or [rows,
     1] with ``per_row``), one launch: :func:`quantize_activations` on the device. ``attached``: x's rows quantized
     already by the kernel that computed them (:func:`row_codes` of the tensor x was reshaped from), returned instead
-    where they are what this call computes (dynamic scales, this group)."""
+    where they are what this call computes (dynamic scales per group, this group, these codes' dtype)."""
     check(x.dim() == 2 and x.stride(-1) == 1, f"quantize_rows takes [rows, K] with contiguous rows, got shape "
           f"{tuple(x.shape)} strides {x.stride()}: pass x.contiguous()")
     rows, k = x.shape
-    if (attached is not None and activation_scale is None and attached[0] == (k if per_row else group)
-            and attached[1].shape == x.shape):
+    if (attached is not None and activation_scale is None and not per_row and attached[0] == group
+            and attached[1].shape == x.shape and attached[1].device == x.device
+            and attached[1].dtype == (torch.float32 if emulate else FP8_DTYPE)):
         return attached[1], attached[2]
     codes = torch.empty(rows, k, dtype=torch.float32 if emulate else FP8_DTYPE, device=x.device)
     if per_row:
@@ -207,10 +209,10 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
                 scale: torch.Tensor,  # block [ceil(N/bn), ceil(K/bk)], channel [N] / [N, 1] / [1, N], or one element
                 block_size=None, activation_scale: torch.Tensor | None = None, per_row: bool = False,
                 config: tuple[int, int, int, int] | None = None, split_k: int | None = None,
-                codes: tuple | None = None) -> torch.Tensor:
+                attached: tuple | None = None) -> torch.Tensor:
     """``w8a8_linear_reference(x, weight, scale, block_size, activation_scale, per_row)`` by the kernels ([rows,
     N], in ``x.dtype``): the rows quantized by one launch (:func:`quantize_rows`), then the GEMM. ``activation_scale``:
-    one element (static activations), or None (dynamic: per row and group, or per row with ``per_row``). ``codes``:
+    one element (static activations), or None (dynamic: per row and group, or per row with ``per_row``). ``attached``:
     x's rows quantized already by the kernel that computed them (:func:`row_codes`; :func:`quantize_rows` takes them
     where they are what this product quantizes)."""
     _check_args(x, weight, scale, activation_scale, per_row)
@@ -232,7 +234,7 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     if x.stride(-1) != 1:
         x = x.contiguous()
     emulate = codes_emulated(x.device)
-    codes, scales = quantize_rows(x, group, activation_scale, per_row, emulate, attached=codes)
+    codes, scales = quantize_rows(x, group, activation_scale, per_row, emulate, attached=attached)
     out = torch.empty(split, rows, n, dtype=torch.float32 if split > 1 or emulate else x.dtype, device=x.device)
     e8m0 = grid.dtype == E8M0_DTYPE
     _w8a8_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n), split)](
@@ -327,7 +329,7 @@ def w8a8_linear(x: torch.Tensor,  # [..., K] bf16 / fp16 (any float dtype on the
         return w8a8_linear_reference(x, weight, scale, block_size, activation_scale, per_row)
     rows = x.reshape(-1, x.shape[-1])
     return w8a8_matmul(rows, weight, scale, block_size, activation_scale, per_row,
-                       codes=row_codes(x)).view(*x.shape[:-1], weight.shape[0])
+                       attached=row_codes(x)).view(*x.shape[:-1], weight.shape[0])
 
 
 # ---------------------------------------------------------------- rows quantized by the kernel that computed them
@@ -349,15 +351,18 @@ def codes_emulated(device) -> bool:
 
 
 def attach_row_codes(x: torch.Tensor, group: int, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x`` carrying its rows' codes and scales (dynamic, ``group`` values per scale; x's width: per row), for the
-    FP8 products that read x next (:func:`row_codes`): they skip their own quantizing launch. Returns x."""
+    """``x`` carrying its rows' codes and scales (dynamic, ``group`` values per scale), for the FP8 products that
+    read x next (:func:`row_codes`): they skip their own quantizing launch. Returns x. Meant for a tensor that a
+    fused forward computes and hands straight to those products (the attachment cannot follow in-place writes to an
+    inference tensor, see :func:`row_codes`)."""
     setattr(x, _ROW_CODES, (group, _version(x), codes, scales))
     return x
 
 
 def row_codes(x: torch.Tensor) -> tuple | None:
     """(group, codes [rows, K], scales) attached to ``x`` by :func:`attach_row_codes`, or None (none attached, or
-    x written in place since, where torch counts writes: not for tensors made under ``torch.inference_mode``). A
+    x written in place since, where torch counts writes: tensors made under ``torch.inference_mode``, as in
+    ``generate``, count none, so there the attachment relies on no write between the kernel and the products). A
     view of x is another tensor object: it carries none unless attached to it too."""
     found = getattr(x, _ROW_CODES, None)
     if found is None or found[1] != _version(x):
@@ -373,19 +378,17 @@ def reshape_with_codes(x: torch.Tensor, shape) -> torch.Tensor:
 
 
 def fp8_linear_input_group(module, k: int) -> int | None:
-    """How this module's forward under ``enable`` quantizes its [..., k] rows where the layers compute W8A8: the
-    values per scale (k: one scale per row) of a fine-grained ``FP8Linear`` with dynamic activations
-    (:func:`fp8_linear_forward`) or a compressed-tensors FP8 linear (:func:`compressed_fp8_linear_forward`); None
-    for anything else (another forward, static scales, groups the kernels do not take)."""
-    forward = getattr(vars(module).get("forward"), "__func__", None)
-    if forward is compressed_fp8_linear_forward:
-        return k
-    if (forward is not fp8_linear_forward or getattr(module, "activation_scheme", "dynamic") != "dynamic"
+    """How this module's forward under ``enable`` quantizes its [..., k] rows where the layers compute W8A8 in
+    groups: the values per scale of a fine-grained ``FP8Linear`` with dynamic activations and K blocks narrower
+    than k (:func:`fp8_linear_forward`); None for anything else (another forward, static scales, one scale per row
+    as for compressed-tensors layers, groups the kernels do not take)."""
+    if (getattr(vars(module).get("forward"), "__func__", None) is not fp8_linear_forward
+            or getattr(module, "activation_scheme", "dynamic") != "dynamic"
             or module.weight.dtype != FP8_DTYPE or module.weight.shape[1] != k):
         return None
     block = module.block_size
-    if block is None or block[1] >= k:
-        return k
+    if block is None or block[1] >= k:  # one scale per row
+        return None
     grid, bn, bk = scale_grid(module.weight_scale_inv, block, *module.weight.shape)
     group = group_for((bn, bk), grid.shape[1] > 1)
     return group if group >= MIN_GROUP else None

@@ -6,10 +6,13 @@ scale is ``1 + weight`` (norms that store their weights zero-centred: ``GemmaRMS
 it as ~8 kernels (cast, pow, mean, add, pow, mul, cast, mul, cast); on a decode step those launches, not
 the bytes, are its cost, even inside a CUDA graph. One program per row.
 
-A norm whose output feeds FP8 products that quantize their rows (W8A8: ``fp8_w8a8``) can quantize it too
-(``quantize_group``): the program that computed a row writes its e4m3 codes and scales beside it, as the products'
-own quantizing launch would (``fp8_w8a8.quantize_rows``, the same values bit for bit), and attaches them to the
-output (``fp8_w8a8.attach_row_codes``), so the products skip that launch.
+A norm whose output feeds FP8 products that quantize their rows in groups (W8A8: ``fp8_w8a8``) can quantize it too
+(``quantize_group``): the kernel writes the rows' e4m3 codes and scales beside them, as the products' own
+quantizing launch would (``fp8_w8a8.quantize_rows``, the same values bit for bit), and attaches them to the output
+(``fp8_w8a8.attach_row_codes``), so the products skip that launch. Such a launch spreads each row over programs of
+:data:`CODES_CHUNK` values, every one computing the row's statistics over the whole row as the one-program kernel
+does (so the outputs are those without codes, bit for bit): in one program the row's quantization took longer than
+the products' launch (H200, ``benchmarks/results/norm_codes_probe_h200.log``).
 """
 
 import torch
@@ -105,8 +108,8 @@ CODES_CHUNK = 256  # values a program writes where a norm quantizes its rows (se
 
 
 def _codes(rows: torch.Tensor, group: int | None) -> tuple:
-    """(codes, scales, groups) of a launch whose output rows are quantized in groups of ``group`` (the row's width:
-    one scale per row), or placeholders for none."""
+    """(codes, scales, groups) of a launch whose output rows are quantized in groups of ``group``, or placeholders
+    for none."""
     if group is None:
         return rows, rows, 0
     codes, scales = row_code_buffers(rows.shape[0], rows.shape[1], group, rows.device)
@@ -297,7 +300,9 @@ def norm_add(
     the sandwich-norm seams of a Gemma 4 block (post-norm, residual add, layer scalar, the next pre-norm),
     each result rounded to x's dtype as eager torch rounds it, in one launch instead of up to ~20.
     -> ``(s, next)`` (``next`` None without ``next_eps``); with ``next2_eps`` also a second norm of the sum
-    (two branches that read it, e.g. a dense MLP's and the experts' pre-norms): ``(s, next, next2)``."""
+    (two branches that read it, e.g. a dense MLP's and the experts' pre-norms): ``(s, next, next2)``.
+    ``next_quantize_group`` / ``next2_quantize_group``: those outputs quantized too (:func:`rms_norm`'s
+    ``quantize_group``); both in one tile shape, so a second group unlike the first is left to its products."""
     dim = x.shape[-1]
     check(residual.shape == x.shape and weight.shape == (dim,),
           f"residual must be x's shape {tuple(x.shape)} and weight [{dim}], got {tuple(residual.shape)}, "

@@ -399,3 +399,21 @@ def test_triton_norms_hand_their_codes_to_the_fp8_products(triton_device, monkey
     # intermediate rows (64 values) still come in groups of 32
     assert (launches, sum(c.count for c in counted.values()) - launches) == (2 * (2 if group else 6), 2 * 7)
     assert torch.equal(fused, unfused)
+
+
+def test_triton_quantize_rows_takes_attached_codes_only_where_they_match(triton_device):
+    """Attached codes replace the quantizing launch only for dynamic scales in the same group, for these rows, in
+    the codes' dtype of this device; anything else is quantized anew."""
+    from hf_specdec.kernels.fp8_w8a8 import codes_emulated, quantize_rows
+
+    x = _rows(3, 256, torch.bfloat16, triton_device)
+    emulate = codes_emulated(x.device)
+    codes, scales = quantize_rows(x, 128, emulate=emulate)
+    attached = (128, codes, scales)
+    assert quantize_rows(x, 128, emulate=emulate, attached=attached)[0] is codes
+    for kwargs in (dict(group=64), dict(per_row=True), dict(activation_scale=torch.ones(1, device=triton_device))):
+        group = kwargs.pop("group", 128)
+        assert quantize_rows(x, group, emulate=emulate, attached=attached, **kwargs)[0] is not codes
+    assert quantize_rows(x[:2], 128, emulate=emulate, attached=attached)[0] is not codes
+    other_dtype = (128, codes.float() if codes.dtype != torch.float32 else codes.to(FP8_DTYPE), scales)
+    assert quantize_rows(x, 128, emulate=emulate, attached=other_dtype)[0] is not other_dtype[1]

@@ -142,7 +142,7 @@ def _input_norm(self, hidden_states):
     norm, attention = self.input_layernorm, self.self_attn
     group = w8a8_input_group(hidden_states, attention.q_proj, getattr(attention, "k_proj", None),
                              getattr(attention, "v_proj", None))
-    if group is None:
+    if group is None or norm._forward_hooks or norm._forward_pre_hooks:  # a hooked norm runs as a module
         return norm(hidden_states)
     return rms_norm(hidden_states, _norm_weight(norm), norm.eps, quantize_group=group)
 
