@@ -24,12 +24,15 @@ def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, 
                       BLOCK: tl.constexpr, SILU: tl.constexpr, CLAMP: tl.constexpr, K_BETA: tl.constexpr,
                       K_KAPPA: tl.constexpr, GROUP: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr,
                       PDL: tl.constexpr):
-    # program (row, c): values c * BLOCK ... of the row as a [BLOCK // GROUP, GROUP] tile (CODES: with their e4m3
+    # program (row, c): values c * BLOCK ... of the row (CODES: as a [BLOCK // GROUP, GROUP] tile, with their e4m3
     # codes and scales per group, for the W8A8 product that reads them)
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
-    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    if CODES:
+        g = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+        cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    else:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     dtype = out_ptr.dtype.element_ty
     x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
