@@ -120,10 +120,9 @@ def _quantize_row_kernel(x_ptr, q_ptr, qs_ptr, K, stride_xm, BLOCK: tl.constexpr
 @triton.jit
 def store_row_codes(y, row, ks, g, q_ptr, qs_ptr, dim, groups, EMULATE: tl.constexpr):
     """For a kernel that computes whole groups of a row (a norm, a gated activation): row ``row``'s values ``y``
-    [n, group] at columns
-    ``ks`` (groups ``g``; rounded to the activation dtype) -> their e4m3 codes ``q_ptr[row, ks]`` and scales
-    ``qs_ptr[row, g]`` ([rows, dim] and [rows, groups]), as :func:`quantize_rows` computes them from the stored row:
-    ``amax / 448`` per group (1 for an all-zero group)."""
+    [n, group] at columns ``ks`` (groups ``g``; rounded to the activation dtype) -> their e4m3 codes ``q_ptr[row,
+    ks]`` and scales ``qs_ptr[row, g]`` ([rows, dim] and [rows, groups], :func:`row_code_args`), as
+    :func:`quantize_rows` computes them from the stored row: ``amax / 448`` per group (1 for an all-zero group)."""
     ok = ks < dim
     yf = tl.where(ok, y.to(tl.float32), 0.0)
     amax = tl.max(tl.abs(yf), axis=1)
@@ -337,12 +336,23 @@ def w8a8_linear(x: torch.Tensor,  # [..., K] bf16 / fp16 (any float dtype on the
 _ROW_CODES = "_hf_specdec_row_codes"
 
 
-def row_code_buffers(rows: int, dim: int, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty (codes [rows, dim], scales [rows, ceil(dim / group)] fp32) for a kernel that quantizes the rows it
-    computes (:func:`store_row_codes`); the codes are fp32 values where the device has no e4m3 type (the
-    interpreter's emulation, as :func:`quantize_rows`)."""
-    return (torch.empty(rows, dim, dtype=torch.float32 if codes_emulated(device) else FP8_DTYPE, device=device),
-            torch.empty(rows, -(-dim // group), dtype=torch.float32, device=device))
+def check_quantize_group(group: int | None, largest: int) -> None:
+    """A kernel's ``quantize_group``: None, or a power of two up to ``largest`` values."""
+    check(group is None or (isinstance(group, int) and 0 < group <= largest and group & (group - 1) == 0),
+          f"quantize_group must be None or a power of two up to {largest}, got {group!r}")
+
+
+def row_code_args(rows: torch.Tensor, group: int | None) -> tuple:
+    """The (codes, scales, groups) arguments of a kernel that quantizes the [n, dim] ``rows`` it computes in groups of
+    ``group`` (:func:`store_row_codes`): empty codes [n, dim] (fp32 values where the device has no e4m3 type, the
+    interpreter's emulation, as :func:`quantize_rows`) and scales [n, ceil(dim / group)] fp32; without a group,
+    placeholders the kernel does not touch."""
+    if group is None:
+        return rows, rows, 0
+    n, dim = rows.shape
+    groups = -(-dim // group)
+    return (torch.empty(n, dim, dtype=torch.float32 if codes_emulated(rows.device) else FP8_DTYPE, device=rows.device),
+            torch.empty(n, groups, dtype=torch.float32, device=rows.device), groups)
 
 
 def codes_emulated(device) -> bool:
@@ -350,12 +360,13 @@ def codes_emulated(device) -> bool:
     return interpreting(_w8a8_kernel) or not has_native_fp8(device)
 
 
-def attach_row_codes(x: torch.Tensor, group: int, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x`` carrying its rows' codes and scales (dynamic, ``group`` values per scale), for the FP8 products that
-    read x next (:func:`row_codes`): they skip their own quantizing launch. Returns x. Meant for a tensor that a
-    fused forward computes and hands straight to those products (the attachment cannot follow in-place writes to an
-    inference tensor, see :func:`row_codes`)."""
-    setattr(x, _ROW_CODES, (group, _version(x), codes, scales))
+def attach_row_codes(x: torch.Tensor, group: int | None, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x`` carrying its rows' codes and scales (dynamic, ``group`` values per scale; None: nothing attached), for
+    the FP8 products that read x next (:func:`row_codes`): they skip their own quantizing launch. Returns x. Meant
+    for a tensor that a fused forward computes and hands straight to those products (the attachment cannot follow
+    in-place writes to an inference tensor, see :func:`row_codes`)."""
+    if group is not None:
+        setattr(x, _ROW_CODES, (group, _version(x), codes, scales))
     return x
 
 

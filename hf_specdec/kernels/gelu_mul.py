@@ -14,7 +14,7 @@ import math
 import torch
 
 from ._dispatch import check, pdl_args, pdl_wait, tl, triton, use_triton
-from .fp8_w8a8 import attach_row_codes, codes_emulated, row_code_buffers, store_row_codes
+from .fp8_w8a8 import attach_row_codes, check_quantize_group, codes_emulated, row_code_args, store_row_codes
 
 _BLOCK = 1024
 
@@ -59,9 +59,7 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, quantize_group: int | No
     last dimension has to be contiguous. ``quantize_group`` (a power of two up to 1024): the kernel also writes the
     output rows' e4m3 codes, per group of that many values, for the W8A8 product that reads them
     (``fp8_w8a8.attach_row_codes``; the torch path attaches none)."""
-    check(quantize_group is None or (isinstance(quantize_group, int) and 0 < quantize_group <= _BLOCK
-                                     and quantize_group & (quantize_group - 1) == 0),
-          f"quantize_group must be None or a power of two up to {_BLOCK}, got {quantize_group!r}")
+    check_quantize_group(quantize_group, _BLOCK)
     return _gated_mul(gate, up, silu=False, limit=None, quantize_group=quantize_group)
 
 
@@ -81,14 +79,13 @@ def _gated_mul(gate: torch.Tensor, up: torch.Tensor, silu: bool, limit: float | 
     width = gate.shape[-1]
     gate2, up2 = _rows(gate, width), _rows(up, width)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    codes = (out, out, 0) if quantize_group is None else (
-        *row_code_buffers(gate2.shape[0], width, quantize_group, gate.device), -(-width // quantize_group))
+    codes = row_code_args(out.view(-1, width), quantize_group)
     _gated_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
         gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), *codes, BLOCK=_BLOCK,
         SILU=silu, CLAMP=limit is not None, K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715,
         GROUP=quantize_group or _BLOCK, CODES=quantize_group is not None, EMULATE=codes_emulated(gate.device),
         num_warps=4, **pdl_args(out))
-    return out if quantize_group is None else attach_row_codes(out, quantize_group, codes[0], codes[1])
+    return attach_row_codes(out, quantize_group, *codes[:2])
 
 
 @triton.jit

@@ -18,7 +18,7 @@ the products' launch (H200, ``benchmarks/results/norm_codes_probe_h200.log``).
 import torch
 
 from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
-from .fp8_w8a8 import attach_row_codes, codes_emulated, row_code_buffers, store_row_codes
+from .fp8_w8a8 import attach_row_codes, check_quantize_group, codes_emulated, row_code_args, store_row_codes
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
     power of two) per scale, and attaches the codes to it (module docstring); the torch path attaches none."""
     check(weight_offset == 0.0 or weight is not None,
           f"weight_offset={weight_offset} scales by offset + weight: pass the weight, or weight_offset=0 for none")
-    _check_group(quantize_group, x.shape[-1])
+    check_quantize_group(quantize_group, x.shape[-1])
     for name, vector in (("weight", weight), ("then_mul", then_mul)):
         check(vector is None or vector.shape == (x.shape[-1],),
               f"{name} must be [dim={x.shape[-1]}], got {None if vector is None else tuple(vector.shape)}")
@@ -99,21 +99,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, then_m
                    quantize_group=quantize_group)[0]
 
 
-def _check_group(group: int | None, dim: int) -> None:
-    check(group is None or (isinstance(group, int) and 0 < group <= dim and group & (group - 1) == 0),
-          f"quantize_group must be None or a power of two up to the row's width {dim}, got {group!r}")
-
-
 CODES_CHUNK = 256  # values a program writes where a norm quantizes its rows (several programs a row)
-
-
-def _codes(rows: torch.Tensor, group: int | None) -> tuple:
-    """(codes, scales, groups) of a launch whose output rows are quantized in groups of ``group``, or placeholders
-    for none."""
-    if group is None:
-        return rows, rows, 0
-    codes, scales = row_code_buffers(rows.shape[0], rows.shape[1], group, rows.device)
-    return codes, scales, scales.shape[1]
 
 
 def _tiles(dim: int, group: int | None) -> tuple[int, int]:
@@ -121,9 +107,6 @@ def _tiles(dim: int, group: int | None) -> tuple[int, int]:
     program writes, whole groups."""
     return (0, next_power_of_2(dim)) if group is None else (group, max(group, CODES_CHUNK))
 
-
-def _attach(out: torch.Tensor, group: int | None, codes: tuple) -> torch.Tensor:
-    return out if group is None else attach_row_codes(out, group, codes[0], codes[1])
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
@@ -159,7 +142,7 @@ def _launch(x, weight, eps, *, then_mul=None, then_scalar=None, residual=None, w
         total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = next_power_of_2(dim)
     check(quantize_group is None or residual is None, "quantize_group takes a norm without a residual add")
-    codes = _codes(out, quantize_group)
+    codes = row_code_args(out, quantize_group)
     group, chunk = _tiles(dim, quantize_group)
     _rms_norm_kernel[(rows.shape[0], triton.cdiv(dim, chunk))](
         rows, weight if weight is not None else rows, out, rows.stride(0), out.stride(0), dim, eps,
@@ -169,7 +152,7 @@ def _launch(x, weight, eps, *, then_mul=None, then_scalar=None, residual=None, w
         WEIGHT_OFFSET=float(weight_offset), HAS_RESIDUAL=residual is not None, QGROUP=group, CHUNK=chunk,
         EMULATE=codes_emulated(x.device), **pdl_args(out),
     )
-    return (_attach(out.view(x.shape), quantize_group, codes),
+    return (attach_row_codes(out.view(x.shape), quantize_group, *codes[:2]),
             None if residual is None else total.view(x.shape))
 
 
@@ -311,8 +294,8 @@ def norm_add(
     check((next_quantize_group is None or next_eps is not None) and (next2_quantize_group is None
                                                                      or next2_eps is not None),
           "next_quantize_group / next2_quantize_group quantize a next norm's output: pass its eps too")
-    _check_group(next_quantize_group, dim)
-    _check_group(next2_quantize_group, dim)
+    check_quantize_group(next_quantize_group, dim)
+    check_quantize_group(next2_quantize_group, dim)
     if not use_triton(x) or x.numel() == 0 or dim > 65536:
         return norm_add_reference(x, residual, weight, eps, scale=scale, next_weight=next_weight, next_eps=next_eps,
                                   next2_weight=next2_weight, next2_eps=next2_eps)
@@ -325,7 +308,7 @@ def norm_add(
     block = next_power_of_2(dim)
     if next_quantize_group is not None and next2_quantize_group not in (None, next_quantize_group):
         next2_quantize_group = None  # one tile shape for both: the second's products quantize their rows themselves
-    codes2, codes3 = _codes(rows, next_quantize_group), _codes(rows, next2_quantize_group)
+    codes2, codes3 = row_code_args(rows, next_quantize_group), row_code_args(rows, next2_quantize_group)
     group, chunk = _tiles(dim, next_quantize_group or next2_quantize_group)
     _norm_add_kernel[(rows.shape[0], triton.cdiv(dim, chunk))](
         rows, res, weight, total, scale if scale is not None else weight,
@@ -340,8 +323,9 @@ def norm_add(
         CODES3=next2_quantize_group is not None, EMULATE=codes_emulated(x.device),
         num_warps=max(1, min(16, block // 256)), **pdl_args(total),
     )
-    out = total.view(x.shape), None if nxt is None else _attach(nxt.view(x.shape), next_quantize_group, codes2)
-    return out if nxt2 is None else (*out, _attach(nxt2.view(x.shape), next2_quantize_group, codes3))
+    out = total.view(x.shape), None if nxt is None else attach_row_codes(nxt.view(x.shape), next_quantize_group,
+                                                                         *codes2[:2])
+    return out if nxt2 is None else (*out, attach_row_codes(nxt2.view(x.shape), next2_quantize_group, *codes3[:2]))
 
 
 def norm_add_reference(x, residual, weight, eps, *, scale=None, next_weight=None, next_eps=None, next2_weight=None,

@@ -59,7 +59,7 @@ def test_triton_gelu_tanh_mul_quantizes_its_rows_for_a_w8a8_product(triton_devic
     gate, up = stacked.split(width, dim=-1)
     got = gelu_tanh_mul(gate, up, quantize_group=group)
     assert torch.equal(got, gelu_tanh_mul(gate, up))
-    _assert_codes_of(got, group, per_row=False)
+    _assert_codes_of(got, group)
     with pytest.raises(ValueError, match="quantize_group must be None or a power of two up to 1024"):
         gelu_tanh_mul(gate, up, quantize_group=48)
 

@@ -203,17 +203,17 @@ def test_triton_moe_block_norms(triton_device, dtype, dim):
         torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **tol)
 
 
-def _assert_codes_of(out, group, per_row):
+def _assert_codes_of(out, group):
     """``out`` carries the codes and scales that the W8A8 products' own launch computes from its rows (the same
     values bit for bit), and they are torch's quantization of those rows."""
     from hf_specdec.kernels.fp8_w8a8 import quantize_activations, quantize_rows, row_codes
 
     rows = out.reshape(-1, out.shape[-1])
     got_group, codes, scales = row_codes(out)
-    assert got_group == (out.shape[-1] if per_row else group)
-    want_codes, want_scales = quantize_rows(rows, group, per_row=per_row, emulate=codes.dtype == torch.float32)
+    assert got_group == group
+    want_codes, want_scales = quantize_rows(rows, group, emulate=codes.dtype == torch.float32)
     assert torch.equal(codes.float(), want_codes.float()) and torch.equal(scales, want_scales)
-    torch_codes, torch_scales = quantize_activations(rows.cpu(), group, per_row=per_row)
+    torch_codes, torch_scales = quantize_activations(rows.cpu(), group)
     assert torch.equal(codes.float().cpu(), torch_codes.float()) and torch.equal(scales.cpu(), torch_scales)
 
 
@@ -225,11 +225,10 @@ def test_triton_norms_quantize_their_rows_for_w8a8_products(triton_device, dim, 
     x = x * torch.linspace(0.1, 20, dim, device=triton_device).to(x.dtype)  # groups of different amax
     x[1, 0, :group] = 0  # an all-zero group in a row of nonzero ones (its scale: 1), in norm_add's sums too
     residual[1, 0, :group] = 0
-    per_row = False
     plain = rms_norm(x, w, 1e-6)
     got = rms_norm(x, w, 1e-6, quantize_group=group)
     assert torch.equal(got, plain)
-    _assert_codes_of(got, group, per_row)
+    _assert_codes_of(got, group)
     from hf_specdec.kernels.fp8_w8a8 import row_codes
 
     assert row_codes(plain) is None
@@ -245,7 +244,12 @@ def test_triton_norms_quantize_their_rows_for_w8a8_products(triton_device, dim, 
             if wanted is None:
                 assert row_codes(out) is None
             else:
-                _assert_codes_of(out, group, per_row)
+                _assert_codes_of(out, group)
+    # one tile shape for both outputs: a second group unlike the first is left to its products
+    got = norm_add(x, residual, w, 1e-6, **kwargs, next_quantize_group=group, next2_quantize_group=group // 2)
+    assert all(torch.equal(g, p) for g, p in zip(got, plain))
+    _assert_codes_of(got[1], group)
+    assert row_codes(got[2]) is None
 
 
 def test_norm_codes_are_dropped_once_the_output_is_written():
@@ -266,7 +270,7 @@ def test_moe_block_norms_bad_arguments_name_the_fix():
         rms_norm(x, None, 1e-6, then_mul=torch.ones(8, dtype=torch.float64))
     with pytest.raises(ValueError, match="next2_eps needs next_eps"):
         norm_add(x, x, torch.ones(8), 1e-6, next2_eps=1e-6)
-    with pytest.raises(ValueError, match="quantize_group must be None or a power of two up to the row's width 8"):
+    with pytest.raises(ValueError, match="quantize_group must be None or a power of two up to 8"):
         rms_norm(x, None, 1e-6, quantize_group=3)
     with pytest.raises(ValueError, match="quantize_group must be None or a power of two"):
         rms_norm(torch.randn(2, 12), None, 1e-6, quantize_group=12)
