@@ -83,44 +83,6 @@ def pdl_args(tensor: torch.Tensor) -> dict:
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
-# A weight-streaming kernel launched with PDL asks L2 for up to this many bytes of its weights (all its programs
-# together) before it waits for the kernel ahead (:func:`prefetch_rows`); 0 turns it off. Read at launch: set it
-# at run time with the graphs captured before released (benchmarks/ab_decode.py --set).
-PREFETCH_BYTES = int(os.environ.get("HF_SPECDEC_PREFETCH_BYTES", 8 << 20))
-PREFETCH_LINE_BYTES = 128  # one prefetch per L2 line
-
-
-def prefetch_span(programs: int, block_n: int, block_k: int, k_per_program: int, element_size: int,
-                  pdl: bool) -> int:
-    """How far along K (whole ``block_k`` tiles from each program's first) every program of a weight-streaming
-    launch prefetches its ``block_n`` weight rows before :func:`pdl_wait`: within :data:`PREFETCH_BYTES` for the
-    launch's ``programs``, 0 without PDL (``pdl``: nothing would run ahead of the wait)."""
-    if PREFETCH_BYTES <= 0 or not pdl:
-        return 0
-    tiles = min(-(-k_per_program // block_k), PREFETCH_BYTES // (programs * block_n * block_k * element_size))
-    return max(0, tiles) * block_k
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines at ``ptrs`` (a tensor of pointers) without waiting for them."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_rows(row_ptrs, row_ok, k_lo, k_hi, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
-    """L2 prefetches of the rows at ``row_ptrs`` ([R, 1] pointers to each row's element 0, where ``row_ok``) over
-    columns [k_lo, k_hi), one per ``LINE`` elements. Called before :func:`pdl_wait` on weights, which no kernel of a
-    step writes: they stream into L2 while the kernel ahead still runs (its small kernels leave the memory idle),
-    and the program's loads after the wait hit there."""
-    offs = tl.arange(0, BLOCK_K // LINE) * LINE
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + offs
-        ok = row_ok & (ks < k_hi)[None, :]
-        prefetch_l2(tl.where(ok, row_ptrs + ks[None, :], row_ptrs))
-
-
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """In a kernel launched with ``launch_pdl=PDL``: wait until the previous kernel has finished (its writes are

@@ -28,8 +28,7 @@ the GEMM multiplies in fp32 (every e4m3 product and its fp32 sum are the GPU's).
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import (PREFETCH_LINE_BYTES, check, check_same_device, interpreting, pdl_args, pdl_wait,
-                        prefetch_rows, prefetch_span, tl, triton, use_pdl)
+from ._dispatch import check, check_same_device, interpreting, pdl_args, pdl_wait, tl, triton
 from .fp8_gemm import (ACTIVATION_DTYPES, E8M0_DTYPE, FP8_DTYPE, MAX_ROWS, check_matmul_args, config_for,
                        dequantize_fp8, fp8_eligible, fp8_linear, has_native_fp8, load_scale, scale_grid, split_k_for)
 from .skinny_gemm import load_k_tile, sum_splits
@@ -134,13 +133,13 @@ def store_row_codes(y, row, ks, g, q_ptr, qs_ptr, dim, groups, EMULATE: tl.const
 
 @triton.jit
 def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_ym, stride_sn, stride_sk,
-                 scale_bn, scale_bk, k_per_split, stride_split, stride_qs_row, stride_qs_group, prefetch_k,
+                 scale_bn, scale_bk, k_per_split, stride_split, stride_qs_row, stride_qs_group,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr,
-                 SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
-                 PREFETCH_LINE: tl.constexpr, PDL: tl.constexpr):
+                 SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr):
     # the weights are the MMA's rows: [BLOCK_N, GROUP_K] x [GROUP_K, 16 rows] (Hopper's warpgroup MMA reads both
     # e4m3 tiles from shared memory), one group of K per step; each partial times its rows' and its weight block's
     # scales
+    pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -151,9 +150,6 @@ def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_
     qs_rows = qs_ptr + rows.to(tl.int64) * stride_qs_row
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PREFETCH_LINE > 0:  # the first prefetch_k of the program's weights, while the kernel ahead runs
-        prefetch_rows(w_rows, col_ok[:, None], k_lo, tl.minimum(k_lo + prefetch_k, k_hi), GROUP_K, PREFETCH_LINE)
-    pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, GROUP_K):
         w, q = load_k_tile(w_rows, q_rows, k0, K, col_ok, row_ok, GROUP_K)
@@ -240,17 +236,12 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
     codes, scales = quantize_rows(x, group, activation_scale, per_row, emulate, attached=attached)
     out = torch.empty(split, rows, n, dtype=torch.float32 if split > 1 or emulate else x.dtype, device=x.device)
     e8m0 = grid.dtype == E8M0_DTYPE
-    launch = (triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n), split)
-    prefetch_k = prefetch_span(launch[1] * launch[2], block_n, group, k_per_split, weight.element_size(),
-                               use_pdl(out))
-    _w8a8_kernel[launch](
+    _w8a8_kernel[(triton.cdiv(rows, MAX_ROWS), triton.cdiv(n, block_n), split)](
         codes, weight, grid.view(torch.uint8) if e8m0 else grid, scales, out, rows, n, k, weight.stride(0),
         out.stride(1), grid.stride(0), grid.stride(1), bn, bk, k_per_split, out.stride(0), scales.stride(0),
-        0 if per_row else 1, prefetch_k,
+        0 if per_row else 1,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, GROUP_K=group, SCALE_PER_K=scale_per_k, SCALE_E8M0=e8m0,
-        EMULATE=emulate, IMPRECISE_ACC=MAX_IMPRECISE_ACC,
-        PREFETCH_LINE=min(PREFETCH_LINE_BYTES // weight.element_size(), group) if prefetch_k else 0,
-        num_warps=warps, num_stages=stages, **pdl_args(out))
+        EMULATE=emulate, IMPRECISE_ACC=MAX_IMPRECISE_ACC, num_warps=warps, num_stages=stages, **pdl_args(out))
     if split == 1:
         return out[0].to(x.dtype)
     return sum_splits(out, torch.float32 if emulate else x.dtype).to(x.dtype)

@@ -22,8 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import (PREFETCH_LINE_BYTES, needs_grad, pdl_args, pdl_wait, prefetch_rows, prefetch_span, tl, triton,
-                        use_pdl, use_triton)
+from ._dispatch import needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
 
 # HF_SPECDEC_SKINNY_GEMM=0 keeps cuBLAS for every shape (read at import), e.g. to compare the two
 ENABLED = os.environ.get("HF_SPECDEC_SKINNY_GEMM", "1") != "0"
@@ -52,8 +51,8 @@ def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_split,
-                        prefetch_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, PREFETCH_LINE: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
     # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows;
     # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial
     k_lo = tl.program_id(1) * k_per_split
@@ -65,8 +64,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PREFETCH_LINE > 0:  # the first prefetch_k of the program's weights, while the kernel ahead runs
-        prefetch_rows(w_rows, col_ok[:, None], k_lo, tl.minimum(k_lo + prefetch_k, k_hi), BLOCK_K, PREFETCH_LINE)
     pdl_wait(PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w, x = load_k_tile(w_rows, x_rows, k0, k_hi, col_ok, row_ok, BLOCK_K)
@@ -222,13 +219,11 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
     (block_n, block_k, warps, stages), split, k_per_split = launch_plan(n, k, rows, x.element_size(), config, split_k)
     out_dtype = out_dtype or x.dtype
     out = torch.empty(split, rows, n, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
-    grid = (triton.cdiv(n, block_n), split)
-    prefetch_k = prefetch_span(grid[0] * grid[1], block_n, block_k, k_per_split, weight.element_size(), use_pdl(x))
-    _skinny_gemm_kernel[grid](
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(1), k_per_split, out.stride(0),
-        prefetch_k, BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: no tf32 rounding
-        PREFETCH_LINE=min(PREFETCH_LINE_BYTES // weight.element_size(), block_k) if prefetch_k else 0, **pdl_args(x))
+        **pdl_args(x))
     return out[0] if split == 1 else sum_splits(out, out_dtype)
 
 

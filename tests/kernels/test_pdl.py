@@ -16,9 +16,6 @@ from hf_specdec.kernels._dispatch import pdl_args, use_pdl
 
 KERNEL_FILES = sorted(pathlib.Path(inspect.getfile(kernels_package)).parent.glob("*.py"))
 MEMORY_OPS = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min"}
-# what may run before the wait besides index arithmetic: L2 prefetches of weights (hints that read nothing into the
-# program, of memory no kernel of a step writes)
-AHEAD_OF_THE_WAIT = {"prefetch_rows"}
 
 
 def _jit_kernels(tree):
@@ -51,7 +48,7 @@ def test_every_kernel_waits_before_it_touches_memory():
                 f"{where}: pdl_wait must be a statement of the kernel's body, not inside a branch"
             before = [_name(c) for s in body[:first] for c in _calls(s)]
             touching = [n for n in before if n.split(".")[-1] in MEMORY_OPS
-                        or not (n.startswith("tl.") or n.endswith(".to") or n in AHEAD_OF_THE_WAIT)]
+                        or not (n.startswith("tl.") or n.endswith(".to"))]
             assert not touching, f"{where} calls {touching} before pdl_wait (only index arithmetic may come first)"
     assert kernels >= 15
 
@@ -76,25 +73,9 @@ def test_pdl_only_for_cuda_tensors_and_switchable(monkeypatch):
         assert not use_pdl(torch.zeros(1, device="cuda"))
 
 
-def test_prefetch_spans_share_the_budget_and_stay_inside_each_program(monkeypatch):
-    from hf_specdec.kernels._dispatch import prefetch_span
-
-    monkeypatch.setattr(_dispatch, "PREFETCH_BYTES", 8 << 20)
-    # 88 programs of 32 bf16 rows over K = 4096: 8 MB / 88 = 95 KB each, whole 256-wide tiles of 16 KB: 5 tiles
-    assert prefetch_span(88, 32, 256, 4096, 2, pdl=True) == 5 * 256
-    # a program's part of K is the cap (a 1,024-wide part: 4 tiles, however large the budget)
-    assert prefetch_span(4, 32, 256, 1024, 2, pdl=True) == 1024
-    # a budget smaller than one tile per program prefetches nothing; so do no PDL and a budget of 0
-    assert prefetch_span(4096, 32, 256, 4096, 2, pdl=True) == 0
-    assert prefetch_span(88, 32, 256, 4096, 2, pdl=False) == 0
-    monkeypatch.setattr(_dispatch, "PREFETCH_BYTES", 0)
-    assert prefetch_span(88, 32, 256, 4096, 2, pdl=True) == 0
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a Hopper-class GPU")
-@pytest.mark.parametrize("prefetch", [0, 8 << 20, 1 << 30], ids=["no-prefetch", "prefetch-8MB", "prefetch-all"])
-def test_a_chain_of_dependent_kernels_in_a_graph_gives_the_serialised_bits(monkeypatch, prefetch):
+def test_a_chain_of_dependent_kernels_in_a_graph_gives_the_serialised_bits(monkeypatch):
     """40 dependent launches of five kernels (norms, the few-row GEMM, the gated activation, a residual add), each
     reading what the one before wrote, in one CUDA graph: with PDL the same bits as fully serialised launches, and
     the same again on new inputs copied into the graph's buffers (a kernel that overtook the one ahead would read
@@ -104,7 +85,6 @@ def test_a_chain_of_dependent_kernels_in_a_graph_gives_the_serialised_bits(monke
     from hf_specdec.kernels.skinny_gemm import skinny_linear
 
     assert use_pdl(torch.zeros(1, device="cuda"))
-    monkeypatch.setattr(_dispatch, "PREFETCH_BYTES", prefetch)  # weights prefetched ahead of the waits, or not
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden, inter = 1024, 4096
     w_gate_up = torch.randn(2 * inter, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.03
