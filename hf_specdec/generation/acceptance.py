@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from hf_specdec.kernels.argmax import argmax
+from hf_specdec.runtime import Select
 
 
 def greedy_accept_no_sync(draft_tokens: torch.Tensor, target_tokens: torch.Tensor):
@@ -62,15 +63,31 @@ class Acceptance:
     lossless = True
     # whether its decisions depend on random draws (under tensor parallelism they are then broadcast from rank 0)
     draws_random = True
+    # the same decision as a function of the verify forward's ids ([last token, drafts]) and raw logits, for calls
+    # whose scores are those logits (greedy, no logits processors): the runner takes it with the forward, inside its
+    # CUDA graph. None: the loop calls the acceptance after the forward
+    with_forward: Select | None = None
 
     def __call__(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, scores: torch.Tensor):
         raise NotImplementedError
+
+
+def _greedy_verified(verify_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return greedy_accept_no_sync(verify_ids[:, 1:], argmax(logits))
+
+
+_GREEDY_VERIFIED = Select("greedy_accept", _greedy_verified)
 
 
 class GreedyAcceptance(Acceptance):
     """The longest prefix of drafts equal to the target's argmax, then the target's argmax."""
 
     draws_random = False
+
+    @property
+    def with_forward(self) -> Select | None:
+        # (a subclass that decides otherwise, in a __call__ of its own, is called after the forward)
+        return _GREEDY_VERIFIED if type(self).__call__ is GreedyAcceptance.__call__ else None
 
     def __call__(self, draft_tokens, draft_probs, scores):
         return greedy_accept_no_sync(draft_tokens, argmax(scores))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hf_specdec.generation.sampling import mask_finished, select_tokens
+from hf_specdec.generation.sampling import GREEDY_NEXT, mask_finished, reads_scores, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
 from hf_specdec.runtime import Readback, exhausted, real_token_counts
@@ -34,21 +34,30 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
+    # greedy with nothing that reads the scores: each forward takes its rows' argmax itself (in its CUDA graph)
+    select = None
+    if not (generation_config.do_sample or logits_processor or keep_scores or keep_logits
+            or reads_scores(stopping_criteria)):
+        select = GREEDY_NEXT
     runner = state.runner(model)
     runner.start(prompt_lens, generation_config.max_length - input_ids.shape[1])
     try:
         # 1. prefill: every prompt token of every row, logits of the last one
-        outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, prefill=True, **model_kwargs)
+        outputs = runner.forward(input_ids, prompt_lens, keep_logits=1, prefill=True, select=select, **model_kwargs)
         lens = list(prompt_lens)
         runner.commit(lens)
         unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
         active = batch
         readback = Readback(input_ids.device)
         while True:
-            # 2. pick the next token of each row from the processed scores
-            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
-            scores = logits_processor(input_ids, logits)
-            next_tokens = select_tokens(scores, generation_config.do_sample, state.ranks)
+            # 2. pick the next token of each row from the processed scores (or the forward picked it)
+            if select is not None:
+                scores = outputs.logits[:, -1]  # read by no criterion
+                next_tokens = outputs.selected[0].to(input_ids.device)
+            else:
+                logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+                scores = logits_processor(input_ids, logits)
+                next_tokens = select_tokens(scores, generation_config.do_sample, state.ranks)
             if has_eos:
                 next_tokens = mask_finished(next_tokens, unfinished, generation_config._pad_token_tensor)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
@@ -64,7 +73,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             if not at_max:
                 # 4. one decode forward for every row (a stopped row's forward is never read)
                 try:
-                    outputs = runner.forward(next_tokens[:, None], [1] * batch, keep_logits=1)
+                    outputs = runner.forward(next_tokens[:, None], [1] * batch, keep_logits=1, select=select)
                 except OutOfBlocksError as error:  # an error only if a row still needs this forward
                     exhausted_by = error
                 lens = [n + 1 for n in lens]

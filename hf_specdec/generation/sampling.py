@@ -7,8 +7,28 @@ import math
 
 import torch
 from transformers import LogitsProcessorList
+from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
+                                                      StopStringCriteria)
 
 from hf_specdec.kernels.argmax import argmax
+from hf_specdec.runtime import Select
+
+# the stopping criteria that decide from the ids or the clock alone (transformers' own: a subclass may read scores)
+SCORE_FREE_CRITERIA = (EosTokenCriteria, MaxLengthCriteria, StopStringCriteria, MaxTimeCriteria)
+
+
+def reads_scores(stopping_criteria) -> bool:
+    """Whether a criterion of ``stopping_criteria`` may read the scores it is handed."""
+    return not all(type(c) in SCORE_FREE_CRITERIA for c in stopping_criteria)
+
+
+def _greedy_next(input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor]:
+    return (argmax(logits[:, -1]),)
+
+
+# greedy decoding without logits processors: each row's next token is the argmax of its last logits, taken with the
+# forward (inside its CUDA graph where one replays: no launches from the host for it)
+GREEDY_NEXT = Select("greedy_next", _greedy_next)
 
 
 def select_tokens(scores: torch.Tensor, do_sample: bool, ranks=None) -> torch.Tensor:

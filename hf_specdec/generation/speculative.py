@@ -30,14 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
-                                                      StopStringCriteria)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
 from hf_specdec.generation.adaptive_k import AdaptiveK, costs_for
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector, take_rows
-from hf_specdec.generation.sampling import PositionScorer, same_on_every_rank, select_tokens
+from hf_specdec.generation.sampling import PositionScorer, reads_scores, same_on_every_rank, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
 from hf_specdec.cache.paged_cache import to_device_async
@@ -73,7 +72,7 @@ class RowStopper:
         self.only_builtin = all(isinstance(c, (EosTokenCriteria, MaxLengthCriteria)) for c in stopping_criteria)
         # whether a criterion may read the scores (transformers' own stop strings and time limit read the ids or the
         # clock only; anything else, a subclass of those too, may)
-        self.reads_scores = not all(type(c) in _SCORE_FREE for c in stopping_criteria)
+        self.reads_scores = reads_scores(stopping_criteria)
 
     def stops(self, row_ids: list[int], scores=None) -> bool:
         """``scores``: a callable giving the row's scores [1, vocab] at its last token (built only when a
@@ -85,9 +84,6 @@ class RowStopper:
         ids = torch.tensor(row_ids)[None, :]
         return bool(self.criteria(ids, scores() if scores is not None and self.reads_scores else None)[0])
 
-
-# the stopping criteria that decide from the ids or the clock alone
-_SCORE_FREE = (EosTokenCriteria, MaxLengthCriteria, StopStringCriteria, MaxTimeCriteria)
 
 
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -254,22 +250,31 @@ class SpeculativeLoop:
         #    from the round in flight)
         k = proposal.tokens.shape[1]  # this round's (the drafter's k when the round was drafted)
         verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
+        raw = not (self.config.do_sample or self.scorer.processors)  # the scores are the raw logits
+        # 3. (greedy on the raw logits: taken with the forward, inside its graph)
+        select = self.acceptance.with_forward if raw else None
         try:
-            logits = self.runner.forward(verify_ids, [k + 1] * len(self.rows), keep_logits=0,
-                                         starts=None if self.pending is None else self.next_start).logits
+            outputs = self.runner.forward(verify_ids, [k + 1] * len(self.rows), keep_logits=0,
+                                          starts=None if self.pending is None else self.next_start, select=select)
         except OutOfBlocksError:
             if self.pending is not None:  # the round in flight holds tokens the rows generated: keep them
                 self._finish(self.pending)
                 self.pending = None
             raise
-        if self.config.do_sample or self.scorer.processors:
-            scores = self.scorer.score(selector.prefixes, proposal.tokens, logits.float())
-        else:
+        logits = outputs.logits
+        if raw:
             # greedy, no processors: only argmax reads the scores, and it is the same on the model's dtype (the
             # cast to fp32 is exact and keeps the order), so the [batch, k+1, vocab] fp32 copy is skipped
             scores = logits
+        else:
+            scores = self.scorer.score(selector.prefixes, proposal.tokens, logits.float())
         # 3. accept on device (a random decision: rank 0's, on every rank)
-        num_accepted, next_token = self.acceptance(proposal.tokens, proposal.probs, scores)
+        if select is not None:
+            # (copied out of the graph's memory, which the next verify rewrites: running ahead, this round is read
+            # and committed after that)
+            num_accepted, next_token = torch.stack(outputs.selected)
+        else:
+            num_accepted, next_token = self.acceptance(proposal.tokens, proposal.probs, scores)
         if self.ranks is not None and self.acceptance.draws_random:
             decision = same_on_every_rank(torch.stack([num_accepted, next_token.to(num_accepted.dtype)]), self.ranks)
             num_accepted, next_token = decision[0], decision[1].to(next_token.dtype)

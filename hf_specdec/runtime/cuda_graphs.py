@@ -91,6 +91,7 @@ class _Graph:
     meta: ForwardMeta  # bucket rows, rebuilt in place by each replay (rows past the batch are padding)
     logits: torch.Tensor
     hooked: object
+    selected: tuple = ()  # what the forward's ``select`` computed from its ids and logits (in the graph too)
 
 
 def batch_bucket(batch: int) -> int:
@@ -206,10 +207,10 @@ class GraphRunner:
         self.table_width = table_width
         self.hooked = hooked
 
-    def key(self, input_ids: torch.Tensor, keep_logits: int) -> tuple:
+    def key(self, input_ids: torch.Tensor, keep_logits: int, select=None) -> tuple:
         batch, q_len = input_ids.shape
         return (self.store.generation, (batch_bucket(batch), q_len), keep_logits, self.table_width,
-                self.hooked.signature)
+                self.hooked.signature, None if select is None else select.name)
 
     def can_run(self, input_ids: torch.Tensor, extra: dict) -> bool:
         return self.store.disabled_reason is None and not extra and input_ids.shape[1] <= MAX_GRAPH_QUERY_LEN
@@ -227,7 +228,7 @@ class GraphRunner:
         plan.meta(out=g.meta)
         g.graph.replay()
         self.hooked.restore(g.hooked, rows)
-        return SimpleNamespace(logits=g.logits[:rows]), g.meta.rows(rows)
+        return SimpleNamespace(logits=g.logits[:rows], selected=tuple(t[:rows] for t in g.selected)), g.meta.rows(rows)
 
     def capture(self, key: tuple, input_ids: torch.Tensor, plan: ForwardPlan, forward) -> None:
         """Capture ``forward(input_ids)`` for ``key`` over static metadata derived from ``plan`` (after it ran
@@ -240,7 +241,8 @@ class GraphRunner:
         try:
             with self.cache.forward_with(static_meta):
                 graph, out = capture_graph(forward, static_ids)
-            self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot()))
+            self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot(),
+                                                  getattr(out, "selected", ())))
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
             self.store.disabled_reason = f"{type(error).__name__}: {error}"
             warnings.warn(

@@ -8,6 +8,9 @@ graphs where they apply.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from hf_specdec.cache import CacheExhaustedError, KVLayout, OutOfBlocksError, PagedKVCache, sizing
@@ -62,6 +65,16 @@ def check_mask_shape(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
             f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; "
             "pass the 2D mask the tokenizer returned with the ids (one row per prompt)."
         )
+
+
+@dataclass(frozen=True)
+class Select:
+    """A function of a forward's ids [batch, q_len] and logits -> a tuple of tensors with the batch as first dim,
+    run with the forward (:meth:`ModelRunner.forward`'s ``select``); ``name`` tells its graphs apart (one name, one
+    function)."""
+
+    name: str
+    fn: Callable[[torch.Tensor, torch.Tensor], tuple]
 
 
 class ModelRunner:
@@ -121,7 +134,7 @@ class ModelRunner:
         self.cache = self.context = None
 
     def forward(self, input_ids: torch.Tensor, num_new: list[int], keep_logits: int = 0, *, prefill: bool = False,
-                starts: torch.Tensor | None = None, **model_kwargs):
+                starts: torch.Tensor | None = None, select: "Select | None" = None, **model_kwargs):
         """Run ``input_ids`` [batch, q_len] (right-aligned real tokens, ``num_new[b]`` per row) through the
         model, with logits of the last ``keep_logits`` slots (0: all); the tokens stay in the cache until
         :meth:`commit` says otherwise. ``model_kwargs`` not owned by the runner (e.g. pixel inputs) pass through.
@@ -131,35 +144,42 @@ class ModelRunner:
         only the device knows (``num_new`` is then the width for every row; ``PagedKVCache.plan_at``).
 
         Decode and verify forwards replay a CUDA graph of the batch's bucket from their second step on (see
-        cuda_graphs); the logits they return live in the graph's memory until the next forward."""
+        cuda_graphs); the logits they return live in the graph's memory until the next forward.
+
+        ``select``: what the caller computes from the forward's ids and logits next (greedy tokens, greedy
+        acceptance), on the device without a host sync: it runs right after the forward, inside the graph where one
+        replays (no launches of its own from the host), and its tensors are the outputs' ``selected``."""
         if starts is None:
             plan = self.cache.plan_forward(num_new, input_ids.shape[1])
         else:
             plan = self.cache.plan_at(starts, input_ids.shape[1])
         extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
         if prefill or self.graphs is None or not self.graphs.can_run(input_ids, extra):
-            return self._eager(input_ids, plan, keep_logits, extra)
-        key = self.graphs.key(input_ids, keep_logits)
+            return self._eager(input_ids, plan, keep_logits, extra, select)
+        key = self.graphs.key(input_ids, keep_logits, select)
         if self.graphs.has(key):
             out, meta = self.graphs.replay(key, input_ids, plan)
             self.cache.meta = self.context.forward_meta = meta  # the real rows of the graph's static metadata
             return out
-        out = self._eager(input_ids, plan, keep_logits, extra)
+        out = self._eager(input_ids, plan, keep_logits, extra, select)
         self.graphs.capture(key, input_ids, plan,
-                            lambda ids: self._forward(ids, self.cache.meta.position_ids, keep_logits, {}))
+                            lambda ids: self._forward(ids, self.cache.meta.position_ids, keep_logits, {}, select))
         return out
 
-    def _eager(self, input_ids, plan, keep_logits, extra):
+    def _eager(self, input_ids, plan, keep_logits, extra, select=None):
         meta = self.context.forward_meta = self.cache.begin(plan)
-        return self._forward(input_ids, meta.position_ids, keep_logits, extra)
+        return self._forward(input_ids, meta.position_ids, keep_logits, extra, select)
 
-    def _forward(self, input_ids, position_ids, keep_logits, extra):
-        return self.model(
+    def _forward(self, input_ids, position_ids, keep_logits, extra, select=None):
+        out = self.model(
             input_ids=input_ids, position_ids=position_ids,
             attention_mask=self._mask_stub.expand(input_ids.shape[0], -1, -1, -1),  # a graph's rows: its bucket
             paged_cache=self.cache, use_cache=True, logits_to_keep=keep_logits, return_dict=True,
             **{self._cache_argument: self.cache}, **extra,
         )
+        if select is not None:
+            out.selected = tuple(select.fn(input_ids, out.logits))
+        return out
 
     def commit(self, new_lens: list[int], in_flight: bool = False) -> None:
         """Keep ``new_lens[b]`` tokens of each row (the rest is rolled back). ``in_flight``: a later forward is

@@ -8,7 +8,7 @@ import torch
 
 import hf_specdec
 from hf_specdec.assets import held_out_snippets
-from hf_specdec.generation.acceptance import GreedyAcceptance
+from hf_specdec.generation import acceptance
 from hf_specdec.generation.speculative import SpeculativeLoop
 from hf_specdec.models.dflash import DFlashDraftRunner
 from hf_specdec.models.gemma4 import Gemma4MTPDraftRunner
@@ -32,7 +32,7 @@ def test_drafts_queued_before_the_sync_are_the_drafts_after_the_commit(name, mon
     target, extra, _ = bundled.mode(name)
     runner = RUNNERS[name]
     ids, mask = _batch()
-    accept, step = GreedyAcceptance.__call__, SpeculativeLoop.step
+    accept, step = acceptance.greedy_accept_no_sync, SpeculativeLoop.step
     runs = {}
     for ahead in (True, False):
         calls = {"queued": 0}
@@ -45,8 +45,9 @@ def test_drafts_queued_before_the_sync_are_the_drafts_after_the_commit(name, mon
 
         monkeypatch.setattr(runner, "propose_ahead", counted)
         drafts, running = [], []  # per round: the drafts, and which rows were still running
-        monkeypatch.setattr(GreedyAcceptance, "__call__",
-                            lambda self, d, q, scores: (drafts.append(d.clone()), accept(self, d, q, scores))[1])
+        # (greedy acceptance, after the verify forward or taken with it: the drafts it compares)
+        monkeypatch.setattr(acceptance, "greedy_accept_no_sync",
+                            lambda d, target_tokens: (drafts.append(d.clone()), accept(d, target_tokens))[1])
         monkeypatch.setattr(SpeculativeLoop, "step",
                             lambda self, last, _running=running: (_running.append(list(self.running)),
                                                                    step(self, last))[1])

@@ -228,3 +228,50 @@ def test_concurrent_generate_calls_are_serialised():
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert all(torch.equal(r, expected) for r in results)
+
+
+def _record_selects(monkeypatch) -> list:
+    """The ``select`` of every forward the runner runs from here on."""
+    from hf_specdec.runtime import ModelRunner
+
+    selects, forward = [], ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward",
+                        lambda self, *args, select=None, **kwargs: (selects.append(select),
+                                                                    forward(self, *args, select=select, **kwargs))[1])
+    return selects
+
+
+class _ReadsScores(StoppingCriteria):
+    """Never stops, but reads the scores it is handed (they must be the processed fp32 scores)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        assert scores.dtype == torch.float32
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def test_greedy_tokens_are_taken_with_the_forward_unless_something_reads_the_scores(monkeypatch):
+    """Greedy decoding with nothing that reads the scores takes each row's argmax with the forward (inside its
+    CUDA graph on the GPU); asking for scores, a logits processor or a criterion that reads them keeps the argmax
+    after the forward. Every way gives transformers' tokens."""
+    from hf_specdec.generation.sampling import GREEDY_NEXT
+
+    ref, ours = _pair("gemma4_e2b")
+    ids, mask = left_padded_batch([7, 3, 5])
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    expected = ref.generate(ids, **kwargs)
+    selects = _record_selects(monkeypatch)
+    assert torch.equal(ours.generate(ids, **kwargs), expected)
+    assert len(selects) == 12 and all(s is GREEDY_NEXT for s in selects)  # the prefill's, then every step's
+    variants = [dict(output_scores=True, return_dict_in_generate=True),
+                dict(stopping_criteria=[_ReadsScores()]),
+                dict(logits_processor=LogitsProcessorList([_Identity()]))]
+    for extra in variants:
+        selects.clear()
+        out = ours.generate(ids, **kwargs, **extra)
+        assert torch.equal(getattr(out, "sequences", out), expected), extra
+        assert selects and all(s is None for s in selects), extra
+
+
+class _Identity(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores

@@ -233,3 +233,41 @@ def test_a_block_of_draft_logits_is_selected_as_position_by_position():
     _, expected = by_position(selector)
     assert tokens.shape == (3, 5) and torch.allclose(q, torch.stack(expected, dim=1))
     assert (q.gather(-1, tokens[..., None]) > 0).all() and ((q > 0).sum(-1) == 5).all()  # from the top-5 support
+
+
+def test_greedy_acceptance_is_taken_with_the_verify_forward_and_a_custom_one_after_it(monkeypatch):
+    """Greedy calls without processors accept with the verify forward (in its CUDA graph on the GPU); sampled calls
+    and an acceptance that decides otherwise (its own __call__) accept after it. Greedy output is plain greedy's
+    both ways."""
+    from hf_specdec.generation.acceptance import GreedyAcceptance
+    from hf_specdec.runtime import ModelRunner
+
+    selects, forward = [], ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward",
+                        lambda self, *args, select=None, **kwargs: (selects.append(select),
+                                                                    forward(self, *args, select=select, **kwargs))[1])
+    target = hf_specdec.enable(llama())
+    ids, mask = left_padded_batch([9, 4])
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    expected = target.generate(ids, do_sample=False, **kwargs)
+
+    class Counted(GreedyAcceptance):
+        calls = 0
+
+        def __call__(self, draft_tokens, draft_probs, scores):
+            Counted.calls += 1
+            return super().__call__(draft_tokens, draft_probs, scores)
+
+    for acceptance, taken_with in ((None, GreedyAcceptance().with_forward), (Counted(), None)):
+        selects.clear()
+        got = target.generate(ids, do_sample=False, assistant_model=CopyDrafter(llama(), 3, noise=0.3),
+                              acceptance=acceptance, **kwargs)
+        assert torch.equal(got, expected)
+        verifies = selects[1:]  # after the prefill
+        assert verifies and all(s is taken_with for s in verifies)
+    assert taken_with is None and Counted.calls == len(verifies)
+    assert GreedyAcceptance().with_forward is not None
+    selects.clear()
+    torch.manual_seed(0)
+    target.generate(ids, do_sample=True, assistant_model=CopyDrafter(llama(), 3, noise=0.3), **kwargs)
+    assert selects and all(s is None for s in selects)
