@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from hf_specdec.generation import sampling
 from hf_specdec.generation.sampling import GREEDY_NEXT, mask_finished, reads_scores, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
@@ -36,8 +37,8 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
     scores_out, logits_out = [], []
     # greedy with nothing that reads the scores: each forward takes its rows' argmax itself (in its CUDA graph)
     select = None
-    if not (generation_config.do_sample or logits_processor or keep_scores or keep_logits
-            or reads_scores(stopping_criteria)):
+    if sampling.SELECT_WITH_FORWARD and not (generation_config.do_sample or logits_processor or keep_scores
+                                             or keep_logits or reads_scores(stopping_criteria)):
         select = GREEDY_NEXT
     runner = state.runner(model)
     runner.start(prompt_lens, generation_config.max_length - input_ids.shape[1])

@@ -29,6 +29,8 @@ def _greedy_next(input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.T
 # greedy decoding without logits processors: each row's next token is the argmax of its last logits, taken with the
 # forward (inside its CUDA graph where one replays: no launches from the host for it)
 GREEDY_NEXT = Select("greedy_next", _greedy_next)
+# False: greedy selection and acceptance after the forward, as with logits processors (read at each call: an A/B knob)
+SELECT_WITH_FORWARD = True
 
 
 def select_tokens(scores: torch.Tensor, do_sample: bool, ranks=None) -> torch.Tensor:

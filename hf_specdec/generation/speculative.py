@@ -36,6 +36,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
 from hf_specdec.generation.adaptive_k import AdaptiveK, costs_for
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector, take_rows
+from hf_specdec.generation import sampling
 from hf_specdec.generation.sampling import PositionScorer, reads_scores, same_on_every_rank, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
@@ -252,7 +253,7 @@ class SpeculativeLoop:
         verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
         raw = not (self.config.do_sample or self.scorer.processors)  # the scores are the raw logits
         # 3. (greedy on the raw logits: taken with the forward, inside its graph)
-        select = self.acceptance.with_forward if raw else None
+        select = self.acceptance.with_forward if raw and sampling.SELECT_WITH_FORWARD else None
         try:
             outputs = self.runner.forward(verify_ids, [k + 1] * len(self.rows), keep_logits=0,
                                           starts=None if self.pending is None else self.next_start, select=select)
