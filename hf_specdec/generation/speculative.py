@@ -86,7 +86,6 @@ class RowStopper:
         return bool(self.criteria(ids, scores() if scores is not None and self.reads_scores else None)[0])
 
 
-
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                        streamer=None, *, drafter: Drafter, acceptance: Acceptance | None = None, adaptive: bool = False,
                        draft_model: torch.nn.Module | None = None, **model_kwargs):
@@ -252,7 +251,7 @@ class SpeculativeLoop:
         k = proposal.tokens.shape[1]  # this round's (the drafter's k when the round was drafted)
         verify_ids = torch.cat([last_tokens[:, None], proposal.tokens], dim=1)
         raw = not (self.config.do_sample or self.scorer.processors)  # the scores are the raw logits
-        # 3. (greedy on the raw logits: taken with the forward, inside its graph)
+        # (greedy acceptance on them, step 3, is taken with the forward: inside its graph where one replays)
         select = self.acceptance.with_forward if raw and sampling.SELECT_WITH_FORWARD else None
         try:
             outputs = self.runner.forward(verify_ids, [k + 1] * len(self.rows), keep_logits=0,

@@ -134,7 +134,7 @@ class ModelRunner:
         self.cache = self.context = None
 
     def forward(self, input_ids: torch.Tensor, num_new: list[int], keep_logits: int = 0, *, prefill: bool = False,
-                starts: torch.Tensor | None = None, select: "Select | None" = None, **model_kwargs):
+                starts: torch.Tensor | None = None, select: Select | None = None, **model_kwargs):
         """Run ``input_ids`` [batch, q_len] (right-aligned real tokens, ``num_new[b]`` per row) through the
         model, with logits of the last ``keep_logits`` slots (0: all); the tokens stay in the cache until
         :meth:`commit` says otherwise. ``model_kwargs`` not owned by the runner (e.g. pixel inputs) pass through.
