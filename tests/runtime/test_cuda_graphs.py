@@ -176,6 +176,34 @@ def test_later_calls_replay_the_stored_graphs():
 
 
 @cuda
+def test_greedy_selection_runs_inside_the_replayed_graphs(monkeypatch):
+    """Greedy plain decoding and greedy verification take their argmax and acceptance inside the forward's graph: once
+    the decode and verify graphs are captured, no step calls the selection from the host again, and the tokens are
+    those of the selection after the forward."""
+    from hf_specdec.generation import acceptance, sampling
+
+    calls = {"argmax": 0, "accept": 0}
+    argmax, greedy_accept = sampling.argmax, acceptance.greedy_accept_no_sync
+    monkeypatch.setattr(sampling, "argmax", lambda x: (calls.__setitem__("argmax", calls["argmax"] + 1), argmax(x))[1])
+    monkeypatch.setattr(acceptance, "greedy_accept_no_sync",
+                        lambda d, t: (calls.__setitem__("accept", calls["accept"] + 1), greedy_accept(d, t))[1])
+    model = hf_specdec.enable(llama().cuda())
+    ids, mask = left_padded_batch([12, 3, 9, 6])
+    kwargs = dict(attention_mask=mask.cuda(), max_new_tokens=40, eos_token_id=None, do_sample=False)
+    for extra in ({}, dict(assistant_model=CopyDrafter(llama().cuda(), 3, noise=0.3))):
+        first = model.generate(ids.cuda(), **kwargs, **extra)  # captures
+        before = dict(calls)
+        again = model.generate(ids.cuda(), **kwargs, **extra)  # replays
+        assert torch.equal(first, again)
+        # on the host only the prefill's selection (the prefill runs eagerly); the verifies' acceptance never
+        assert calls["argmax"] - before["argmax"] == 1 and calls["accept"] == before["accept"], (before, calls)
+        monkeypatch.setattr(sampling, "SELECT_WITH_FORWARD", False)
+        assert torch.equal(model.generate(ids.cuda(), **kwargs, **extra), first)  # selection after the forward
+        assert calls["argmax"] - before["argmax"] > 30 or calls["accept"] > before["accept"]
+        monkeypatch.setattr(sampling, "SELECT_WITH_FORWARD", True)
+
+
+@cuda
 def test_plain_decode_on_cuda_stops_at_eos_and_streams_like_transformers():
     """On CUDA the plain loop queues the next forward before it reads the stop check back: rows that stop at
     EOS, the padding after them and what a streamer receives must still be transformers' own."""
