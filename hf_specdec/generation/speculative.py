@@ -14,7 +14,9 @@ prepares the generation config, logits processors and stopping criteria. One ste
 On the GPU a greedy call (no logits processors, no stopping criteria that read the scores: EOS, max length, stop
 strings and a time limit are fine) whose drafter can draft ahead runs one round ahead: round r+1's verify is queued
 (its positions from round r's acceptance, on the device) before the host waits for round r, so the device verifies
-and drafts while the host emits and commits the round before. Blocks are reserved for both rounds, a row the host
+and drafts while the host emits and commits the round before. So do the rounds without drafts that end a call's
+drafting ("auto" at k = 0 for a drafter whose k does not rise again within a call, Step 3.5 MTP): from there the
+call decodes as plain decoding does, one token a round, each round queued before the last is read. Blocks are reserved for both rounds, a row the host
 saw stop stops advancing on the device from the next round on, and the round in flight when every row stopped is
 dropped.
 
@@ -153,9 +155,14 @@ class SpeculativeLoop:
         # one round ahead (module docstring): greedy, no processors, no stopping criterion that reads the scores (the
         # round in flight overwrites them), a drafter that drafts ahead, one process, on a device where the host's
         # work overlaps the device's
-        self.runs_ahead = (drafter.runs_ahead and input_ids.device.type in RUN_AHEAD_DEVICES
-                           and not generation_config.do_sample and not acceptance.draws_random
-                           and not self.scorer.processors and not self.stopper.reads_scores and self.ranks is None)
+        ahead = (input_ids.device.type in RUN_AHEAD_DEVICES and not generation_config.do_sample
+                 and not acceptance.draws_random and not self.scorer.processors and not self.stopper.reads_scores
+                 and self.ranks is None)
+        self.runs_ahead = drafter.runs_ahead and ahead
+        # rounds without drafts run ahead too where they end the call's drafting ("auto" at k = 0 for a drafter whose
+        # k does not rise again within a call): the drafter needs nothing of them, so the rest of the call queues each
+        # round before the host reads the one before, as plain decoding does
+        self.idles_ahead = ahead and not self.runs_ahead and self.adaptive_k is not None and not drafter.k_grows
         self.pending: _Round | None = None  # running ahead: the round in flight whose result the host has not read
         self.queue_next = False  # running ahead: whether the next round can be queued before that result is read
         self.next_start: torch.Tensor | None = None  # running ahead: where each row's next verify starts [batch]
@@ -167,17 +174,18 @@ class SpeculativeLoop:
         prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
         # running ahead, a row's length runs up to two rounds past its committed tokens (the round in flight, and
         # the one queued before its result is read), and sliding windows keep a round more behind
-        lookahead = 3 * (self.k + 1) if self.runs_ahead else self.k + 1
+        queues = self.runs_ahead or self.idles_ahead
+        lookahead = 3 * (self.k + 1) if queues else self.k + 1
         self.context = self.runner.start(prompt_lens, self.config.max_length - input_ids.shape[1],
                                          lookahead=lookahead, draft_model=self.draft_model,
-                                         window_slack=self.k + 1 if self.runs_ahead else 0)
+                                         window_slack=self.k + 1 if queues else 0)
         # eager forwards cost what their rows cost (on CPU a round's compute grows with its rows): a row that
         # stopped leaves the batch. A CUDA graph replays its whole batch bucket whatever rows are real, so with
         # graphs a stopped row stays (its drafts and verify slots are padding of the bucket). So do the rows of a
         # call that draws random numbers: a draw over fewer rows takes other numbers, and a seed gives the same
         # tokens with and without graphs
         self.drops_rows = (self.drafter.drops_rows and self.runner.graphs is None and not self.config.do_sample
-                           and not self.acceptance.draws_random and not self.runs_ahead)
+                           and not self.acceptance.draws_random and not queues)
         try:
             with self.drafter.capture(self.model) as self.captured:
                 # graphs captured while other hooks recorded into another kind of holder are not replayed here
@@ -294,7 +302,9 @@ class SpeculativeLoop:
         more = not all(len(row) + 1 >= self.stopper.max_length for row, run in zip(self.rows, self.running) if run)
         if self.drafter.num_speculative_tokens and more:
             self.ahead = self.drafter.propose_ahead(next_token, num_accepted, self.context, self.captured, selector)
-        if self.runs_ahead:
+        elif self.idles_ahead and more:  # k fell to 0 for the rest of the call: the next round verifies its token alone
+            self.ahead = self._no_drafts(next_token)
+        if self.runs_ahead or (self.idles_ahead and self.ahead is not None):
             # only drafts queued ahead let the next round go before this one is read: a drafter takes what it needs
             # of this verify in propose_ahead, before the next verify overwrites it (a round without drafts waits).
             # The next verify starts past this one's accepted tokens, for the rows the host has not seen stop (a row
@@ -348,7 +358,8 @@ class SpeculativeLoop:
             self.runner.commit([n + in_flight.k + 1 for n in committed], in_flight=True)
             self.context.committed_lens = in_flight.first = committed
         self.drafter.commit(self.context, self.captured, verified.num_accepted, kept)
-        if self.runs_ahead and any(move and not run for move, run in zip(self.advancing, self.running)):
+        if ((self.runs_ahead or self.idles_ahead)
+                and any(move and not run for move, run in zip(self.advancing, self.running))):
             self.advancing = [int(run) for run in self.running]
             self.advancing_device = to_device_async([torch.tensor(self.advancing)], self.advancing_device.device)[0]
 

@@ -252,3 +252,29 @@ def test_rows_going_on_past_their_stop_run_ahead(mode, ahead):
     model, extra, ids, kwargs, expected = stop_strings_without_eos(mode)
     assert torch.equal(model.generate(ids, **kwargs, **extra), expected)
     assert ahead
+
+
+def test_rounds_without_drafts_that_end_the_drafting_run_ahead(ahead, monkeypatch):
+    """Step 3.5 MTP under "auto" whose drafts are never accepted: k falls to 0, which ends the call's drafting (its k
+    does not rise again within a call), and from there every round is queued before the host reads the one before,
+    as plain decoding does (the drafter needs nothing of them). The output is plain greedy decoding's, a row that
+    stops early stops where it would, and every block comes back."""
+    from hf_specdec.generation.acceptance import GreedyAcceptance
+
+    class RejectAll(GreedyAcceptance):
+        def __call__(self, draft_tokens, draft_probs, scores):
+            num_accepted, _ = super().__call__(draft_tokens, draft_probs, scores)
+            return num_accepted * 0, scores.argmax(dim=-1)[:, 0]
+
+    model, extra, _ = bundled.mode("step_mtp")
+    monkeypatch.setattr(model._hf_specdec, "round_costs", {})  # "auto" from its prior, not from earlier tests' calls
+    ids, mask = bundled.batch(3)
+    eos = bundled.fresh_token(model, ids, mask, row=1, at=12, new_tokens=NEW_TOKENS)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    expected = model.generate(ids, **kwargs)
+    with bundled.recorded_caches(monkeypatch) as caches:
+        out = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"}, acceptance=RejectAll())
+    assert torch.equal(out, expected)
+    # queued rounds are rounds without drafts only (rounds with drafts wait for the one before), most of the call's
+    assert ahead and set(ahead) == {0} and len(ahead) >= NEW_TOKENS // 2, ahead
+    assert len(caches) >= 2 and all(sum(c.num_used_blocks) == 0 for c in caches)

@@ -235,6 +235,10 @@ class Step3p5MTPDraftRunner(Drafter):
 
     def commit(self, context, captured, num_accepted, kept):
         self.ran = min(self.ran, self.num_speculative_tokens)  # a round without drafts ran no layer
+        if self.ran == 0:
+            # k fell to 0: no MTP layer runs again in this call (k does not rise within it), so nothing of this
+            # round is kept (and the loop may have queued the next verify already, which rewrote what capture holds)
+            return
         accepted = num_accepted.tolist()
         old = [n - k for n, k in zip(context.cache.seq_lens, kept)]
         for j, mtp_cache in enumerate(self.caches[:self.ran]):  # the layers this round ran
