@@ -43,9 +43,10 @@ round's (the lowest of its call). With ``plain`` (the loop's controllers), k = 0
 commits one token per row at the cost of a plain step of the loop, so "auto" stops drafting where no k pays for it; such
 rounds measure no acceptance, so a call always starts at a k >= 1 and every :data:`EXPLORE_EVERY` rounds at 0 one round
 drafts again. Where k does not grow within a call (Step 3.5 MTP), k = 0 ends the call's drafting: the rest of the call
-runs plain rounds (each call starts with drafts again), 0 is never a probe of the sweep, and its cost is read off the
-curve of the timed k, extended below the lowest (a verify's cost per token falls as its tokens share weights, so the
-extension overstates a plain round: the switch to 0 needs more than its estimate's gain).
+runs plain rounds (each call starts with drafts again), and the loop queues each of them before the host reads the one
+before, as plain decoding does. There 0 is the sweep's last probe, once every k with drafts is timed (the rest of that
+call runs without drafts); until then its cost is read off the curve of the timed k, extended below the lowest. On the
+GPU that extension misjudges a plain round: a round carries fixed host work that a round running ahead hides.
 """
 
 from __future__ import annotations
@@ -290,10 +291,11 @@ class AdaptiveK:
             self.probe = None
         if not (self.timing and self.sweep):
             return False
-        # where k does not grow, a round without drafts would end the call's drafting: k = 0 is never probed there
-        # (its cost is read off the timed curve, extended below its lowest k)
+        # where k does not grow, a round without drafts ends the call's drafting: k = 0 is probed there only once
+        # every k with drafts is timed (the last probe: the rest of that call runs without drafts)
+        timed_drafts = all(k in self.costs.medians for k in self.candidates if k)
         untimed = [k for k in self.candidates if k not in self.costs.medians and k <= self.ceiling
-                   and (k or self.grows)]
+                   and (k or self.grows or timed_drafts)]
         if not untimed:
             return False
         if self.incumbent is None:

@@ -269,11 +269,12 @@ def test_with_plain_rounds_k_falls_to_zero_where_no_k_pays_and_a_call_starts_wit
     assert 0 in costs.timed() and 0 not in calls[-1] and 0 not in calls[-2], calls[-2:]
 
 
-def test_where_k_does_not_grow_rounds_without_drafts_end_the_calls_drafting_and_are_never_probed():
+def test_where_k_does_not_grow_rounds_without_drafts_end_the_calls_drafting_and_0_is_the_last_probe():
     """``grows=False`` with ``plain=True`` (Step 3.5 MTP): where no k pays (each draft costs as much as a target
     step, acceptance 0.3), a call falls to k = 0 and stays there (k never rises within a call; no exploring round),
-    each call starts with drafts again; the sweep never probes 0 (a probe at 0 would end the sweep call's drafting);
-    its cost comes off the timed curve. Where drafting pays, no call ever runs 0."""
+    each call starts with drafts again. The sweep probes 0 last, once every k with drafts is timed (the rest of that
+    call runs without drafts), so later calls choose 0 from its timed cost. Where drafting pays, only that probe runs
+    0: no later call does."""
     import random
 
     rng = random.Random(11)
@@ -287,19 +288,25 @@ def test_where_k_does_not_grow_rounds_without_drafts_end_the_calls_drafting_and_
             return probing
 
     def run_calls(seconds_of, alpha, calls=5, rounds=40):
+        probes.clear()
         costs, chosen = RoundCosts(), []
         for _ in range(calls):
             controller = Watched(3, lambda k: 0.1 * k, batch=1, costs=costs, grows=False, plain=True)
             chosen.append(_simulate(controller, alpha, seconds_of, rounds, rng, batch=1))
         return costs, chosen
 
+    def probed_in_turn():
+        turns = [p for p in probes if p is not None]
+        return [p for i, p in enumerate(turns) if i == 0 or p != turns[i - 1]]
+
     costs, calls = run_calls(lambda k: 1e-3 * (1 + 1.0 * k), 0.3)
-    # the sweep times the k the first call did not run, from the largest down; never 0
-    assert {1, 2, 3} <= set(costs.timed()) and set(probes) - {None} and 0 not in probes, probes
+    # the sweep times the k the first call did not run, from the largest down, then 0
+    assert {0, 1, 2, 3} <= set(costs.timed()) and probed_in_turn()[-1] == 0 and probed_in_turn().count(0) == 1
     assert all(c[0] >= 1 and not any(b > a for a, b in zip(c, c[1:])) for c in calls), calls
-    assert all(c[-1] == 0 for c in calls[2:]) and calls[-1].count(0) >= len(calls[-1]) // 2, calls
+    assert all(c[-1] == 0 for c in calls[1:]) and calls[-1].count(0) >= len(calls[-1]) // 2, calls
     costs, calls = run_calls(lambda k: 1e-3 * (1 + 0.1 * k), 0.9)
-    assert not any(0 in c for c in calls), calls
+    assert 0 in costs.timed() and probed_in_turn()[-1] == 0, probes
+    assert not any(0 in c for c in calls[2:]), calls
 
 
 def test_rounds_without_drafts_draft_again_now_and_then_and_leave_zero_when_the_acceptance_came_back():
