@@ -16,9 +16,9 @@ strings and a time limit are fine) whose drafter can draft ahead runs one round 
 (its positions from round r's acceptance, on the device) before the host waits for round r, so the device verifies
 and drafts while the host emits and commits the round before. So do the rounds without drafts that end a call's
 drafting ("auto" at k = 0 for a drafter whose k does not rise again within a call, Step 3.5 MTP): from there the
-call decodes as plain decoding does, one token a round, each round queued before the last is read. Blocks are reserved for both rounds, a row the host
-saw stop stops advancing on the device from the next round on, and the round in flight when every row stopped is
-dropped.
+call decodes as plain decoding does, one token a round, each round queued before the last is read. Blocks are
+reserved for both rounds, a row the host saw stop stops advancing on the device from the next round on, and the
+round in flight when every row stopped is dropped.
 
 Greedy output equals plain greedy decoding token for token; sampled output follows the target
 distribution (rejection sampling), whatever the drafter proposes.
@@ -306,7 +306,8 @@ class SpeculativeLoop:
             self.ahead = self._no_drafts(next_token)
         if self.runs_ahead or (self.idles_ahead and self.ahead is not None):
             # only drafts queued ahead let the next round go before this one is read: a drafter takes what it needs
-            # of this verify in propose_ahead, before the next verify overwrites it (a round without drafts waits).
+            # of this verify in propose_ahead, before the next verify overwrites it (a round without drafts waits,
+            # but for those that end the call's drafting: the drafter needs nothing of them).
             # The next verify starts past this one's accepted tokens, for the rows the host has not seen stop (a row
             # it saw stop stays where it is: it writes nothing it will read)
             self.queue_next = more and self.ahead is not None
