@@ -230,7 +230,7 @@ def test_concurrent_generate_calls_are_serialised():
     assert all(torch.equal(r, expected) for r in results)
 
 
-def _record_selects(monkeypatch) -> list:
+def record_selects(monkeypatch) -> list:
     """The ``select`` of every forward the runner runs from here on."""
     from hf_specdec.runtime import ModelRunner
 
@@ -259,7 +259,7 @@ def test_greedy_tokens_are_taken_with_the_forward_unless_something_reads_the_sco
     ids, mask = left_padded_batch([7, 3, 5])
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
     expected = ref.generate(ids, **kwargs)
-    selects = _record_selects(monkeypatch)
+    selects = record_selects(monkeypatch)
     assert torch.equal(ours.generate(ids, **kwargs), expected)
     assert len(selects) == 12 and all(s is GREEDY_NEXT for s in selects)  # the prefill's, then every step's
     variants = [dict(output_scores=True, return_dict_in_generate=True),

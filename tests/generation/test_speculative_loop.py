@@ -240,12 +240,9 @@ def test_greedy_acceptance_is_taken_with_the_verify_forward_and_a_custom_one_aft
     and an acceptance that decides otherwise (its own __call__) accept after it. Greedy output is plain greedy's
     both ways."""
     from hf_specdec.generation.acceptance import GreedyAcceptance
-    from hf_specdec.runtime import ModelRunner
+    from tests.generation.test_plain_generate import record_selects
 
-    selects, forward = [], ModelRunner.forward
-    monkeypatch.setattr(ModelRunner, "forward",
-                        lambda self, *args, select=None, **kwargs: (selects.append(select),
-                                                                    forward(self, *args, select=select, **kwargs))[1])
+    selects = record_selects(monkeypatch)
     target = hf_specdec.enable(llama())
     ids, mask = left_padded_batch([9, 4])
     kwargs = dict(attention_mask=mask, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
