@@ -174,6 +174,53 @@ class ForwardPlan:
             slots=torch.tensor(slots, dtype=torch.int64), tables=torch.tensor(tables, dtype=i32)))
 
 
+class StaticPlan:
+    """A CUDA graph's own copy of a forward plan's inputs for every row of its batch bucket -- the counts [2, rows]
+    and block tables [groups, rows, width] -- from which the graph derives the forward's metadata itself
+    (:meth:`derive`, captured at the graph's start). A replay then copies the plan's counts, and its tables when they
+    changed (a block was allocated or released), with :meth:`load` instead of launching the derivation from the host.
+    Rows past the plan's are padding: no query, no key, no slot, no page."""
+
+    def __init__(self, counts: torch.Tensor, tables: torch.Tensor, q_len: int, block_size: int, meta: ForwardMeta):
+        """``counts``, ``tables``: the graph's static tensors (:meth:`inputs_for`); ``meta``: its static metadata,
+        which :meth:`derive` rebuilds in place."""
+        self.counts, self.tables, self.q_len, self.block_size, self.meta = counts, tables, q_len, block_size, meta
+        self._rows: int | None = None  # the rows of the last plan loaded (the rows past it are padding)
+        self._tables_of: torch.Tensor | None = None  # the plan tables last copied in (rebuilt when blocks change)
+
+    @staticmethod
+    def inputs_for(plan: ForwardPlan, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New static (counts, tables) of ``rows`` rows and tables ``width`` wide, holding ``plan``'s."""
+        groups, batch, own_width = plan.tables.shape
+        counts = torch.zeros(2, rows, dtype=torch.int32, device=plan.counts.device)
+        tables = torch.full((groups, rows, width), RELEASED, dtype=torch.int32, device=plan.counts.device)
+        counts[:, :batch] = plan.counts
+        tables[:, :batch, :own_width] = plan.tables
+        return counts, tables
+
+    def load(self, plan: ForwardPlan) -> None:
+        """``plan``'s counts and tables into the static ones (queued on the device; nothing waits)."""
+        batch, own_width = plan.tables.shape[1:]
+        have_rows, have_width = self.tables.shape[1:]
+        if batch > have_rows or own_width > have_width or plan.q_len != self.q_len:
+            raise RuntimeError(f"a forward of {batch} rows x {plan.q_len} slots with block tables {own_width} wide "
+                               f"does not fit a graph of {have_rows} rows x {self.q_len} slots, {have_width} wide")
+        self.counts[:, :batch].copy_(plan.counts)
+        if batch != self._rows:
+            self.counts[:, batch:].zero_()
+            self.tables[:, batch:].fill_(RELEASED)
+            self._rows, self._tables_of = batch, None
+        if plan.tables is not self._tables_of:
+            self.tables[:, :batch, :own_width].copy_(plan.tables)
+            self.tables[:, :batch, own_width:].fill_(RELEASED)
+            self._tables_of = plan.tables
+
+    def derive(self) -> ForwardMeta:
+        """The forward's metadata from the static counts and tables, into the static metadata (inside the graph)."""
+        build_forward_meta(self.counts, self.tables, self.q_len, self.block_size, self.meta.buffers, validate=False)
+        return self.meta
+
+
 class PagedKVCache(Cache):
     def __init__(self, layout: KVLayout, num_blocks: list[int], batch_size: int, *, block_size: int,
                  dtype: torch.dtype, device: torch.device | str,

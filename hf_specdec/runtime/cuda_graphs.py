@@ -2,10 +2,11 @@
 
 A decode (1 token per row) or verify (k+1 tokens per row) forward has the same shapes at every step of a
 request, so after running it once eagerly the runner captures it into a CUDA graph over static buffers:
-the token ids and the whole :class:`ForwardMeta` (positions, slot mappings, block tables padded to the
-widest table the request can reach, key lengths). Each later step copies the new ids and metadata into
-those buffers and replays the graph: one launch instead of the model's hundreds of kernel launches and
-Python calls. The Triton kernels read every length from device memory and size their grids from shapes
+the token ids, the plan's per-row counts and block tables (padded to the widest table the request can
+reach), and the whole :class:`ForwardMeta` (positions, slot mappings, key lengths) that the graph derives from
+them at its start. Each later step copies the new ids and counts (and the tables, when a block was allocated or
+released) into those buffers and replays the graph: one launch instead of the model's hundreds of kernel
+launches and Python calls. The Triton kernels read every length from device memory and size their grids from shapes
 alone, and ``PagedKVCache.update`` writes K/V by slot mapping, so a replay does exactly what an eager
 forward with the same inputs does (same tokens as eager, with and without graphs).
 
@@ -38,10 +39,15 @@ from types import SimpleNamespace
 import torch
 
 from hf_specdec.cache import ForwardMeta, ForwardPlan
+from hf_specdec.cache.paged_cache import StaticPlan
 
 CUDA_GRAPHS_ENV = "HF_SPECDEC_CUDA_GRAPHS"
 MAX_GRAPH_QUERY_LEN = 32  # decode and verify forwards; prefills run eagerly
 DEFAULT_MAX_GRAPHS = 64  # kept graphs per model (forwards and drafter calls together)
+# a graph derives its forward's metadata (positions, slot mappings, key lengths, tables) itself, from static copies
+# of the plan's counts and tables that a replay refreshes, instead of a launch of the derivation from the host per
+# replay (False: the derivation launched from the host into the graph's static metadata, for A/B)
+META_IN_GRAPH = True
 
 
 def cuda_graphs_wanted(requested: bool, device: torch.device) -> bool:
@@ -92,6 +98,7 @@ class _Graph:
     logits: torch.Tensor
     hooked: object
     selected: tuple = ()  # what the forward's ``select`` computed from its ids and logits (in the graph too)
+    plan: StaticPlan | None = None  # the counts and tables the graph derives ``meta`` from (META_IN_GRAPH)
 
 
 def batch_bucket(batch: int) -> int:
@@ -210,7 +217,7 @@ class GraphRunner:
     def key(self, input_ids: torch.Tensor, keep_logits: int, select=None) -> tuple:
         batch, q_len = input_ids.shape
         return (self.store.generation, (batch_bucket(batch), q_len), keep_logits, self.table_width,
-                self.hooked.signature, None if select is None else select.name)
+                self.hooked.signature, None if select is None else select.name, META_IN_GRAPH)
 
     def can_run(self, input_ids: torch.Tensor, extra: dict) -> bool:
         return self.store.disabled_reason is None and not extra and input_ids.shape[1] <= MAX_GRAPH_QUERY_LEN
@@ -220,12 +227,15 @@ class GraphRunner:
 
     def replay(self, key: tuple, input_ids: torch.Tensor, plan: ForwardPlan):
         """(outputs, metadata of the real rows) of the graph ``key`` replayed for ``input_ids`` and ``plan``: the
-        ids are copied into its first rows and the plan's metadata is derived into its static buffers, rows past
-        the batch becoming padding (no query, no key, no slot, no page)."""
+        ids are copied into its first rows and the plan's counts and tables into its static ones, from which the
+        graph derives the metadata (rows past the batch become padding: no query, no key, no slot, no page)."""
         g = self.store.get("graphs", key)
         rows = input_ids.shape[0]
         g.input_ids[:rows].copy_(input_ids)
-        plan.meta(out=g.meta)
+        if g.plan is not None:
+            g.plan.load(plan)
+        else:
+            plan.meta(out=g.meta)
         g.graph.replay()
         self.hooked.restore(g.hooked, rows)
         return SimpleNamespace(logits=g.logits[:rows], selected=tuple(t[:rows] for t in g.selected)), g.meta.rows(rows)
@@ -237,12 +247,16 @@ class GraphRunner:
         rows, bucket = input_ids.shape[0], key[1][0]
         static_ids = torch.nn.functional.pad(input_ids, (0, 0, 0, bucket - rows))  # padding rows: token 0
         static_meta = plan.meta(rows=bucket, width=self.table_width)
+        static_plan = None
+        if META_IN_GRAPH:
+            static_plan = StaticPlan(*StaticPlan.inputs_for(plan, bucket, self.table_width), plan.q_len,
+                                     plan.block_size, static_meta)
         recorded = self.hooked.snapshot()  # the eager forward's records: what the caller reads next
         try:
             with self.cache.forward_with(static_meta):
-                graph, out = capture_graph(forward, static_ids)
+                graph, out = capture_graph(_derive_then(static_plan, forward), static_ids)
             self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot(),
-                                                  getattr(out, "selected", ())))
+                                                  getattr(out, "selected", ()), static_plan))
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
             self.store.disabled_reason = f"{type(error).__name__}: {error}"
             warnings.warn(
@@ -252,6 +266,17 @@ class GraphRunner:
             )
         finally:
             self.hooked.restore(recorded)
+
+
+def _derive_then(static_plan: StaticPlan | None, forward):
+    """``forward`` preceded by the derivation of its metadata from ``static_plan`` (when there is one)."""
+    if static_plan is None:
+        return forward
+
+    def body(*inputs):
+        static_plan.derive()
+        return forward(*inputs)
+    return body
 
 
 def capture_graph(fn, *inputs):
@@ -282,6 +307,8 @@ class CallGraph:
     def __init__(self, fn, inputs: list[torch.Tensor]):
         self.inputs = [t.clone() for t in inputs]
         self.graph, self.outputs = capture_graph(fn, *self.inputs)
+        # the forwards it derives its metadata for, over its inputs (drafter_graphs: a replay loads each plan)
+        self.plans: list[StaticPlan] = []
 
     def __call__(self, *inputs: torch.Tensor):
         """Replay with ``inputs``; inputs with fewer rows than the captured ones (a smaller batch of the same

@@ -29,6 +29,8 @@ import warnings
 import torch
 
 from hf_specdec.cache import ForwardPlan
+from hf_specdec.cache.paged_cache import StaticPlan
+from hf_specdec.runtime import cuda_graphs
 from hf_specdec.runtime.cuda_graphs import (
     MAX_GRAPH_QUERY_LEN,
     META_INPUTS,
@@ -67,6 +69,7 @@ class DrafterGraphs:
         if plan is not None:
             fn, plans = functools.partial(_with_meta, fn, cache), [plan]
         plans = plans or []
+        derive = bool(plans) and cuda_graphs.META_IN_GRAPH  # the graph derives its plans' metadata itself
         if not self.on or any(p.q_len > MAX_GRAPH_QUERY_LEN for p in plans):
             return fn(*tensors, *(p.meta() for p in plans))
         rows = tensors[0].shape[0]
@@ -74,23 +77,35 @@ class DrafterGraphs:
         # (owner kind, call name, owner ids..., store generation, bucket, input shapes, table width, extra key,
         # the planned forwards' widths)
         graph_key = (self.owner[0], name, *self.owner[1:], self.store.generation, bucket,
-                     tuple(tuple(t.shape[1:]) for t in tensors), self.table_width, *key, *(p.q_len for p in plans))
+                     tuple(tuple(t.shape[1:]) for t in tensors), self.table_width, *key, *(p.q_len for p in plans),
+                     derive)
         graph = self.store.get("calls", graph_key)
         if graph is not None:
-            # each plan's metadata straight into the graph's static inputs, every row of the bucket
+            # each plan's counts and tables into the graph's static inputs (the graph derives the metadata from
+            # them), or its metadata straight into them; every row of the bucket
             for i, p in enumerate(plans):
-                start = len(tensors) + i * META_INPUTS
-                p.meta(out=meta_of_inputs(graph.inputs[start:start + META_INPUTS], p.q_len))
+                if graph.plans:
+                    graph.plans[i].load(p)
+                else:
+                    start = len(tensors) + i * META_INPUTS
+                    p.meta(out=meta_of_inputs(graph.inputs[start:start + META_INPUTS], p.q_len))
             return first_rows(graph(*tensors), rows)
         inputs = _pad_all(tensors, bucket, pad_values)
         body = fn
         if plans:
+            # per plan: the static metadata, then (deriving it in the graph) the plan's counts and tables
             for p in plans:
                 inputs += meta_inputs(p.meta(rows=bucket, width=self.table_width))
-            body = functools.partial(_from_flat, fn, len(tensors), [p.q_len for p in plans])
+                if derive:
+                    inputs += StaticPlan.inputs_for(p, bucket, self.table_width)
+            body = functools.partial(_from_flat, fn, len(tensors), [(p.q_len, p.block_size) for p in plans], derive)
         out = body(*inputs)
         try:
-            self.store.keep("calls", graph_key, CallGraph(body, inputs))
+            graph = CallGraph(body, inputs)
+            if derive:
+                graph.plans = [_static_plan(graph.inputs, len(tensors), i, p.q_len, p.block_size)
+                               for i, p in enumerate(plans)]
+            self.store.keep("calls", graph_key, graph)
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
             warnings.warn(f"hf_specdec could not capture {name} of {self.owner[0]} as a CUDA graph ({error}); "
                           "running it eagerly.", RuntimeWarning, stacklevel=2)
@@ -110,10 +125,21 @@ def _with_meta(fn, cache, *tensors_and_meta):
         return fn(*tensors_and_meta)
 
 
-def _from_flat(fn, num_tensors: int, q_lens: list[int], *flat):
-    """``fn(*tensors, *metas)`` with each metadata rebuilt from ``flat`` (a graph's static inputs)."""
-    metas = [meta_of_inputs(flat[num_tensors + i * META_INPUTS:num_tensors + (i + 1) * META_INPUTS], q_len)
-             for i, q_len in enumerate(q_lens)]
+def _static_plan(flat, num_tensors: int, i: int, q_len: int, block_size: int) -> StaticPlan:
+    """Plan ``i`` over a graph's flat inputs (its tensors, then per plan its metadata, counts and tables)."""
+    start = num_tensors + i * (META_INPUTS + 2)
+    meta = meta_of_inputs(flat[start:start + META_INPUTS], q_len)
+    return StaticPlan(flat[start + META_INPUTS], flat[start + META_INPUTS + 1], q_len, block_size, meta)
+
+
+def _from_flat(fn, num_tensors: int, shapes: list[tuple[int, int]], derive: bool, *flat):
+    """``fn(*tensors, *metas)`` with each metadata over ``flat`` (a graph's static inputs); ``derive``: each derived
+    there first from the plan's counts and tables (``shapes``: each plan's query slots and block size)."""
+    if not derive:
+        metas = [meta_of_inputs(flat[num_tensors + i * META_INPUTS:num_tensors + (i + 1) * META_INPUTS], q_len)
+                 for i, (q_len, _) in enumerate(shapes)]
+    else:
+        metas = [_static_plan(flat, num_tensors, i, q_len, size).derive() for i, (q_len, size) in enumerate(shapes)]
     return fn(*flat[:num_tensors], *metas)
 
 
