@@ -59,6 +59,8 @@ class CountsStaging:
             self.host = torch.empty((slots, *shape), dtype=torch.int32, pin_memory=True)
             self.host_view = self.host.numpy()
             self.on_device = torch.empty((slots, *shape), dtype=torch.int32, device=device)
+            # (each slot's views made once: indexing a tensor per put costs host time)
+            self.host_slots, self.device_slots = list(self.host.unbind(0)), list(self.on_device.unbind(0))
             self.events: list[torch.cuda.Event | None] = [None] * slots
             self.next = 0
 
@@ -67,14 +69,15 @@ class CountsStaging:
             return torch.tensor(rows, dtype=torch.int32, device=self.device)
         i = self.next
         self.next = (i + 1) % len(self.events)
-        if self.events[i] is not None:
-            self.events[i].synchronize()
+        event = self.events[i]
+        if event is not None:
+            event.synchronize()
         else:
-            self.events[i] = torch.cuda.Event()
+            event = self.events[i] = torch.cuda.Event()
         self.host_view[i] = rows
-        out = self.on_device[i]
-        out.copy_(self.host[i], non_blocking=True)  # on the device's current stream, which the event marks
-        self.events[i].record(torch.cuda.current_stream(self.device))
+        out = self.device_slots[i]
+        out.copy_(self.host_slots[i], non_blocking=True)  # on the device's current stream, which the event marks
+        event.record(torch.cuda.current_stream(self.device))
         return out
 
 

@@ -82,7 +82,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
                     runner.commit(lens)
             count, streamed = readback.wait(pending)
             if streamer is not None:
-                streamer.put(streamed)
+                streamer.put(streamed.clone())  # (the read-back's pinned buffer is reused)
             stats.record_step([1] * active)
             active = int(count)
             if active == 0 or at_max:
