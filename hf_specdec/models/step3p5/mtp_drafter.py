@@ -27,9 +27,10 @@ rise within a request: a layer a round left out did not see that round's positio
 request's largest k + 1, so the first round after a fall still covers every position its layers lack.
 
 With CUDA graphs on (the target's request uses them), a greedy round of those rounds (no logits processors) is
-one graph replay of the batch's bucket: every layer, the argmax of its head and the gathers between layers (kept
-in the target's GraphStore per width, over the MTP caches' pooled storage: padding rows have no query, no key, no
-slot and no page). Sampled rounds replay one graph per layer and select each draft eagerly from its outputs.
+one graph replay of the batch's bucket: the round's tokens and layer 0's states from the last round's and the
+verify's (the scatter and gathers above), every layer, the argmax of its head and the gathers between layers (kept in
+the target's GraphStore per width, over the MTP caches' pooled storage: padding rows have no query, no key, no slot
+and no page). Sampled rounds replay one graph per layer and select each draft eagerly from its outputs.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class Step3p5MTPDraftRunner(Drafter):
         self.drafted: torch.Tensor | None = None  # [batch, k] the last round's drafts
         self.accepted: torch.Tensor | None = None  # [batch] drafts the last verify accepted
         self.kept: torch.Tensor | None = None  # [batch] tokens each row kept at the last verify (0: stopped)
-        self.hidden: torch.Tensor | None = None  # [batch, w, hidden] layer 0's states at L-w .. L-1
+        self.hidden: torch.Tensor | None = None  # [batch, w, hidden] the prompt's states (the first round's layer 0)
+        self.verified: torch.Tensor | None = None  # [batch, q, hidden] the last verify's pre-norm states
         self.below: list[torch.Tensor | None] = []  # per layer j < k-1: its outputs at L-width .. L-1 of the last round
 
     @contextlib.contextmanager
@@ -119,7 +121,7 @@ class Step3p5MTPDraftRunner(Drafter):
         self.hidden = captured.pre_norm  # the prompt's states, right-aligned (left padding first)
         # the round's tensors live on the input device; layers that accelerate put elsewhere get theirs moved
         self.device = input_device(self.target)
-        self.tokens = self.drafted = self.accepted = self.kept = None
+        self.tokens = self.drafted = self.accepted = self.kept = self.verified = None
         self.below = [None] * (self.num_speculative_tokens - 1)
         self.ran = self.num_speculative_tokens
 
@@ -135,9 +137,9 @@ class Step3p5MTPDraftRunner(Drafter):
     @torch.inference_mode()
     def propose(self, last_tokens, context, selector) -> DraftProposal:
         lens = context.cache.seq_lens
+        if self.tokens is not None and not selector.do_sample and not selector.scorer.processors:
+            return DraftProposal(self._greedy_round(last_tokens.to(self.device), lens), None)
         width, tokens, states, shift = self._round_inputs(last_tokens, lens, selector)
-        if shift is not None and not selector.do_sample and not selector.scorer.processors:
-            return DraftProposal(self._greedy_round(tokens, states, shift, lens), None)
         drafted, probs = tokens[:, :0], []
         active = self._active_caches()
         for j, mtp_cache in enumerate(active):
@@ -163,35 +165,41 @@ class Step3p5MTPDraftRunner(Drafter):
             width = max(lens)
             tokens = torch.stack([p[p.shape[0] - (width + 1):] for p in selector.prefixes])
             return width, tokens.to(self.device), self.hidden[:, self.hidden.shape[1] - width:].to(self.device), None
-        self.kept, self.accepted = self.kept.to(self.device), self.accepted.to(self.device)
-        slots = torch.arange(self.width, device=self.device)
-        shift = (self.kept[:, None] + slots).clamp(max=self.width - 1)  # a row that kept n tokens moved n slots
-        return self.width, self._committed_tokens(last_tokens.to(self.device)), self.hidden.to(self.device), shift
+        return self.width, *_round_state(last_tokens.to(self.device), *self._last_round())
 
-    def _committed_tokens(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """t[L-width .. L] per row [batch, width + 1]: the last round's t[L_old-width .. L_old], its drafts with the
-        next token (recovered or bonus, at L_old + a + 1) over the first rejected one, shifted by the kept count."""
-        seq = torch.cat([self.tokens, self.drafted, last_tokens[:, None].to(self.tokens.dtype)], dim=1)
-        seq.scatter_(1, self.accepted[:, None].long() + self.width + 1, last_tokens[:, None].to(seq.dtype))
-        return seq.gather(1, self.kept[:, None] + torch.arange(self.width + 1, device=seq.device))
+    def _last_round(self) -> list[torch.Tensor]:
+        """What a round's inputs are derived from (:func:`_round_state`), on the round's device: the last round's
+        tokens and drafts, the last verify's accepted and kept counts and its pre-norm states (the drafts and the
+        states padded to the fixed width's after a round of fewer drafts, which reads none of the padding: a round's
+        graph does not depend on the last round's k)."""
+        drafted, verified = self.drafted, self.verified
+        if drafted.shape[1] < self.width - 1:
+            drafted = torch.nn.functional.pad(drafted, (0, self.width - 1 - drafted.shape[1]))
+        if verified.shape[1] < self.width:
+            verified = torch.nn.functional.pad(verified, (0, 0, 0, self.width - verified.shape[1]))
+        return [t.to(self.device) for t in (self.tokens, drafted, self.accepted, self.kept, verified)]
 
-    def _greedy_round(self, tokens, states, shift, lens) -> torch.Tensor:
-        """A greedy round at the fixed width as one call (one graph replay): every layer's forward over its planned
-        entries, its draft by argmax, its outputs under the next layer's. Returns the drafts [batch, k]."""
+    def _greedy_round(self, last_tokens, lens) -> torch.Tensor:
+        """A greedy round at the fixed width as one call (one graph replay): the round's inputs from the last one's,
+        every layer's forward over its planned entries, its draft by argmax, its outputs under the next layer's.
+        Returns the drafts [batch, k]."""
         active = self._active_caches()
         plans = [c.plan_forward([n - s for s, n in zip(c.seq_lens, lens)], self.width) for c in active]
         below = self.below[:len(active) - 1]
-        drafted, *below = self.graphs.run("greedy_round", self._greedy_layers, [tokens, states, shift, *below],
-                                          plans=plans, key=(len(active),))
+        drafted, tokens, *below = self.graphs.run("greedy_round", self._greedy_layers,
+                                                  [last_tokens, *self._last_round(), *below], plans=plans,
+                                                  key=(len(active),))
         for cache in active:
             cache.commit(cache.seq_lens)
         self.below[:len(below)] = below
-        self.tokens, self.drafted = _last_columns(tokens, self.width + 1), drafted
+        self.tokens, self.drafted = tokens, drafted
         return drafted
 
-    def _greedy_layers(self, tokens, states, shift, *below_and_metas):
-        """(drafts [batch, k], each layer j < k-1's outputs at this round's slots) of a greedy round; ``below``: each
-        layer's outputs of the last round, ``metas``: each layer's forward."""
+    def _greedy_layers(self, last_tokens, last_round_tokens, last_drafted, accepted, kept, verified,
+                       *below_and_metas):
+        """(drafts [batch, k], the round's tokens, each layer j < k-1's outputs at this round's slots) of a greedy
+        round; ``below``: each layer's outputs of the last round, ``metas``: each layer's forward."""
+        tokens, states, shift = _round_state(last_tokens, last_round_tokens, last_drafted, accepted, kept, verified)
         layers = (len(below_and_metas) + 1) // 2  # below: one per layer but the last, metas: one per layer
         below, metas = below_and_metas[:layers - 1], below_and_metas[layers - 1:]
         drafted, outputs_below = tokens[:, :0], []
@@ -204,7 +212,7 @@ class Step3p5MTPDraftRunner(Drafter):
             if j + 1 < layers:
                 states = _over_last(outputs, new, below[j], shift)
                 outputs_below.append(states)
-        return (drafted, *outputs_below)
+        return (drafted, tokens, *outputs_below)
 
     def _below(self, j: int, outputs: torch.Tensor, new: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
         """Layer j's outputs at this round's slots [batch, width, hidden], for layer j+1: this round's where layer j
@@ -246,20 +254,38 @@ class Step3p5MTPDraftRunner(Drafter):
             # may leave none)
             mtp_cache.commit([max(0, min(o, o + a - j)) if k else n for o, a, k, n
                               in zip(old, accepted, kept, mtp_cache.seq_lens)])
-        # layer 0's next states: the verify's kept slots (positions L_old ..), right-aligned like a forward's
-        pre_norm = captured.pre_norm  # [batch, k+1, hidden]
-        self.kept = to_device_async([torch.tensor(kept)], pre_norm.device)[0]
+        # layer 0's next states are the verify's kept slots (the next round takes them, :func:`_round_state`)
+        self.verified = captured.pre_norm  # [batch, k+1, hidden]: read before the next verify rewrites it
+        self.kept = to_device_async([torch.tensor(kept)], self.verified.device)[0]
         self.accepted = num_accepted
-        slots = torch.arange(self.width, device=pre_norm.device)
-        index = (slots[None, :] + self.kept[:, None] - self.width).clamp(min=0)
-        self.hidden = pre_norm.gather(1, index[..., None].expand(-1, -1, pre_norm.shape[-1]))
 
     def keep_rows(self, rows):
         for cache in self.caches:
             cache.keep_rows(rows)
-        self.tokens, self.drafted, self.accepted, self.kept, self.hidden = (
-            take_rows(x, rows) for x in (self.tokens, self.drafted, self.accepted, self.kept, self.hidden))
+        self.tokens, self.drafted, self.accepted, self.kept, self.hidden, self.verified = (
+            take_rows(x, rows) for x in (self.tokens, self.drafted, self.accepted, self.kept, self.hidden,
+                                         self.verified))
         self.below = [take_rows(x, rows) for x in self.below]
+
+
+def _round_state(last_tokens, last_round_tokens, last_drafted, accepted, kept, verified):
+    """(tokens t[L-width .. L] [batch, width + 1], layer 0's states [batch, width, hidden], and the slot of last
+    round's outputs at each of this round's slots [batch, width]) of a round at the fixed width, from the last
+    round's t[L_old-width .. L_old] and drafts, the verify's accepted and kept counts and its pre-norm states
+    (positions L_old ..), and each row's next token (recovered or bonus, at L_old + a + 1): on the device only."""
+    width = last_round_tokens.shape[1] - 1
+    slots = torch.arange(width + 1, device=last_tokens.device)
+    kept = kept.to(last_tokens.device)
+    # the tokens: the drafts with the next token over the first rejected one, shifted by the kept count
+    seq = torch.cat([last_round_tokens, last_drafted, last_tokens[:, None].to(last_round_tokens.dtype)], dim=1)
+    seq.scatter_(1, accepted.to(last_tokens.device)[:, None].long() + width + 1,
+                 last_tokens[:, None].to(seq.dtype))
+    tokens = seq.gather(1, kept[:, None] + slots)
+    # layer 0's states: the verify's kept slots, right-aligned like a forward's
+    index = (slots[None, :width] + kept[:, None] - width).clamp(min=0).to(verified.device)
+    states = verified.gather(1, index[..., None].expand(-1, -1, verified.shape[-1])).to(last_tokens.device)
+    shift = (kept[:, None] + slots[:width]).clamp(max=width - 1)  # a row that kept n tokens moved n slots
+    return tokens, states, shift
 
 
 def _layer_inputs(j: int, width: int, tokens: torch.Tensor, drafted: torch.Tensor, states: torch.Tensor,
