@@ -45,8 +45,8 @@ def test_step3p5_mtp_graphs_give_the_eager_tokens_and_later_requests_replay_them
     _assert_graphs_give_eager_drafts(model, lengths, 0, kwargs, monkeypatch)
     calls = _mtp_calls(store)
     assert {key[1] for key in calls} == {"greedy_round"}, "a greedy round's layers were captured as one graph"
-    # (bucket, k + 1 slots: the width of layer 0's states input)
-    assert {(key[4], key[5][1][0]) for key in calls} == {(batch_bucket(len(lengths)), 4)}
+    # (bucket, k + 1 slots: the width of the verify's states, the round's sixth input, layer 0's states come from)
+    assert {(key[4], key[5][5][0]) for key in calls} == {(batch_bucket(len(lengths)), 4)}
     kept = (set(store.graphs), set(store.calls))
     _assert_graphs_give_eager_drafts(model, lengths, 1, kwargs, monkeypatch)  # other prompts, the same shapes
     assert (set(store.graphs), set(store.calls)) == kept  # replayed, nothing captured again
