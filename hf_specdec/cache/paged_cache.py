@@ -297,8 +297,16 @@ class PagedKVCache(Cache):
         (``start`` [batch] int32 on the cache's device, each at most the row's length: e.g. after an acceptance the
         host has not read yet). Room for ``q_len`` tokens past every row's length is allocated (the longest case):
         the lengths grow by ``q_len`` until the next :meth:`commit` sets them."""
+        return self.plan_counts(torch.stack([start.to(torch.int32), torch.full_like(start, q_len, dtype=torch.int32)]),
+                                q_len)
+
+    def plan_counts(self, counts: torch.Tensor, q_len: int) -> ForwardPlan:
+        """:meth:`plan_at` with each row's number of new tokens only the device knows too: ``counts`` [2, batch] int32
+        on the cache's device (contiguous): the tokens before the forward (each at most the row's length) and the new
+        ones (at most ``q_len``, right-aligned in the query slots)."""
+        if tuple(counts.shape) != (2, self.batch_size) or counts.dtype != torch.int32:
+            raise ValueError(f"counts must be [2, {self.batch_size}] int32, got {tuple(counts.shape)} {counts.dtype}.")
         self._allocate([q_len] * self.batch_size)
-        counts = torch.stack([start.to(torch.int32), torch.full_like(start, q_len, dtype=torch.int32)])
         return ForwardPlan(q_len=q_len, counts=counts, tables=self._device_tables(), block_size=self.block_size)
 
     def _allocate(self, num_new: list[int]) -> list[int]:

@@ -162,7 +162,7 @@ class SpeculativeLoop:
         # rounds without drafts run ahead too where they end the call's drafting ("auto" at k = 0 for a drafter whose
         # k does not rise again within a call): the drafter needs nothing of them, so the rest of the call queues each
         # round before the host reads the one before, as plain decoding does
-        self.idles_ahead = ahead and not self.runs_ahead and self.adaptive_k is not None and not drafter.k_grows
+        self.idles_ahead = ahead and self.adaptive_k is not None and not drafter.k_grows
         self.pending: _Round | None = None  # running ahead: the round in flight whose result the host has not read
         self.queue_next = False  # running ahead: whether the next round can be queued before that result is read
         self.next_start: torch.Tensor | None = None  # running ahead: where each row's next verify starts [batch]

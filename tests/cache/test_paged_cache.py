@@ -94,6 +94,24 @@ def test_a_forward_at_device_positions_describes_what_a_host_plan_at_them_would(
     assert caches[0].seq_lens == [9, 8]
 
 
+def test_a_forward_of_device_counts_describes_what_a_host_plan_of_them_would():
+    """plan_counts: each row's start and number of new tokens only the device knows (fewer than the query slots for
+    some rows, right-aligned): the same metadata as the host's plan after rolling each row back to its start."""
+    caches = [PagedKVCache(LAYOUT, [64, 64], 2, block_size=4, dtype=torch.float32, device="cpu") for _ in range(2)]
+    for cache in caches:
+        _store(cache, [9, 5], 9, torch.Generator().manual_seed(1))
+        cache.commit([9, 5])
+    ahead = caches[0].plan_counts(torch.tensor([[6, 5], [2, 3]], dtype=torch.int32), 3).meta()
+    assert caches[0].seq_lens == [12, 8]  # room for 3 past every row's length
+    caches[1].commit([6, 5])
+    host = caches[1].plan_forward([2, 3], 3).meta()
+    for field in ("kv_lens", "q_pos0", "q_lens", "position_ids"):
+        assert torch.equal(getattr(ahead, field), getattr(host, field)), field
+    assert all(torch.equal(a, b) for a, b in zip(ahead.slot_mapping, host.slot_mapping))
+    with pytest.raises(ValueError, match=r"counts must be \[2, 2\] int32"):
+        caches[0].plan_counts(torch.tensor([[6, 5], [2, 3]]), 3)
+
+
 def test_out_of_blocks_raises_before_touching_state():
     cache = PagedKVCache(LAYOUT, [2, 2], 2, block_size=4, dtype=torch.float32, device="cpu")
     cache.begin_forward([4, 4], 4)

@@ -12,9 +12,10 @@ from hf_specdec.generation import acceptance
 from hf_specdec.generation.speculative import SpeculativeLoop
 from hf_specdec.models.dflash import DFlashDraftRunner
 from hf_specdec.models.gemma4 import Gemma4MTPDraftRunner
+from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDraftRunner
 from tests import bundled
 
-RUNNERS = {"gemma_mtp": Gemma4MTPDraftRunner, "gemma_dflash": DFlashDraftRunner}
+RUNNERS = {"gemma_mtp": Gemma4MTPDraftRunner, "gemma_dflash": DFlashDraftRunner, "step_mtp": Step3p5MTPDraftRunner}
 
 
 def _batch():

@@ -34,7 +34,7 @@ def ahead(monkeypatch):
     return queued
 
 
-@pytest.mark.parametrize("mode", ["gemma_mtp", "gemma_dflash"])
+@pytest.mark.parametrize("mode", ["gemma_mtp", "gemma_dflash", "step_mtp"])
 @pytest.mark.parametrize("k", ["fixed", "auto"])
 def test_rounds_run_ahead_are_plain_greedy_decoding(mode, k, ahead, monkeypatch):
     model, extra, reference = bundled.mode(mode)
@@ -86,11 +86,12 @@ class _ReadsScores(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-@pytest.mark.parametrize("reason", ["sampling", "reads_scores", "step_mtp"])
-def test_what_does_not_run_ahead(reason, ahead):
-    """Sampled calls, a stopping criterion that reads the scores (the round in flight overwrites them), and a drafter
-    that cannot draft ahead (Step 3.5 MTP) wait for each round before the next, as everywhere else."""
-    model, extra, reference = bundled.mode("step_mtp" if reason == "step_mtp" else "gemma_mtp")
+@pytest.mark.parametrize("reason", ["sampling", "reads_scores"])
+@pytest.mark.parametrize("mode", ["gemma_mtp", "step_mtp"])
+def test_what_does_not_run_ahead(mode, reason, ahead):
+    """Sampled calls and a stopping criterion that reads the scores (the round in flight overwrites them) wait for
+    each round before the next, as everywhere else."""
+    model, extra, reference = bundled.mode(mode)
     ids, mask = bundled.batch(2)
     kwargs = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0,
                   do_sample=reason == "sampling")
@@ -275,6 +276,44 @@ def test_rounds_without_drafts_that_end_the_drafting_run_ahead(ahead, monkeypatc
     with bundled.recorded_caches(monkeypatch) as caches:
         out = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"}, acceptance=RejectAll())
     assert torch.equal(out, expected)
-    # queued rounds are rounds without drafts only (rounds with drafts wait for the one before), most of the call's
-    assert ahead and set(ahead) == {0} and len(ahead) >= NEW_TOKENS // 2, ahead
+    # most of the call's rounds are rounds without drafts, queued ahead as the rounds with drafts before them
+    assert ahead.count(0) >= NEW_TOKENS // 2 and set(ahead) - {0}, ahead
     assert len(caches) >= 2 and all(sum(c.num_used_blocks) == 0 for c in caches)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_step_mtp_drafts_ahead_what_it_drafts_after_the_commit(k, monkeypatch):
+    """Step 3.5 MTP drafting ahead (each layer's entries, tokens and states derived on the device from an acceptance
+    the host has not read) proposes what it proposes after each commit: the same drafts round after round while every
+    row runs (a layer's K/V or inputs gone wrong would change them), the rows accept the same over the whole call
+    (rows reach their max length at different rounds), and every block of its caches comes back."""
+    from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDraftRunner
+
+    model, extra, reference = bundled.mode("step_mtp")
+    ids, mask = bundled.batch(4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    run_round, propose_ahead = Step3p5MTPDraftRunner._run_greedy_round, Step3p5MTPDraftRunner.propose_ahead
+    runs = []
+    # the reference drafts after each commit: no round queued ahead, no drafts proposed before the host's read
+    for devices, ahead in (((), lambda *args: None), (("cuda", "cpu"), propose_ahead)):
+        drafts = []
+
+        def spy(self, last_tokens, plans):
+            out = run_round(self, last_tokens, plans)
+            drafts.append(out.clone())
+            return out
+
+        monkeypatch.setattr(speculative, "RUN_AHEAD_DEVICES", devices)
+        monkeypatch.setattr(Step3p5MTPDraftRunner, "propose_ahead", ahead)
+        monkeypatch.setattr(Step3p5MTPDraftRunner, "_run_greedy_round", spy)
+        with bundled.recorded_caches(monkeypatch) as caches:
+            out = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": k})
+        stats = hf_specdec.last_generation_stats(model)
+        assert len(caches) == 1 + k and all(sum(c.num_used_blocks) == 0 for c in caches)
+        runs.append((out, stats.num_target_forwards, stats.acceptance_histogram, drafts))
+    (out, forwards, histogram, drafts), (out_ahead, forwards_ahead, histogram_ahead, drafts_ahead) = runs
+    assert torch.equal(out_ahead, out) and torch.equal(out, reference.generate(ids, **kwargs))
+    assert (forwards_ahead, histogram_ahead) == (forwards, histogram) and sum(histogram[1:]) > 0
+    # after the commit a row that stopped leaves the batch: the rounds before any row stopped
+    every_row = [a for a in drafts if len(a) == len(ids)]
+    assert len(every_row) >= 5 and all(torch.equal(a, b) for a, b in zip(every_row, drafts_ahead))

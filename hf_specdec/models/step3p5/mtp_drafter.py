@@ -61,6 +61,7 @@ class Step3p5MTPDraftRunner(Drafter):
     # may fall within a request but not rise again (the next request starts with every layer)
     adaptive_k = True
     k_grows = False
+    runs_ahead = True  # greedy rounds draft from the verify's acceptance on the device (propose_ahead)
 
     def __init__(self, target, num_speculative_tokens: int | None = None):
         if not getattr(target, "has_mtp", False):
@@ -118,12 +119,15 @@ class Step3p5MTPDraftRunner(Drafter):
             layout = KVLayout(groups=[group], layer_slot={layer: (0, 0)}, producer={layer: layer})
             # pooled storage per layer: kept graphs write into it in later requests too
             self.caches.append(context.new_cache(layout, f"step3p5_mtp{j}", dtype=context.cache.dtype))
+            # drafting ahead, a round is queued before the last one's commit slides the window: keep a round more
+            self.caches[-1].widen_windows(self.width)
         self.hidden = captured.pre_norm  # the prompt's states, right-aligned (left padding first)
         # the round's tensors live on the input device; layers that accelerate put elsewhere get theirs moved
         self.device = input_device(self.target)
         self.tokens = self.drafted = self.accepted = self.kept = self.verified = None
         self.below = [None] * (self.num_speculative_tokens - 1)
         self.ran = self.num_speculative_tokens
+        self._ahead = False  # propose_ahead drafted from the last verify before its commit
 
     def _active_caches(self) -> list[PagedKVCache]:
         """The caches of the MTP layers this round runs (layers 0..k-1; the request's first rounds may have run
@@ -180,17 +184,51 @@ class Step3p5MTPDraftRunner(Drafter):
         return [t.to(self.device) for t in (self.tokens, drafted, self.accepted, self.kept, verified)]
 
     def _greedy_round(self, last_tokens, lens) -> torch.Tensor:
-        """A greedy round at the fixed width as one call (one graph replay): the round's inputs from the last one's,
-        every layer's forward over its planned entries, its draft by argmax, its outputs under the next layer's.
-        Returns the drafts [batch, k]."""
+        """A greedy round at the fixed width after the last verify's commit (host-planned forwards)."""
         active = self._active_caches()
-        plans = [c.plan_forward([n - s for s, n in zip(c.seq_lens, lens)], self.width) for c in active]
-        below = self.below[:len(active) - 1]
-        drafted, tokens, *below = self.graphs.run("greedy_round", self._greedy_layers,
-                                                  [last_tokens, *self._last_round(), *below], plans=plans,
-                                                  key=(len(active),))
+        drafted = self._run_greedy_round(
+            last_tokens, [c.plan_forward([n - s for s, n in zip(c.seq_lens, lens)], self.width) for c in active])
         for cache in active:
             cache.commit(cache.seq_lens)
+        return drafted
+
+    @torch.inference_mode()
+    def propose_ahead(self, next_tokens, num_accepted, context, captured, selector) -> DraftProposal | None:
+        """Greedy drafts of the next round before the last verify is committed: a row that keeps running commits
+        ``a + 1`` tokens (``a``: its accepted drafts, on the device), so MTP layer j keeps its entries below
+        ``L + min(0, a - j)`` (``L``: the verify's first position) and runs over the positions from there to
+        ``L + a``, planned from device counts over blocks reserved for the longest case. Sampling and logits
+        processors draft after the commit (``propose``), as does a round whose blocks do not fit."""
+        if (selector.do_sample or selector.scorer.processors or self.tokens is None
+                or context.forward_meta is None):
+            return None
+        active = self._active_caches()
+        for cache in active:
+            if not cache.manager.can_append({s: self.width for s in cache.seq_ids}):
+                return None  # the commit's own append reports a pool that is really exhausted
+            if self.graphs.on and -(-(max(cache.seq_lens) + self.width) // cache.block_size) > self.graphs.table_width:
+                return None
+        first = context.forward_meta.q_pos0.to(device=self.device, dtype=torch.int32)
+        self.accepted = num_accepted.to(self.device)
+        self.kept, self.verified = self.accepted + 1, captured.pre_norm
+        # per layer j: its entries before the round (L + min(0, a - j), at least 0) and the new ones (up to L + a)
+        accepted = self.accepted.to(torch.int32)
+        back = accepted[None, :] - torch.arange(len(active), device=self.device, dtype=torch.int32)[:, None]
+        before = (first + back.clamp(max=0)).clamp(min=0)
+        counts = torch.stack([before, first + accepted + 1 - before], dim=1)  # [layers, 2, batch]
+        drafted = self._run_greedy_round(next_tokens.to(self.device),
+                                         [c.plan_counts(counts[j], self.width) for j, c in enumerate(active)])
+        self._ahead = True
+        return DraftProposal(drafted.to(next_tokens.device), None)
+
+    def _run_greedy_round(self, last_tokens, plans) -> torch.Tensor:
+        """One greedy round over ``plans`` (one per active layer) as one call (one graph replay): the round's inputs
+        from the last one's, every layer's forward over its planned entries, its draft by argmax, its outputs under
+        the next layer's. Returns the drafts [batch, k]."""
+        below = self.below[:len(plans) - 1]
+        drafted, tokens, *below = self.graphs.run("greedy_round", self._greedy_layers,
+                                                  [last_tokens, *self._last_round(), *below], plans=plans,
+                                                  key=(len(plans),))
         self.below[:len(below)] = below
         self.tokens, self.drafted = tokens, drafted
         return drafted
@@ -246,6 +284,13 @@ class Step3p5MTPDraftRunner(Drafter):
         if self.ran == 0:
             # k fell to 0: no MTP layer runs again in this call (k does not rise within it), so nothing of this
             # round is kept (and the loop may have queued the next verify already, which rewrote what capture holds)
+            return
+        if self._ahead:
+            # propose_ahead drafted from this round already (its states and counts taken on the device; what capture
+            # holds is a later verify's now): every layer that round ran reached the target's committed tokens
+            self._ahead = False
+            for mtp_cache in self.caches[:self.ran]:
+                mtp_cache.commit(context.committed_lens)
             return
         accepted = num_accepted.tolist()
         old = [n - k for n, k in zip(context.cache.seq_lens, kept)]
