@@ -29,14 +29,14 @@ class Readback:
         return host, event
 
     def _buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The next pinned buffer of ``tensor``'s shape and dtype in its ring."""
+        """The next pinned buffer of ``tensor``'s shape and dtype in its ring (allocated at its first use: a short
+        call uses few)."""
         key = (tuple(tensor.shape), tensor.dtype)
-        ring = self._rings.get(key)
-        if ring is None:
-            ring = self._rings[key] = [0, [torch.empty(key[0], dtype=key[1], pin_memory=True)
-                                           for _ in range(self.slots)]]
+        ring = self._rings.setdefault(key, [0, []])
         i = ring[0]
         ring[0] = (i + 1) % self.slots
+        if i == len(ring[1]):
+            ring[1].append(torch.empty(key[0], dtype=key[1], pin_memory=True))
         return ring[1][i]
 
     def seconds_between(self, earlier, later) -> float | None:
