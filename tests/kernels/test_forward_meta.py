@@ -138,3 +138,28 @@ def test_bad_arguments_name_the_fix():
 
 def test_triton_cases_of_this_file_in_interpreter(request):
     run_file_cases_in_interpreter(request, __file__, min_passed=4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_counts_describe_what_the_host_reference_gives_over_rollbacks_and_windows(seed):
+    """plan_counts (a forward whose rows' starts and new tokens only the device knows, e.g. drafting ahead): each
+    row starts up to two positions before its length and appends a random number of tokens right-aligned in the
+    query slots, then commits a random part of them, while a sliding window releases blocks behind. The metadata
+    is the block manager's, token by token, at those starts."""
+    rng = random.Random(seed)
+    batch = rng.choice([1, 2, 5])
+    cache = _cache(batch)
+    prompt = [rng.randint(3, 9) for _ in range(batch)]
+    cache.begin_forward(prompt, max(prompt))
+    cache.commit(prompt)
+    for _ in range(12):
+        q_len = rng.randint(1, 4)
+        lens = cache.seq_lens
+        before = [max(0, n - rng.randint(0, 2)) for n in lens]
+        num_new = [rng.randint(0, q_len) for _ in lens]
+        meta = cache.plan_counts(torch.tensor([before, num_new], dtype=torch.int32), q_len).meta()
+        kv_lens, q_pos0, positions, slots, _ = _host_reference(cache, before, num_new, q_len)
+        assert meta.kv_lens.tolist() == kv_lens and meta.q_pos0.tolist() == q_pos0
+        assert meta.q_lens.tolist() == num_new and meta.position_ids.flatten().tolist() == positions
+        assert [s.tolist() for s in meta.slot_mapping] == slots
+        cache.commit([b + rng.randint(0, n) for b, n in zip(before, num_new)])
