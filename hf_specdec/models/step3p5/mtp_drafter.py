@@ -217,7 +217,8 @@ class Step3p5MTPDraftRunner(Drafter):
         before = (first + back.clamp(max=0)).clamp(min=0)
         counts = torch.stack([before, first + accepted + 1 - before], dim=1)  # [layers, 2, batch]
         drafted = self._run_greedy_round(next_tokens.to(self.device),
-                                         [c.plan_counts(counts[j], self.width) for j, c in enumerate(active)])
+                                         [c.plan_counts(counts[j].to(c.device), self.width)
+                                          for j, c in enumerate(active)])
         self._ahead = True
         return DraftProposal(drafted.to(next_tokens.device), None)
 
