@@ -57,6 +57,14 @@ class DrafterGraphs:
     def on(self) -> bool:
         return self.store is not None and self.store.disabled_reason is None and not self.failed
 
+    def can_reserve(self, cache, extra: int) -> bool:
+        """Whether ``extra`` more positions per row of ``cache`` fit its pool and, with graphs on, the graphs' block
+        tables (a forward planned past them, e.g. drafting ahead over room reserved for the longest case, would not
+        fit a graph's static tables)."""
+        if self.on and -(-(max(cache.seq_lens) + extra) // cache.block_size) > self.table_width:
+            return False
+        return cache.manager.can_append({s: extra for s in cache.seq_ids})
+
     def run(self, name: str, fn, tensors: list[torch.Tensor], *, pad_values: tuple = (), key: tuple = (),
             plan: ForwardPlan | None = None, cache=None, plans: list[ForwardPlan] | None = None):
         """``fn(*tensors)`` -- ``fn(*tensors, meta)`` for a call that writes ``cache``'s K/V by the metadata of

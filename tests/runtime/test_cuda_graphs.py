@@ -384,6 +384,23 @@ def test_drafter_graphs_pad_every_call_that_writes_kv_and_set_its_metadata(monke
     assert seen[-1][1:] == (4, [4, 17, 30, -1], [[1, 2, 3], [4, 5, 6], [7, 8, 9], [-1, -1, -1]])  # row 4 left: padding
 
 
+def test_a_drafter_reserves_room_ahead_only_within_its_pool_and_the_graphs_tables():
+    """What drafting ahead checks before planning past the rows' lengths (DFlash, Step 3.5 MTP): the pool must hold
+    the extra positions, and with graphs on they must fit the graphs' block tables; off, only the pool counts."""
+    from hf_specdec.cache import KVGroup, KVLayout, PagedKVCache
+    from hf_specdec.runtime.cuda_graphs import GraphStore
+    from hf_specdec.runtime.drafter_graphs import DrafterGraphs
+
+    layout = KVLayout(groups=[KVGroup(1, 4, None, layers=(0,))], layer_slot={0: (0, 0)}, producer={0: 0})
+    cache = PagedKVCache(layout, [5], 2, block_size=4, dtype=torch.float32, device="cpu")
+    cache.begin_forward([5, 2], 5)
+    cache.commit([5, 2])  # 3 of the 5 blocks taken
+    on, off = DrafterGraphs(GraphStore(), 2, ("owner",)), DrafterGraphs(None, None, ("owner",))
+    assert on.can_reserve(cache, 3) and off.can_reserve(cache, 3)  # row 0 reaches 8 positions: 2 blocks
+    assert not on.can_reserve(cache, 4) and off.can_reserve(cache, 4)  # 9 positions: 3 blocks, wider than 2
+    assert not off.can_reserve(cache, 7)  # rows need 2 + 1 more blocks, the pool has 2
+
+
 @cuda
 def test_batches_of_one_bucket_share_its_graphs_and_give_the_eager_tokens(monkeypatch):
     """Batches of 8, 5 and 6 replay the graphs of bucket 8 (the verify forward and Gemma 4 MTP's draft steps)

@@ -161,12 +161,8 @@ class DFlashDraftRunner(Drafter):
             # context append and the block after it run on graphs per k instead
             return None
         lens = self.cache.seq_lens
-        longest = max(lens) + verified + k + 1
-        if self.graphs.on and -(-longest // self.cache.block_size) > self.graphs.table_width:
-            return None
-        manager = self.cache.manager
-        if not manager.can_append({s: verified + k + 1 for s in self.cache.seq_ids}):
-            return None  # the commit's own append reports a pool that is really exhausted
+        if not self.graphs.can_reserve(self.cache, verified + k + 1):
+            return None  # (the commit's own append reports a pool that is really exhausted)
         device = self.drafter.fc.weight.device
         hidden = [h.to(device) for h in captured]
         context_plan = self.cache.plan_forward([verified] * len(lens), verified)  # positions p .. p + k_round

@@ -203,11 +203,8 @@ class Step3p5MTPDraftRunner(Drafter):
                 or context.forward_meta is None):
             return None
         active = self._active_caches()
-        for cache in active:
-            if not cache.manager.can_append({s: self.width for s in cache.seq_ids}):
-                return None  # the commit's own append reports a pool that is really exhausted
-            if self.graphs.on and -(-(max(cache.seq_lens) + self.width) // cache.block_size) > self.graphs.table_width:
-                return None
+        if not all(self.graphs.can_reserve(cache, self.width) for cache in active):
+            return None  # (the commit's own append reports a pool that is really exhausted)
         first = context.forward_meta.q_pos0.to(device=self.device, dtype=torch.int32)
         self.accepted = num_accepted.to(self.device)
         self.kept, self.verified = self.accepted + 1, captured.pre_norm
