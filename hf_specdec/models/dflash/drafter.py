@@ -36,7 +36,7 @@ import inspect
 
 import torch
 
-from hf_specdec.cache import ForwardMeta, KVGroup, KVLayout, PagedKVCache
+from hf_specdec.cache import ForwardMeta, KVLayout, PagedKVCache
 from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.generation.fusion import fuse_drafter
 from hf_specdec.kernels import paged_attention, store_kv
@@ -72,11 +72,12 @@ class PagedDFlashContext:
 
 
 def context_layout(drafter: DFlashDrafter) -> KVLayout:
-    """One KV group per draft layer (its own kv heads, head_dim and sliding window)."""
+    """The draft layers' context K/V, one KV group per distinct (kv heads, head_dim, sliding window): layers alike
+    share one block table per row, so a forward allocates, plans and (on CPU) builds its attention gather once for
+    all of them rather than once per layer. Every layer owns its pages (no layer reads another's)."""
     specs = drafter.layer_specs
-    groups = [KVGroup(s.num_kv_heads, s.head_dim, s.sliding_window, layers=(s.layer_idx,)) for s in specs]
-    return KVLayout(groups=groups, layer_slot={s.layer_idx: (s.layer_idx, 0) for s in specs},
-                    producer={s.layer_idx: s.layer_idx for s in specs})
+    return KVLayout.from_layers([(s.num_kv_heads, s.head_dim, s.sliding_window) for s in specs],
+                                {s.layer_idx: s.layer_idx for s in specs})
 
 
 class DFlashDraftRunner(Drafter):

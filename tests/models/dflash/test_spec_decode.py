@@ -276,6 +276,23 @@ def test_paged_block_forward_equals_the_dense_context(variant):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant, groups", [
+    (dict(), [(0, 1)]),
+    (dict(layer_types=[S, F], use_sliding_window=True, sliding_window=6), [(0,), (1,)]),
+    (dict(layer_types=[S, F, S], use_sliding_window=True, sliding_window=6), [(0, 2), (1,)]),
+])
+def test_draft_layers_alike_share_one_kv_group(variant, groups):
+    """Draft layers of one (kv heads, head_dim, window) share a KV group (one block table a row, one plan a forward);
+    each still owns its pages."""
+    target = gemma4_31b_style()
+    layers = len(variant.get("layer_types", [F, F]))
+    drafter = random_drafter(target, block_size=4, num_hidden_layers=layers, **variant)
+    layout = DFlashDraftRunner(target, drafter).layout
+    assert [g.layers for g in layout.groups] == groups
+    assert layout.producer == {i: i for i in range(layers)}
+    assert len(set(layout.layer_slot.values())) == layers
+
+
 def test_the_target_gets_an_integer_logits_to_keep_with_kv_shared_layers_captured():
     """The drafter reads a KV-shared layer of an E2B-style target, which the text model would compute only at the
     kept position for an integer ``logits_to_keep``; the index tensor that keeps every position goes to the text
