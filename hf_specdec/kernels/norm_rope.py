@@ -23,7 +23,9 @@ def _norm_rope_head(
     x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr,  # this head's input and output rows, the token's cos/sin rows
     eps, dim, rot,  # rot: the rotated dims (the first ``rot`` of the head; the rest pass through)
     HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,  # the normalised values rounded to the dtype before the weight product (Qwen3)
 ):
+    dtype = out_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK_D)
     mask = d < dim
     x = tl.load(x_ptr + d, mask=mask, other=0.0).to(tl.float32)
@@ -33,8 +35,9 @@ def _norm_rope_head(
         w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
         if WEIGHT_OFFSET != 0.0:
             w = WEIGHT_OFFSET + w
+        if ROUND_FIRST:
+            y = y.to(dtype).to(tl.float32)
         y = y * w
-    dtype = out_ptr.dtype.element_ty
     y = y.to(dtype)
     if ROPE:
         # rotate_half(y)[d] = -y[d + rot/2] for the first half, y[d - rot/2] for the second (d < rot)
@@ -47,6 +50,8 @@ def _norm_rope_head(
             wp = tl.load(w_ptr + partner, mask=rotating, other=0.0).to(tl.float32)
             if WEIGHT_OFFSET != 0.0:
                 wp = WEIGHT_OFFSET + wp
+            if ROUND_FIRST:
+                yp = yp.to(dtype).to(tl.float32)
             yp = yp * wp
         yp = yp.to(dtype).to(tl.float32)
         rotated = tl.where(d < half, -yp, yp)
@@ -66,7 +71,7 @@ def _qkv_norm_rope_kernel(
     stride_cb, stride_ct, seq_len,
     q_heads, k_heads, dim, rot, q_eps, k_eps, v_eps,
     Q_W: tl.constexpr, K_W: tl.constexpr, V_W: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    PDL: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
     pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -76,17 +81,17 @@ def _qkv_norm_rope_kernel(
     if head < q_heads:
         out = token * q_heads * dim + head * dim
         _norm_rope_head(q_ptr + token * stride_qt + head * stride_qh, q_out_ptr + out, q_w_ptr, rope, rope_sin,
-                        q_eps, dim, rot, Q_W, True, BLOCK_D, WEIGHT_OFFSET)
+                        q_eps, dim, rot, Q_W, True, BLOCK_D, WEIGHT_OFFSET, ROUND_FIRST)
     elif head < q_heads + k_heads:
         h = head - q_heads
         out = token * k_heads * dim + h * dim
         _norm_rope_head(k_ptr + token * stride_kt + h * stride_kh, k_out_ptr + out, k_w_ptr, rope, rope_sin,
-                        k_eps, dim, rot, K_W, True, BLOCK_D, WEIGHT_OFFSET)
+                        k_eps, dim, rot, K_W, True, BLOCK_D, WEIGHT_OFFSET, ROUND_FIRST)
     else:
         h = head - q_heads - k_heads
         out = token * k_heads * dim + h * dim
         _norm_rope_head(v_ptr + token * stride_vt + h * stride_vh, v_out_ptr + out, v_w_ptr, rope, rope_sin,
-                        v_eps, dim, rot, V_W, False, BLOCK_D, WEIGHT_OFFSET)
+                        v_eps, dim, rot, V_W, False, BLOCK_D, WEIGHT_OFFSET, ROUND_FIRST)
 
 
 def qkv_norm_rope(
@@ -99,12 +104,15 @@ def qkv_norm_rope(
     sin: torch.Tensor,
     *,
     weight_offset: float = 0.0,  # 1: heads scaled by 1 + weight (zero-centred norm weights, Step 3.5)
+    round_before_weight: bool = False,  # Qwen3's norms: the normalised heads rounded to the dtype, then times weight
 ) -> tuple:
     """(rope(norm(q)), rope(norm(k)), norm(v)) as new contiguous tensors (None where the input was None):
     the ops of transformers' Gemma 4 attention between the projections and the cache, in one launch. With v
     None (k given) the values are left to the caller (Step 3.5 does not normalise them); with ``cos`` narrower
     than the heads only their first ``cos.shape[-1]`` dims rotate (neox halves of those), the rest pass
-    through normalised."""
+    through normalised. ``round_before_weight``: each weight product reads the normalised values rounded to the dtype
+    and is rounded itself (``weight * norm(x).to(dtype)``, as transformers' Qwen3 norms), instead of one rounding of
+    the fp32 product (Gemma 4's)."""
     batch, seq, q_heads, dim = q.shape
     rot = cos.shape[-1]
     check(k is not None or v is None, "v needs k: give k and v, k alone, or neither")
@@ -113,12 +121,14 @@ def qkv_norm_rope(
           f"cos/sin must be [batch, seq, rotary dims], got {tuple(cos.shape)} and {tuple(sin.shape)}")
     check(weight_offset == 0.0 or all(w is not None for w, t in zip(weights, (q, k, v)) if t is not None),
           f"weight_offset={weight_offset} scales by offset + weight: every normalised input needs its weight")
+    check(not round_before_weight or weight_offset == 0.0, "round_before_weight takes no weight_offset")
     if k is not None:
         check(k.shape[:2] == q.shape[:2] and k.shape[3] == dim and (v is None or v.shape == k.shape),
               f"k and v must be [batch={batch}, seq={seq}, kv_heads, {dim}], got {tuple(k.shape)}, "
               f"{None if v is None else tuple(v.shape)}")
     if not use_triton(q) or q.numel() == 0:
-        return qkv_norm_rope_reference(q, k, v, weights, eps, cos, sin, weight_offset=weight_offset)
+        return qkv_norm_rope_reference(q, k, v, weights, eps, cos, sin, weight_offset=weight_offset,
+                                       round_before_weight=round_before_weight)
     kv_heads = 0 if k is None else k.shape[2]
     v_heads = 0 if v is None else kv_heads
     tokens = batch * seq
@@ -141,7 +151,7 @@ def qkv_norm_rope(
         cos3.stride(0), cos3.stride(1), seq,
         q_heads, kv_heads, dim, rot, float(eps[0]), float(eps[1]), float(eps[2]),
         Q_W=weights[0] is not None, K_W=weights[1] is not None, V_W=weights[2] is not None, BLOCK_D=block,
-        WEIGHT_OFFSET=float(weight_offset), num_warps=max(1, min(8, block // 128)),
+        WEIGHT_OFFSET=float(weight_offset), ROUND_FIRST=round_before_weight, num_warps=max(1, min(8, block // 128)),
         # separate roundings, as eager torch: no fused multiply-add in the rotary sum
         **({} if _interpreting() else {"enable_fp_fusion": False}), **pdl_args(qo),
     )
@@ -173,9 +183,13 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
 
 
-def qkv_norm_rope_reference(q, k, v, weights, eps, cos, sin, *, weight_offset: float = 0.0) -> tuple:
-    """Torch version: the CPU path and the test oracle (the eager ops of transformers' Gemma 4 attention)."""
+def qkv_norm_rope_reference(q, k, v, weights, eps, cos, sin, *, weight_offset: float = 0.0,
+                            round_before_weight: bool = False) -> tuple:
+    """Torch version: the CPU path and the test oracle (the eager ops of transformers' Gemma 4 attention; with
+    ``round_before_weight``, of its Qwen3 norms)."""
     def norm(x, i):
+        if round_before_weight and weights[i] is not None:
+            return rms_norm_reference(x, None, eps[i], then_mul=weights[i])
         return rms_norm_reference(x, weights[i], eps[i], weight_offset=weight_offset if weights[i] is not None else 0)
 
     q_out = rotary_reference(norm(q, 0), cos, sin)

@@ -76,6 +76,39 @@ def test_triton_qkv_norm_rope_q_only_and_shared_kv_input(triton_device):
         _assert_close(g, e, torch.float32)
 
 
+def _qwen3_heads(x, weight, eps, cos, sin):
+    """transformers' Qwen3 q/k ops after the projection (a DFlash drafter's attention): its RMSNorm, then rotary."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    norm = Qwen3RMSNorm(x.shape[-1], eps=eps).to(x.dtype)
+    norm.weight.data = weight.clone()
+    return apply_rotary_pos_emb(norm(x), cos, sin, unsqueeze_dim=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_rounding_before_the_weight_is_qwen3s_ops_exactly(dtype):
+    """``round_before_weight``: transformers' Qwen3 norm (``weight * norm(x).to(dtype)``) then rotary, bit for bit;
+    in bf16 it differs from Gemma 4's order (one rounding of the fp32 weight product)."""
+    q, k, _, weights, eps, cos, sin = _case(dtype, seed=3)
+    got = qkv_norm_rope_reference(q, k, None, weights, eps, cos, sin, round_before_weight=True)
+    assert got[2] is None
+    for g, x, w, e in zip(got, (q, k), weights, eps):
+        assert torch.equal(g, _qwen3_heads(x, w, e, cos, sin))
+    if dtype == torch.bfloat16:
+        assert not torch.equal(got[0], qkv_norm_rope_reference(q, k, None, weights, eps, cos, sin)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_qkv_norm_rope_rounding_before_the_weight(triton_device, dtype):
+    q, k, _, weights, eps, cos, sin = _case(dtype, triton_device, seed=3)
+    got = qkv_norm_rope(q, k, None, weights, eps, cos, sin, round_before_weight=True)
+    expected = qkv_norm_rope_reference(q, k, None, weights, eps, cos, sin, round_before_weight=True)
+    assert got[2] is None
+    for g, e in zip(got[:2], expected[:2]):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        _assert_close(g, e, dtype)
+
+
 def test_bad_shapes_name_the_fix():
     q, k, v, weights, eps, cos, sin = _case(torch.float32)
     with pytest.raises(ValueError, match="v needs k"):
