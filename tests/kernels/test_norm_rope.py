@@ -210,6 +210,56 @@ def test_triton_fused_step3p5_forwards_keep_the_models_logits(triton_device, mon
     torch.testing.assert_close(got_mtp, expected_mtp, atol=1e-4, rtol=1e-4)
 
 
+def test_triton_dflash_drafter_kernels_keep_its_block_and_context(triton_device, monkeypatch):
+    """A DFlash drafter where the kernels run: per layer one qkv_norm_rope launch for the block's q and k (Qwen3's
+    rounding), one rms_norm launch per norm, q/k/v and gate/up as one GEMM each (stacked), one silu_mul launch; the
+    context K/V one GEMM and one launch per layer. The block and the context equal the modules' own ops (run with the
+    kernels forced off)."""
+    from hf_specdec.kernels.stacked_linear import stacked_weight
+    from hf_specdec.models.dflash import DenseDFlashContext
+    from hf_specdec.models.dflash import modeling
+    from tests.models.dflash.helpers import random_drafter
+    from tests.tiny_models import gemma4_31b_style
+
+    target = gemma4_31b_style()
+    drafter = random_drafter(target, block_size=5).eval()
+    drafter.stack_projections()
+    target, drafter = target.to(triton_device), drafter.to(triton_device)
+    drafter.stack_projections()  # .to() on CPU keeps the storage; on a GPU it separated the weights again
+    layer = drafter.layers[0]
+    assert stacked_weight(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) is not None
+    assert stacked_weight(layer.mlp.gate_proj, layer.mlp.up_proj) is not None
+    gen = torch.Generator().manual_seed(3)
+    features = torch.randn(2, 7, drafter.config.hidden_size, generator=gen).to(triton_device)
+    ids = torch.randint(3, 96, (2, 5), generator=gen).to(triton_device)
+    positions = 7 + torch.arange(5, device=triton_device)[None].expand(2, -1)
+
+    def run():
+        embeds = drafter.embed_block(target, ids)
+        block = drafter.draft_block(embeds, positions, DenseDFlashContext.from_features(drafter, features))
+        return block, drafter.context_kv_all_layers(features, torch.arange(7, device=triton_device)[None])
+
+    with torch.inference_mode():
+        monkeypatch.setenv("HF_SPECDEC_FORCE_TRITON", "0")
+        expected, expected_kv = run()
+        monkeypatch.setenv("HF_SPECDEC_FORCE_TRITON", "1")
+        heads, normed, swiglus = [], [], []
+        monkeypatch.setattr(modeling, "qkv_norm_rope", lambda *a, **kw: heads.append(kw["round_before_weight"])
+                            or qkv_norm_rope(*a, **kw))
+        monkeypatch.setattr(modeling, "rms_norm", lambda *a, **kw: normed.append(1) or rms_norm(*a, **kw))
+        monkeypatch.setattr(modeling, "silu_mul", lambda *a: swiglus.append(1) or silu_mul(*a))
+        got, got_kv = run()
+    layers = len(drafter.layers)
+    # the block's q/k per layer, then each layer's context keys (the dense context's and the context_kv call's)
+    assert heads == [True] * (3 * layers)
+    assert len(normed) == 2 * layers + 1  # two norms a layer and the block's final norm
+    assert len(swiglus) == layers
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)  # fp32: the order of the norms' sums
+    for (gk, gv), (ek, ev) in zip(got_kv, expected_kv):
+        torch.testing.assert_close(gk, ek, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gv, ev, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style", "gemma4_26b_style"])
 def test_triton_fused_gemma4_attention_keeps_the_models_logits(triton_device, build, monkeypatch):
     """enable's fused attention forward (one qkv_norm_rope launch per layer) and decoder-layer forward

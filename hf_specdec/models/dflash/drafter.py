@@ -99,6 +99,7 @@ class DFlashDraftRunner(Drafter):
         # beside the target's LM head, which turns its hidden states into logits (runtime/placement.py)
         self.drafter = fuse_drafter(place_drafter(drafter, execution_device(target.get_output_embeddings())
                                                   or input_device(target)))
+        self.drafter.stack_projections()
         self.layout = context_layout(drafter)
         self.cache: PagedKVCache | None = None
 

@@ -26,6 +26,11 @@ import torch.nn as nn
 from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from hf_specdec.kernels._dispatch import needs_grad, use_triton
+from hf_specdec.kernels.gelu_mul import silu_mul
+from hf_specdec.kernels.norm_rope import qkv_norm_rope
+from hf_specdec.kernels.rms_norm import rms_norm
+from hf_specdec.kernels.stacked_linear import stack_weights, stacked_projections
 from hf_specdec.models.loading import check_checkpoint_keys
 
 from .configuration import DFlashConfig
@@ -43,7 +48,7 @@ CHECKPOINT_KEY_MAPPING = {
 
 @dataclass(frozen=True)
 class DraftLayerSpec:
-    """What the cache needs to hold draft layer `layer_idx`'s context K/V: one KV group per draft layer."""
+    """What the cache needs to hold draft layer `layer_idx`'s context K/V (layers alike share a KV group)."""
 
     layer_idx: int
     layer_type: str  # "full_attention" or "sliding_attention"
@@ -59,6 +64,38 @@ def apply_rope(
     sin: torch.Tensor,  # [batch, seq, head_dim]
 ) -> torch.Tensor:
     return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
+
+
+def _kernels_take(x: torch.Tensor, *modules: nn.Module) -> bool:
+    """Whether the drafter's fused ops run for activations ``x`` in ``modules``: where the kernels run, without
+    autograd (the kernels have no backward: a drafter in training runs the modules' own ops), for modules without
+    hooks whose weights are in x's dtype (the products round to it, as the modules' do only then). Elsewhere (the
+    CPU) the modules' own ops, which are as many as the kernels' torch references."""
+    return (use_triton(x) and not needs_grad(x)
+            and all(not m._forward_hooks and not m._forward_pre_hooks for m in modules)
+            and all(p.dtype == x.dtype for m in modules for p in m.parameters(recurse=False)))
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def qwen3_norm(norm: Qwen3RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` with its arithmetic (the normalised rows rounded to x's dtype, then times the weight) in one
+    kernel where the kernels run (:func:`rms_norm` with ``then_mul``); the module elsewhere."""
+    if not _kernels_take(x, norm):
+        return norm(x)
+    return rms_norm(x, None, norm.variance_epsilon, then_mul=norm.weight)
+
+
+def _norm_rope(heads: tuple[torch.Tensor, ...], norms: tuple[Qwen3RMSNorm, ...], cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``apply_rope(norm(x), cos, sin)`` of one or two [batch, seq, heads, head_dim] tensors in one kernel
+    (:func:`qkv_norm_rope` with Qwen3's rounding); the caller checked :func:`_kernels_take`."""
+    first, second = heads if len(heads) == 2 else (heads[0], None)
+    weights = tuple(n.weight for n in norms) + (None,) * (3 - len(norms))
+    eps = tuple(n.variance_epsilon for n in norms) + (0.0,) * (3 - len(norms))
+    return qkv_norm_rope(first, second, None, weights, eps, cos, sin, round_before_weight=True)[:len(heads)]
 
 
 class DFlashAttention(nn.Module):
@@ -86,8 +123,10 @@ class DFlashAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [batch, seq, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values: [batch, seq, kv_heads, head_dim]
         shape = (*x.shape[:2], self.num_kv_heads, self.head_dim)
-        keys = apply_rope(self.k_norm(self.k_proj(x).view(shape)), *rope)
-        return keys, self.v_proj(x).view(shape)
+        if not _kernels_take(x, self.k_norm):
+            return apply_rope(self.k_norm(self.k_proj(x).view(shape)), *rope), self.v_proj(x).view(shape)
+        keys, values = stacked_projections(x, self.k_proj, self.v_proj)  # one GEMM when stacked
+        return _norm_rope((keys.view(shape),), (self.k_norm,), *rope)[0], values.view(shape)
 
     def forward(
         self,
@@ -96,9 +135,16 @@ class DFlashAttention(nn.Module):
         context: DFlashContextSource,
     ) -> torch.Tensor:  # [batch, block_len, hidden]
         batch, block_len = x.shape[:2]
-        query = self.q_norm(self.q_proj(x).view(batch, block_len, self.num_heads, self.head_dim))
-        block_k, block_v = self.key_value(x, rope)
-        out = context.attend(self.layer_idx, apply_rope(query, *rope), block_k, block_v, scaling=self.scaling,
+        q_shape = (batch, block_len, self.num_heads, self.head_dim)
+        if _kernels_take(x, self.q_norm, self.k_norm):  # one GEMM for q/k/v when stacked, one kernel for their heads
+            query, keys, values = stacked_projections(x, self.q_proj, self.k_proj, self.v_proj)
+            kv_shape = (batch, block_len, self.num_kv_heads, self.head_dim)
+            query, block_k = _norm_rope((query.view(q_shape), keys.view(kv_shape)), (self.q_norm, self.k_norm), *rope)
+            block_v = values.view(kv_shape)
+        else:
+            query = apply_rope(self.q_norm(self.q_proj(x).view(q_shape)), *rope)
+            block_k, block_v = self.key_value(x, rope)
+        out = context.attend(self.layer_idx, query, block_k, block_v, scaling=self.scaling,
                              causal_block=self.causal_block, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(batch, block_len, self.num_heads * self.head_dim))
 
@@ -112,8 +158,15 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, rope, context: DFlashContextSource) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), rope, context)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = hidden_states + self.self_attn(qwen3_norm(self.input_layernorm, hidden_states), rope, context)
+        return hidden_states + self._mlp(qwen3_norm(self.post_attention_layernorm, hidden_states))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The Qwen3 MLP: on the GPU one GEMM for gate and up when stacked and one kernel for silu(gate) * up."""
+        mlp = self.mlp
+        if not _kernels_take(x, mlp) or not _is_silu(mlp.act_fn):
+            return mlp(x)
+        return mlp.down_proj(silu_mul(*stacked_projections(x, mlp.gate_proj, mlp.up_proj)))
 
 
 class DFlashDrafter(PreTrainedModel):
@@ -143,6 +196,15 @@ class DFlashDrafter(PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.post_init()
 
+    def stack_projections(self) -> None:
+        """Each layer's q/k/v and gate/up weights back to back in one storage (same parameters and values): its
+        forwards then run one GEMM for each group (:mod:`hf_specdec.kernels.stacked_linear`). Idempotent; anything
+        that separates them again (``.to(...)``) only brings the per-projection GEMMs back."""
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            stack_weights(attention.q_proj, attention.k_proj, attention.v_proj)
+            stack_weights(mlp.gate_proj, mlp.up_proj)
+
     @property
     def layer_specs(self) -> list[DraftLayerSpec]:
         """One entry per draft layer: the shape and visibility of its context KV group."""
@@ -160,7 +222,7 @@ class DFlashDrafter(PreTrainedModel):
             raise ValueError(f"expected {len(self.target_layer_ids)} target hidden states (one per "
                              f"target_layer_ids entry), got {len(target_hidden_states)}.")
         stacked = torch.cat([h.to(self.fc.weight.dtype) for h in target_hidden_states], dim=-1)
-        return self.hidden_norm(self.fc(stacked))
+        return qwen3_norm(self.hidden_norm, self.fc(stacked))
 
     def context_kv(
         self,
@@ -194,7 +256,7 @@ class DFlashDrafter(PreTrainedModel):
         hidden_states = block_embeds.to(self.fc.weight.dtype)
         for layer in self.layers:
             hidden_states = layer(hidden_states, rope, context)
-        return self.norm(hidden_states)
+        return qwen3_norm(self.norm, hidden_states)
 
     def forward(self, block_embeds, block_position_ids, context: DFlashContextSource) -> torch.Tensor:
         """Calling the module is one `draft_block` (so hooks, `torch.compile` and graph capture see it)."""

@@ -1,8 +1,11 @@
 """The drafter's math against the independent reference forward (`reference_loop.ReferenceDrafter`)."""
 
+import copy
+
 import pytest
 import torch
 
+from hf_specdec.kernels.stacked_linear import stacked_weight
 from hf_specdec.models.dflash import DenseDFlashContext, block_attention_mask
 from tests.models.dflash.helpers import F, S, random_drafter
 from tests.models.dflash.reference_loop import ReferenceDrafter, draft_logits, embed
@@ -62,6 +65,31 @@ def test_draft_block_matches_the_reference_forward(target, drafter, start):
         ours_k, ours_v = drafter.context_kv(layer_idx, fused, torch.arange(start)[None])
         torch.testing.assert_close(ours_k, keys.transpose(1, 2), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours_v, values.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_stacked_projections_keep_the_block_and_the_context(target, drafter):
+    """Each layer's q/k/v and gate/up stacked in one storage (what the draft runner does) draft the same block and
+    context K/V as separate weights: the same parameters, one GEMM per group."""
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    features = drafter.context_features(torch.split(target_features(target, drafter, ids), 32, dim=-1))
+    block_ids = drafter.block_input_ids(ids[:, -1])
+    stacked = copy.deepcopy(drafter)
+    stacked.stack_projections()
+    attention = stacked.layers[0].self_attn
+    assert stacked_weight(attention.q_proj, attention.k_proj, attention.v_proj) is not None
+    assert stacked_weight(stacked.layers[0].mlp.gate_proj, stacked.layers[0].mlp.up_proj) is not None
+    for model in (drafter, stacked):
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in drafter.named_parameters()]
+    got = ours_block(target, stacked, DenseDFlashContext.from_features(stacked, features), block_ids,
+                     torch.tensor([9, 9]))
+    expected = ours_block(target, drafter, DenseDFlashContext.from_features(drafter, features), block_ids,
+                          torch.tensor([9, 9]))
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    for layer_idx in range(len(drafter.layers)):
+        for a, b in zip(stacked.context_kv(layer_idx, features, torch.arange(9)[None]),
+                        drafter.context_kv(layer_idx, features, torch.arange(9)[None])):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @torch.no_grad()
