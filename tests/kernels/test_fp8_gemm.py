@@ -36,10 +36,11 @@ from hf_specdec.kernels.fp8_gemm import (
     split_k_for,
 )
 
-from hf_specdec.kernels.fp8_moe import fp8_experts_forward
+from hf_specdec.kernels.fp8_moe import experts_w8a8, fp8_experts_forward, fused_moe_fp8_reference
 
 from ..tiny_models import gemma4_26b_style
 from .conftest import run_file_cases_in_interpreter
+from .test_fp8_moe import assert_w8a8_close
 
 SMALL = (16, 32, 4, 2)  # BLOCK_N, BLOCK_K, warps, stages: several programs and K tiles at test sizes
 # one rounding of the activation dtype apart (only the summation order differs)
@@ -317,7 +318,9 @@ def test_triton_fp8_experts_gemv(triton_device, dtype, block_size, native_fp8):
 
 def test_triton_fp8_experts_forward(triton_device):
     """transformers' FP8Experts of a 26B-A4B-style model (gelu-tanh gate, 8 experts, top-2), 128 x 128 blocks over
-    its small projections: the kernel's forward equals the reference forward to a rounding."""
+    its small projections: the kernel's forward equals the reference of the product it computes, to a rounding:
+    W8A8 where the GPU has FP8 tensor cores (transformers' own arithmetic: the rows quantized), else weight-only
+    (the module's forward on CPU)."""
     model = fp8_quantized_model(gemma4_26b_style(), block_size=(128, 128))
     experts = model.model.layers[0].experts.to(triton_device)
     assert isinstance(experts, FP8Experts) and experts.gate_up_proj.dtype == torch.float8_e4m3fn
@@ -329,11 +332,20 @@ def test_triton_fp8_experts_forward(triton_device):
         assert fp8_expert_eligible(hidden, experts.gate_up_proj, experts.gate_up_proj_scale_inv, index.reshape(-1),
                                    experts.block_size)
         got = fp8_experts_forward(experts, hidden, index, weights)
+        w8a8 = experts_w8a8(experts, hidden)
         experts_cpu = experts.cpu()
         with pytest.MonkeyPatch.context() as patch:  # the reference, then the session's setting back as it was
             patch.setenv(FORCE_TRITON_ENV, "0")
             expected = fp8_experts_forward(experts_cpu, hidden.cpu(), index.cpu(), weights.cpu())
-    torch.testing.assert_close(got.float().cpu(), expected.float(), rtol=2e-2, atol=1e-2)
+        if w8a8:  # the rows quantized per group of the K block, as transformers' FP8Experts on such a GPU
+            expected = fused_moe_fp8_reference(
+                hidden.cpu(), experts_cpu.gate_up_proj, experts_cpu.gate_up_proj_scale_inv, experts_cpu.down_proj,
+                experts_cpu.down_proj_scale_inv, index.cpu(), weights.cpu(), activation="gelu_tanh",
+                block_size=experts.block_size, w8a8=True)
+    if w8a8:
+        assert_w8a8_close(got, expected, torch.bfloat16)
+    else:
+        torch.testing.assert_close(got.float().cpu(), expected.float(), rtol=2e-2, atol=1e-2)
 
 
 def test_fp8_gemm_cases_in_interpreter(request):
