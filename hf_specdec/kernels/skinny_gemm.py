@@ -14,7 +14,9 @@ per sequence get the bits a one-row decode step gets (batch invariance: bf16 gre
 plain greedy output) while a forward has at most ``MAX_KERNEL_ROWS`` rows. Wider forwards (prefill, a verify of
 a large batch), fp32 weights and anything autograd tracks keep the torch GEMM: fp32 tiles must multiply in full
 fp32 (``ieee``: the tensor cores would round them to tf32), where this kernel took ~20 us per small weight against
-cuBLAS's 2-10 us (perf log, session 13; an H200). ``skinny_matmul`` itself takes fp32 rows that way.
+cuBLAS's 2-10 us (perf log, session 13; an H200). ``skinny_matmul`` itself takes fp32 rows that way. A few fp32
+rows on a small weight (the bundled tiny family's default dtype) take :func:`fp32_rows_matmul` instead: fp32
+multiply-adds without the tensor cores, in one launch (:data:`FP32_ROWS`).
 """
 
 import os
@@ -172,11 +174,66 @@ def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # weight, F.linear was as fast or faster; at 12-16 rows on some weights by up to 4 us)
 FP32_TRANSPOSED_ROWS = range(7, 17)
 FP32_TRANSPOSED_MAX_COLUMNS = 4095
+# fp32 rows of this many on small weights (at most FP32_ROWS_MAX_COLUMNS outputs and FP32_ROWS_MAX_WEIGHT elements)
+# take _fp32_rows_kernel instead: fp32 multiply-adds in one launch (w @ x.T is three: the GEMM, cuBLAS's split-K sum
+# and the transposing copy). H200, graph-timed, the tiny family's weights (n 160-1024, k 160-512;
+# benchmarks/results/fp32_rows_kernel_sweep_h200.log): 1.5-2.7 us at 1-8 rows and 4.1-7.4 at 16, against cuBLAS's
+# 2.1-2.7 (one row), 5-53 (F.linear, 2-16 rows) and 7-11 (w @ x.T); a 4096-column LM head was faster in cuBLAS.
+# HF_SPECDEC_FP32_ROWS_KERNEL=0 (read at import) keeps the torch products, e.g. to compare the two.
+FP32_ROWS_KERNEL = os.environ.get("HF_SPECDEC_FP32_ROWS_KERNEL", "1") != "0"
+FP32_ROWS = range(1, 17)
+FP32_ROWS_MAX_COLUMNS = 1024
+FP32_ROWS_MAX_WEIGHT = 1 << 21
+FP32_ROWS_CONFIG = (8, 256, 4)  # BLOCK_N, BLOCK_K, warps: the sweep's best at nearly every shape and row count
+
+
+@triton.jit
+def _fp32_rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """``y = x @ w.T`` for a few fp32 rows: each program owns BLOCK_N output columns of every row and sums their
+    products over K in fp32 multiply-adds (no tensor cores: fp32 stays fp32)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    col_ok = cols < N
+    row_ok = rows < M
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pdl_wait(PDL)
+    for k0 in range(0, K, BLOCK_K):
+        w, x = load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp32_rows_matmul(x: torch.Tensor, weight: torch.Tensor,
+                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for fp32 ``x`` [rows, K] (rows <= 16) and an fp32 [N, K] weight with contiguous rows, by
+    :func:`_fp32_rows_kernel` (``config``: BLOCK_N, BLOCK_K, warps; default :data:`FP32_ROWS_CONFIG`)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if (not 0 < rows <= MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1
+            or x.dtype != torch.float32 or weight.dtype != torch.float32):
+        raise ValueError(f"fp32_rows_matmul takes fp32 [1..{MAX_ROWS}, K] rows and an fp32 [N, K] weight with "
+                         f"contiguous rows, got {tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_n, block_k, warps = config or FP32_ROWS_CONFIG
+    out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
+    _fp32_rows_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=max(2, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        **pdl_args(x))
+    return out
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias): the kernel when :func:`skinny_eligible`, else torch."""
     if not skinny_eligible(x, weight):
+        if _fp32_rows(x, weight):
+            rows = x.reshape(-1, x.shape[-1])
+            return fp32_rows_matmul(rows, weight).view(*x.shape[:-1], weight.shape[0])
         if _fp32_transposed(x, weight):
             rows = x.reshape(-1, x.shape[-1])
             return torch.mm(weight, rows.t()).t().contiguous().view(*x.shape[:-1], weight.shape[0])
@@ -194,13 +251,24 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float())
 
 
-def _fp32_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether an fp32 product of a few rows on CUDA takes ``weight @ rows.T`` (see FP32_TRANSPOSED_ROWS)."""
+def _fp32_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether an fp32 product of a few rows takes :func:`fp32_rows_matmul` (see FP32_ROWS)."""
+    return (FP32_ROWS_KERNEL and _fp32_few_rows(x, weight, FP32_ROWS) and use_triton(x)
+            and weight.shape[0] <= FP32_ROWS_MAX_COLUMNS and weight.numel() <= FP32_ROWS_MAX_WEIGHT
+            and weight.stride(1) == 1)
+
+
+def _fp32_few_rows(x: torch.Tensor, weight: torch.Tensor, rows: range) -> bool:
+    """fp32 ``x`` of ``rows`` rows and a plain fp32 weight on CUDA, outside autograd (under autograd: exactly the
+    module's own product)."""
     return (x.dtype == torch.float32 and x.is_cuda and weight.dtype == torch.float32 and weight.dim() == 2
             and type(weight) in (torch.Tensor, torch.nn.Parameter) and x.dim() > 0 and x.shape[-1] == weight.shape[1]
-            and weight.shape[0] <= FP32_TRANSPOSED_MAX_COLUMNS
-            and x.numel() // max(1, x.shape[-1]) in FP32_TRANSPOSED_ROWS
-            and not needs_grad(x) and not needs_grad(weight))  # under autograd: exactly the module's own product
+            and x.numel() // max(1, x.shape[-1]) in rows and not needs_grad(x) and not needs_grad(weight))
+
+
+def _fp32_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether an fp32 product of a few rows on CUDA takes ``weight @ rows.T`` (see FP32_TRANSPOSED_ROWS)."""
+    return _fp32_few_rows(x, weight, FP32_TRANSPOSED_ROWS) and weight.shape[0] <= FP32_TRANSPOSED_MAX_COLUMNS
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None,

@@ -177,13 +177,19 @@ def test_linear_forward_is_nn_linear_on_the_cpu():
         assert torch.equal(linear_forward(layer, x), layer(x))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the transposed fp32 product is taken on CUDA only")
-@pytest.mark.parametrize("rows", [1, 6, 7, 8, 16, 17])
-def test_fp32_rows_give_f_linear_through_either_product(rows):
-    """fp32 rows of 7-16 take ``weight @ rows.T`` (FP32_TRANSPOSED_ROWS); the result is F.linear's, contiguous."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32 few-row products are taken on CUDA only")
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 8, 16, 17])
+def test_fp32_rows_give_f_linear_through_either_product(rows, kernel, monkeypatch):
+    """fp32 rows of 1-16 take the fp32 rows kernel (FP32_ROWS); without it, 7-16 take ``weight @ rows.T``
+    (FP32_TRANSPOSED_ROWS); the result is F.linear's to the order of the sums, contiguous. A wide weight (an LM
+    head) keeps cuBLAS."""
+    monkeypatch.setattr(skinny_gemm, "FP32_ROWS_KERNEL", kernel)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(1, rows, 256, generator=gen).cuda()
     w = torch.randn(128, 256, generator=gen).cuda()
+    assert skinny_gemm._fp32_rows(x, w) == (kernel and rows <= 16)
+    assert not skinny_gemm._fp32_rows(x, torch.zeros(4096, 256, device="cuda"))
     assert skinny_gemm._fp32_transposed(x, w) == (7 <= rows <= 16)
     got = skinny_linear(x, w)
     assert got.shape == (1, rows, 128) and got.is_contiguous()
@@ -192,5 +198,20 @@ def test_fp32_rows_give_f_linear_through_either_product(rows):
 
 def test_the_transposed_fp32_product_is_for_cuda_fp32_rows_only():
     w = torch.zeros(8, 32)
-    assert not skinny_gemm._fp32_transposed(torch.zeros(8, 32), w)  # CPU
-    assert not skinny_gemm._fp32_transposed(torch.zeros(8, 32, dtype=torch.bfloat16), w.bfloat16())
+    for taken in (skinny_gemm._fp32_transposed, skinny_gemm._fp32_rows):
+        assert not taken(torch.zeros(8, 32), w)  # CPU
+        assert not taken(torch.zeros(8, 32, dtype=torch.bfloat16), w.bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("n,k,config", [(40, 100, None), (7, 33, (8, 32, 2)), (130, 256, (16, 128, 4))])
+def test_triton_fp32_rows_matmul(triton_device, rows, n, k, config):
+    """The fp32 rows kernel: odd N and K (masked tiles), 1-16 rows, against ``x @ w.T`` in fp32."""
+    gen = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=gen).to(triton_device)
+    w = torch.randn(n, k, generator=gen).to(triton_device)
+    got = skinny_gemm.fp32_rows_matmul(x, w, config)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), x.cpu() @ w.cpu().T, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="fp32_rows_matmul takes"):
+        skinny_gemm.fp32_rows_matmul(x.bfloat16(), w.bfloat16())
