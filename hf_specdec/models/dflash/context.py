@@ -4,7 +4,7 @@ A DFlash draft layer attends over `[context K/V of the row's accepted tokens, bl
 K/V of draft layer `l` is `rope(k_norm(k_proj_l(f)))`, `v_proj_l(f)` of the fused target features `f` of
 every accepted token (`DFlashDrafter.context_kv`); it only ever grows by accepted tokens and never holds
 block tokens. The block K/V is recomputed every draft step. A source owns the context K/V (dense tensors
-here, a paged KV group per draft layer in the paged cache) and does the attention.
+here, pages of the drafter's paged cache) and does the attention.
 
 Visibility, with the block's first token at position p of its row (p = number of accepted tokens) and
 query j at position p + j (the z-lab reference's mask, written in positions):

@@ -5,7 +5,7 @@ not in the target's cache yet):
 
     context  draft layer l's K/V of positions 0 .. p-1 -- rope(k_norm(k_proj_l(f))), v_proj_l(f) of the fused
              feature f = hidden_norm(fc(cat[target hidden after each target_layer_id])) of every accepted
-             token -- in KV group l of the drafter's own PagedKVCache (one group per draft layer);
+             token -- in the drafter's own PagedKVCache (layers alike share a KV group; each its own pages);
     block    [t[p], mask x k] at positions p .. p+k, one drafter forward: each layer stores the block's K/V
              past the row's length, attends over [context, block] pages (bidirectional within the block for
              full layers, causal for sliding ones), and the block is dropped again afterwards (the row's
