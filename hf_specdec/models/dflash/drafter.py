@@ -24,9 +24,9 @@ device knows: its metadata is derived from device counts over block tables the h
 case. The host's commit then only sets the lengths. The device drafts while the host emits and commits.
 
 With CUDA graphs on, the block forward (greedy: with its drafts' argmax; sampled: up to the logits, selected
-eagerly) and each commit's context append run as graphs of the batch's bucket (kept in the target's GraphStore, over the drafter's pooled cache storage):
-their inputs are the token or hidden-state tensors and the whole forward metadata, padding rows have no
-query, no key, no slot and no page.
+eagerly) and each commit's context append run as graphs of the batch's bucket (kept in the target's GraphStore,
+over the drafter's pooled cache storage): their inputs are the token or hidden-state tensors and the whole forward
+metadata, padding rows have no query, no key, no slot and no page.
 """
 
 from __future__ import annotations
