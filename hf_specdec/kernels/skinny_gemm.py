@@ -56,6 +56,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRECISION: tl.constexpr, PDL: tl.constexpr):
     # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows;
+    # PRECISION "fma": fp32 multiply-adds instead, no tensor cores (fp32_rows_matmul);
     # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -69,7 +70,10 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     pdl_wait(PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w, x = load_k_tile(w_rows, x_rows, k0, k_hi, col_ok, row_ok, BLOCK_K)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        if PRECISION == "fma":
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     out = (y_ptr + tl.program_id(1).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
            + cols[None, :])
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -175,7 +179,7 @@ def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
 FP32_TRANSPOSED_ROWS = range(7, 17)
 FP32_TRANSPOSED_MAX_COLUMNS = 4095
 # fp32 rows of this many on small weights (at most FP32_ROWS_MAX_COLUMNS outputs and FP32_ROWS_MAX_WEIGHT elements)
-# take _fp32_rows_kernel instead: fp32 multiply-adds in one launch (w @ x.T is three: the GEMM, cuBLAS's split-K sum
+# take fp32_rows_matmul instead: fp32 multiply-adds in one launch (w @ x.T is three: the GEMM, cuBLAS's split-K sum
 # and the transposing copy). H200, graph-timed, the tiny family's weights (n 160-1024, k 160-512;
 # benchmarks/results/fp32_rows_kernel_sweep_h200.log): 1.5-2.7 us at 1-8 rows and 4.1-7.4 at 16, against cuBLAS's
 # 2.1-2.7 (one row), 5-53 (F.linear, 2-16 rows) and 7-11 (w @ x.T); a 4096-column LM head was faster in cuBLAS.
@@ -187,30 +191,11 @@ FP32_ROWS_MAX_WEIGHT = 1 << 21
 FP32_ROWS_CONFIG = (8, 256, 4)  # BLOCK_N, BLOCK_K, warps: the sweep's best at nearly every shape and row count
 
 
-@triton.jit
-def _fp32_rows_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """``y = x @ w.T`` for a few fp32 rows: each program owns BLOCK_N output columns of every row and sums their
-    products over K in fp32 multiply-adds (no tensor cores: fp32 stays fp32)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    col_ok = cols < N
-    row_ok = rows < M
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    pdl_wait(PDL)
-    for k0 in range(0, K, BLOCK_K):
-        w, x = load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
-
-
 def fp32_rows_matmul(x: torch.Tensor, weight: torch.Tensor,
                      config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x @ weight.T`` for fp32 ``x`` [rows, K] (rows <= 16) and an fp32 [N, K] weight with contiguous rows, by
-    :func:`_fp32_rows_kernel` (``config``: BLOCK_N, BLOCK_K, warps; default :data:`FP32_ROWS_CONFIG`)."""
+    """``x @ weight.T`` for fp32 ``x`` [rows, K] (rows <= 16) and an fp32 [N, K] weight with contiguous rows: the
+    few-row kernel in fp32 multiply-adds (each program owns BLOCK_N output columns of every row; no tensor cores,
+    fp32 stays fp32; ``config``: BLOCK_N, BLOCK_K, warps, default :data:`FP32_ROWS_CONFIG`)."""
     rows, k = x.shape
     n = weight.shape[0]
     if (not 0 < rows <= MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1
@@ -221,10 +206,10 @@ def fp32_rows_matmul(x: torch.Tensor, weight: torch.Tensor,
         x = x.contiguous()
     block_n, block_k, warps = config or FP32_ROWS_CONFIG
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
-    _fp32_rows_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(2, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        **pdl_args(x))
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), 1)](
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), k, 0,
+        BLOCK_M=max(2, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="fma",
+        num_warps=warps, **pdl_args(x))
     return out
 
 
