@@ -122,6 +122,8 @@ def qkv_norm_rope(
     check(weight_offset == 0.0 or all(w is not None for w, t in zip(weights, (q, k, v)) if t is not None),
           f"weight_offset={weight_offset} scales by offset + weight: every normalised input needs its weight")
     check(not round_before_weight or weight_offset == 0.0, "round_before_weight takes no weight_offset")
+    check(not round_before_weight or all(w is None or w.dtype == q.dtype for w in weights),
+          f"round_before_weight rounds each weight product to the heads' dtype {q.dtype}: pass weights in it")
     if k is not None:
         check(k.shape[:2] == q.shape[:2] and k.shape[3] == dim and (v is None or v.shape == k.shape),
               f"k and v must be [batch={batch}, seq={seq}, kv_heads, {dim}], got {tuple(k.shape)}, "

@@ -119,6 +119,8 @@ def test_bad_shapes_name_the_fix():
         qkv_norm_rope(q, k, v, weights, eps, cos[..., :-1], sin[..., :-1])
     with pytest.raises(ValueError, match="needs its weight"):
         qkv_norm_rope(q, k, v, weights, eps, cos, sin, weight_offset=1.0)  # v has no weight
+    with pytest.raises(ValueError, match="pass weights in it"):
+        qkv_norm_rope(q, k, None, (weights[0].double(), weights[1], None), eps, cos, sin, round_before_weight=True)
 
 
 def _step3p5_heads(q, k, cos, sin, q_weight, k_weight, eps):
