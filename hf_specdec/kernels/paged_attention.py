@@ -403,29 +403,37 @@ def _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal):
     return kv_lo, torch.where(q_lens > 0, kv_hi, kv_lo)
 
 
-# The last few plans, keyed by the identity of the metadata tensors: every layer of a KV group reads the
-# same rows in one forward, so the slot gather and the mask are built once per forward, not per layer.
-# (The CPU path never updates metadata tensors in place; holding them keeps their ids from being reused.)
-_PLANS: dict[tuple, tuple] = {}
-_MAX_PLANS = 8
+# Every layer of a KV group reads the same rows in one forward, so the slot gather and the mask are built once per
+# forward, not per layer, and kept with the forward's metadata: plans in a dict attached to its ``kv_lens`` tensor
+# (which all its KV groups share), under the identities of the other metadata tensors; masks on their plan's
+# ``visible`` tensor. They go when the forward's metadata does, so nothing is held past a call. (The CPU path never
+# updates metadata tensors in place; holding them keeps their ids from being reused.)
+KEPT_PLANS = "_hf_specdec_plans"
+KEPT_MASKS = "_hf_specdec_masks"
+
+
+def kept_plans(kv_lens: torch.Tensor) -> dict:
+    """The plans kept with a forward's metadata (created empty at first use): ``{key: (metadata, plan)}``."""
+    kept = kv_lens.__dict__.get(KEPT_PLANS)
+    if kept is None:
+        kept = kv_lens.__dict__[KEPT_PLANS] = {}
+    return kept
 
 
 def _cached_plan(build, block_tables, kv_lens, q_pos0, q_lens, *args):
-    """``build(block_tables, kv_lens, q_pos0, q_lens, *args)``, once per forward: kept in ``_PLANS`` under the
-    metadata tensors' identities, ``build`` and ``args``."""
-    metadata = (block_tables, kv_lens, q_pos0, q_lens)
-    key = (build, *map(id, metadata), *args)
-    hit = _PLANS.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], metadata)):
+    """``build(block_tables, kv_lens, q_pos0, q_lens, *args)``, once per forward: kept with ``kv_lens``
+    (:func:`kept_plans`) under the other metadata tensors' identities, ``build`` and ``args``."""
+    others = (block_tables, q_pos0, q_lens)  # kv_lens holds the entry: not in it (no reference cycle)
+    kept = kept_plans(kv_lens)
+    key = (build, *map(id, others), *args)
+    hit = kept.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], others)):
         return hit[1]
-    plan = build(*metadata, *args)
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = (metadata, plan)
+    plan = build(block_tables, kv_lens, q_pos0, q_lens, *args)
+    kept[key] = (others, plan)
     return plan
 
 
-_MASKS: dict[tuple, tuple] = {}
 MAX_KEPT_MASK = 1 << 20  # elements of the largest mask kept for the other layers of a forward (4 MB)
 
 
@@ -433,16 +441,12 @@ def _grouped_mask(visible: torch.Tensor, group: int) -> torch.Tensor:
     """``visible`` [batch, q_len, L] as the additive fp32 mask of the GQA layout [batch, 1, group * q_len, L] (0 where
     the key is visible, -inf elsewhere: what SDPA makes of a boolean mask at every call), built once per plan and
     group, not per layer (decode and verify forwards; a long prefill's mask is not kept, :data:`MAX_KEPT_MASK`)."""
-    key = (id(visible), group)
-    hit = _MASKS.get(key)
-    if hit is not None and hit[0] is visible:
-        return hit[1]
+    kept = visible.__dict__.setdefault(KEPT_MASKS, {})
+    if group in kept:
+        return kept[group]
     batch, q_len, _ = visible.shape
     mask = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, float("-inf"))
-    mask = mask[:, None].expand(-1, group, -1, -1).reshape(batch, 1, group * q_len, -1)
-    if len(_MASKS) >= _MAX_PLANS:
-        _MASKS.pop(next(iter(_MASKS)))
-    _MASKS[key] = (visible, mask)
+    kept[group] = mask = mask[:, None].expand(-1, group, -1, -1).reshape(batch, 1, group * q_len, -1)
     return mask
 
 

@@ -262,21 +262,43 @@ def test_the_cpu_plan_from_host_lists_is_the_tensor_plan():
             assert torch.equal(slots.view(batch, -1), slots_t.view(batch, -1)), args
 
 
+def _kept_masks(module, kv_lens):
+    return [mask for _, plan in module.kept_plans(kv_lens).values()
+            for mask in plan[1].__dict__.get(module.KEPT_MASKS, {}).values()]
+
+
 def test_the_reference_keeps_a_decode_mask_for_the_next_layers_and_computes_a_long_one_each_call(monkeypatch):
-    """The reference's additive mask, kept per plan for the other layers of a forward, gives the bit-identical
-    output of the boolean mask built per call (what a prefill over the kept size still uses): padded rows, a
-    window, a row whose only query sees no key."""
+    """The reference's additive mask, kept with its forward's plan for the other layers of that forward, gives the
+    bit-identical output of the boolean mask built per call (what a prefill over the kept size still uses): padded
+    rows, a window, a row whose only query sees no key."""
     import sys
 
     module = sys.modules[paged_attention_reference.__module__]
     case = make_case([9, 14, 3], 3, q_lens=[3, 2, 0], sliding_window=4)
     kept = paged_attention_reference(*case.args(), scale=0.3, sliding_window=4)
-    assert any(entry[0].shape[0] == 3 for entry in module._MASKS.values())
+    assert [mask.shape[0] for mask in _kept_masks(module, case.kv_lens)] == [3]
     monkeypatch.setattr(module, "MAX_KEPT_MASK", 0)
-    monkeypatch.setattr(module, "_MASKS", {})
     per_call = paged_attention_reference(*case.args(), scale=0.3, sliding_window=4)
-    assert torch.equal(kept, per_call) and not module._MASKS
+    assert torch.equal(kept, per_call) and len(_kept_masks(module, case.kv_lens)) == 1  # the plan's, none more
     torch.testing.assert_close(kept, dense_attention(case, scale=0.3, sliding_window=4).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_plans_and_masks_go_with_their_forwards_metadata():
+    """Nothing the reference keeps outlives the forward's metadata: once a forward's metadata tensors are gone,
+    so are its plans and masks (a long run holds no more tensors than its first calls)."""
+    import gc
+    import sys
+    import weakref
+
+    module = sys.modules[paged_attention_reference.__module__]
+    case = make_case([9, 14, 3], 3, q_lens=[3, 2, 0], sliding_window=4)
+    paged_attention_reference(*case.args(), scale=0.3, sliding_window=4)
+    (_, plan), = module.kept_plans(case.kv_lens).values()
+    visible = weakref.ref(plan[1])
+    mask = weakref.ref(_kept_masks(module, case.kv_lens)[0])
+    del plan, case
+    gc.collect()
+    assert visible() is None and mask() is None
 
 
 # ---------------------------------------------------------------- Triton vs reference
