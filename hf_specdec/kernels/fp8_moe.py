@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
+from .activations import ACTIVATIONS, GELU_TANH_CONSTANTS, gated_activation, round_to
 from .fp8_gemm import (
     ACTIVATION_DTYPES,
     E8M0_DTYPE,
@@ -62,19 +63,15 @@ from .fp8_w8a8 import (
     row_codes,
 )
 from .fused_moe import (
-    ACTIVATIONS,
-    GELU_TANH_CONSTANTS,
     MAX_EXPERTS,
     MAX_TOP_K,
     Fp8Weights,
     MoeConfig,
     activation_name,
     config_for,
-    gated_activation,
     gated_activation_reference,
     launch,
     program_rows,
-    round_to,
     route_blocks,
     sum_parts,
 )

@@ -63,12 +63,12 @@ import torch.nn.functional as F
 
 from ._dispatch import (check, check_same_device, interpreting, needs_grad, next_power_of_2, pdl_args, pdl_wait,
                         tl, triton, use_triton)
+from .activations import ACTIVATIONS, GELU_TANH_CONSTANTS, gated_activation, round_to
 from .fp8_gemm import E8M0_DTYPE, e4m3_bits_to_float, f16_rows, load_scale
 from .gelu_mul import gelu_tanh_mul_reference, is_gelu_tanh, silu_mul_reference
 
 logger = logging.getLogger(__name__)
 
-ACTIVATIONS = ("gelu_tanh", "silu")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Bounds of the kernel path (tested up to 288 experts and top-8): larger routings take the reference.
 MAX_EXPERTS = 1024
@@ -77,7 +77,6 @@ MAX_TOP_K = 32
 ALIGN_MAX_PAIRS = 256
 SUM_BLOCK = 1024
 _warned: set[str] = set()
-GELU_TANH_CONSTANTS = dict(K_BETA=0.7978845608028654, K_KAPPA=0.044715)  # the kernels' tanh-GELU: sqrt(2/pi), 0.044715
 
 
 @dataclass(frozen=True)
@@ -299,35 +298,6 @@ def _topk_route_kernel(scores_ptr, bias_ptr, scale_ptr, weights_ptr, index_ptr, 
 
 
 # ---------------------------------------------------------------- kernels
-
-
-@triton.jit
-def round_to(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """fp32 `x` rounded to DTYPE (to nearest even), as fp32. EMULATE_BF16: by integer ops, for Triton's CPU
-    interpreter (3.9), whose fp32 -> bf16 cast truncates."""
-    if EMULATE_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
-def gated_activation(gate, up, limit, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                     EMULATE_BF16: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr):
-    """act(gate) * up of fp32 tiles holding DTYPE values, rounded to DTYPE after each op as torch does (fp32)."""
-    if ACTIVATION == "gelu_tanh":
-        inner = K_BETA * (gate + K_KAPPA * (gate * gate * gate))
-        # |2 * inner| > 80: tanh is +-1 in fp32 already; the clamp keeps exp finite
-        tanh = 1.0 - 2.0 / (tl.exp(tl.minimum(tl.maximum(2.0 * inner, -80.0), 80.0)) + 1.0)
-        act = round_to(0.5 * gate * (1.0 + tanh), DTYPE, EMULATE_BF16)
-    else:
-        act = round_to(gate / (1.0 + tl.exp(-gate)), DTYPE, EMULATE_BF16)
-        if HAS_LIMIT:
-            act = round_to(tl.minimum(act, limit), DTYPE, EMULATE_BF16)
-            up = round_to(tl.minimum(tl.maximum(up, -limit), limit), DTYPE, EMULATE_BF16)
-    return round_to(act * up, DTYPE, EMULATE_BF16)
 
 
 @triton.jit

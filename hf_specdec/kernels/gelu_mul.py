@@ -9,11 +9,10 @@ dtype, the clamps on the rounded values, then the product rounded. tanh is writt
 1)``), within a few fp32 ulps of the libm tanh.
 """
 
-import math
-
 import torch
 
 from ._dispatch import check, pdl_args, pdl_wait, tl, triton, use_triton
+from .activations import GELU_TANH_CONSTANTS, gated_activation
 from .fp8_w8a8 import attach_row_codes, check_quantize_group, codes_emulated, row_code_args, store_row_codes
 
 _BLOCK = 1024
@@ -21,7 +20,7 @@ _BLOCK = 1024
 
 @triton.jit
 def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, limit, q_ptr, qs_ptr, groups,
-                      BLOCK: tl.constexpr, SILU: tl.constexpr, CLAMP: tl.constexpr, K_BETA: tl.constexpr,
+                      BLOCK: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, K_BETA: tl.constexpr,
                       K_KAPPA: tl.constexpr, GROUP: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr,
                       PDL: tl.constexpr):
     # program (row, c): values c * BLOCK ... of the row (CODES: as a [BLOCK // GROUP, GROUP] tile, with their e4m3
@@ -34,20 +33,10 @@ def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, 
     else:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    dtype = out_ptr.dtype.element_ty
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
     x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    if SILU:
-        act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
-    else:
-        inner = K_BETA * (x + K_KAPPA * (x * x * x))
-        # |2 * inner| > 80: tanh is +-1 in fp32 already; the clamp keeps exp finite
-        tanh = 1.0 - 2.0 / (tl.exp(tl.minimum(tl.maximum(2.0 * inner, -80.0), 80.0)) + 1.0)
-        act = (0.5 * x * (1.0 + tanh)).to(dtype).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    if CLAMP:
-        act = tl.minimum(act, limit).to(dtype).to(tl.float32)
-        up = tl.minimum(tl.maximum(up, -limit), limit).to(dtype).to(tl.float32)
-    y = (act * up).to(dtype)
+    y = gated_activation(x, up, limit, dtype, ACTIVATION, CLAMP, False, K_BETA, K_KAPPA).to(dtype)
     tl.store(out_ptr + row * width + cols, y, mask=mask)
     if CODES:
         store_row_codes(y, row, cols, g, q_ptr, qs_ptr, width, groups, EMULATE)
@@ -82,7 +71,7 @@ def _gated_mul(gate: torch.Tensor, up: torch.Tensor, silu: bool, limit: float | 
     codes = row_code_args(out.view(-1, width), quantize_group)
     _gated_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
         gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), *codes, BLOCK=_BLOCK,
-        SILU=silu, CLAMP=limit is not None, K_BETA=math.sqrt(2.0 / math.pi), K_KAPPA=0.044715,
+        ACTIVATION="silu" if silu else "gelu_tanh", CLAMP=limit is not None, **GELU_TANH_CONSTANTS,
         GROUP=quantize_group or _BLOCK, CODES=quantize_group is not None, EMULATE=codes_emulated(gate.device),
         num_warps=4, **pdl_args(out))
     return attach_row_codes(out, quantize_group, *codes[:2])
