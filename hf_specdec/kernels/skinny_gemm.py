@@ -24,8 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import interpreting, needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
-from .activations import ACTIVATIONS, GELU_TANH_CONSTANTS, gated_activation, round_to
+from ._dispatch import needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
 
 # HF_SPECDEC_SKINNY_GEMM=0 keeps cuBLAS for every shape (read at import), e.g. to compare the two
 ENABLED = os.environ.get("HF_SPECDEC_SKINNY_GEMM", "1") != "0"
@@ -46,37 +45,19 @@ def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
     """The weight tile ``[BLOCK_N, BLOCK_K]`` and the rows' tile ``[BLOCK_M, BLOCK_K]`` at ``k0`` (zero past K). The
     weights are read once: they are loaded evict-first, so they do not push the rows (or anything else) out of L2."""
     ks = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-    return load_w_tile(w_rows, k0, K, col_ok, BLOCK_K), x
-
-
-@triton.jit
-def load_w_tile(w_rows, k0, K, col_ok, BLOCK_K: tl.constexpr):
-    """The weight tile ``[BLOCK_N, BLOCK_K]`` at ``k0`` (zero past K), loaded evict-first (:func:`load_k_tile`)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0,
-                   eviction_policy="evict_first")
-
-
-@triton.jit
-def _multiply_add(acc, x, w, PRECISION: tl.constexpr):
-    """acc + x @ w.T: the warp-level MMA, or with PRECISION "fma" fp32 multiply-adds (no tensor cores)."""
-    if PRECISION == "fma":
-        return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    else:
-        return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    k_ok = ks < K
+    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    return w, x
 
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_split,
-                        up_rows, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                        EMULATE_BF16: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
     # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows;
     # PRECISION "fma": fp32 multiply-adds instead, no tensor cores (fp32_rows_matmul);
-    # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial;
-    # GATED (an activation's name): the weight's rows are a gate [N, K] and, up_rows rows further, an up [N, K]; each
-    # program computes both for its columns and writes act(gate) * up (gated_linear; no split-K)
+    # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,25 +65,18 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     col_ok = cols < N
     row_ok = rows < M
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    u_rows = w_rows + up_rows.to(tl.int64) * stride_wn
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     pdl_wait(PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w, x = load_k_tile(w_rows, x_rows, k0, k_hi, col_ok, row_ok, BLOCK_K)
-        acc = _multiply_add(acc, x, w, PRECISION)
-        if GATED != "":
-            acc_up = _multiply_add(acc_up, x, load_w_tile(u_rows, k0, k_hi, col_ok, BLOCK_K), PRECISION)
+        if PRECISION == "fma":
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     out = (y_ptr + tl.program_id(1).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
            + cols[None, :])
-    dtype: tl.constexpr = y_ptr.dtype.element_ty
-    if GATED != "":  # gate and up rounded to the dtype first, as two products would be
-        y = gated_activation(round_to(acc, dtype, EMULATE_BF16), round_to(acc_up, dtype, EMULATE_BF16), limit, dtype,
-                             GATED, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
-        tl.store(out, y.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
-    else:
-        tl.store(out, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -118,7 +92,6 @@ def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr, PDL:
 
 
 SUM_BLOCK = 1024
-_NOT_GATED = dict(GATED="", HAS_LIMIT=False, EMULATE_BF16=False, **GELU_TANH_CONSTANTS)
 
 
 def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -234,9 +207,9 @@ def fp32_rows_matmul(x: torch.Tensor, weight: torch.Tensor,
     block_n, block_k, warps = config or FP32_ROWS_CONFIG
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n), 1)](
-        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), k, 0, 0, 0.0,
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), k, 0,
         BLOCK_M=max(2, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="fma",
-        num_warps=warps, **_NOT_GATED, **pdl_args(x))
+        num_warps=warps, **pdl_args(x))
     return out
 
 
@@ -300,68 +273,11 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
     out_dtype = out_dtype or x.dtype
     out = torch.empty(split, rows, n, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n), split)](
-        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(1), k_per_split, out.stride(0), 0, 0.0,
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(1), k_per_split, out.stride(0),
         BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: no tf32 rounding
-        **_NOT_GATED, **pdl_args(x))
+        **pdl_args(x))
     return out[0] if split == 1 else sum_splits(out, out_dtype)
-
-
-# HF_SPECDEC_GATED_GEMM=0 (read at import; GATED_GEMM may be set at run time, with the graphs captured before
-# released) keeps a gated MLP's stacked gate/up product and its activation in two launches, e.g. to compare them
-GATED_GEMM = os.environ.get("HF_SPECDEC_GATED_GEMM", "1") != "0"
-
-
-def gated_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`gated_linear` runs for ``x`` and a stacked ``[2I, K]`` gate/up ``weight``: half-precision rows
-    that :func:`skinny_linear` multiplies in the kernel without splitting K (the gated MLPs of the supported
-    targets: thousands of outputs), or fp32 rows that it multiplies in fp32 multiply-adds (:func:`fp32_rows_matmul`)."""
-    if not GATED_GEMM or weight.dim() != 2 or weight.shape[0] % 2:
-        return False
-    if skinny_eligible(x, weight):
-        return split_k_for(*weight.shape) == 1
-    return _fp32_rows(x, weight)
-
-
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, activation: str, limit: float | None = None) -> torch.Tensor:
-    """``act(x @ gate.T) * (x @ up.T)`` for ``weight`` = gate ``[I, K]`` and up ``[I, K]`` stacked ``[2I, K]`` (one
-    storage, gate first), in one launch: each program computes a block of columns of both and writes the activated
-    product, so the ``[rows, 2I]`` projection never goes through memory. ``activation``: "gelu_tanh" (Gemma 4) or
-    "silu" (``limit``: Step 3.5's clamps), the arithmetic of :func:`.gelu_mul.gelu_tanh_mul` / ``silu_mul`` on gate
-    and up rounded to the dtype, as the two launches compute it. Half-precision rows (at most MAX_KERNEL_ROWS) take
-    the tensor-core dot of :func:`skinny_matmul` (a weight it would split K for is refused), fp32 rows (at most
-    MAX_ROWS) fp32 multiply-adds (:func:`fp32_rows_matmul`); the launcher does not choose, :func:`gated_eligible`
-    does."""
-    rows = x.numel() // max(1, x.shape[-1]) if x.dim() else 0
-    half = x.dtype in (torch.bfloat16, torch.float16)
-    if (activation not in ACTIVATIONS or (limit is not None and (activation != "silu" or limit <= 0))
-            or weight.dim() != 2 or weight.shape[0] % 2 or weight.stride(1) != 1 or x.dim() == 0
-            or x.shape[-1] != weight.shape[1] or weight.dtype != x.dtype or (not half and x.dtype != torch.float32)
-            or not 0 < rows <= (MAX_KERNEL_ROWS if half else MAX_ROWS) or (half and split_k_for(*weight.shape) > 1)):
-        raise ValueError(f"gated_linear takes an activation of {ACTIVATIONS} (a positive limit with silu only), "
-                         f"[1..{MAX_KERNEL_ROWS}] half-precision rows or [1..{MAX_ROWS}] fp32 rows and a [2I, K] "
-                         f"weight of their dtype with contiguous rows that K is not split for; got {activation!r}, "
-                         f"limit {limit!r}, {tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype} "
-                         f"(strides {weight.stride()})")
-    rows2 = x.reshape(-1, x.shape[-1])
-    if rows2.stride(-1) != 1:
-        rows2 = rows2.contiguous()
-    (rows, k), inter = rows2.shape, weight.shape[0] // 2
-    if x.dtype == torch.float32:  # fp32 multiply-adds, FP32_ROWS_CONFIG's columns of each of gate and up
-        block_n, block_k, warps = FP32_ROWS_CONFIG
-        block_m, precision, launch = max(2, triton.next_power_of_2(rows)), "fma", dict(num_warps=warps)
-    else:  # the stacked weight's tiles, half of a program's columns from each of gate and up
-        block_n, block_k, warps, stages = config_for(2 * inter, k, rows, x.element_size())
-        block_n = max(MAX_ROWS, block_n // 2)
-        block_m, precision, launch = block_rows(rows), "tf32", dict(num_warps=warps, num_stages=stages)
-    out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    _skinny_gemm_kernel[(triton.cdiv(inter, block_n), 1)](
-        rows2, weight, out, rows, inter, k, rows2.stride(0), weight.stride(0), out.stride(0), k, 0, inter,
-        float(limit or 0.0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        GATED=activation, HAS_LIMIT=limit is not None,
-        EMULATE_BF16=x.dtype == torch.bfloat16 and interpreting(_skinny_gemm_kernel), **GELU_TANH_CONSTANTS,
-        **launch, **pdl_args(x))
-    return out.view(*x.shape[:-1], inter)
 
 
 def launch_plan(n: int, k: int, rows: int, element_size: int = 2, config: tuple[int, int, int, int] | None = None,

@@ -25,8 +25,7 @@ import torch.nn as nn
 
 from .fp8_gemm import FP8_DTYPE
 from .fp8_w8a8 import fine_grained_fp8_linear
-from .gelu_mul import gelu_tanh_mul, silu_mul
-from .skinny_gemm import gated_eligible, gated_linear, skinny_linear
+from .skinny_gemm import skinny_linear
 
 
 def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
@@ -109,26 +108,6 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Ten
     if fp8 is not None:  # the layers' own product (their activations are dynamic: stacked_fp8)
         return fine_grained_fp8_linear(x, *fp8).split(sizes, dim=-1)
     return tuple(linear(x) for linear in linears)
-
-
-def gated_projections(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, activation: str,
-                      limit: float | None = None, quantize_group: int | None = None) -> torch.Tensor:
-    """A gated MLP's hidden activations ``act(gate_proj(x)) * up_proj(x)``: "gelu_tanh" (:func:`.gelu_mul.gelu_tanh_mul`,
-    ``quantize_group`` as there) or "silu" (:func:`.gelu_mul.silu_mul`, with Step 3.5's ``limit``). Stacked
-    projections of the same width take one launch for the product and the activation where the kernel runs
-    (:func:`.skinny_gemm.gated_linear`); otherwise the projections (:func:`stacked_projections`), then the
-    activation's launch."""
-    weight = stacked_weight(gate_proj, up_proj)
-    if (weight is not None and quantize_group is None and gate_proj.weight.shape == up_proj.weight.shape
-            and gated_eligible(x, weight)):
-        return gated_linear(x, weight, activation, limit)
-    gate, up = stacked_projections(x, gate_proj, up_proj)
-    if activation == "gelu_tanh" and limit is None:
-        return gelu_tanh_mul(gate, up, quantize_group=quantize_group)
-    if activation == "silu" and quantize_group is None:
-        return silu_mul(gate, up, limit)
-    raise ValueError(f"gated_projections takes activation 'gelu_tanh' (with a quantize_group or none) or 'silu' (with "
-                     f"a limit or none), got {activation!r}, limit {limit!r}, quantize_group {quantize_group!r}")
 
 
 def _stackable_fp8(module, first) -> bool:

@@ -6,12 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hf_specdec.kernels import skinny_gemm, stacked_linear
-from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, gelu_tanh_mul_reference, silu_mul_reference
-from hf_specdec.kernels.skinny_gemm import (MAX_KERNEL_ROWS, MAX_ROWS, SPLIT_CONFIG, config_for, gated_linear,
-                                           launch_plan, linear_forward, skinny_eligible, skinny_linear, skinny_matmul,
-                                           split_k_for)
-from hf_specdec.kernels.stacked_linear import stack_weights
+from hf_specdec.kernels import skinny_gemm
+from hf_specdec.kernels.skinny_gemm import (MAX_KERNEL_ROWS, MAX_ROWS, SPLIT_CONFIG, config_for, launch_plan,
+                                           linear_forward, skinny_eligible, skinny_linear, skinny_matmul, split_k_for)
 
 SMALL = (16, 32, 4, 2)  # BLOCK_N, BLOCK_K, warps, stages: several programs and K tiles at test sizes
 
@@ -218,79 +215,3 @@ def test_triton_fp32_rows_matmul(triton_device, rows, n, k, config):
     torch.testing.assert_close(got.cpu(), x.cpu() @ w.cpu().T, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="fp32_rows_matmul takes"):
         skinny_gemm.fp32_rows_matmul(x.bfloat16(), w.bfloat16())
-
-
-def _gated_reference(x, w, activation, limit=None):
-    """The two steps gated_linear replaces: the stacked product in the dtype, then the activation's arithmetic."""
-    gate, up = F.linear(x, w).chunk(2, dim=-1)
-    if activation == "gelu_tanh":
-        return gelu_tanh_mul_reference(gate, up)
-    return silu_mul_reference(gate, up, limit)
-
-
-@pytest.mark.parametrize("activation,limit", [("gelu_tanh", None), ("silu", None), ("silu", 0.05)])
-@pytest.mark.parametrize("dtype,rows", [(torch.float16, 1), (torch.float16, 5), (torch.float16, 29),
-                                        (torch.float32, 1), (torch.float32, 16)])
-def test_triton_gated_linear(triton_device, dtype, rows, activation, limit):
-    """act(gate) * up of a stacked [2I, K] weight in one launch: odd I and K (masked tiles), half-precision rows on
-    the tensor cores, fp32 rows in fp32 multiply-adds, the clamps of Step 3.5's SwiGLU (a limit small enough to
-    clamp), against the product then the activation in torch."""
-    gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 100, generator=gen).to(dtype).to(triton_device)
-    w = (torch.randn(2 * 37, 100, generator=gen) * 0.1).to(dtype).to(triton_device)
-    got = gated_linear(x, w, activation, limit)
-    assert got.shape == (rows, 37) and got.dtype == dtype
-    expected = _gated_reference(x.double().cpu(), w.double().cpu(), activation, limit)
-    if limit is not None:
-        assert (expected.abs() > 0).any() and (_gated_reference(x.double(), w.double(), "silu").cpu() != expected).any()
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-2)
-    torch.testing.assert_close(got.double().cpu(), expected, **tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_triton_gated_linear_is_the_two_launches(triton_device, dtype):
-    """One launch gives the bits of the kernel's product followed by the activation's kernel (the same dots per
-    column, gate and up rounded to the dtype before the activation), and a row's result does not depend on the
-    rows beside it (a verify step's rows are a decode step's, bit for bit)."""
-    gen = torch.Generator().manual_seed(5)
-    rows = MAX_ROWS if dtype == torch.float32 else MAX_KERNEL_ROWS
-    x = torch.randn(rows, 96, generator=gen).to(dtype).to(triton_device)
-    w = (torch.randn(2 * 40, 96, generator=gen) * 0.1).to(dtype).to(triton_device)
-    full = gated_linear(x, w, "gelu_tanh")
-    product = skinny_gemm.fp32_rows_matmul(x, w) if dtype == torch.float32 else skinny_matmul(x, w)
-    assert torch.equal(full, gelu_tanh_mul(product[:, :40], product[:, 40:]))
-    for r in (0, 7, MAX_ROWS - 1, rows - 1):
-        assert torch.equal(gated_linear(x[r:r + 1], w, "gelu_tanh"), full[r:r + 1])
-    assert torch.equal(gated_linear(x[:3], w, "gelu_tanh"), full[:3])
-
-
-def test_gated_linear_refuses_what_it_does_not_compute():
-    x, w = torch.zeros(2, 32, dtype=torch.float16), torch.zeros(64, 32, dtype=torch.float16)
-    for args in [(x, w, "relu"), (x, w, "gelu_tanh", 1.0), (x, w, "silu", -1.0), (x, w[:63], "silu"),
-                 (x, w.float(), "silu"), (torch.zeros(MAX_ROWS + 1, 32), w.float(), "silu"),
-                 (torch.zeros(MAX_KERNEL_ROWS + 1, 32, dtype=torch.float16), w, "silu"), (x[:, :31], w, "silu"),
-                 (x, torch.zeros(64, 8 * SPLIT_CONFIG[1], dtype=torch.float16), "silu")]:
-        with pytest.raises(ValueError, match="gated_linear takes"):
-            gated_linear(*args)
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_gated_projections_take_one_launch_where_stacked(triton_device, gated, monkeypatch):
-    """A gated MLP's stacked gate/up: one gated launch where the kernel runs (GATED_GEMM off: the product, then the
-    activation's launch), the same values either way; projections that are not stacked run one by one."""
-    monkeypatch.setattr(skinny_gemm, "GATED_GEMM", gated)
-    calls = []
-    monkeypatch.setattr(stacked_linear, "gated_linear",
-                        lambda *a, **kw: calls.append(a) or skinny_gemm.gated_linear(*a, **kw))
-    gen = torch.Generator().manual_seed(2)
-    gate_proj, up_proj = (nn.Linear(64, 48, bias=False).half().to(triton_device) for _ in range(2))
-    x = torch.randn(3, 64, generator=gen).half().to(triton_device)
-    with torch.no_grad():
-        separate = stacked_linear.gated_projections(x, gate_proj, up_proj, "silu", 2.0)
-        assert not calls
-        assert stack_weights(gate_proj, up_proj)
-        stacked = stacked_linear.gated_projections(x, gate_proj, up_proj, "silu", 2.0)
-        assert len(calls) == int(gated)
-        expected = silu_mul_reference(gate_proj(x), up_proj(x), 2.0)
-    torch.testing.assert_close(stacked.float(), expected.float(), atol=2e-3, rtol=2e-2)
-    torch.testing.assert_close(separate.float(), expected.float(), atol=2e-3, rtol=2e-2)

@@ -27,9 +27,10 @@ from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from hf_specdec.kernels._dispatch import needs_grad, use_triton
+from hf_specdec.kernels.gelu_mul import silu_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import rms_norm
-from hf_specdec.kernels.stacked_linear import gated_projections, stack_weights, stacked_projections
+from hf_specdec.kernels.stacked_linear import stack_weights, stacked_projections
 from hf_specdec.models.loading import check_checkpoint_keys
 
 from .configuration import DFlashConfig
@@ -165,7 +166,7 @@ class DFlashDecoderLayer(nn.Module):
         mlp = self.mlp
         if not _kernels_take(x, mlp) or not _is_silu(mlp.act_fn):
             return mlp(x)
-        return mlp.down_proj(gated_projections(x, mlp.gate_proj, mlp.up_proj, "silu"))
+        return mlp.down_proj(silu_mul(*stacked_projections(x, mlp.gate_proj, mlp.up_proj)))
 
 
 class DFlashDrafter(PreTrainedModel):

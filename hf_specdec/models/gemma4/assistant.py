@@ -35,9 +35,10 @@ from transformers.models.gemma4.modeling_gemma4 import (
 
 from hf_specdec.kernels._dispatch import needs_grad
 from hf_specdec.kernels.embed_concat import embed_concat
+from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
 from hf_specdec.kernels.rms_norm import norm_add, rms_norm
-from hf_specdec.kernels.stacked_linear import gated_projections, stacked_projections
+from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.models.loading import check_checkpoint_keys
 
 from .assistant_config import (
@@ -195,7 +196,7 @@ class AssistantDecoderLayer(nn.Module):
                                          next_eps=pre.eps)
         post = self.post_feedforward_layernorm
         mlp = self.mlp
-        mlp_out = (mlp.down_proj(gated_projections(mlp_in, mlp.gate_proj, mlp.up_proj, "gelu_tanh"))
+        mlp_out = (mlp.down_proj(gelu_tanh_mul(*stacked_projections(mlp_in, mlp.gate_proj, mlp.up_proj)))
                    if self.gelu_tanh else mlp(mlp_in))
         return norm_add(mlp_out, hidden_states, post.weight, post.eps, scale=self.layer_scalar,
                         next_weight=None if next_norm is None else next_norm.weight,

@@ -32,7 +32,7 @@ from hf_specdec.kernels.fused_moe import softmax_topk_route
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, is_gelu_tanh
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add, rms_norm
-from hf_specdec.kernels.stacked_linear import gated_projections, stacked_projections
+from hf_specdec.kernels.stacked_linear import stacked_projections
 
 
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -201,8 +201,8 @@ def gemma4_mlp_forward(self, x):
     quantizes its rows where the down projection is a W8A8 product, see :func:`_input_norm`)."""
     if not use_triton(x) or needs_grad(x):
         return type(self).forward(self, x)
-    return self.down_proj(gated_projections(x, self.gate_proj, self.up_proj, "gelu_tanh",
-                                            quantize_group=w8a8_input_group(x, self.down_proj)))
+    gate, up = stacked_projections(x, self.gate_proj, self.up_proj)
+    return self.down_proj(gelu_tanh_mul(gate, up, quantize_group=w8a8_input_group(gate, self.down_proj)))
 
 
 def _fusible_gemma4_mlp(module) -> bool:

@@ -18,10 +18,10 @@ import torch
 from hf_specdec.generation.registry import FusedForward, register_fused_forwards
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
-from hf_specdec.kernels.gelu_mul import head_gate_mul
+from hf_specdec.kernels.gelu_mul import head_gate_mul, silu_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import add_rms_norm, rms_norm
-from hf_specdec.kernels.stacked_linear import gated_projections
+from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.models.step3p5.layers import Step3p5Attention, Step3p5MLP, Step3p5RMSNorm
 from hf_specdec.models.step3p5.modeling import Step3p5DecoderLayer, Step3p5MTPLayer
 
@@ -60,7 +60,7 @@ def _step3p5_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     (:func:`silu_mul`) after one GEMM for gate and up. The CPU and autograd run the original."""
     if not use_triton(x) or needs_grad(x):
         return type(self).forward(self, x)
-    return self.down_proj(gated_projections(x, self.gate_proj, self.up_proj, "silu", self.limit))
+    return self.down_proj(silu_mul(*stacked_projections(x, self.gate_proj, self.up_proj), self.limit))
 
 
 def _step3p5_decoder_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
