@@ -30,25 +30,25 @@ from benchmarks.decode import measure_hf_specdec
 from benchmarks.shapes import WEIGHTS, floor_tokens_per_s, random_prompt, target_for
 
 
-def parse_setting(text: str) -> tuple[object, str, list]:
-    """``MODULE.ATTRIBUTE=V1,V2,...`` -> (module, attribute, [values]); errors name the fix."""
+def parse_setting(text: str, bench: str = "ab_decode") -> tuple[object, str, list]:
+    """``MODULE.ATTRIBUTE=V1,V2,...`` -> (module, attribute, [values]); errors (of ``bench``) name the fix."""
     target, sep, values = text.partition("=")
     module_name, _, attribute = target.rpartition(".")
     if not sep or not module_name or not attribute or not values:
-        raise SystemExit(f"ab_decode: --set takes MODULE.ATTRIBUTE=V1,V2 (e.g. "
+        raise SystemExit(f"{bench}: --set takes MODULE.ATTRIBUTE=V1,V2 (e.g. "
                          f"hf_specdec.kernels.skinny_gemm.SPLIT_K=False,True), got {text!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise SystemExit(f"ab_decode: --set names module {module_name!r}, which does not import: {error}")
+        raise SystemExit(f"{bench}: --set names module {module_name!r}, which does not import: {error}")
     if not hasattr(module, attribute):
-        raise SystemExit(f"ab_decode: module {module_name} has no attribute {attribute!r} to set")
+        raise SystemExit(f"{bench}: module {module_name} has no attribute {attribute!r} to set")
     try:
         parsed = [ast.literal_eval(v.strip()) for v in values.split(",")]
     except (ValueError, SyntaxError):
-        raise SystemExit(f"ab_decode: the values of --set must be Python literals separated by commas, got {values!r}")
+        raise SystemExit(f"{bench}: the values of --set must be Python literals separated by commas, got {values!r}")
     if len(parsed) < 2:
-        raise SystemExit(f"ab_decode: --set needs two values or more to compare, got {values!r}")
+        raise SystemExit(f"{bench}: --set needs two values or more to compare, got {values!r}")
     return module, attribute, parsed
 
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             free_device_memory()
     finally:
         setattr(module, attribute, original)
-    _summary(rows, values)
+    summary(rows, values)
     return 0
 
 
@@ -112,19 +112,20 @@ def _compare(model, spec, batch, module, attribute, values, bandwidth, args) -> 
     return rows
 
 
-def _summary(rows: list[dict], values: list) -> None:
-    print(f"\n{'shape':<22}{'batch':>6}  " + "".join(f"{repr(v):>18}" for v in values) + "  same tokens")
-    for key in dict.fromkeys((r["shape"], r["batch"]) for r in rows):
+def summary(rows: list[dict], values: list, key: str = "shape") -> None:
+    """The table: per (``key``, batch), each value's median tokens/s and its ratio to the first value's, and whether
+    every measurement gave the first value's tokens."""
+    print(f"\n{key:<22}{'batch':>6}  " + "".join(f"{repr(v):>18}" for v in values) + "  same tokens")
+    for case in dict.fromkeys((r[key], r["batch"]) for r in rows):
         cells, same = [], True
         base = None
         for value in values:
-            picked = [r for r in rows if (r["shape"], r["batch"]) == key and r["value"] == repr(value)]
+            picked = [r for r in rows if (r[key], r["batch"]) == case and r["value"] == repr(value)]
             median = statistics.median(r["tokens_per_s"] for r in picked)
             base = base or median
             cells.append(f"{median:>10.1f} ({median / base:.3f})")
             same &= all(r["same_tokens_as_first"] for r in picked)
-        print(f"{key[0]:<22}{key[1]:>6}  " + "".join(f"{c:>18}" for c in cells) + f"  {same}")
-
+        print(f"{case[0]:<22}{case[1]:>6}  " + "".join(f"{c:>18}" for c in cells) + f"  {same}")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -11,6 +11,7 @@ import torch
 
 from benchmarks.common import RECORD_FIELDS, run_bench
 from benchmarks.run_all import BENCHES
+from hf_specdec.assets import available_assets
 
 
 _RUNS: dict[str, tuple] = {}  # each bench's smoke run happens once per session: (records, last stdout line)
@@ -360,3 +361,35 @@ def test_ab_decode_times_each_value_in_turn_and_restores_the_attribute(capsys):
                          ("hf_specdec.kernels.skinny_gemm.SPLIT_K=True", "two values or more")):
         with pytest.raises(SystemExit, match=message):
             ab.main(["--set", bad, "--device", "cpu"])
+
+
+def test_ab_spec_times_each_mode_under_each_value_in_turn(capsys, monkeypatch):
+    """``benchmarks.ab_spec``: per round, each value in turn, plain and every fixed-k mode of the member with the
+    graphs released between values, the tokens compared with the first value's, the attribute set back afterwards."""
+    import benchmarks.ab_spec as ab
+    from hf_specdec.kernels import skinny_gemm
+
+    if "tiny-step3p5" not in available_assets():
+        pytest.skip("the bundled tiny Step 3.5 is not installed")
+    before = skinny_gemm.SPLIT_K
+    seen, original = [], ab._measure
+
+    def measuring(model, inputs, batch, extra, case, *rest):  # which value each measurement ran under
+        seen.append((case, skinny_gemm.SPLIT_K))
+        return original(model, inputs, batch, extra, case, *rest)
+
+    monkeypatch.setattr(ab, "_measure", measuring)
+    assert ab.main(["--set", "hf_specdec.kernels.skinny_gemm.SPLIT_K=False,True", "--members", "tiny-step3p5",
+                    "--batch", "2", "--rounds", "2", "--new-tokens", "3", "--repeats", "1", "--device", "cpu"]) == 0
+    cases = ["tiny-step3p5 plain"] + [f"tiny-step3p5 mtp k={k}" for k in (1, 2, 3)]
+    assert seen == [(case, value) for _ in range(2) for value in (False, True) for case in cases]
+    assert skinny_gemm.SPLIT_K == before
+    lines = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in lines if line.startswith('{"case"')]
+    assert [(r["case"], r["value"], r["round"]) for r in rows] == [
+        (case, value, round_) for round_ in range(2) for value in ("False", "True") for case in cases]
+    assert all(r["same_tokens_as_first"] and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["tau"] > 1 for r in rows if "mtp" in r["case"])
+    assert sum(line.startswith("tiny-step3p5") and line.rstrip().endswith("True") for line in lines) == 4  # table
+    with pytest.raises(SystemExit, match="ab_spec: --set takes MODULE.ATTRIBUTE=V1,V2"):
+        ab.main(["--set", "SPLIT_K=False,True", "--device", "cpu"])
