@@ -52,12 +52,21 @@ class FusedForward:
 
 
 _FUSED: dict[type, FusedForward] = {}
+_LINKS: list[tuple[Callable, Callable]] = []
 
 
 def register_fused_forwards(*fused: FusedForward) -> None:
     """Make ``enable`` give instances of each ``fused.module_type`` its fused forward (idempotent)."""
     for entry in fused:
         _FUSED[entry.module_type] = entry
+
+
+def register_model_links(link: Callable[[torch.nn.Module], None], unlink: Callable[[torch.nn.Module], None]) -> None:
+    """Relations between a model's modules that its kernels-only fused forwards read (e.g. which norm reads a
+    decoder layer's output next): :func:`fuse_modules` calls ``link(model)`` once it gave them, :func:`unfuse_modules`
+    ``unlink(model)`` (idempotent)."""
+    if (link, unlink) not in _LINKS:
+        _LINKS.append((link, unlink))
 
 
 def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
@@ -73,6 +82,9 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
             module.forward = types.MethodType(fused.forward, module)
             stack_projections(module)
             count += 1
+    if kernels:
+        for link, _ in _LINKS:
+            link(model)
     return count
 
 
@@ -102,6 +114,8 @@ def fuse_drafter(drafter: torch.nn.Module) -> torch.nn.Module:
 def unfuse_modules(model: torch.nn.Module, kernels_only: bool = False) -> None:
     """Undo :func:`fuse_modules` (with ``kernels_only=True``, for the kernels-only forwards alone)."""
     forwards = {entry.forward for entry in _FUSED.values() if entry.kernels_only or not kernels_only}
+    for _, unlink in _LINKS:
+        unlink(model)
     for module in model.modules():
         forward = vars(module).get("forward")
         if forward is not None and getattr(forward, "__func__", None) in forwards:

@@ -17,12 +17,13 @@ import torch
 
 from hf_specdec.config import SpecDecodingConfig
 from hf_specdec.generation.drafter import Drafter
-from hf_specdec.generation.fusion import FusedForward, register_fused_forwards
+from hf_specdec.generation.fusion import FusedForward, register_fused_forwards, register_model_links
 from hf_specdec.generation.quantization import check_drafter_weights
 from hf_specdec.runtime.distributed import check_replicated
 from hf_specdec.runtime.placement import input_device
 
-__all__ = ["DrafterBuilder", "FusedForward", "build_drafter", "register_drafter", "register_fused_forwards"]
+__all__ = ["DrafterBuilder", "FusedForward", "build_drafter", "register_drafter", "register_fused_forwards",
+           "register_model_links"]
 
 
 @dataclass(frozen=True)

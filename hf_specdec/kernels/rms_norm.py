@@ -341,8 +341,8 @@ def norm_add_reference(x, residual, weight, eps, *, scale=None, next_weight=None
 @triton.jit
 def _dual_norm_add_kernel(
     a_ptr, b_ptr, res_ptr, wa_ptr, wb_ptr, w_ptr, scale_ptr, out_ptr,  # rows [rows, dim]; weights [dim]; scale [1]
-    stride_a, stride_b, stride_res, stride_out, dim, eps_a, eps_b, eps,
-    HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    stride_a, stride_b, stride_res, stride_out, dim, eps_a, eps_b, eps, w2_ptr, out2_ptr, stride_out2, eps2,
+    HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr, NEXT_HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -358,6 +358,9 @@ def _dual_norm_add_kernel(
     z = _norm(m, dim, eps, w_ptr, cols, mask, True).to(dtype)
     s = _residual_add(z, res_ptr, row * stride_res + cols, mask, scale_ptr, HAS_SCALE)
     tl.store(out_ptr + row * stride_out + cols, s, mask=mask)
+    if HAS_NEXT:  # the norm that reads the sum next (norm_add's)
+        nxt = _norm(s.to(tl.float32), dim, eps2, w2_ptr, cols, mask, NEXT_HAS_WEIGHT).to(dtype)
+        tl.store(out2_ptr + row * stride_out2 + cols, nxt, mask=mask)
 
 
 def dual_norm_add(
@@ -365,30 +368,42 @@ def dual_norm_add(
     b: torch.Tensor, weight_b: torch.Tensor, eps_b: float,  # the other branch's
     residual: torch.Tensor, weight: torch.Tensor, eps: float,  # the block's residual and its post-norm
     *, scale: torch.Tensor | None = None,  # [1]: multiplies the sum
-) -> torch.Tensor:
-    """``(residual + rms_norm(rms_norm(a, weight_a) + rms_norm(b, weight_b), weight)) [* scale]``: two parallel
+    next_weight: torch.Tensor | None = None,  # [dim] of the norm that reads the sum next (None: no scale)
+    next_eps: float | None = None,  # None: no next norm
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``s = (residual + rms_norm(rms_norm(a, weight_a) + rms_norm(b, weight_b), weight)) [* scale]``: two parallel
     branches (a dense MLP and the experts) post-normed, summed, post-normed again and added to the residual,
-    each result rounded to a's dtype as eager torch rounds it, in one launch instead of three."""
+    each result rounded to a's dtype as eager torch rounds it, in one launch instead of three; with ``next_eps`` also
+    ``rms_norm(s, next_weight)`` (:func:`norm_add`'s next norm). -> ``(s, next)`` (``next`` None without
+    ``next_eps``)."""
     dim = a.shape[-1]
     check(b.shape == a.shape and residual.shape == a.shape,
           f"b and residual must be a's shape {tuple(a.shape)}, got {tuple(b.shape)} and {tuple(residual.shape)}")
     check(all(w.shape == (dim,) for w in (weight_a, weight_b, weight)),
           f"the weights must be [dim={dim}], got {[tuple(w.shape) for w in (weight_a, weight_b, weight)]}")
+    check(next_weight is None or (next_eps is not None and next_weight.shape == (dim,)),
+          f"next_weight must be [dim={dim}] and come with next_eps, got "
+          f"{None if next_weight is None else tuple(next_weight.shape)} and next_eps {next_eps!r}")
     if not use_triton(a) or a.numel() == 0 or dim > 65536:
-        return dual_norm_add_reference(a, weight_a, eps_a, b, weight_b, eps_b, residual, weight, eps, scale=scale)
+        return dual_norm_add_reference(a, weight_a, eps_a, b, weight_b, eps_b, residual, weight, eps, scale=scale,
+                                       next_weight=next_weight, next_eps=next_eps)
     rows = [t.reshape(-1, dim) for t in (a, b, residual)]
     rows = [t if t.stride(-1) == 1 else t.contiguous() for t in rows]
     out = torch.empty(rows[0].shape, dtype=a.dtype, device=a.device)
+    nxt = torch.empty_like(out) if next_eps is not None else out
     block = next_power_of_2(dim)
     _dual_norm_add_kernel[(out.shape[0],)](
         *rows, weight_a, weight_b, weight, scale if scale is not None else weight, out,
         *(t.stride(0) for t in rows), out.stride(0), dim, float(eps_a), float(eps_b), float(eps),
-        HAS_SCALE=scale is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl_args(out),
+        next_weight if next_weight is not None else weight, nxt, nxt.stride(0), float(next_eps or 0.0),
+        HAS_SCALE=scale is not None, HAS_NEXT=next_eps is not None, NEXT_HAS_WEIGHT=next_weight is not None,
+        BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl_args(out),
     )
-    return out.view(a.shape)
+    return out.view(a.shape), None if next_eps is None else nxt.view(a.shape)
 
 
-def dual_norm_add_reference(a, weight_a, eps_a, b, weight_b, eps_b, residual, weight, eps, *, scale=None):
+def dual_norm_add_reference(a, weight_a, eps_a, b, weight_b, eps_b, residual, weight, eps, *, scale=None,
+                            next_weight=None, next_eps=None):
     """Torch version: the CPU path and the test oracle (transformers' eager ops)."""
     mixed = rms_norm_reference(a, weight_a, eps_a) + rms_norm_reference(b, weight_b, eps_b)
-    return norm_add_reference(mixed, residual, weight, eps, scale=scale)[0]
+    return norm_add_reference(mixed, residual, weight, eps, scale=scale, next_weight=next_weight, next_eps=next_eps)

@@ -377,3 +377,48 @@ def test_triton_mtp_drafting_proposes_the_reference_drafts(triton_device, monkey
 
     # the kernels' run read post_projection and the centroid scores through one stacked GEMM
     assert stacked_weight(assistant.post_projection, assistant.masked_embedding.centroids) is not None
+
+
+@pytest.mark.parametrize("build", ["gemma4_31b_style", "gemma4_e2b_style", "gemma4_26b_style"])
+def test_triton_cross_layer_seams_compute_the_next_norms(triton_device, build, monkeypatch):
+    """Each fused decoder layer's last seam also computes the norm that reads its output next (the next layer's input
+    norm; after the last layer the final norm), which then runs no launch of its own: one norm launch less per layer,
+    the model's logits kept (but for the first KV-shared layer's input where transformers slices it first). A forward
+    hook on a layer, which may change its output (here in place, which inference tensors do not count), makes that
+    layer's next norm run on its own again; unfuse_modules takes the links away."""
+    from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+    from hf_specdec.models.gemma4 import fusion
+    from tests import tiny_models
+
+    model = getattr(tiny_models, build)().to(triton_device)
+    model.set_attn_implementation("sdpa")
+    layers = [m for m in model.modules() if type(m).__name__ == "Gemma4TextDecoderLayer"]
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    ids, norms = ids.to(triton_device), []
+    with torch.inference_mode():
+        expected = model(ids).logits
+        fuse_modules(model)
+        monkeypatch.setattr(fusion, "rms_norm", lambda *a, **kw: norms.append(1) or rms_norm(*a, **kw))
+        launches, logits = {}, {}
+        for seams in (False, True):
+            monkeypatch.setattr(fusion, "CROSS_LAYER_SEAMS", seams)
+            norms.clear()
+            logits[seams] = model(ids).logits
+            launches[seams] = len(norms)
+        # every layer's, but where transformers (5.24+) slices the hidden states before the first KV-shared layer (a
+        # new tensor: that layer's input norm runs on its own)
+        sliced = (bool(model.config.get_text_config().num_kv_shared_layers)
+                  and hasattr(fusion.Gemma4TextModel, "_maybe_slice_kv_shared_inputs"))
+        assert launches[False] - launches[True] == len(layers) - sliced
+        handle = layers[1].register_forward_hook(lambda module, args, out: out.mul_(0.5))
+        norms.clear()
+        hooked = model(ids).logits
+        assert launches[True] - len(norms) == -1  # layer 1's next norm (layer 2's input norm) on its own
+        unfuse_modules(model)
+        assert not any(layer in fusion._FOLLOWING for layer in layers)
+        expected_hooked = model(ids).logits
+        handle.remove()
+    for got in logits.values():
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
+    torch.testing.assert_close(hooked, expected_hooked, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(hooked, expected, atol=1e-3)

@@ -181,8 +181,12 @@ def test_moe_block_references_are_transformers_ops_exactly(dtype):
     dense, routed = x, x.flip(0) * 3
     expected = residual + norms[3](norms[0](dense) + norms[1](routed))
     expected *= scale
-    got = dual_norm_add_reference(dense, w, 1e-6, routed, w2, 1e-6, residual, norms[3].weight, 1e-6, scale=scale)
-    assert torch.equal(got, expected)
+    got, none = dual_norm_add_reference(dense, w, 1e-6, routed, w2, 1e-6, residual, norms[3].weight, 1e-6, scale=scale)
+    assert torch.equal(got, expected) and none is None
+    # the next layer's input norm of the sum
+    got, nxt = dual_norm_add_reference(dense, w, 1e-6, routed, w2, 1e-6, residual, norms[3].weight, 1e-6, scale=scale,
+                                       next_weight=norms[2].weight, next_eps=1e-6)
+    assert torch.equal(got, expected) and torch.equal(nxt, norms[2](expected))
 
 
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 40), (torch.bfloat16, 64)])
@@ -197,10 +201,14 @@ def test_triton_moe_block_norms(triton_device, dtype, dim):
     for g, e in zip(norm_add(x, residual, w, 1e-6, **kwargs), norm_add_reference(x, residual, w, 1e-6, **kwargs)):
         torch.testing.assert_close(g.float().cpu(), e.float().cpu(), **tol)
     routed = x.flip(0) * 3
-    for s in (None, scale):
-        got = dual_norm_add(x, w, 1e-6, routed, w2, 1e-5, residual, w * 0.5, 1e-6, scale=s)
-        expected = dual_norm_add_reference(x, w, 1e-6, routed, w2, 1e-5, residual, w * 0.5, 1e-6, scale=s)
-        torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **tol)
+    for s, following in ((None, {}), (scale, {}), (scale, dict(next_weight=w * 3, next_eps=1e-5)),
+                         (None, dict(next_eps=1e-6))):
+        got = dual_norm_add(x, w, 1e-6, routed, w2, 1e-5, residual, w * 0.5, 1e-6, scale=s, **following)
+        expected = dual_norm_add_reference(x, w, 1e-6, routed, w2, 1e-5, residual, w * 0.5, 1e-6, scale=s,
+                                           **following)
+        assert (got[1] is None) == (not following)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g if g is None else g.float().cpu(), e if e is None else e.float().cpu(), **tol)
 
 
 def _assert_codes_of(out, group):
@@ -278,3 +286,5 @@ def test_moe_block_norms_bad_arguments_name_the_fix():
         norm_add(x, x, torch.ones(8), 1e-6, next_quantize_group=8)
     with pytest.raises(ValueError, match=r"must be a's shape"):
         dual_norm_add(x, torch.ones(8), 1e-6, x[:1], torch.ones(8), 1e-6, x, torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match=r"next_weight must be \[dim=8\] and come with next_eps"):
+        dual_norm_add(x, torch.ones(8), 1e-6, x, torch.ones(8), 1e-6, x, torch.ones(8), 1e-6, next_weight=torch.ones(8))

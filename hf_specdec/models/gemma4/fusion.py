@@ -11,6 +11,7 @@ variants it does not cover, and whenever autograd tracks the input (the kernels 
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -19,12 +20,13 @@ from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4TextAttention,
     Gemma4TextDecoderLayer,
     Gemma4TextMLP,
+    Gemma4TextModel,
     Gemma4TextRouter,
 )
 
 from hf_specdec.compat import cache_argument
 from hf_specdec.generation.quantization import w8a8_input_group
-from hf_specdec.generation.registry import FusedForward, register_fused_forwards
+from hf_specdec.generation.registry import FusedForward, register_fused_forwards, register_model_links
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
 from hf_specdec.kernels.fp8_w8a8 import reshape_with_codes
@@ -38,6 +40,9 @@ from hf_specdec.kernels.stacked_linear import stacked_projections
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states)  # the module's own ops: the same arithmetic, no wrapper
+    normed = _computed_norm(hidden_states, self)  # by the seam that computed hidden_states (the last decoder layer's)
+    if normed is not None:
+        return normed
     return rms_norm(hidden_states, self.weight if self.with_scale else None, self.eps)
 
 
@@ -121,30 +126,104 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     hidden_states, mlp_in, *experts_in = norm_add(attn, hidden_states, post.weight, post.eps, **seam)
     post = self.post_feedforward_layernorm
     scale = None if per_layer else self.layer_scalar
+    # the last seam also computes the norm that reads the layer's output next (the next layer's input norm, or the
+    # final norm), so that norm runs no launch of its own
+    following, group = _following_norm(self, hidden_states)
+    last = {} if following is None else dict(next_weight=_norm_weight(following), next_eps=following.eps)
     if self.enable_moe_block:
         mlp_out, routed = _parallel_branches(self, mlp_in, hidden_states, experts_in[0])
         dense_post, experts_post = self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2
-        hidden_states = dual_norm_add(mlp_out, dense_post.weight, dense_post.eps, routed, experts_post.weight,
-                                      experts_post.eps, hidden_states, post.weight, post.eps, scale=scale)
+        hidden_states, normed = dual_norm_add(
+            mlp_out, dense_post.weight, dense_post.eps, routed, experts_post.weight, experts_post.eps, hidden_states,
+            post.weight, post.eps, scale=scale, **({} if per_layer or group is not None else last))
     else:
-        hidden_states, _ = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps, scale=scale)
+        hidden_states, normed = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps, scale=scale,
+                                         **({} if per_layer else dict(last, next_quantize_group=group)))
     if per_layer:
         gated = gelu_tanh_mul(self.per_layer_input_gate(hidden_states), per_layer_input)
         post = self.post_per_layer_input_norm
-        hidden_states, _ = norm_add(self.per_layer_projection(gated), hidden_states, post.weight, post.eps,
-                                    scale=self.layer_scalar)
+        hidden_states, normed = norm_add(self.per_layer_projection(gated), hidden_states, post.weight, post.eps,
+                                         scale=self.layer_scalar, **dict(last, next_quantize_group=group))
+    if normed is not None:
+        setattr(hidden_states, _NORMED, (following, _version(hidden_states), normed))
     return hidden_states
 
 
 def _input_norm(self, hidden_states):
     """The layer's input norm; where its attention's projections are FP8 products that quantize their rows (W8A8),
     the norm's kernel writes the codes beside its output for them (``rms_norm``'s ``quantize_group``)."""
-    norm, attention = self.input_layernorm, self.self_attn
-    group = w8a8_input_group(hidden_states, attention.q_proj, getattr(attention, "k_proj", None),
-                             getattr(attention, "v_proj", None))
+    norm = self.input_layernorm
+    group = _input_group(self, hidden_states)
     if group is None or norm._forward_hooks or norm._forward_pre_hooks:  # a hooked norm runs as a module
         return norm(hidden_states)
+    normed = _computed_norm(hidden_states, norm)  # by the last layer's seam, with the codes (_following_norm)
+    if normed is not None:
+        return normed
     return rms_norm(hidden_states, _norm_weight(norm), norm.eps, quantize_group=group)
+
+
+def _input_group(self, hidden_states):
+    """The values per scale in which a decoder layer's attention projections quantize its input norm's rows (W8A8),
+    or None (:func:`w8a8_input_group`)."""
+    attention = self.self_attn
+    return w8a8_input_group(hidden_states, attention.q_proj, getattr(attention, "k_proj", None),
+                            getattr(attention, "v_proj", None))
+
+
+# Cross-layer seams: a decoder layer's last seam (norm_add, dual_norm_add) also computes the norm that reads the
+# layer's output next -- the next layer's input norm, or the text model's final norm (_link_following_norms) -- and
+# attaches it to its output; that norm then returns it instead of launching (_computed_norm): one launch less a layer.
+# Only where nothing can change the output in between: no forward hook on the layer (nor a global one), no forward
+# pre-hook on the next layer, the norm's weight on the output's device (accelerate may place the next layer
+# elsewhere). CROSS_LAYER_SEAMS = False (set at run time, with the graphs captured before released) keeps the norms'
+# own launches, e.g. to compare the two.
+CROSS_LAYER_SEAMS = True
+_FOLLOWING: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_NORMED = "_hf_specdec_normed"  # on a layer's output: (the norm, the output's version, that norm's output)
+
+
+def _link_following_norms(model) -> None:
+    """Each decoder layer of each Gemma 4 text model in ``model`` -> (the norm that reads its output next, the layer
+    it belongs to or None for the final norm), as weak references."""
+    for module in model.modules():
+        if isinstance(module, Gemma4TextModel):
+            layers = list(module.layers)[:module.config.num_hidden_layers]
+            for layer, following in zip(layers, layers[1:] + [None]):
+                norm = module.norm if following is None else following.input_layernorm
+                _FOLLOWING[layer] = (weakref.ref(norm), None if following is None else weakref.ref(following))
+
+
+def _unlink_following_norms(model) -> None:
+    for module in model.modules():
+        _FOLLOWING.pop(module, None)
+
+
+def _following_norm(self, hidden_states):
+    """(the norm that reads this layer's output next, the values per scale its output's codes take or None) where the
+    layer's last seam may compute it (see CROSS_LAYER_SEAMS), else (None, None)."""
+    entry = _FOLLOWING.get(self)
+    if (entry is None or not CROSS_LAYER_SEAMS or self._forward_hooks
+            or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks):
+        return None, None
+    norm, layer = entry[0](), entry[1] and entry[1]()
+    if (norm is None or type(norm) is not Gemma4RMSNorm or (layer is not None and layer._forward_pre_hooks)
+            or (norm.with_scale and norm.weight.device != hidden_states.device)):
+        return None, None
+    return norm, None if layer is None else _input_group(layer, hidden_states)
+
+
+def _computed_norm(hidden_states, norm):
+    """``norm``'s output of ``hidden_states`` where the seam that computed hidden_states computed it too (and nothing
+    wrote hidden_states since, where torch counts writes), else None."""
+    found = getattr(hidden_states, _NORMED, None)
+    if found is None or found[0] is not norm or found[1] != _version(hidden_states):
+        return None
+    return found[2]
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """x's count of in-place writes, or None for an inference tensor (which counts none)."""
+    return None if x.is_inference() else x._version
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -273,3 +352,4 @@ def register() -> None:
         FusedForward(Gemma4TextMLP, gemma4_mlp_forward, _fusible_gemma4_mlp, stacked=(("gate_proj", "up_proj"),)),
         FusedForward(Gemma4TextRouter, _gemma4_router_forward, _fusible_gemma4_router),
     )
+    register_model_links(_link_following_norms, _unlink_following_norms)
