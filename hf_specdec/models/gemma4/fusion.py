@@ -1,11 +1,12 @@
 """Gemma 4's fused forwards, registered with ``enable`` (``generation/fusion.py``).
 
-Norms (one kernel each), attention (q/k/v norms and rotary in one kernel), decoder layers (post-norm, residual
-add, layer scalar and the next pre-norm in one kernel; E2B/E4B's per-layer-input gate in two; a 26B-A4B MoE
-block's experts branch beside the dense MLP, its experts through the experts interface, see
-``generation/experts.py``) and MLPs (activation and gate product in one), with transformers' arithmetic. Each
-checks at ``enable`` that the module has what it reads, and runs the module's own forward on CPU, for the
-variants it does not cover, and whenever autograd tracks the input (the kernels have no backward).
+Norms (one kernel each, or none where the last seam of the layer before computed them), attention (q/k/v norms and
+rotary in one kernel), decoder layers (post-norm, residual add, layer scalar and the next pre-norm in one kernel;
+E2B/E4B's per-layer-input gate in two; a 26B-A4B MoE block's experts branch beside the dense MLP, its experts through
+the experts interface, see ``generation/experts.py``) and MLPs (activation and gate product in one), with
+transformers' arithmetic. Each checks at ``enable`` that the module has what it reads, and runs the module's own
+forward on CPU, for the variants it does not cover, and whenever autograd tracks the input (the kernels have no
+backward).
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     gelu(gate(h)) * per_layer_input in one launch (:func:`gelu_tanh_mul`), then its projection's post-norm +
     residual add + layer scalar in one. An MoE block (26B-A4B) takes its experts' pre-norm from the first seam
     too (a second output of the same launch) and ends in one launch for both branches' post-norms, their sum,
-    the block's post-norm, the residual add and the layer scalar (:func:`dual_norm_add`). The CPU runs the
-    original.
+    the block's post-norm, the residual add and the layer scalar (:func:`dual_norm_add`). The last seam also
+    computes the norm that reads the layer's output next (see CROSS_LAYER_SEAMS). The CPU runs the original.
 
     The cache comes as ``cache`` or ``past_key_values`` and goes on by keyword, under the name the original
     takes: transformers 5.24's gradient checkpointing drops a keyword cache before the recompute."""
