@@ -42,9 +42,9 @@ def _rms_norm_kernel(
         x = (tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32) + x).to(dtype)
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
         x = x.to(tl.float32)
-    root = tl.sqrt(tl.sum(x * x, 0) / dim + eps)
+    r = _rstd(x, dim, eps)  # the seams' arithmetic (norm_add): a norm gives the same bits in a seam or alone
     if QGROUP == 0:
-        y = _scaled(x / root, weight_ptr, then_mul_ptr, then_scalar, cols, mask, dtype, HAS_WEIGHT, WEIGHT_OFFSET,
+        y = _scaled(x * r, weight_ptr, then_mul_ptr, then_scalar, cols, mask, dtype, HAS_WEIGHT, WEIGHT_OFFSET,
                     HAS_THEN_MUL, HAS_THEN_SCALAR)
         tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
     else:  # this program's groups of the row, as a [groups, QGROUP] tile
@@ -52,7 +52,7 @@ def _rms_norm_kernel(
         ks = g[:, None] * QGROUP + tl.arange(0, QGROUP)[None, :]
         ok = ks < dim
         xc = tl.load(x_ptr + row * stride_x + ks, mask=ok, other=0.0).to(tl.float32)
-        y = _scaled(xc / root, weight_ptr, then_mul_ptr, then_scalar, ks, ok, dtype, HAS_WEIGHT, WEIGHT_OFFSET,
+        y = _scaled(xc * r, weight_ptr, then_mul_ptr, then_scalar, ks, ok, dtype, HAS_WEIGHT, WEIGHT_OFFSET,
                     HAS_THEN_MUL, HAS_THEN_SCALAR)
         tl.store(out_ptr + row * stride_out + ks, y, mask=ok)
         store_row_codes(y, row, ks, g, q_ptr, qs_ptr, dim, groups, EMULATE)

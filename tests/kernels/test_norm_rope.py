@@ -418,7 +418,9 @@ def test_triton_cross_layer_seams_compute_the_next_norms(triton_device, build, m
         assert not any(layer in fusion._FOLLOWING for layer in layers)
         expected_hooked = model(ids).logits
         handle.remove()
-    for got in logits.values():
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
+    # a norm computed in a seam has the bits of the same norm launched alone: where a hook turns the seams off for
+    # some forwards (DFlash's target capture hooks the verify's layers, not the plain decode's), rows stay equal
+    assert torch.equal(logits[True], logits[False])
+    torch.testing.assert_close(logits[True], expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
     torch.testing.assert_close(hooked, expected_hooked, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(hooked, expected, atol=1e-3)
