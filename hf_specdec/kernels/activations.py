@@ -1,7 +1,7 @@
 """Gated activations inside kernels: ``act(gate) * up`` on fp32 tiles, rounded where torch rounds.
 
-Shared by the kernels that end in a gated MLP's activation: the elementwise one (:mod:`.gelu_mul`), the few-row
-GEMM over a stacked gate/up weight (:func:`.skinny_gemm.gated_linear`) and the fused MoE's gate/up kernels.
+Shared by the kernels that end in a gated MLP's activation: the elementwise one (:mod:`.gelu_mul`) and the fused
+MoE's gate/up kernels (:mod:`.fused_moe`, :mod:`.fp8_moe`).
 """
 
 from ._dispatch import tl, triton
