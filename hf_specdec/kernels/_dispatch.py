@@ -131,3 +131,9 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
           "k_cache and v_cache must be contiguous: pass the cache storage itself, not a slice or "
           "transpose of it (pages are addressed as block_id * block_size + offset)")
     check(k_cache.is_floating_point(), f"caches must be floating point, got {k_cache.dtype}")
+
+
+def write_count(x: torch.Tensor) -> int | None:
+    """x's count of in-place writes (torch's version counter), or None for an inference tensor (which counts none):
+    what a value attached to a tensor is checked against before it is used."""
+    return None if x.is_inference() else x._version

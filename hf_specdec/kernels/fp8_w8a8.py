@@ -28,7 +28,7 @@ the GEMM multiplies in fp32 (every e4m3 product and its fp32 sum are the GPU's).
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import check, check_same_device, interpreting, pdl_args, pdl_wait, tl, triton
+from ._dispatch import check, check_same_device, interpreting, pdl_args, pdl_wait, tl, triton, write_count
 from .fp8_gemm import (ACTIVATION_DTYPES, E8M0_DTYPE, FP8_DTYPE, MAX_ROWS, check_matmul_args, config_for,
                        dequantize_fp8, fp8_eligible, fp8_linear, has_native_fp8, load_scale, scale_grid, split_k_for)
 from .skinny_gemm import load_k_tile, sum_splits
@@ -366,7 +366,7 @@ def attach_row_codes(x: torch.Tensor, group: int | None, codes: torch.Tensor, sc
     for a tensor that a fused forward computes and hands straight to those products (the attachment cannot follow
     in-place writes to an inference tensor, see :func:`row_codes`)."""
     if group is not None:
-        setattr(x, _ROW_CODES, (group, _version(x), codes, scales))
+        setattr(x, _ROW_CODES, (group, write_count(x), codes, scales))
     return x
 
 
@@ -376,7 +376,7 @@ def row_codes(x: torch.Tensor) -> tuple | None:
     ``generate``, count none, so there the attachment relies on no write between the kernel and the products). A
     view of x is another tensor object: it carries none unless attached to it too."""
     found = getattr(x, _ROW_CODES, None)
-    if found is None or found[1] != _version(x):
+    if found is None or found[1] != write_count(x):
         return None
     return found[0], *found[2:]
 
@@ -403,11 +403,6 @@ def fp8_linear_input_group(module, k: int) -> int | None:
     grid, bn, bk = scale_grid(module.weight_scale_inv, block, *module.weight.shape)
     group = group_for((bn, bk), grid.shape[1] > 1)
     return group if group >= MIN_GROUP else None
-
-
-def _version(x: torch.Tensor) -> int | None:
-    """x's count of in-place writes, or None for an inference tensor (which counts none)."""
-    return None if x.is_inference() else x._version
 
 
 # ---------------------------------------------------------------- transformers' FP8 layers

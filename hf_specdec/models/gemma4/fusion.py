@@ -29,7 +29,7 @@ from hf_specdec.compat import cache_argument
 from hf_specdec.generation.quantization import w8a8_input_group
 from hf_specdec.generation.registry import FusedForward, register_fused_forwards, register_model_links
 from hf_specdec.kernels import use_triton
-from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels._dispatch import needs_grad, write_count
 from hf_specdec.kernels.fp8_w8a8 import reshape_with_codes
 from hf_specdec.kernels.fused_moe import softmax_topk_route
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, is_gelu_tanh
@@ -146,7 +146,7 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
         hidden_states, normed = norm_add(self.per_layer_projection(gated), hidden_states, post.weight, post.eps,
                                          scale=self.layer_scalar, **dict(last, next_quantize_group=group))
     if normed is not None:
-        setattr(hidden_states, _NORMED, (following, _version(hidden_states), normed))
+        setattr(hidden_states, _NORMED, (following, write_count(hidden_states), normed))
     return hidden_states
 
 
@@ -217,14 +217,9 @@ def _computed_norm(hidden_states, norm):
     """``norm``'s output of ``hidden_states`` where the seam that computed hidden_states computed it too (and nothing
     wrote hidden_states since, where torch counts writes), else None."""
     found = getattr(hidden_states, _NORMED, None)
-    if found is None or found[0] is not norm or found[1] != _version(hidden_states):
+    if found is None or found[0] is not norm or found[1] != write_count(hidden_states):
         return None
     return found[2]
-
-
-def _version(x: torch.Tensor) -> int | None:
-    """x's count of in-place writes, or None for an inference tensor (which counts none)."""
-    return None if x.is_inference() else x._version
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
