@@ -7,6 +7,9 @@ acceptance: there the steps are bound by host work, so the table lists the ops b
 
     PYTHONPATH=. python -m benchmarks.profile_spec [--batch 32] [--k 7] [--alpha 0.8] [--layers 12]
     PYTHONPATH=. python -m benchmarks.profile_spec --bundled dflash|mtp|step3p5 [--batch 1] [--k 3]
+
+``--host-rounds CALLS`` adds the host's work inside the loop's rounds alone, per round (cProfile around
+``SpeculativeLoop.step``): on small targets a round's pace is the host's, and this says where it goes.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from unittest import mock
 import torch
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="gemma4-31b")
     parser.add_argument("--layers", type=int, default=12)
@@ -32,7 +35,10 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shape smoke-31b)")
     parser.add_argument("--bundled", choices=["mtp", "dflash", "step3p5"], default=None,
                         help="profile this drafter of the bundled tiny family (real acceptance) instead")
-    args = parser.parse_args()
+    parser.add_argument("--host-rounds", type=int, default=0, metavar="CALLS",
+                        help="also profile the host's work inside the loop's rounds only (cProfile around "
+                             "SpeculativeLoop.step, prefill and call setup left out) over this many calls")
+    args = parser.parse_args(argv)
     import hf_specdec
 
     target, ids, extra, inner = (_bundled if args.bundled else _synthetic)(args)
@@ -69,6 +75,9 @@ def main() -> int:
     print(f"phase (device synced at each boundary; {steps} spec steps)   ms per spec step")
     for name, seconds, calls in phases:
         print(f"  {name:40s} {seconds * 1e3 / steps:8.2f}   ({calls} calls)")
+
+    if args.host_rounds:
+        print("\n".join(_host_rounds(generate, args.host_rounds, args.rows)))
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -120,6 +129,53 @@ def _bundled(args):
     inner = build_drafter(target, extra.get("assistant_model"), extra.get("spec_mode"), args.k)
     return target, ids, extra, inner
 
+
+
+def _host_rounds(generate, calls: int, rows: int) -> list[str]:
+    """The host's work inside the loop's rounds (``SpeculativeLoop.step``; the prefill and each call's setup left out):
+    the wall time of a round, unprofiled (the host's wait for a read-back included), over ``calls`` calls, then its
+    Python functions under cProfile over as many calls, per round: where a round is bound by the host (small
+    targets), what it spends its time on."""
+    import cProfile
+    import io
+    import pstats
+
+    from hf_specdec.generation import speculative as loop
+
+    step = loop.SpeculativeLoop.step
+    seconds: list[float] = []
+    profiler, profiled_rounds = cProfile.Profile(), [0]
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    def profiled(self, *args, **kwargs):
+        profiled_rounds[0] += 1
+        profiler.enable()
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            profiler.disable()
+
+    for wrapper in (timed, profiled):
+        with mock.patch.object(loop.SpeculativeLoop, "step", wrapper):
+            for _ in range(calls):
+                generate()
+    if not seconds or not profiled_rounds[0]:
+        return ["host work of the rounds: the calls ran no round (one new token each?)"]
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    rounds = profiled_rounds[0]
+    head = (f"host work of the rounds: {1e6 * sum(seconds) / len(seconds):.0f} us a round unprofiled ({len(seconds)} "
+            f"rounds in {calls} calls); under cProfile {stats.total_calls / rounds:.0f} Python calls and "
+            f"{1e6 * stats.total_tt / rounds:.0f} us a round")
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return [head] + out.getvalue().splitlines()
 
 
 def _sync() -> None:

@@ -393,3 +393,23 @@ def test_ab_spec_times_each_mode_under_each_value_in_turn(capsys, monkeypatch):
     assert sum(line.startswith("tiny-step3p5") and line.rstrip().endswith("True") for line in lines) == 4  # table
     with pytest.raises(SystemExit, match="ab_spec: --set takes MODULE.ATTRIBUTE=V1,V2"):
         ab.main(["--set", "SPLIT_K=False,True", "--device", "cpu"])
+
+
+def test_profile_spec_host_rounds_profiles_the_rounds_only(capsys):
+    """``benchmarks.profile_spec --host-rounds``: the rounds' host work alone (the loop's step), per round, beside
+    the phases and the op table; the prefill's forward is not among its functions."""
+    import re
+
+    import benchmarks.profile_spec as profile_spec
+
+    if "tiny-gemma4-assistant" not in available_assets():
+        pytest.skip("the bundled tiny Gemma 4 assistant is not installed")
+    assert profile_spec.main(["--bundled", "mtp", "--device", "cpu", "--batch", "1", "--k", "2", "--new-tokens", "6",
+                              "--host-rounds", "1", "--rows", "40"]) == 0
+    out = capsys.readouterr().out
+    head = re.search(r"host work of the rounds: (\d+) us a round unprofiled \((\d+) rounds in 1 calls\); under "
+                     r"cProfile (\d+) Python calls", out)
+    assert head is not None and int(head[1]) > 0 and int(head[2]) >= 1 and int(head[3]) > 0
+    listing = out[head.end():out.index("kernels of one call")]
+    assert "speculative.py" in listing and "(step)" in listing
+    assert "(prefill)" not in listing  # speculative.SpeculativeLoop.prefill runs outside the rounds
