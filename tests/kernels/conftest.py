@@ -6,6 +6,7 @@ once any test module has imported hf_specdec. So on CPU those tests skip here an
 `test_triton_cases_in_interpreter` re-runs them in a subprocess started with the interpreter on.
 """
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -54,10 +55,15 @@ def _run_triton_cases_in_interpreter(min_passed: int, path: Path | None = None) 
         pytest.skip("triton is not installed")
     if torch.cuda.is_available() or interpreter_active():
         pytest.skip("the triton tests run directly in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{FORCE_TRITON_ENV: "1"},
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # not a worker of this run's
+    env.update(TRITON_INTERPRET="1", **{FORCE_TRITON_ENV: "1"},
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_ and not in_interpreter",
            str(path or Path(__file__).parent)]
+    if path is None and importlib.util.find_spec("xdist") is not None:
+        # the whole of tests/kernels in the interpreter is the suite's longest test (~15 minutes of one core under
+        # load): two processes, as the README's test command runs the rest (a 2-core run: ~12 against ~16 minutes)
+        cmd[3:3] = ["-n", "2", "--dist", "worksteal"]
     # ~10 minutes on a 2-core machine, more on a slower one: the limit only catches a hang
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
     output = result.stdout + result.stderr
