@@ -18,7 +18,25 @@ _RUNS: dict[str, tuple] = {}  # each bench's smoke run happens once per session:
 
 
 @pytest.fixture
-def smoke(tmp_path_factory, capsys):
+def clock_of_the_work(monkeypatch):
+    """The benches' timer as a function of the work: a generate call takes a millisecond per position of the
+    sequences it returns (other timed work keeps its real time). These tests check the benches' plumbing and tokens,
+    never their timings, with calls of a few tokens, where two test processes on two cores once made a 4-token call
+    look faster than a 1-token one, a rate ``decode_rate`` refuses."""
+    from benchmarks import common
+
+    real = common.timed
+
+    def timed(fn):
+        result, seconds = real(fn)
+        sequences = getattr(result, "sequences", result)
+        return result, (1e-3 * sequences.shape[-1] if isinstance(sequences, torch.Tensor) else seconds)
+
+    monkeypatch.setattr(common, "timed", timed)
+
+
+@pytest.fixture
+def smoke(tmp_path_factory, capsys, clock_of_the_work):
     def run(name):
         if name not in _RUNS:
             folder = tmp_path_factory.mktemp(name)
@@ -58,7 +76,7 @@ def test_verify_and_draft_cost_ratios(smoke):
     assert all(r["ratio"] > 0 for r in draft if not r["skipped"])
 
 
-def test_verify_cost_runs_a_step3p5_target(tmp_path):
+def test_verify_cost_runs_a_step3p5_target(tmp_path, clock_of_the_work):
     """The MoE shape's verify rows (the union of the experts a step's tokens select) come from the same bench."""
     import benchmarks.verify_cost as verify
 
@@ -109,7 +127,7 @@ def test_step_mtp_rows_give_transformers_step3p7_tokens(smoke):
     assert tiny["hf_native_mtp"]["skipped"] or tiny["hf_native_mtp"]["tau"] >= 1
 
 
-def test_step_mtp_bench_without_step3p7_says_so(tmp_path, monkeypatch, capsys):
+def test_step_mtp_bench_without_step3p7_says_so(tmp_path, monkeypatch, capsys, clock_of_the_work):
     """Where transformers has no Step 3.7, its rows say so and hf_specdec's rows still run against the tokens of
     transformers' generate on the same model."""
     from benchmarks import hf_native_step_mtp as bench
@@ -150,7 +168,7 @@ def test_report_adds_the_rows_of_runs_made_apart(tmp_path):
     assert "cmd s/L60" in markdown(both)
 
 
-def test_fp8_weights_rows_count_the_stored_bytes(tmp_path):
+def test_fp8_weights_rows_count_the_stored_bytes(tmp_path, clock_of_the_work):
     """``--weights fp8``: the records say so, the floor counts one byte per weight plus the block scales (below
     the dense rows' floor), hf_specdec's rows run (the MoE shape's experts in FP8 too), and transformers' own FP8
     layers, which need a GPU kernel, say why they did not."""
@@ -175,7 +193,7 @@ def test_fp8_weights_rows_count_the_stored_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("weights,package", [("nf4", "bitsandbytes"), ("int4", "torchao")])
-def test_4_bit_weights_rows_count_the_stored_bytes_and_compare_tokens(tmp_path, weights, package):
+def test_4_bit_weights_rows_count_the_stored_bytes_and_compare_tokens(tmp_path, weights, package, clock_of_the_work):
     """``--weights nf4`` / ``int4``: the linears but the LM head in 4 bits (bitsandbytes' NF4 layers; torchao's int4
     weights, on the CPU in the layout that runs there), a layer's stored bytes under 0.35 of its dense fp32 bytes, the
     rows' weight bytes under the dense rows', hf_specdec's tokens equal to transformers' on the same 4-bit layers,
@@ -228,7 +246,7 @@ def test_multi_gpu_rows_decode_the_single_device_tokens(smoke):
     assert all("GPUs" in r["skipped"] for r in records if r["placement"] == "device_map")
 
 
-def test_multi_gpu_shape_rows(tmp_path):
+def test_multi_gpu_shape_rows(tmp_path, clock_of_the_work):
     """``--shape``: a random-weight Gemma 4 target on one device and under tensor parallelism (two gloo ranks on the
     CPU), plain decoding with the one-device tokens, MTP at synthetic acceptance."""
     import benchmarks.multi_gpu as multi_gpu
@@ -328,7 +346,7 @@ def test_multi_gpu_reruns_gloo_ranks_once_after_an_abort(tmp_path, monkeypatch, 
     assert len(spawned) in (2, 3) and any(r["placement"] == "tp" and not r["skipped"] for r in records)
 
 
-def test_ab_decode_times_each_value_in_turn_and_restores_the_attribute(capsys):
+def test_ab_decode_times_each_value_in_turn_and_restores_the_attribute(capsys, clock_of_the_work):
     """``benchmarks.ab_decode``: one row per (round, value), the tokens of every value compared with the first's,
     the attribute set back afterwards; a malformed ``--set`` is refused with the form it takes."""
     import benchmarks.ab_decode as ab
@@ -363,7 +381,7 @@ def test_ab_decode_times_each_value_in_turn_and_restores_the_attribute(capsys):
             ab.main(["--set", bad, "--device", "cpu"])
 
 
-def test_ab_spec_times_each_mode_under_each_value_in_turn(capsys, monkeypatch):
+def test_ab_spec_times_each_mode_under_each_value_in_turn(capsys, monkeypatch, clock_of_the_work):
     """``benchmarks.ab_spec``: per round, each value in turn, plain and every fixed-k mode of the member with the
     graphs released between values, the tokens compared with the first value's, the attribute set back afterwards."""
     import benchmarks.ab_spec as ab
