@@ -419,6 +419,16 @@ def test_a_call_starts_at_the_k_the_last_round_ran():
     assert Later(7, lambda k: 0.1 * k, batch=1, costs=RoundCosts()).k == below  # no last round: the estimate
 
 
+def fixed_round_times(monkeypatch, model) -> None:
+    """``model``'s "auto" rounds timed by a fixed model (a draft a tenth of a round) from no earlier timings: on a
+    loaded machine (two test processes on two cores) measured times can make a round with one draft look cheaper
+    than one without, noise that tests of the controller's choices must not ride on."""
+    monkeypatch.setattr(model._hf_specdec, "round_costs", {})
+    observe = AdaptiveK.observe
+    monkeypatch.setattr(AdaptiveK, "observe",
+                        lambda self, k, seconds, ahead_k=None: observe(self, k, 1e-3 * (1 + 0.1 * k), ahead_k))
+
+
 def _timed(seconds_of, k_max=7) -> RoundCosts:
     """Round costs with every candidate k up to ``k_max`` timed at ``seconds_of(k)``."""
     costs = RoundCosts()
@@ -479,10 +489,7 @@ def test_auto_k_settles_at_rounds_without_drafts_when_no_draft_is_accepted(monke
     ids, mask = bundled.batch(2)
     kwargs = dict(attention_mask=mask, max_new_tokens=40, **GREEDY)
     expected = model.generate(ids, **kwargs)
-    monkeypatch.setattr(model._hf_specdec, "round_costs", {})  # no timings of other tests' calls
-    observe = AdaptiveK.observe
-    monkeypatch.setattr(AdaptiveK, "observe",
-                        lambda self, k, seconds, ahead_k=None: observe(self, k, 1e-3 * (1 + 0.1 * k), ahead_k))
+    fixed_round_times(monkeypatch, model)
 
     class RejectAll(GreedyAcceptance):
         def __call__(self, draft_tokens, draft_probs, scores):

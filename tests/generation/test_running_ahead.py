@@ -267,14 +267,10 @@ def test_rounds_without_drafts_that_end_the_drafting_run_ahead(ahead, monkeypatc
             num_accepted, _ = super().__call__(draft_tokens, draft_probs, scores)
             return num_accepted * 0, scores.argmax(dim=-1)[:, 0]
 
-    from hf_specdec.generation.adaptive_k import AdaptiveK
+    from tests.generation.test_adaptive_k import fixed_round_times
 
     model, extra, _ = bundled.mode("step_mtp")
-    monkeypatch.setattr(model._hf_specdec, "round_costs", {})  # "auto" from its prior, not from earlier tests' calls
-    # the rounds' times a fixed model (a draft a tenth of a round), not a loaded machine's noise
-    observe = AdaptiveK.observe
-    monkeypatch.setattr(AdaptiveK, "observe",
-                        lambda self, k, seconds, ahead_k=None: observe(self, k, 1e-3 * (1 + 0.1 * k), ahead_k))
+    fixed_round_times(monkeypatch, model)  # "auto" from its prior and fixed round times, not a loaded machine's
     ids, mask = bundled.batch(3)
     eos = bundled.fresh_token(model, ids, mask, row=1, at=12, new_tokens=NEW_TOKENS)
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0)
