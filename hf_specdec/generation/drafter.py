@@ -8,6 +8,7 @@ the loop calls is declared here; the optional ones have defaults.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,17 @@ from hf_specdec.runtime import RequestContext
 class DraftProposal:
     tokens: torch.Tensor  # [batch, k]
     probs: torch.Tensor | None  # [batch, k, vocab]: q after the logits processors (sampling only)
+
+
+@dataclass(frozen=True)
+class DraftsInVerify:
+    """The next round's greedy drafts as part of the verify forward (:meth:`Drafter.drafts_in_verify`)."""
+
+    key: tuple  # what fixes ``fn``'s work besides the forward's shapes (the drafter, its weights, its k)
+    # (next_tokens [batch], num_accepted [batch]) -> (drafts [batch, k], *state): run right after the greedy
+    # acceptance, inside the verify's CUDA graph where one replays; device tensors only, no host sync
+    fn: Callable
+    take: Callable  # (*state) after the forward (state valid until the next verify): the drafter keeps what it needs
 
 
 class Drafter:
@@ -86,6 +98,16 @@ class Drafter:
         device tensors only (the target's cache not yet committed): the device drafts while the host emits and
         commits. Must equal what :meth:`propose` would give after the commit, for every row that keeps running
         (``kept[b] == num_accepted[b] + 1``). Default None: the loop calls :meth:`propose` next step."""
+        return None
+
+    def drafts_in_verify(self, context: RequestContext, captured) -> DraftsInVerify | None:
+        """Where :meth:`propose_ahead` can be a function of the verify forward's own outputs (its metadata, what
+        :meth:`capture` recorded during it, the greedy acceptance), that function, for the loop to run inside the
+        verify's forward (one CUDA graph replay for verify, acceptance and the next round's drafts, instead of a
+        verify and a drafter's call). Asked before a greedy verify of a call that runs ahead, with
+        :attr:`num_speculative_tokens` the next round's k; its drafts must equal :meth:`propose_ahead`'s, and
+        ``take`` counts as :meth:`propose_ahead` having taken what :meth:`capture` recorded, but ahead of the
+        :meth:`commit` of the round before (so a drafter counts such takes). Default None: :meth:`propose_ahead`."""
         return None
 
     def commit(self, context: RequestContext, captured, num_accepted: torch.Tensor, kept: list[int]) -> None:

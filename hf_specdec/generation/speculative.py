@@ -18,7 +18,8 @@ and drafts while the host emits and commits the round before. So do the rounds w
 drafting ("auto" at k = 0 for a drafter whose k does not rise again within a call, Step 3.5 MTP): from there the
 call decodes as plain decoding does, one token a round, each round queued before the last is read. Blocks are
 reserved for both rounds, a row the host saw stop stops advancing on the device from the next round on, and the
-round in flight when every row stopped is dropped.
+round in flight when every row stopped is dropped. Where the drafter can draft from the verify's own outputs (Gemma 4
+MTP), the next round's drafts are part of the verify forward: one graph replay for verify, acceptance and drafts.
 
 Greedy output equals plain greedy decoding token for token; sampled output follows the target
 distribution (rejection sampling), whatever the drafter proposes.
@@ -37,18 +38,21 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
 from hf_specdec.generation.adaptive_k import AdaptiveK, costs_for
-from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector, take_rows
+from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector, DraftsInVerify, take_rows
 from hf_specdec.generation import sampling
 from hf_specdec.generation.sampling import PositionScorer, reads_scores, same_on_every_rank, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
 from hf_specdec.cache.paged_cache import to_device_async
-from hf_specdec.runtime import Readback, exhausted, real_token_counts
+from hf_specdec.runtime import Readback, Select, exhausted, real_token_counts
 
 # where a call may run one round ahead: on the GPU the host's work of a round overlaps the device's next one; on the
 # CPU the two are one thread and nothing overlaps (tests add "cpu" to run that path there). HF_SPECDEC_RUN_AHEAD=0
 # (read at import) turns it off, e.g. to compare the two
 RUN_AHEAD_DEVICES = ("cuda",) if os.environ.get("HF_SPECDEC_RUN_AHEAD", "1") != "0" else ()
+# running ahead, the next round's drafts inside the verify forward where the drafter offers it
+# (``Drafter.drafts_in_verify``); HF_SPECDEC_DRAFTS_IN_VERIFY=0 (read at import) keeps them a call of their own
+DRAFTS_IN_VERIFY = os.environ.get("HF_SPECDEC_DRAFTS_IN_VERIFY", "1") != "0"
 
 
 @dataclass
@@ -261,6 +265,13 @@ class SpeculativeLoop:
         raw = not (self.config.do_sample or self.scorer.processors)  # the scores are the raw logits
         # (greedy acceptance on them, step 3, is taken with the forward: inside its graph where one replays)
         select = self.acceptance.with_forward if raw and sampling.SELECT_WITH_FORWARD else None
+        # running ahead, the next round's drafts too, where the drafter drafts from the verify's own outputs (at the
+        # k chosen after the last round read)
+        in_verify = None
+        if select is not None and self.runs_ahead and DRAFTS_IN_VERIFY and self.drafter.num_speculative_tokens:
+            in_verify = self.drafter.drafts_in_verify(self.context, self.captured)
+            if in_verify is not None:
+                select = _with_drafts(select, in_verify)
         try:
             outputs = self.runner.forward(verify_ids, [k + 1] * len(self.rows), keep_logits=0,
                                           starts=None if self.pending is None else self.next_start, select=select)
@@ -280,14 +291,18 @@ class SpeculativeLoop:
         if select is not None:
             # (copied out of the graph's memory, which the next verify rewrites: running ahead, this round is read
             # and committed after that)
-            num_accepted, next_token = torch.stack(outputs.selected)
+            num_accepted, next_token = torch.stack(outputs.selected[:2])
+            if in_verify is not None:  # (the drafts stay in the graph's memory: the next verify copies them first)
+                drafted_ahead = outputs.selected[2]
+                in_verify.take(*outputs.selected[3:])
         else:
             num_accepted, next_token = self.acceptance(proposal.tokens, proposal.probs, scores)
         if self.ranks is not None and self.acceptance.draws_random:
             decision = same_on_every_rank(torch.stack([num_accepted, next_token.to(num_accepted.dtype)]), self.ranks)
             num_accepted, next_token = decision[0], decision[1].to(next_token.dtype)
-        # 4. the round's result to the host, behind an event (one copy instead of four)
-        tokens = proposal.tokens
+        # 4. the round's result to the host, behind an event (one copy instead of four; the drafts as verified: a
+        #    graph's drafts for the next round took the place of this round's)
+        tokens = verify_ids[:, 1:]
         first = self.context.forward_meta.q_pos0[:len(self.rows)]
         host = torch.cat([num_accepted[:, None].to(tokens.dtype), next_token[:, None].to(tokens.dtype),
                           first[:, None].to(device=tokens.device, dtype=tokens.dtype), tokens], dim=1)
@@ -301,7 +316,11 @@ class SpeculativeLoop:
             self.drafter.num_speculative_tokens = self.adaptive_k.k
         more = not all(len(row) + 1 >= self.stopper.max_length for row, run in zip(self.rows, self.running) if run)
         if self.drafter.num_speculative_tokens and more:
-            self.ahead = self.drafter.propose_ahead(next_token, num_accepted, self.context, self.captured, selector)
+            if in_verify is not None:  # drafted with the verify (at the k of when it was queued)
+                self.ahead = DraftProposal(drafted_ahead, None)
+            else:
+                self.ahead = self.drafter.propose_ahead(next_token, num_accepted, self.context, self.captured,
+                                                        selector)
         elif self.idles_ahead and more:  # k fell to 0 for the rest of the call: the next round verifies its token alone
             self.ahead = self._no_drafts(next_token)
         if self.runs_ahead or (self.idles_ahead and self.ahead is not None):
@@ -418,6 +437,15 @@ class SpeculativeLoop:
             self.until = max(self.finished.values())
             self.running = [run and len(row) < self.until for run, row in zip(self.running, self.rows)]
         return emitted
+
+
+def _with_drafts(select: Select, in_verify: DraftsInVerify) -> Select:
+    """``select`` (the greedy acceptance taken with the verify forward) followed by the drafter's next drafts:
+    (num_accepted, next_token, drafts, *the drafter's state)."""
+    def fn(ids, logits):
+        num_accepted, next_token = select.fn(ids, logits)
+        return (num_accepted, next_token, *in_verify.fn(next_token, num_accepted))
+    return Select(f"{select.name}+drafts{in_verify.key}", fn)
 
 
 class RowIds:

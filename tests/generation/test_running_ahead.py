@@ -319,3 +319,52 @@ def test_step_mtp_drafts_ahead_what_it_drafts_after_the_commit(k, monkeypatch):
     # after the commit a row that stopped leaves the batch: the rounds before any row stopped
     every_row = [a for a in drafts if len(a) == len(ids)]
     assert len(every_row) >= 5 and all(torch.equal(a, b) for a, b in zip(every_row, drafts_ahead))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_gemma_mtp_drafts_inside_the_verify_what_it_drafts_after_the_commit(k, monkeypatch):
+    """Gemma 4 MTP running ahead drafts the next round inside the verify forward (one replay on the GPU for verify,
+    acceptance and drafts): its own ahead call never runs, and the drafts are the ones it makes as its own call
+    after each commit (a hidden state, position or block table gone wrong would change them): same drafts round
+    after round, same acceptance over the call, plain greedy's tokens, every block back."""
+    from hf_specdec.models.gemma4.mtp_drafter import Gemma4MTPDraftRunner
+    from hf_specdec.runtime import Readback
+
+    model, extra, reference = bundled.mode("gemma_mtp")
+    ids, mask = bundled.batch(4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    originals = Gemma4MTPDraftRunner._drafts_in_verify, Gemma4MTPDraftRunner.propose_ahead, Readback.wait
+    runs = []
+    # the reference drafts after each commit (nothing queued ahead); then running ahead with the drafts in the verify
+    for devices in ((), ("cuda", "cpu")):
+        verified, calls = [], {"in_verify": 0, "ahead": 0}
+
+        def counted(name, original):
+            def call(self, *args):
+                calls[name] += 1
+                return original(self, *args)
+            return call
+
+        def wait(self, pending):  # each round's result: accepted, next token, first position, the drafts verified
+            host = originals[2](self, pending)
+            verified.append(host[0][:, 3:].clone())
+            return host
+
+        monkeypatch.setattr(speculative, "RUN_AHEAD_DEVICES", devices)
+        monkeypatch.setattr(Gemma4MTPDraftRunner, "_drafts_in_verify", counted("in_verify", originals[0]))
+        monkeypatch.setattr(Gemma4MTPDraftRunner, "propose_ahead",
+                            counted("ahead", originals[1] if devices else lambda *args: None))
+        monkeypatch.setattr(Readback, "wait", wait)
+        with bundled.recorded_caches(monkeypatch) as caches:
+            out = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": k})
+        stats = hf_specdec.last_generation_stats(model)
+        assert all(sum(c.num_used_blocks) == 0 for c in caches)
+        runs.append((out, stats.num_target_forwards, stats.acceptance_histogram, verified, calls))
+    (out, forwards, histogram, drafts_after, calls), (out_ahead, forwards_ahead, histogram_ahead, drafts_in, calls_in) \
+        = runs
+    assert calls["in_verify"] == 0 and calls_in["ahead"] == 0 and calls_in["in_verify"] >= 5
+    assert torch.equal(out_ahead, out) and torch.equal(out, reference.generate(ids, **kwargs))
+    assert (forwards_ahead, histogram_ahead) == (forwards, histogram) and sum(histogram[1:]) > 0
+    # after the commit a row that stopped leaves the batch: the rounds before any row stopped
+    every_row = [a for a in drafts_after if len(a) == len(ids)]
+    assert len(every_row) >= 5 and all(torch.equal(a, b) for a, b in zip(every_row, drafts_in))

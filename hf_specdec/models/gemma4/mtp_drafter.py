@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
-from hf_specdec.generation.drafter import Drafter, DraftProposal, take_rows
+from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftsInVerify, take_rows
 from hf_specdec.generation.fusion import fuse_drafter, stack_projections
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels.argmax import argmax
@@ -102,7 +102,9 @@ class Gemma4MTPDraftRunner(Drafter):
     def begin(self, context, captured):
         self.hidden = captured.hidden[:, -1].to(self.device)  # the last slot is each row's last prompt token
         self.graphs = context.drafter_graphs("gemma4_mtp", id(self.assistant), id(self.embed))
-        self._ahead = False  # propose_ahead already took the next round's hidden states
+        # rounds whose next hidden states were taken ahead of their commit (propose_ahead, or drafts_in_verify's take,
+        # which comes before the commit of the round before it): their commits take nothing
+        self._taken = 0
 
     @torch.inference_mode()
     def propose(self, last_tokens, context, selector) -> DraftProposal:
@@ -145,11 +147,38 @@ class Gemma4MTPDraftRunner(Drafter):
         if selector.do_sample or selector.scorer.processors or context.forward_meta is None:
             return None
         self._take_hidden(captured, num_accepted)
-        self._ahead = True
+        self._taken += 1
         # the verify's first query position is each row's committed length before it (stopped rows included)
         positions = context.forward_meta.q_pos0.to(torch.int64) + num_accepted.to(torch.int64) + 1
         drafts = self._greedy(next_tokens, positions.to(self.device), context.cache)
         return DraftProposal(drafts.to(next_tokens.device), None)
+
+    def drafts_in_verify(self, context, captured) -> DraftsInVerify | None:
+        """The greedy drafts of :meth:`propose_ahead` from inside the verify: its final-normed hidden state at each
+        row's last accepted slot, its metadata's first positions and the producer groups' block tables (the
+        verify's own, which hold every page the drafts read: positions below the draft position)."""
+        cache = context.cache
+        if any(k.device != self.device for k in cache.k_storage):
+            return None  # pages on several devices, or apart from the drafter: propose_ahead moves what it reads
+        return DraftsInVerify(("gemma4_mtp", id(self.assistant), id(self.embed), self.num_speculative_tokens),
+                              functools.partial(self._drafts_in_verify, cache, captured), self._take_in_verify)
+
+    def _groups(self, cache) -> list[int]:
+        return [cache.layout.layer_slot[layer][0] for layer in self.layers]
+
+    def _drafts_in_verify(self, cache, captured, next_tokens, num_accepted):
+        hidden = captured.hidden
+        index = num_accepted.to(torch.int64)[:, None, None].expand(-1, 1, hidden.shape[-1])
+        hidden = hidden.gather(1, index).squeeze(1)
+        meta = cache.meta
+        # (a graph's padding rows sit before position 0: they draft at 0 over no pages, and are dropped)
+        positions = (meta.q_pos0.to(torch.int64) + num_accepted.to(torch.int64) + 1).clamp(min=0)
+        tables = [meta.block_tables[g] for g in self._groups(cache)]
+        return self._greedy_drafts(cache, next_tokens, hidden, positions, *tables), hidden
+
+    def _take_in_verify(self, hidden) -> None:
+        self.hidden = hidden
+        self._taken += 1
 
     def _greedy(self, last_tokens, positions, cache) -> torch.Tensor:
         """Greedy drafts [batch, k] of all k steps: on CUDA one graph replay, kept for later requests of the same
@@ -171,8 +200,8 @@ class Gemma4MTPDraftRunner(Drafter):
         return torch.stack(drafted, dim=1)
 
     def commit(self, context, captured, num_accepted, kept):
-        if self._ahead:  # propose_ahead took them already (and drafted from them)
-            self._ahead = False
+        if self._taken:  # propose_ahead or drafts_in_verify took them already (and drafted from them)
+            self._taken -= 1
         else:
             self._take_hidden(captured, num_accepted)
 
