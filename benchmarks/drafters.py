@@ -16,6 +16,8 @@ import time
 import torch
 
 from hf_specdec.generation.acceptance import Acceptance
+from hf_specdec.kernels.argmax import argmax
+from hf_specdec.runtime import Select
 from hf_specdec.generation.drafter import Drafter, DraftProposal
 
 
@@ -75,37 +77,64 @@ class SyntheticAcceptance(Acceptance):
     The draws are common random numbers: one uniform per (row, position of the draft in the row's new tokens),
     the same for every k and, after :meth:`restart`, for every call. A draft at position p is accepted iff its
     uniform is below ``alpha``; so rows that differ only in k (or an "auto" k) see the same luck, and a comparison
-    between them is not decided by which numbers each happened to draw."""
+    between them is not decided by which numbers each happened to draw.
+
+    Its decisions are a function of the verify's ids and logits and of its own state (the uniforms, each row's
+    position), so a greedy call runs as users' greedy calls do: the decision is taken with the verify forward, inside
+    its CUDA graph (``with_forward``), and rounds run ahead. The state's tensors stay where a graph captured them:
+    :meth:`restart` rewinds the positions in place."""
 
     lossless = False
+    draws_random = False  # fixed uniforms: every rank of a tensor-parallel model draws the same from the same seed
     SPAN = 1 << 14  # positions per row before the draws repeat
+    ROWS = 64  # rows the uniforms are drawn for at least
 
     def __init__(self, alpha: float, seed: int = 0):
         self.alpha = alpha
         self.seed = seed
-        self._uniform: torch.Tensor | None = None  # [rows, SPAN]
-        self._position: torch.Tensor | None = None  # [rows]: the next new token's position in each row
+        self._uniform: torch.Tensor | None = None  # [capacity, SPAN]
+        self._position: torch.Tensor | None = None  # [capacity]: the next new token's position in each row
+        self._drawn = 0  # how many times the state was drawn anew (names the graphs that captured it)
 
     def restart(self) -> None:
         """The next call starts at position 0 of every row (call before each generate being compared)."""
-        self._position = None
+        if self._position is not None:
+            with torch.inference_mode():  # (drawn inside generate's inference mode)
+                self._position.zero_()
+
+    def _state(self, rows: int, device: torch.device) -> None:
+        """Uniforms and positions for ``rows`` rows on ``device``: drawn once (for twice the rows: a graph of this
+        batch's bucket captures its padding rows too), anew only for more rows or another device."""
+        if self._uniform is None or self._uniform.device != device or self._uniform.shape[0] < rows:
+            capacity = max(self.ROWS, 2 * rows)
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._uniform = torch.rand(capacity, self.SPAN, device=device, generator=generator)
+            self._position = torch.zeros(capacity, dtype=torch.int64, device=device)
+            self._drawn += 1
+
+    def _decide(self, draft_tokens: torch.Tensor, target_tokens: torch.Tensor):
+        rows, k = draft_tokens.shape
+        position = self._position[:rows]
+        at = (position[:, None] + torch.arange(k, device=draft_tokens.device)) % self.SPAN
+        accept = self._uniform[:rows].gather(1, at) < self.alpha
+        num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        position += num_accepted + 1
+        next_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
+        return num_accepted, next_token
 
     def __call__(self, draft_tokens, draft_probs, scores):
         """draft_tokens [batch, k], scores [batch, k+1, vocab] -> (num_accepted [batch], next_token [batch])."""
-        rows, k = draft_tokens.shape
-        device = draft_tokens.device
-        if self._uniform is None or self._uniform.device != device or self._uniform.shape[0] < rows:
-            generator = torch.Generator(device=device).manual_seed(self.seed)
-            self._uniform = torch.rand(rows, self.SPAN, device=device, generator=generator)
-            self._position = None
-        if self._position is None or self._position.shape[0] != rows:
-            self._position = torch.zeros(rows, dtype=torch.int64, device=device)
-        at = (self._position[:, None] + torch.arange(k, device=device)) % self.SPAN
-        accept = self._uniform[:rows].gather(1, at) < self.alpha
-        num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
-        self._position += num_accepted + 1
-        next_token = scores.argmax(dim=-1).gather(1, num_accepted[:, None]).squeeze(1)
-        return num_accepted, next_token
+        self._state(draft_tokens.shape[0], draft_tokens.device)
+        return self._decide(draft_tokens, scores.argmax(dim=-1))
+
+    @property
+    def with_forward(self) -> Select:
+        # (read by the loop before each verify: the state is drawn by then, outside any graph capture)
+        return Select(f"synthetic_accept:{id(self)}:{self._drawn}", self._verified)
+
+    def _verified(self, verify_ids: torch.Tensor, logits: torch.Tensor):
+        self._state(verify_ids.shape[0], verify_ids.device)
+        return self._decide(verify_ids[:, 1:], argmax(logits))
 
 
 def expected_tau(alpha: float, k: int) -> float:

@@ -431,3 +431,38 @@ def test_profile_spec_host_rounds_profiles_the_rounds_only(capsys):
     listing = out[head.end():out.index("kernels of one call")]
     assert "speculative.py" in listing and "(step)" in listing
     assert "(prefill)" not in listing  # speculative.SpeculativeLoop.prefill runs outside the rounds
+
+
+def test_synthetic_acceptance_runs_ahead_with_its_decision_inside_the_verify(monkeypatch):
+    """The synthetic acceptance takes its decision with the verify forward (inside its graph on the GPU) and lets a
+    greedy call run ahead, as users' greedy calls do: same tokens and rounds as its decision taken after the forward
+    in a call that waits for every round, and rounds were queued ahead."""
+    import hf_specdec
+    from benchmarks.drafters import SyntheticAcceptance
+    from hf_specdec.generation import sampling, speculative
+    from hf_specdec.models.gemma4.mtp_drafter import Gemma4MTPDraftRunner
+    from tests import bundled
+
+    model, extra, _ = bundled.mode("gemma_mtp")
+    ids, mask = bundled.batch(3)
+    acceptance = SyntheticAcceptance(0.7, seed=5)
+    queued = []
+    finish = speculative.SpeculativeLoop._finish
+    monkeypatch.setattr(speculative.SpeculativeLoop, "_finish",
+                        lambda self, verified, in_flight=None: (queued.append(in_flight is not None),
+                                                                finish(self, verified, in_flight))[1])
+    # (rows stay in the batch when they stop, as on the GPU: the uniforms are by row index)
+    monkeypatch.setattr(Gemma4MTPDraftRunner, "drops_rows", False)
+    runs = []
+    for devices, with_forward in (((), False), (("cuda", "cpu"), True)):
+        monkeypatch.setattr(speculative, "RUN_AHEAD_DEVICES", devices)
+        monkeypatch.setattr(sampling, "SELECT_WITH_FORWARD", with_forward)
+        queued.clear()
+        acceptance.restart()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, acceptance=acceptance, **extra)
+        stats = hf_specdec.last_generation_stats(model)
+        runs.append((out, stats.num_target_forwards, stats.acceptance_histogram, sum(queued)))
+    (out, forwards, histogram, ahead), (out_ahead, forwards_ahead, histogram_ahead, ahead_ahead) = runs
+    assert torch.equal(out, out_ahead) and (forwards, histogram) == (forwards_ahead, histogram_ahead)
+    assert ahead == 0 and ahead_ahead >= forwards - 3 > 0 and 0 < sum(histogram[1:]) < sum(histogram)
