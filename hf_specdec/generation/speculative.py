@@ -265,10 +265,11 @@ class SpeculativeLoop:
         raw = not (self.config.do_sample or self.scorer.processors)  # the scores are the raw logits
         # (greedy acceptance on them, step 3, is taken with the forward: inside its graph where one replays)
         select = self.acceptance.with_forward if raw and sampling.SELECT_WITH_FORWARD else None
-        # running ahead, the next round's drafts too, where the drafter drafts from the verify's own outputs (at the
-        # k chosen after the last round read)
+        # running ahead, the next round's drafts too, where the drafter drafts from the verify's own outputs, while k
+        # holds (one graph per k; a round where "auto" changes k drafts the next one by its own call)
         in_verify = None
-        if select is not None and self.runs_ahead and DRAFTS_IN_VERIFY and self.drafter.num_speculative_tokens:
+        if (select is not None and self.runs_ahead and DRAFTS_IN_VERIFY
+                and self.drafter.num_speculative_tokens == proposal.tokens.shape[1] > 0):
             in_verify = self.drafter.drafts_in_verify(self.context, self.captured)
             if in_verify is not None:
                 select = _with_drafts(select, in_verify)
