@@ -120,7 +120,8 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
                 warmups: int = 1) -> dict:
     """Steady-state decoding speed of ``generate(n)`` (n new tokens per row), prefill excluded:
     tokens/s = batch * (N - 1) / (t(N) - t(1)), after one warm-up call of length 1 and ``warmups`` of length N;
-    with ``repeats`` > 1 the median of that many (t(1), t(N)) pairs.
+    with ``repeats`` > 1 the median of that many (t(1), t(N)) pairs. ``first_token_ms``: t(1) of that pair, a whole
+    call of one new token (the time to the first token: the call's setup, the prompt's forward and its token).
 
     ``stats(result)`` may return the number of target forwards of a call; with it the result also has
     ``step_ms`` (time per target forward, from the same differencing) and ``forwards``. ``snapshot()``, called
@@ -134,7 +135,7 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
         f_short = stats(short) if stats else None
         out, t_long = timed(lambda: generate(new_tokens))
         forwards = stats(out) - f_short if stats else None
-        pairs.append(dict(elapsed=t_long - t_short, out=out, t_long=t_long, forwards=forwards,
+        pairs.append(dict(elapsed=t_long - t_short, out=out, t_long=t_long, t_short=t_short, forwards=forwards,
                           snapshot=snapshot() if snapshot else None))
     pair = sorted(pairs, key=lambda p: p["elapsed"])[len(pairs) // 2]
     elapsed = pair["elapsed"]
@@ -144,7 +145,7 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
                            "(a slow prefill) varies more than the decode takes, so no rate can be given; raise "
                            "--new-tokens or --repeats")
     result = {"tokens_per_s": batch * (new_tokens - 1) / elapsed, "output": pair["out"], "seconds": pair["t_long"],
-              "repeats": len(pairs), "snapshot": pair["snapshot"]}
+              "first_token_ms": 1e3 * pair["t_short"], "repeats": len(pairs), "snapshot": pair["snapshot"]}
     if stats:
         result |= {"step_ms": 1e3 * elapsed / max(pair["forwards"], 1), "forwards": pair["forwards"]}
     return result

@@ -8,9 +8,11 @@ is recorded in model_shape). Backends: ``hf_dynamic`` (``generate``, DynamicCach
 (``generate`` with a StaticCache, which transformers compiles with torch.compile on a GPU; on the CPU it runs
 uncompiled and the row says ``compiled: false``; a failure is recorded as the row's ``skipped`` reason) and
 ``hf_specdec`` (``hf_specdec.enable``). tokens/s is steady-state decoding, prefill excluded:
-batch*(N-1) / (t(N) - t(1)). ``floor_tokens_per_s`` = measured copy bandwidth / bytes streamed per step
-(weights once, K/V of the context per row). Tokens are compared with ``hf_dynamic``; a mismatch is reported
-with the reference's top-2 logit gap there (``near_tie`` when within 2 bf16 ulps, docs/architecture.md, "Exactness").
+batch*(N-1) / (t(N) - t(1)); ``first_token_ms`` is t(1), a whole call of one new token (the time to the first
+token: the call's setup and the prompt's forward). ``floor_tokens_per_s`` = measured copy bandwidth / bytes
+streamed per step (weights once, K/V of the context per row). Tokens are compared with ``hf_dynamic``; a mismatch
+is reported with the reference's top-2 logit gap there (``near_tie`` when within 2 bf16 ulps, docs/architecture.md,
+"Exactness").
 
 ``--weights fp8`` quantizes each target to FP8 first (benchmarks/shapes.py: transformers' FP8 layers, 128 x 128
 blocks); the floor counts the stored bytes (one per weight plus the block scales). transformers' rows then run
@@ -33,7 +35,7 @@ from benchmarks.shapes import WEIGHTS, floor_tokens_per_s, random_prompt, shape_
 NAME = "decode"
 BACKENDS = ("hf_dynamic", "hf_static_compile", "hf_specdec")
 COLUMNS = ["model_shape", "weights", "backend", "batch", "tokens_per_s", "floor_tokens_per_s", "pct_of_floor",
-           "speedup_vs_hf_dynamic", "same_tokens", "skipped"]
+           "speedup_vs_hf_dynamic", "first_token_ms", "same_tokens", "skipped"]
 PRESETS = {
     "smoke": dict(shapes=["smoke-31b", "smoke-e4b"], batch=[1, 2], prompt=12, new_tokens=5),
     "quick": dict(layers=12, prompt=256, new_tokens=32, compile_shapes=["gemma4-31b"]),
@@ -91,7 +93,8 @@ def bench_batch(model, model_shape: str, batch: int, bandwidth: float, args, pro
                 row["skipped"] = f"{type(err).__name__}: {err}"[:300]
                 measured = None
             if measured is not None and not _compared(args, backend):
-                row.update(tokens_per_s=measured["tokens_per_s"], **measured.get("extra", {}))
+                row.update(tokens_per_s=measured["tokens_per_s"], first_token_ms=measured["first_token_ms"],
+                           **measured.get("extra", {}))
             elif measured is not None:
                 reference = _fill(row, measured, reference)
         rows.append(row)
@@ -119,7 +122,8 @@ def _compiles(args, model_shape: str, batch: int) -> bool:
 
 def _fill(row: dict, measured: dict, reference):
     out = measured.pop("output")
-    row.update(tokens_per_s=measured["tokens_per_s"], **measured.get("extra", {}))
+    row.update(tokens_per_s=measured["tokens_per_s"], first_token_ms=measured["first_token_ms"],
+               **measured.get("extra", {}))
     sequences = out.sequences if hasattr(out, "sequences") else out
     if reference is None:
         row["same_tokens"] = True

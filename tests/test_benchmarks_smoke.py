@@ -65,6 +65,7 @@ def test_decode_rows_match_transformers_tokens(smoke):
     for r in records:
         assert r["floor_tokens_per_s"] > 0
         assert r["skipped"] or r["same_tokens"], r
+        assert r["skipped"] or r["first_token_ms"] > 0, r
 
 
 def test_verify_and_draft_cost_ratios(smoke):
@@ -300,7 +301,9 @@ def test_a_rate_hidden_by_the_calls_other_work_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="raise --new-tokens or --repeats"):
         common.decode_rate(lambda n: n, batch=8, new_tokens=64, repeats=3)
     seconds[64] = 0.563
-    assert common.decode_rate(lambda n: n, batch=8, new_tokens=64)["tokens_per_s"] == pytest.approx(8 * 63 / 0.063)
+    rate = common.decode_rate(lambda n: n, batch=8, new_tokens=64)
+    # the rate of the decode alone; the time to the first token is the call of one token
+    assert rate["tokens_per_s"] == pytest.approx(8 * 63 / 0.063) and rate["first_token_ms"] == pytest.approx(500)
 
 
 @pytest.mark.parametrize("signal", ["SIGABRT", "SIGSEGV"])
