@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -88,6 +89,7 @@ class SyntheticAcceptance(Acceptance):
     draws_random = False  # fixed uniforms: every rank of a tensor-parallel model draws the same from the same seed
     SPAN = 1 << 14  # positions per row before the draws repeat
     ROWS = 64  # rows the uniforms are drawn for at least
+    _serials = itertools.count()  # names each instance's graphs (an id may be reused once an instance is freed)
 
     def __init__(self, alpha: float, seed: int = 0):
         self.alpha = alpha
@@ -95,6 +97,7 @@ class SyntheticAcceptance(Acceptance):
         self._uniform: torch.Tensor | None = None  # [capacity, SPAN]
         self._position: torch.Tensor | None = None  # [capacity]: the next new token's position in each row
         self._drawn = 0  # how many times the state was drawn anew (names the graphs that captured it)
+        self._serial = next(self._serials)
 
     def restart(self) -> None:
         """The next call starts at position 0 of every row (call before each generate being compared)."""
@@ -130,7 +133,7 @@ class SyntheticAcceptance(Acceptance):
     @property
     def with_forward(self) -> Select:
         # (read by the loop before each verify: the state is drawn by then, outside any graph capture)
-        return Select(f"synthetic_accept:{id(self)}:{self._drawn}", self._verified)
+        return Select(f"synthetic_accept:{self._serial}:{self._drawn}", self._verified)
 
     def _verified(self, verify_ids: torch.Tensor, logits: torch.Tensor):
         self._state(verify_ids.shape[0], verify_ids.device)
