@@ -183,7 +183,9 @@ def test_fp8_weights_rows_count_the_stored_bytes(tmp_path, clock_of_the_work):
     assert all(r["weights"] == w for w in rows for r in rows[w])
     dense, fp8 = ({r["backend"]: r for r in rows[w]} for w in ("bf16", "fp8"))
     assert fp8["hf_specdec"]["weight_gb"] < 0.6 * dense["hf_specdec"]["weight_gb"]
-    assert fp8["hf_specdec"]["floor_tokens_per_s"] > dense["hf_specdec"]["floor_tokens_per_s"]
+    # the floor per unit of the copy bandwidth each run measured (under two test processes it moves between runs)
+    assert (fp8["hf_specdec"]["floor_tokens_per_s"] / fp8["hf_specdec"]["copy_gb_s"]
+            > dense["hf_specdec"]["floor_tokens_per_s"] / dense["hf_specdec"]["copy_gb_s"])
     assert fp8["hf_specdec"]["same_tokens"] and fp8["hf_specdec"]["tokens_per_s"]
     assert fp8["hf_dynamic"]["skipped"] and fp8["hf_dynamic"]["same_tokens"] is None
     verify_rows = run_bench(verify, args + ["--k", "3", "--weights", "fp8"], quiet=True)
