@@ -93,8 +93,7 @@ def bench_batch(model, model_shape: str, batch: int, bandwidth: float, args, pro
                 row["skipped"] = f"{type(err).__name__}: {err}"[:300]
                 measured = None
             if measured is not None and not _compared(args, backend):
-                row.update(tokens_per_s=measured["tokens_per_s"], first_token_ms=measured["first_token_ms"],
-                           **measured.get("extra", {}))
+                row.update(_timings(measured))
             elif measured is not None:
                 reference = _fill(row, measured, reference)
         rows.append(row)
@@ -120,10 +119,15 @@ def _compiles(args, model_shape: str, batch: int) -> bool:
             and (args.compile_shapes is None or shape in args.compile_shapes))
 
 
+def _timings(measured: dict) -> dict:
+    """A row's fields from :func:`decode_rate`'s result: the decode rate, the time to the first token, any extras."""
+    return dict(tokens_per_s=measured["tokens_per_s"], first_token_ms=measured["first_token_ms"],
+                **measured.get("extra", {}))
+
+
 def _fill(row: dict, measured: dict, reference):
     out = measured.pop("output")
-    row.update(tokens_per_s=measured["tokens_per_s"], first_token_ms=measured["first_token_ms"],
-               **measured.get("extra", {}))
+    row.update(_timings(measured))
     sequences = out.sequences if hasattr(out, "sequences") else out
     if reference is None:
         row["same_tokens"] = True

@@ -148,8 +148,7 @@ class Gemma4MTPDraftRunner(Drafter):
             return None
         self._take_hidden(captured, num_accepted)
         self._taken += 1
-        # the verify's first query position is each row's committed length before it (stopped rows included)
-        positions = context.forward_meta.q_pos0.to(torch.int64) + num_accepted.to(torch.int64) + 1
+        positions = _draft_positions(context.forward_meta, num_accepted)
         drafts = self._greedy(next_tokens, positions.to(self.device), context.cache)
         return DraftProposal(drafts.to(next_tokens.device), None)
 
@@ -167,14 +166,10 @@ class Gemma4MTPDraftRunner(Drafter):
         return [cache.layout.layer_slot[layer][0] for layer in self.layers]
 
     def _drafts_in_verify(self, cache, captured, next_tokens, num_accepted):
-        hidden = captured.hidden
-        index = num_accepted.to(torch.int64)[:, None, None].expand(-1, 1, hidden.shape[-1])
-        hidden = hidden.gather(1, index).squeeze(1)
-        meta = cache.meta
-        # (a graph's padding rows sit before position 0: they draft at 0 over no pages, and are dropped)
-        positions = (meta.q_pos0.to(torch.int64) + num_accepted.to(torch.int64) + 1).clamp(min=0)
-        tables = [meta.block_tables[g] for g in self._groups(cache)]
-        return self._greedy_drafts(cache, next_tokens, hidden, positions, *tables), hidden
+        hidden = _at_last_accepted(captured.hidden, num_accepted)
+        tables = [cache.meta.block_tables[g] for g in self._groups(cache)]
+        return self._greedy_drafts(cache, next_tokens, hidden, _draft_positions(cache.meta, num_accepted),
+                                   *tables), hidden
 
     def _take_in_verify(self, hidden) -> None:
         self.hidden = hidden
@@ -210,8 +205,21 @@ class Gemma4MTPDraftRunner(Drafter):
 
     def _take_hidden(self, captured, num_accepted) -> None:
         """The next round's hidden state: the verify's final-normed state at each row's last accepted slot."""
-        index = num_accepted[:, None, None].expand(-1, 1, captured.hidden.shape[-1]).to(captured.hidden.device)
-        self.hidden = captured.hidden.gather(1, index).squeeze(1).to(self.device)
+        self.hidden = _at_last_accepted(captured.hidden, num_accepted).to(self.device)
+
+
+def _at_last_accepted(hidden: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """A verify's states [batch, k+1, hidden] at each row's last accepted slot -> [batch, hidden]."""
+    index = num_accepted.to(device=hidden.device, dtype=torch.int64)[:, None, None].expand(-1, 1, hidden.shape[-1])
+    return hidden.gather(1, index).squeeze(1)
+
+
+def _draft_positions(meta, num_accepted: torch.Tensor) -> torch.Tensor:
+    """[batch] int64: where each row's next drafts sit, past its accepted tokens (the verify's first query position
+    is the row's committed length before it, stopped rows included). A graph's padding rows, whose first position is
+    below 0, draft at 0 over no pages, and are dropped."""
+    first = meta.q_pos0.to(torch.int64)
+    return (first + num_accepted.to(device=first.device, dtype=torch.int64) + 1).clamp(min=0)
 
 
 _STACKED: "weakref.WeakKeyDictionary[Gemma4MTPAssistant, tuple]" = weakref.WeakKeyDictionary()
