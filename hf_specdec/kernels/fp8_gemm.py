@@ -367,9 +367,19 @@ def check_matmul_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     check_same_device(x=x, weight=weight, scale=scale)
 
 
+_native_fp8: dict[int, bool] = {}
+
+
 def has_native_fp8(device: torch.device) -> bool:
-    """Whether Triton has the e4m3 type on ``device``: sm_89+ GPUs, and the CPU interpreter."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether Triton has the e4m3 type on ``device``: sm_89+ GPUs, and the CPU interpreter. Known once per GPU
+    (asked per kernel launch; ``get_device_capability`` reads the device's properties each time)."""
+    if device.type != "cuda":
+        return True
+    index = torch.cuda.current_device() if device.index is None else device.index
+    known = _native_fp8.get(index)
+    if known is None:
+        known = _native_fp8[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return known
 
 
 def fp8_linear_reference(x: torch.Tensor,  # [..., K]
