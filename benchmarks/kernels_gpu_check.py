@@ -1,19 +1,19 @@
 """Triton paged attention vs its torch reference at the real attention shapes, on one CUDA GPU.
 
     PYTHONPATH=. python benchmarks/kernels_gpu_check.py [--layers sliding full e4b_sliding ...] [--batch 1 8]
-        [--contexts 2048 8192] [--q-lens 1 8] [--no-prefill] [--graph]
+        [--contexts 2048 8192] [--q-lens 1 8] [--no-prefill | --prefill 1:2048:2048 ...] [--graph]
 
 Layers (default: all): Gemma-4-31B sliding (32 q / 16 kv heads, head_dim 256, window 1024) and full (32 q /
 4 kv heads, head_dim 512); Gemma 4 E4B sliding (8 q / 2 kv, 256, window 512) and full (8 q / 2 kv, 512);
 Step 3.5 full (64 q / 8 kv, 128) and sliding (96 q / 8 kv, 128, window 512); Gemma 4 E2B sliding (8 q / 1 kv, 256,
 window 512) and full (8 q / 1 kv, 512); 26B-A4B sliding (16 q / 8 kv, 256, window 1024) and full (16 q / 2 kv, 512).
 Decode (T=1) and verify (T=8); batch 1 and 8; context 2048 and 8192 (each settable); block_size 16;
-bf16 with random pages (shuffled physical blocks, released window blocks set to -1); plus a
-left-padded prefill (T=512, batch 2) per layer, whose GB/s is not its measure (compute-bound). Per
-case: relative error ||out - ref|| / ||ref|| (pass < 1e-2), median time (triton.testing.do_bench, or with
-``--graph`` one call's share of a CUDA graph of calls over copies of the pages, as a decode step runs it),
-and bandwidth counting the K/V bytes of the keys the queries can see. Prints a table, then one JSON
-line.
+bf16 with random pages (shuffled physical blocks, released window blocks set to -1); plus a left-padded prefill
+(T=512 after 1536 cached keys, batch 2; ``--prefill`` sets others) per layer, whose GB/s is not its measure
+(compute-bound). Per case: relative error ||out - ref|| / ||ref|| (pass < 1e-2), median time
+(triton.testing.do_bench, or with ``--graph`` one call's share of a CUDA graph of calls over copies of the pages,
+as a decode step runs it), and bandwidth counting the K/V bytes of the keys the queries can see. Prints a table,
+then one JSON line.
 """
 
 import json
@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--contexts", nargs="+", type=int, default=[2048, 8192])
     parser.add_argument("--q-lens", nargs="+", type=int, default=[1, 8], help="queries per row (decode 1, verify k+1)")
-    parser.add_argument("--no-prefill", action="store_true", help="leave out the prefill case of each layer")
+    parser.add_argument("--no-prefill", action="store_true", help="leave out the prefill cases of each layer")
+    parser.add_argument("--prefill", nargs="+", default=["2:2048:512"], metavar="BATCH:CONTEXT:QUERIES",
+                        help="prefill cases (context = queries: a prompt's own forward, no cached prefix)")
     parser.add_argument("--graph", action="store_true",
                         help="time each call inside a CUDA graph over copies of the pages (no launch gaps, no L2 "
                              "hits), as a decode step runs it, instead of triton's do_bench")
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     store_kv_ok = check_store_kv()
     cases = list(product(args.layers, args.batch, args.contexts, args.q_lens))
     if not args.no_prefill:
-        cases += list(product(args.layers, (2,), (2048,), (512,)))
+        cases += [(layer, *map(int, case.split(":"))) for layer in args.layers for case in args.prefill]
     results = [check_case(*case, graph=args.graph and case[3] <= 32) for case in cases]
     print(f"{'layer':12} {'batch':>5} {'ctx':>5} {'T':>3} {'rel_err':>9} {'triton_ms':>9} {'ref_ms':>8} "
           f"{'GB/s':>7}  ok")

@@ -227,15 +227,39 @@ def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = Non
     warpgroup MMA, whose rounding a one-query decode tile (16 rows) would not share. ``ieee``: fp32 dots (no
     tensor-core path), whose 32-row tiles at head_dim 128 and 256 spilled registers at the bf16 settings: 8 warps,
     and 16 keys per step at 256 (H200, graph-timed: a verify of 8 queries at head_dim 128 178 -> 20 us, at 256
-    278 -> 49 us; docs/perf_log.md, session 26)."""
+    278 -> 49 us; docs/perf_log.md, session 26).
+
+    A prompt's launch (:func:`is_prefill`, half-precision, head_dim <= 256) takes query tiles twice as tall
+    (:data:`PREFILL_ROWS`): no decode or verify query shares a launch with it, so its rounding need not be theirs,
+    and each K/V tile loaded serves twice the queries (H200, a 2048-token prompt: E2B sliding layer 0.16 -> 0.09 ms,
+    Step 3.5 sliding 0.75 -> 0.34). At head_dim 512 the taller tile needs 16-key steps to fit shared memory, slower
+    than the 16-row tile (E2B full layer 0.84 -> 0.93 ms), so it keeps that."""
     block_d = max(16, next_power_of_2(head_dim))
     max_m, default_n, num_warps = {16: (32, 64, 4), 32: (32, 64, 4), 64: (32, 64, 4),
                                    128: (32, 64, 4), 256: (32, 32, 8), 512: (16, 32, 8)}[block_d]
+    if is_prefill(q_len) and not ieee and block_d <= 256:
+        max_m *= PREFILL_ROWS
     block_m = max(16, next_power_of_2(group), min(max_m, next_power_of_2(group * q_len)))
     if ieee and block_m >= 32 and block_d in (128, 256):
         num_warps, default_n = 8, 16 if block_d == 256 else default_n
     return _Tiles(block_t=block_m // group, block_m=block_m, block_n=block_n or default_n,
                   block_d=block_d, num_warps=num_warps)
+
+
+# A launch of this many query slots per row or more is a prompt's (decode runs 1, a verify k + 1, a DFlash block 16
+# at most): it takes no split-KV chunks, and taller query tiles (:func:`_pick_tiles`). Its queries are computed once
+# (no later decode or verify step computes a prompt position again), so they need not share a decode step's chunks
+# and tile rounding; the chunks (64 keys at batch 1) made a 2048-token prompt write its queries' fp32 partials 32
+# times over for the merge to read back (H200, batch 1, one layer: E2B sliding 1.07 -> 0.09 ms, full 1.74 -> 0.84;
+# Step 3.5 sliding 8.43 -> 0.34; docs/perf_log.md, session 42). A verify of k >= 63 drafts would take this shape too
+# (then its queries' bits are not a decode step's). PREFILL_QUERIES = a huge number, or PREFILL_ROWS = 1, for the
+# decode launch shape.
+PREFILL_QUERIES = 64
+PREFILL_ROWS = 2
+
+
+def is_prefill(q_len: int) -> bool:
+    return q_len >= PREFILL_QUERIES
 
 
 def paged_attention(
@@ -326,7 +350,10 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
     ieee = q.dtype == torch.float32 or upcast_dot
     tiles = _pick_tiles(head_dim, group, q_len, block_n, ieee=q.dtype == torch.float32)
     tiles_per_row = triton.cdiv(q_len, tiles.block_t)
-    chunk = kv_chunk(batch * num_kv_heads, tiles.block_n) if kv_chunk_keys is None else kv_chunk_keys
+    if kv_chunk_keys is not None:
+        chunk = kv_chunk_keys
+    else:
+        chunk = NO_SPLIT if is_prefill(q_len) else kv_chunk(batch * num_kv_heads, tiles.block_n)
     max_keys = block_tables.shape[1] * block_size
     if sliding_window is not None and causal:  # a causal window bounds any tile's keys
         max_keys = min(max_keys, sliding_window + q_len)

@@ -5,6 +5,7 @@ that no query can see (unused tail, released window blocks) with -1, an out-of-r
 a block of NaNs: a kernel that dereferences one reads garbage, raises, or outputs NaN.
 """
 
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from hf_specdec.kernels import paged_attention, paged_attention_reference, use_t
 from hf_specdec.kernels.paged_attention import (NO_SPLIT, _paged_attention_triton, _pick_tiles, kv_chunk, num_kv_splits,
                                                 paged_attention_rows)
 
+pa = importlib.import_module("hf_specdec.kernels.paged_attention")  # the package exports the function by that name
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 FAR_BLOCK = 10**6  # poison that makes torch indexing raise if a kernel dereferences it
 NAN_BLOCK = "nan block"  # poison naming a block of NaNs: any read of it shows, even when masked later
@@ -320,6 +322,25 @@ def assert_triton_matches_reference(case, *, scale, sliding_window=None, causal=
 def test_triton_prefill_left_padded(triton_device, dtype):
     case = make_case([7, 10, 2], q_len=7, q_lens=[7, 5, 2], dtype=dtype, poison=NAN_BLOCK, device=triton_device)
     assert_triton_matches_reference(case, scale=0.25)
+
+
+@pytest.mark.parametrize("sliding_window,cached", [(None, 0), (24, 0), (24, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_prompt_launch_matches_reference(triton_device, dtype, sliding_window, cached, monkeypatch):
+    """A prompt's launch (PREFILL_QUERIES queries a row or more: no split-KV chunks, taller query tiles), left
+    padded, past a sliding window, with and without keys cached before it (a prompt after a prefix)."""
+    monkeypatch.setattr(pa, "PREFILL_QUERIES", 16)  # the interpreter's pace: a 16-query launch takes the shape
+    q_len = 20
+    lens = [cached + q_len, cached + 13, cached + 5]
+    case = make_case(lens, q_len=q_len, q_lens=[q_len, 13, 5], num_heads=8, num_kv_heads=2, dtype=dtype,
+                     sliding_window=sliding_window, block_size=4, poison=NAN_BLOCK, seed=11, device=triton_device)
+    tiles = _pick_tiles(16, 4, q_len, ieee=dtype == torch.float32)
+    assert pa.is_prefill(q_len) and tiles.block_m == (32 if dtype == torch.float32 else 64)
+    expected = paged_attention_reference(*case.args(), scale=0.25, sliding_window=sliding_window)
+    out = paged_attention(*case.args(), scale=0.25, sliding_window=sliding_window,
+                          out=torch.full_like(case.q, float("nan")))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
