@@ -308,6 +308,23 @@ def test_a_rate_hidden_by_the_calls_other_work_is_refused(monkeypatch):
     assert rate["tokens_per_s"] == pytest.approx(8 * 63 / 0.063) and rate["first_token_ms"] == pytest.approx(500)
 
 
+def test_the_time_to_the_first_token_is_the_median_of_the_pairs_calls(monkeypatch):
+    """first_token_ms is the median t(1) over the repeats, not the t(1) of the pair whose decode is the median
+    (here that pair's t(1) is the slowest call)."""
+    from benchmarks import common
+
+    calls = iter([(1, 0.9), (64, 1.0), (1, 0.3), (64, 0.5), (1, 0.5), (64, 0.55)])  # decodes 0.1, 0.2, 0.05 s
+
+    def timed(fn):
+        n, seconds = next(calls)
+        assert fn() == n
+        return n, seconds
+
+    monkeypatch.setattr(common, "timed", timed)
+    rate = common.decode_rate(lambda n: n, batch=1, new_tokens=64, repeats=3)
+    assert rate["tokens_per_s"] == pytest.approx(63 / 0.1) and rate["first_token_ms"] == pytest.approx(500)
+
+
 @pytest.mark.parametrize("signal", ["SIGABRT", "SIGSEGV"])
 def test_multi_gpu_reruns_gloo_ranks_once_after_an_abort(tmp_path, monkeypatch, signal):
     """CPU gloo ranks that died on SIGABRT (an abort seen now and then on a loaded 2-core machine) run again, up to
