@@ -368,6 +368,32 @@ def test_multi_gpu_reruns_gloo_ranks_once_after_an_abort(tmp_path, monkeypatch, 
     assert len(spawned) in (2, 3) and any(r["placement"] == "tp" and not r["skipped"] for r in records)
 
 
+def test_ab_first_token_times_both_in_turn_and_leaves_the_model_as_it_found_it(capsys, monkeypatch):
+    """``benchmarks.ab_first_token``: per round one timed call with hf_specdec enabled and one without, in that order,
+    each after an untimed one; the model is left disabled; a row per (shape, prompt) and the table."""
+    import benchmarks.ab_first_token as ab
+    from benchmarks.shapes import target_for
+
+    calls, models, original = [], set(), ab.first_token_ms
+
+    def timing(model, ids):
+        calls.append(hasattr(model, "_hf_specdec"))  # enabled
+        models.add(model)
+        return original(model, ids)
+
+    monkeypatch.setattr(ab, "first_token_ms", timing)
+    built = []
+    monkeypatch.setattr(ab, "target_for", lambda *a: built.append(a[:2]) or target_for(*a))
+    assert ab.main(["--shapes", "smoke-e4b:3", "--prompts", "5", "9", "--rounds", "2", "--device", "cpu"]) == 0
+    assert built == [("smoke-e4b", 3)] and calls == [True, True, False, False] * 4
+    assert len(models) == 1 and not hasattr(models.pop(), "_hf_specdec")
+    lines = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [(r["model_shape"], r["prompt"]) for r in rows] == [("smoke-e4b:3", 5), ("smoke-e4b:3", 9)]
+    assert all(len(r["hf_specdec_all"]) == len(r["transformers_all"]) == 2 and r["speedup"] > 0 for r in rows)
+    assert any(line.startswith("smoke-e4b:3") for line in lines)
+
+
 def test_ab_decode_times_each_value_in_turn_and_restores_the_attribute(capsys, clock_of_the_work):
     """``benchmarks.ab_decode``: one row per (round, value), the tokens of every value compared with the first's,
     the attribute set back afterwards; a malformed ``--set`` is refused with the form it takes."""
