@@ -27,7 +27,9 @@ Batch invariance. A query's output has the same bits whatever else the launch ho
 tile that starts earlier, a wider block table): key tiles start on BLOCK_N multiples of the key position,
 split-KV chunks are counted from key 0 with a size set by the batch and KV heads only (:func:`kv_chunk`), and
 the merge adds the chunks in key order. Keys a query cannot see leave its running sums exactly unchanged. So a
-verify step's k+1 queries per row get the bits of k+1 one-query decode steps at the same batch.
+verify step's k+1 queries per row get the bits of k+1 one-query decode steps at the same batch. A prompt's launch
+(:data:`PREFILL_QUERIES` queries a row or more) is shaped for throughput instead: its positions are never computed
+again by a decode or verify step.
 """
 
 import math
