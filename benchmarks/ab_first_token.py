@@ -1,12 +1,13 @@
 """The time to the first token, hf_specdec against transformers, on the same weights, in turn in one process.
 
     python -m benchmarks.ab_first_token [--shapes gemma4-e2b gemma4-e4b:12 ...] [--prompts 128 512 2048]
-                                        [--batch 1] [--rounds 8] [--device cuda]
+                                        [--batch 1] [--rounds 8] [--after-new-tokens 1] [--device cuda]
 
 Per shape (``SHAPE`` or ``SHAPE:LAYERS``, as ``benchmarks.shapes`` names them) the target is built once; then each
 round times one whole ``generate(max_new_tokens=1)`` call (setup, the prompt's forward, its token on the host) with
 ``hf_specdec.enable`` and one without, each after an untimed call of its own (so graphs, allocations and kernels
-are warm). A call this short is host-bound, and a lent GPU machine's host moves a call's time by 1.5x over tens of
+are warm) of ``--after-new-tokens`` new tokens (default 1; 16 is ``decode``'s pattern, a one-token call after a
+longer one). A call this short is host-bound, and a lent GPU machine's host moves a call's time by 1.5x over tens of
 seconds: two runs one after the other (``decode``'s ``first_token_ms``) can disagree on which is faster; calls in
 turn cannot drift apart. Prints one JSON line per (shape, prompt) and a table of medians; nothing is appended to
 ``benchmarks/results``: keep the printout as a log there.
@@ -26,26 +27,28 @@ from benchmarks.common import free_device_memory
 from benchmarks.shapes import random_prompt, target_for
 
 
-def first_token_ms(model, ids: torch.Tensor) -> float:
+def first_token_ms(model, ids: torch.Tensor, new_tokens: int = 1) -> float:
+    """Wall time of one ``generate`` call of ``new_tokens`` new tokens (its tokens read on the host), in ms."""
     mask = torch.ones_like(ids)
     if ids.is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False).tolist()
+    model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False).tolist()
     return (time.perf_counter() - start) * 1e3
 
 
-def measure(model, ids: torch.Tensor, rounds: int) -> dict:
-    """Medians over ``rounds`` of the two calls, in turn (each timed call follows an untimed one)."""
+def measure(model, ids: torch.Tensor, rounds: int, after_new_tokens: int = 1) -> dict:
+    """Medians over ``rounds`` of the two calls, in turn (each timed call follows an untimed one of
+    ``after_new_tokens`` new tokens)."""
     ours, theirs = [], []
     for _ in range(rounds):
         hf_specdec.enable(model)
         try:
-            first_token_ms(model, ids)
+            first_token_ms(model, ids, after_new_tokens)
             ours.append(first_token_ms(model, ids))
         finally:
             hf_specdec.disable(model)
-        first_token_ms(model, ids)
+        first_token_ms(model, ids, after_new_tokens)
         theirs.append(first_token_ms(model, ids))
     mine, base = statistics.median(ours), statistics.median(theirs)
     return dict(hf_specdec_ms=round(mine, 2), transformers_ms=round(base, 2), speedup=round(base / mine, 3),
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--after-new-tokens", type=int, default=1,
+                        help="new tokens of the untimed call before each timed one")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -69,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         for prompt in args.prompts:
             ids = random_prompt(args.batch, prompt, model.config.vocab_size, args.device, seed=1)
             row = dict(bench="ab_first_token", gpu=gpu, model_shape=spec, batch=args.batch, prompt=prompt,
-                       rounds=args.rounds, **measure(model, ids, args.rounds))
+                       rounds=args.rounds, after_new_tokens=args.after_new_tokens,
+                       **measure(model, ids, args.rounds, args.after_new_tokens))
             print(json.dumps(row), flush=True)
             rows.append(row)
         del model

@@ -369,23 +369,25 @@ def test_multi_gpu_reruns_gloo_ranks_once_after_an_abort(tmp_path, monkeypatch, 
 
 
 def test_ab_first_token_times_both_in_turn_and_leaves_the_model_as_it_found_it(capsys, monkeypatch):
-    """``benchmarks.ab_first_token``: per round one timed call with hf_specdec enabled and one without, in that order,
-    each after an untimed one; the model is left disabled; a row per (shape, prompt) and the table."""
+    """``benchmarks.ab_first_token``: per round one timed one-token call with hf_specdec enabled and one without, in
+    that order, each after an untimed call of ``--after-new-tokens``; the model is left disabled; a row per (shape,
+    prompt) and the table."""
     import benchmarks.ab_first_token as ab
     from benchmarks.shapes import target_for
 
     calls, models, original = [], set(), ab.first_token_ms
 
-    def timing(model, ids):
-        calls.append(hasattr(model, "_hf_specdec"))  # enabled
+    def timing(model, ids, new_tokens=1):
+        calls.append((hasattr(model, "_hf_specdec"), new_tokens))  # enabled, and the call's length
         models.add(model)
-        return original(model, ids)
+        return original(model, ids, new_tokens)
 
     monkeypatch.setattr(ab, "first_token_ms", timing)
     built = []
     monkeypatch.setattr(ab, "target_for", lambda *a: built.append(a[:2]) or target_for(*a))
-    assert ab.main(["--shapes", "smoke-e4b:3", "--prompts", "5", "9", "--rounds", "2", "--device", "cpu"]) == 0
-    assert built == [("smoke-e4b", 3)] and calls == [True, True, False, False] * 4
+    assert ab.main(["--shapes", "smoke-e4b:3", "--prompts", "5", "9", "--rounds", "2", "--after-new-tokens", "3",
+                    "--device", "cpu"]) == 0
+    assert built == [("smoke-e4b", 3)] and calls == [(True, 3), (True, 1), (False, 3), (False, 1)] * 4
     assert len(models) == 1 and not hasattr(models.pop(), "_hf_specdec")
     lines = capsys.readouterr().out.splitlines()
     rows = [json.loads(line) for line in lines if line.startswith("{")]
