@@ -27,9 +27,12 @@ Batch invariance. A query's output has the same bits whatever else the launch ho
 tile that starts earlier, a wider block table): key tiles start on BLOCK_N multiples of the key position,
 split-KV chunks are counted from key 0 with a size set by the batch and KV heads only (:func:`kv_chunk`), and
 the merge adds the chunks in key order. Keys a query cannot see leave its running sums exactly unchanged. So a
-verify step's k+1 queries per row get the bits of k+1 one-query decode steps at the same batch. A prompt's launch
-(:data:`PREFILL_QUERIES` queries a row or more) is shaped for throughput instead: its positions are never computed
-again by a decode or verify step.
+verify step's k+1 queries per row get the bits of k+1 one-query decode steps at the same batch. All of this holds
+for launches of fewer than :data:`PREFILL_QUERIES` queries a row; a prompt's launch (that many or more) is shaped
+for throughput instead: its positions are never computed again by a decode or verify step of the target. (One
+consequence: a target forward that keeps every position, as DFlash's prompt forward does, attends in its KV-shared
+layers with the prompt's shape where a plain prompt forward attends with one query, so the two may round the last
+prompt position differently.)
 """
 
 import math
@@ -248,14 +251,15 @@ def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = Non
                   block_d=block_d, num_warps=num_warps)
 
 
-# A launch of this many query slots per row or more is a prompt's (decode runs 1, a verify k + 1, a DFlash block 16
-# at most): it takes no split-KV chunks, and taller query tiles (:func:`_pick_tiles`). Its queries are computed once
-# (no later decode or verify step computes a prompt position again), so they need not share a decode step's chunks
-# and tile rounding; the chunks (64 keys at batch 1) made a 2048-token prompt write its queries' fp32 partials 32
-# times over for the merge to read back (H200, batch 1, one layer: E2B sliding 1.07 -> 0.09 ms, full 1.74 -> 0.84;
-# Step 3.5 sliding 8.43 -> 0.34; docs/perf_log.md, session 42). A verify of k >= 63 drafts would take this shape too
-# (then its queries' bits are not a decode step's). PREFILL_QUERIES = a huge number, or PREFILL_ROWS = 1, for the
-# decode launch shape.
+# A launch of this many query slots per row or more is a prompt's (decode runs 1, a verify k + 1, a DFlash block its
+# width, 16 in the published drafters): it takes no split-KV chunks, and taller query tiles (:func:`_pick_tiles`).
+# Its queries are computed once (no later decode or verify step of the target computes a prompt position again), so
+# they need not share a decode step's chunks and tile rounding; the chunks (64 keys at batch 1) made a 2048-token
+# prompt write its queries' fp32 partials 32 (full layers) to 64 (sliding windows) times over for the merge to read
+# back (H200, batch 1, one layer: E2B sliding 1.07 -> 0.09 ms, full 1.74 -> 0.84; Step 3.5 sliding 8.43 -> 0.34;
+# docs/perf_log.md, session 42). A verify of k >= 63 drafts would take this shape too (then its queries' bits are not
+# a decode step's). PREFILL_QUERIES = a huge number gives a prompt the decode launch shape; PREFILL_ROWS = 1 keeps its
+# no-chunk launch on the decode step's tile heights.
 PREFILL_QUERIES = 64
 PREFILL_ROWS = 2
 

@@ -324,23 +324,53 @@ def test_triton_prefill_left_padded(triton_device, dtype):
     assert_triton_matches_reference(case, scale=0.25)
 
 
+def _prompt_case(dtype, sliding_window, cached, q_len, head_dim, device):
+    """Three rows of a prompt launch (left padded) after ``cached`` keys each, GQA 8 / 2."""
+    lens = [cached + q_len, cached + q_len * 2 // 3, cached + 5]
+    return make_case(lens, q_len=q_len, q_lens=[n - cached for n in lens], num_heads=8, num_kv_heads=2,
+                     head_dim=head_dim, dtype=dtype, sliding_window=sliding_window,
+                     block_size=4 if head_dim < 64 else 16, poison=NAN_BLOCK, seed=11, device=device)
+
+
+def _check_prompt_launch(case, sliding_window, monkeypatch):
+    """The launch runs without split-KV chunks (no merge: chunks of 4 keys would need one) and matches the
+    reference."""
+    monkeypatch.setattr(pa, "kv_chunk", lambda *args: 4)
+
+    class NoMerge:
+        def __getitem__(self, grid):
+            raise AssertionError("a prompt's launch ran split-KV chunks")
+
+    monkeypatch.setattr(pa, "_merge_splits_kernel", NoMerge())
+    assert use_triton(case.q) and pa.is_prefill(case.q.shape[1])
+    expected = paged_attention_reference(*case.args(), scale=0.25, sliding_window=sliding_window)
+    out = paged_attention(*case.args(), scale=0.25, sliding_window=sliding_window,
+                          out=torch.full_like(case.q, float("nan")))
+    tol = TOLERANCE[case.q.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    assert expected.abs().sum() > 0
+
+
 @pytest.mark.parametrize("sliding_window,cached", [(None, 0), (24, 0), (24, 9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_prompt_launch_matches_reference(triton_device, dtype, sliding_window, cached, monkeypatch):
     """A prompt's launch (PREFILL_QUERIES queries a row or more: no split-KV chunks, taller query tiles), left
     padded, past a sliding window, with and without keys cached before it (a prompt after a prefix)."""
-    monkeypatch.setattr(pa, "PREFILL_QUERIES", 16)  # the interpreter's pace: a 16-query launch takes the shape
-    q_len = 20
-    lens = [cached + q_len, cached + 13, cached + 5]
-    case = make_case(lens, q_len=q_len, q_lens=[q_len, 13, 5], num_heads=8, num_kv_heads=2, dtype=dtype,
-                     sliding_window=sliding_window, block_size=4, poison=NAN_BLOCK, seed=11, device=triton_device)
-    tiles = _pick_tiles(16, 4, q_len, ieee=dtype == torch.float32)
-    assert pa.is_prefill(q_len) and tiles.block_m == (32 if dtype == torch.float32 else 64)
-    expected = paged_attention_reference(*case.args(), scale=0.25, sliding_window=sliding_window)
-    out = paged_attention(*case.args(), scale=0.25, sliding_window=sliding_window,
-                          out=torch.full_like(case.q, float("nan")))
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    monkeypatch.setattr(pa, "PREFILL_QUERIES", 16)  # the interpreter's pace: a 20-query launch takes the shape
+    case = _prompt_case(dtype, sliding_window, cached, 20, 16, triton_device)
+    tiles = _pick_tiles(16, 4, 20, ieee=dtype == torch.float32)
+    assert tiles.block_m == (32 if dtype == torch.float32 else 64)
+    _check_prompt_launch(case, sliding_window, monkeypatch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real head dims in the interpreter take minutes")
+@pytest.mark.parametrize("head_dim", [128, 256, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_launch_at_real_head_dims_on_the_gpu(dtype, head_dim, monkeypatch):
+    """The prompt launch's real tiles (64 query rows at head_dim 128 and 256 in half precision, 16 at 512) at a
+    real prompt width, past a sliding window, after a cached prefix."""
+    case = _prompt_case(dtype, 48, 16, pa.PREFILL_QUERIES + 36, head_dim, "cuda")
+    _check_prompt_launch(case, 48, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
