@@ -2,16 +2,15 @@
 512-key sliding window) against transformers' own forward on the GPU, position by position on the same tokens.
 
 Two correct fp32 paths do not give the same logits on these shapes: random weights amplify a rounding difference
-by ~1.3-1.5x a layer (measured on an H200: transformers' eager and SDPA attention, both fp32, end 0.05-0.56 apart in
-logits of up to ~6 at full depth, from 2e-5 after the first layer). So the yardstick is that spread:
+by ~1.4x a layer (measured on an H200: transformers' eager and SDPA attention, both fp32, end 0.05-0.56 apart in
+logits of up to ~6 at full depth, from 2e-5 after the first layer). So the yardstick is that spread: hf_specdec's
+fp32 logits (paged prefill, then decode steps through its kernels and CUDA graphs) are no further from
+transformers' SDPA logits than a few times transformers' eager path is, at a cut depth (where rounding has not grown
+yet, so a wrong scale, window or KV-sharing producer would stand out by orders of magnitude) and at full depth.
 
-- fp32: hf_specdec's logits (paged prefill, then decode steps through its kernels and CUDA graphs) are no further
-  from transformers' SDPA logits than a few times transformers' eager path is, at a cut depth (where rounding has
-  not grown yet, so a wrong scale, window or KV-sharing producer would stand out by orders of magnitude) and at full
-  depth;
-- bf16 (cut depth): hf_specdec's logits are about as far from the fp32 reference as transformers' bf16 logits are
-  (at full depth both are as far from it as the logits are large: 35-42 layers of bf16 rounding on random weights,
-  which is why bf16 tokens of the two differ there from the first one on).
+bf16 is not compared: already at 10 layers both libraries' bf16 logits are as far from the fp32 ones as the logits
+are large (benchmarks/results/full_depth_numerics_test_h200.log), so a bound on them could not catch a wrong path;
+that is also why bf16 tokens of the two differ on these shapes from the first tokens on.
 
 Teacher forcing: a logits processor picks the fp32 reference's tokens, so every path sees the same sequence;
 ``output_logits`` returns the raw logits."""
@@ -25,7 +24,7 @@ import hf_specdec
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the real shapes need a GPU")
 
 PROMPT, NEW = 600, 8
-SPREAD_FACTOR = 5.0  # measured: 1.2-3.6x transformers' eager-vs-SDPA spread, layer by layer and at the logits
+SPREAD_FACTOR = 5.0  # measured: 1.4-3.7x transformers' eager-vs-SDPA spread, layer by layer and at the logits
 
 
 class ForceTokens(LogitsProcessor):
@@ -56,10 +55,6 @@ def _hf_specdec_logits(model, prompt, tokens):
     return torch.cat([step.float() for step in out.logits])
 
 
-def _rms(x):
-    return x.pow(2).mean(-1).sqrt()
-
-
 @pytest.mark.parametrize("layers", [10, None], ids=["cut", "full"])
 @pytest.mark.parametrize("shape", ["gemma4-e2b", "gemma4-e4b"])
 def test_logits_within_transformers_own_spread(shape, layers):
@@ -81,14 +76,3 @@ def test_logits_within_transformers_own_spread(shape, layers):
     print(f"{shape} L{layers}: fp32 max |logit error| {error:.3g}, transformers' eager-vs-SDPA {spread:.3g}, "
           f"logits up to {scale:.3g}")
     assert error <= SPREAD_FACTOR * spread + 1e-5 * scale, (error, spread)
-    if layers is None:
-        return
-
-    model.to(torch.bfloat16)
-    hf_bf16 = _reference_logits(model, seq)
-    ours_bf16 = _hf_specdec_logits(model, prompt, greedy)
-    ours_error, hf_error = _rms(ours_bf16 - reference), _rms(hf_bf16 - reference)
-    print(f"  bf16 rms error per position against fp32: hf_specdec {[round(v, 4) for v in ours_error.tolist()]}, "
-          f"transformers {[round(v, 4) for v in hf_error.tolist()]} (logits rms {_rms(reference).mean():.3f})")
-    assert ours_error.mean() <= 1.5 * hf_error.mean(), (ours_error, hf_error)
-    assert (ours_error <= 2.5 * hf_error).all(), (ours_error, hf_error)
