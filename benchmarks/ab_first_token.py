@@ -5,11 +5,11 @@
 
 Per shape (``SHAPE`` or ``SHAPE:LAYERS``, as ``benchmarks.shapes`` names them) the target is built once; then each
 round times one whole ``generate(max_new_tokens=1)`` call (setup, the prompt's forward, its token on the host) with
-``hf_specdec.enable`` and one without, each after an untimed call of its own (so graphs, allocations and kernels
+``hf_specdec.enable`` and one without (in the other order every other round), each after an untimed call of its own (so graphs, allocations and kernels
 are warm) of ``--after-new-tokens`` new tokens (default 1; 16 is ``decode``'s pattern, a one-token call after a
 longer one). A call this short is host-bound, and a lent GPU machine's host moves a call's time by 1.5x over tens of
 seconds: two runs one after the other (``decode``'s ``first_token_ms``) can disagree on which is faster; calls in
-turn cannot drift apart. Prints one JSON line per (shape, prompt) and a table of medians; nothing is appended to
+turn see the same drift. Prints one JSON line per (shape, prompt) and a table of medians; nothing is appended to
 ``benchmarks/results``: keep the printout as a log there.
 """
 
@@ -38,18 +38,25 @@ def first_token_ms(model, ids: torch.Tensor, new_tokens: int = 1) -> float:
 
 
 def measure(model, ids: torch.Tensor, rounds: int, after_new_tokens: int = 1) -> dict:
-    """Medians over ``rounds`` of the two calls, in turn (each timed call follows an untimed one of
-    ``after_new_tokens`` new tokens)."""
+    """Medians over ``rounds`` of the two calls, in turn, hf_specdec first in even rounds and second in odd ones (each
+    timed call follows an untimed one of ``after_new_tokens`` new tokens)."""
     ours, theirs = [], []
-    for _ in range(rounds):
+
+    def mine():
         hf_specdec.enable(model)
         try:
             first_token_ms(model, ids, after_new_tokens)
             ours.append(first_token_ms(model, ids))
         finally:
             hf_specdec.disable(model)
+
+    def base():
         first_token_ms(model, ids, after_new_tokens)
         theirs.append(first_token_ms(model, ids))
+
+    for i in range(rounds):  # ABBA: neither always runs first
+        for measure_one in ((mine, base) if i % 2 == 0 else (base, mine)):
+            measure_one()
     mine, base = statistics.median(ours), statistics.median(theirs)
     return dict(hf_specdec_ms=round(mine, 2), transformers_ms=round(base, 2), speedup=round(base / mine, 3),
                 hf_specdec_all=[round(t, 1) for t in ours], transformers_all=[round(t, 1) for t in theirs])

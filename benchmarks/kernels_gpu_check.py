@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--q-lens", nargs="+", type=int, default=[1, 8], help="queries per row (decode 1, verify k+1)")
     parser.add_argument("--no-prefill", action="store_true", help="leave out the prefill cases of each layer")
     parser.add_argument("--prefill", nargs="+", default=["2:2048:512"], metavar="BATCH:CONTEXT:QUERIES",
-                        help="prefill cases (context = queries: a prompt's own forward, no cached prefix)")
+                        help="prefill cases: CONTEXT keys, the last QUERIES of them this launch's (CONTEXT = "
+                             "QUERIES: a prompt's own forward, no cached prefix)")
     parser.add_argument("--graph", action="store_true",
                         help="time each call inside a CUDA graph over copies of the pages (no launch gaps, no L2 "
                              "hits), as a decode step runs it, instead of triton's do_bench")

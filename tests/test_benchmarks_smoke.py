@@ -376,23 +376,30 @@ def test_ab_first_token_times_both_in_turn_and_leaves_the_model_as_it_found_it(c
     from benchmarks.shapes import target_for
 
     calls, models, original = [], set(), ab.first_token_ms
+    times = {True: iter([30.0, 10.0, 20.0, 40.0]), False: iter([50.0, 70.0, 60.0, 80.0])}  # per timed call
 
     def timing(model, ids, new_tokens=1):
-        calls.append((hasattr(model, "_hf_specdec"), new_tokens))  # enabled, and the call's length
+        enabled = hasattr(model, "_hf_specdec")
+        calls.append((enabled, new_tokens))  # enabled, and the call's length
         models.add(model)
-        return original(model, ids, new_tokens)
+        original(model, ids, new_tokens)
+        return next(times[enabled]) if new_tokens == 1 else 0.0
 
     monkeypatch.setattr(ab, "first_token_ms", timing)
     built = []
     monkeypatch.setattr(ab, "target_for", lambda *a: built.append(a[:2]) or target_for(*a))
     assert ab.main(["--shapes", "smoke-e4b:3", "--prompts", "5", "9", "--rounds", "2", "--after-new-tokens", "3",
                     "--device", "cpu"]) == 0
-    assert built == [("smoke-e4b", 3)] and calls == [(True, 3), (True, 1), (False, 3), (False, 1)] * 4
+    mine, base = [(True, 3), (True, 1)], [(False, 3), (False, 1)]
+    assert built == [("smoke-e4b", 3)] and calls == (mine + base + base + mine) * 2  # ABBA, two prompts
     assert len(models) == 1 and not hasattr(models.pop(), "_hf_specdec")
     lines = capsys.readouterr().out.splitlines()
     rows = [json.loads(line) for line in lines if line.startswith("{")]
     assert [(r["model_shape"], r["prompt"]) for r in rows] == [("smoke-e4b:3", 5), ("smoke-e4b:3", 9)]
-    assert all(len(r["hf_specdec_all"]) == len(r["transformers_all"]) == 2 and r["speedup"] > 0 for r in rows)
+    assert [(r["hf_specdec_all"], r["transformers_all"]) for r in rows] == [([30.0, 10.0], [50.0, 70.0]),
+                                                                           ([20.0, 40.0], [60.0, 80.0])]
+    assert [(r["hf_specdec_ms"], r["transformers_ms"], r["speedup"]) for r in rows] == [(20.0, 60.0, 3.0),
+                                                                                       (30.0, 70.0, 2.333)]
     assert any(line.startswith("smoke-e4b:3") for line in lines)
 
 
