@@ -5,11 +5,12 @@
 
 Per shape (``SHAPE`` or ``SHAPE:LAYERS``, as ``benchmarks.shapes`` names them) the target is built once; then each
 round times one whole ``generate(max_new_tokens=1)`` call (setup, the prompt's forward, its token on the host) with
-``hf_specdec.enable`` and one without (in the other order every other round), each after an untimed call of its own (so graphs, allocations and kernels
-are warm) of ``--after-new-tokens`` new tokens (default 1; 16 is ``decode``'s pattern, a one-token call after a
-longer one). A call this short is host-bound, and a lent GPU machine's host moves a call's time by 1.5x over tens of
-seconds: two runs one after the other (``decode``'s ``first_token_ms``) can disagree on which is faster; calls in
-turn see the same drift. Prints one JSON line per (shape, prompt) and a table of medians; nothing is appended to
+``hf_specdec.enable`` and one without (in the other order every other round), each after an untimed call of its own
+(so graphs, allocations and kernels are warm) of ``--after-new-tokens`` new tokens (default 1; 16 is ``decode``'s
+pattern, a one-token call after a longer one). A call this short is host-bound, and a lent GPU machine's host moves
+a call's time by 1.5x over tens of seconds: two runs one after the other (``decode``'s ``first_token_ms``) can
+disagree on which is faster; calls in turn see the same drift.
+Prints one JSON line per (shape, prompt) and a table of medians; nothing is appended to
 ``benchmarks/results``: keep the printout as a log there.
 """
 

@@ -7,11 +7,11 @@ Gemma 4 31B and E4B shapes with random bf16 weights (benchmarks/shapes.py; ``--l
 is recorded in model_shape). Backends: ``hf_dynamic`` (``generate``, DynamicCache), ``hf_static_compile``
 (``generate`` with a StaticCache, which transformers compiles with torch.compile on a GPU; on the CPU it runs
 uncompiled and the row says ``compiled: false``; a failure is recorded as the row's ``skipped`` reason) and
-``hf_specdec`` (``hf_specdec.enable``). tokens/s is steady-state decoding, prefill excluded:
-batch*(N-1) / (t(N) - t(1)); ``first_token_ms`` is the median t(1), a whole call of one new token (the time to
-the first token: the call's setup and the prompt's forward; the backends run one after the other, so a host's drift
-shows between them: ``benchmarks.ab_first_token`` times them in turn). ``floor_tokens_per_s`` = measured copy bandwidth / bytes
-streamed per step (weights once, K/V of the context per row). Tokens are compared with ``hf_dynamic``; a mismatch
+``hf_specdec`` (``hf_specdec.enable``). tokens/s is steady-state decoding, prefill excluded: batch*(N-1) / (t(N) -
+t(1)); ``first_token_ms`` is the median t(1), a whole call of one new token (the time to the first token: the call's
+setup and the prompt's forward; the backends run one after the other, so a host's drift shows between them:
+``benchmarks.ab_first_token`` times them in turn). ``floor_tokens_per_s`` = measured copy bandwidth / bytes streamed
+per step (weights once, K/V of the context per row). Tokens are compared with ``hf_dynamic``; a mismatch
 is reported with the reference's top-2 logit gap there (``near_tie`` when within 2 bf16 ulps, docs/architecture.md,
 "Exactness").
 
