@@ -226,7 +226,8 @@ class _Tiles:
     num_warps: int
 
 
-def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = None, ieee: bool = False) -> _Tiles:
+def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = None, ieee: bool = False,
+                prompt_rows: int | None = None) -> _Tiles:
     """Tile sizes from head_dim: K, V and q tiles (x num_stages) must fit shared memory, and
     head_dim 512 leaves room only for 16 x 32 tiles. At most 32 q rows: from 64 rows Hopper's dot becomes a
     warpgroup MMA, whose rounding a one-query decode tile (16 rows) would not share. ``ieee``: fp32 dots (no
@@ -234,16 +235,17 @@ def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = Non
     and 16 keys per step at 256 (H200, graph-timed: a verify of 8 queries at head_dim 128 178 -> 20 us, at 256
     278 -> 49 us; docs/perf_log.md, session 26).
 
-    A prompt's launch (:func:`is_prefill`, half-precision, head_dim <= 256) takes query tiles twice as tall
-    (:data:`PREFILL_ROWS`): no decode or verify query shares a launch with it, so its rounding need not be theirs,
-    and each K/V tile loaded serves twice the queries (H200, a 2048-token prompt: E2B sliding layer 0.16 -> 0.09 ms,
-    Step 3.5 sliding 0.75 -> 0.34). At head_dim 512 the taller tile needs 16-key steps to fit shared memory, slower
-    than the 16-row tile (E2B full layer 0.84 -> 0.93 ms), so it keeps that."""
+    A prompt's launch (:func:`is_prefill`, half-precision, head_dim <= 256) takes query tiles ``prompt_rows`` times
+    as tall (default :data:`PREFILL_ROWS`; the launcher passes :func:`prompt_rows` of its GPU): no decode or verify
+    query shares a launch with it, so its rounding need not be theirs, and each K/V tile loaded serves twice the
+    queries (H200, a 2048-token prompt: E2B sliding layer 0.16 -> 0.09 ms, Step 3.5 sliding 0.75 -> 0.34). At head_dim
+    512 the taller tile needs 16-key steps to fit shared memory, slower than the 16-row tile (E2B full layer 0.84 ->
+    0.93 ms), so it keeps that."""
     block_d = max(16, next_power_of_2(head_dim))
     max_m, default_n, num_warps = {16: (32, 64, 4), 32: (32, 64, 4), 64: (32, 64, 4),
                                    128: (32, 64, 4), 256: (32, 32, 8), 512: (16, 32, 8)}[block_d]
     if is_prefill(q_len) and not ieee and block_d <= 256:
-        max_m *= PREFILL_ROWS
+        max_m *= PREFILL_ROWS if prompt_rows is None else prompt_rows
     block_m = max(16, next_power_of_2(group), min(max_m, next_power_of_2(group * q_len)))
     if ieee and block_m >= 32 and block_d in (128, 256):
         num_warps, default_n = 8, 16 if block_d == 256 else default_n
@@ -264,8 +266,34 @@ PREFILL_QUERIES = 64
 PREFILL_ROWS = 2
 
 
+# The taller prompt tiles hold a 64 x 256 query tile beside three stages of K and V tiles, ~128 KB of shared memory
+# a program: GPUs that give a program less (sm_86, sm_89, sm_120: ~99 KB) keep the decode step's tile heights.
+PROMPT_TILE_SHARED_BYTES = 160 * 1024
+_prompt_rows: dict[int, int] = {}
+
+
 def is_prefill(q_len: int) -> bool:
     return q_len >= PREFILL_QUERIES
+
+
+def prompt_rows(device: torch.device) -> int:
+    """How many times taller a prompt's query tiles are on ``device`` (:data:`PREFILL_ROWS` where its shared memory
+    holds them, else 1; the interpreter: PREFILL_ROWS). Known once per GPU."""
+    if device.type != "cuda":
+        return PREFILL_ROWS
+    index = torch.cuda.current_device() if device.index is None else device.index
+    rows = _prompt_rows.get(index)
+    if rows is None:
+        rows = _prompt_rows[index] = PREFILL_ROWS if shared_memory_bytes(index) >= PROMPT_TILE_SHARED_BYTES else 1
+    return rows
+
+
+def shared_memory_bytes(index: int) -> int:
+    """The most shared memory a program may take on GPU ``index`` (0 when the driver cannot say)."""
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - an older or other driver: keep the decode tiles
+        return 0
 
 
 def paged_attention(
@@ -354,7 +382,8 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
     # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits: upcast there.
     upcast_dot = q.dtype == torch.bfloat16 and interpreting(_paged_attention_kernel)
     ieee = q.dtype == torch.float32 or upcast_dot
-    tiles = _pick_tiles(head_dim, group, q_len, block_n, ieee=q.dtype == torch.float32)
+    tiles = _pick_tiles(head_dim, group, q_len, block_n, ieee=q.dtype == torch.float32,
+                        prompt_rows=prompt_rows(q.device) if is_prefill(q_len) else None)
     tiles_per_row = triton.cdiv(q_len, tiles.block_t)
     if kv_chunk_keys is not None:
         chunk = kv_chunk_keys
