@@ -5,6 +5,7 @@ kernel modules and run the torch references. ``triton`` / ``tl`` below are then 
 ``jit`` leaves the kernel body a plain, never-launched function.
 """
 
+import functools
 import os
 
 import torch
@@ -51,9 +52,20 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and tensor.get_device() == torch.cuda.current_device()
 
 
+def gpu_index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` (the current device when it names none)."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@functools.cache
+def gpu_capability(index: int) -> tuple[int, int]:
+    """GPU ``index``'s compute capability, read once: launchers ask per launch, and ``get_device_capability`` reads
+    the device's properties at every call (~300 times in an eager E2B prefill)."""
+    return torch.cuda.get_device_capability(index)
+
+
 # HF_SPECDEC_PDL=0 (read at import) launches every kernel fully serialised, e.g. to compare the two
 PDL = os.environ.get("HF_SPECDEC_PDL", "1") != "0"
-_pdl_devices: dict[int, bool] = {}
 
 
 def use_pdl(tensor: torch.Tensor) -> bool:
@@ -70,11 +82,7 @@ def use_pdl(tensor: torch.Tensor) -> bool:
     before the wait was slower (it breaks the software pipeline), and an L2 prefetch of it gained nothing."""
     if not (PDL and HAS_TRITON and gdc_wait is not None and tensor.is_cuda):
         return False
-    device = tensor.get_device()
-    known = _pdl_devices.get(device)
-    if known is None:
-        known = _pdl_devices[device] = torch.cuda.get_device_capability(device)[0] >= 9
-    return known
+    return gpu_capability(tensor.get_device())[0] >= 9
 
 
 def pdl_args(tensor: torch.Tensor) -> dict:

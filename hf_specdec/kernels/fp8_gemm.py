@@ -51,7 +51,8 @@ pairs (prefill) take one dequantized GEMM per selected expert instead.
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
+from ._dispatch import (check, check_same_device, gpu_capability, gpu_index, interpreting, needs_grad, pdl_args,
+                        pdl_wait, tl, triton, use_triton)
 from .skinny_gemm import load_k_tile, sum_splits
 
 MAX_ROWS = 16  # rows per program (tl.dot's smallest M)
@@ -367,19 +368,9 @@ def check_matmul_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     check_same_device(x=x, weight=weight, scale=scale)
 
 
-_native_fp8: dict[int, bool] = {}
-
-
 def has_native_fp8(device: torch.device) -> bool:
-    """Whether Triton has the e4m3 type on ``device``: sm_89+ GPUs, and the CPU interpreter. Known once per GPU
-    (asked per kernel launch; ``get_device_capability`` reads the device's properties each time)."""
-    if device.type != "cuda":
-        return True
-    index = torch.cuda.current_device() if device.index is None else device.index
-    known = _native_fp8.get(index)
-    if known is None:
-        known = _native_fp8[index] = torch.cuda.get_device_capability(index) >= (8, 9)
-    return known
+    """Whether Triton has the e4m3 type on ``device``: sm_89+ GPUs, and the CPU interpreter."""
+    return device.type != "cuda" or gpu_capability(gpu_index(device)) >= (8, 9)
 
 
 def fp8_linear_reference(x: torch.Tensor,  # [..., K]

@@ -35,6 +35,7 @@ layers with the prompt's shape where a plain prompt forward attends with one que
 prompt position differently.)
 """
 
+import functools
 import math
 from array import array
 from dataclasses import dataclass
@@ -42,8 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import (check, check_paged_cache, check_same_device, interpreting, next_power_of_2, pdl_args,
-                        pdl_wait, tl, triton, use_triton)
+from ._dispatch import (check, check_paged_cache, check_same_device, gpu_index, interpreting, next_power_of_2,
+                        pdl_args, pdl_wait, tl, triton, use_triton)
 
 MAX_TRITON_HEAD_DIM = 512
 
@@ -269,7 +270,6 @@ PREFILL_ROWS = 2
 # The taller prompt tiles hold a 64 x 256 query tile beside three stages of K and V tiles, ~128 KB of shared memory
 # a program: GPUs that give a program less (sm_86, sm_89, sm_120: ~99 KB) keep the decode step's tile heights.
 PROMPT_TILE_SHARED_BYTES = 160 * 1024
-_prompt_rows: dict[int, int] = {}
 
 
 def is_prefill(q_len: int) -> bool:
@@ -278,14 +278,14 @@ def is_prefill(q_len: int) -> bool:
 
 def prompt_rows(device: torch.device) -> int:
     """How many times taller a prompt's query tiles are on ``device`` (:data:`PREFILL_ROWS` where its shared memory
-    holds them, else 1; the interpreter: PREFILL_ROWS). Known once per GPU."""
-    if device.type != "cuda":
-        return PREFILL_ROWS
-    index = torch.cuda.current_device() if device.index is None else device.index
-    rows = _prompt_rows.get(index)
-    if rows is None:
-        rows = _prompt_rows[index] = PREFILL_ROWS if shared_memory_bytes(index) >= PROMPT_TILE_SHARED_BYTES else 1
-    return rows
+    holds them, else 1; the interpreter: PREFILL_ROWS)."""
+    return PREFILL_ROWS if device.type != "cuda" else _prompt_rows_on(gpu_index(device))
+
+
+@functools.cache
+def _prompt_rows_on(index: int) -> int:
+    """:func:`prompt_rows` of GPU ``index``, known once."""
+    return PREFILL_ROWS if shared_memory_bytes(index) >= PROMPT_TILE_SHARED_BYTES else 1
 
 
 def shared_memory_bytes(index: int) -> int:

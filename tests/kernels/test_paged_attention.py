@@ -367,12 +367,15 @@ def test_prompt_tiles_keep_decode_heights_where_shared_memory_is_small(monkeypat
     """A GPU that gives a program ~99 KB of shared memory (sm_86/89/120) keeps the decode step's tile heights for a
     prompt (the taller tiles need ~128 KB at head_dim 256); Hopper's 227 KB takes them; known once per GPU."""
     asked = []
-    for shared, rows, block_m in ((101376, 1, 32), (232448, pa.PREFILL_ROWS, 64)):
-        monkeypatch.setattr(pa, "_prompt_rows", {})
-        monkeypatch.setattr(pa, "shared_memory_bytes", lambda index, shared=shared: asked.append(index) or shared)
-        device = torch.device("cuda", 5)
-        assert pa.prompt_rows(device) == rows and pa.prompt_rows(device) == rows
-        assert _pick_tiles(256, 8, 512, prompt_rows=pa.prompt_rows(device)).block_m == block_m
+    try:
+        for shared, rows, block_m in ((101376, 1, 32), (232448, pa.PREFILL_ROWS, 64)):
+            pa._prompt_rows_on.cache_clear()
+            monkeypatch.setattr(pa, "shared_memory_bytes", lambda index, shared=shared: asked.append(index) or shared)
+            device = torch.device("cuda", 5)
+            assert pa.prompt_rows(device) == rows and pa.prompt_rows(device) == rows
+            assert _pick_tiles(256, 8, 512, prompt_rows=pa.prompt_rows(device)).block_m == block_m
+    finally:
+        pa._prompt_rows_on.cache_clear()  # the fake GPU's answers go
     assert asked == [5, 5]  # once per GPU
     assert pa.prompt_rows(torch.device("cpu")) == pa.PREFILL_ROWS  # the interpreter
 
