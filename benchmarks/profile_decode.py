@@ -93,15 +93,8 @@ def _profile_prefill(model, state, ids, args) -> int:
         out.logits.argmax(-1).tolist()  # as a request's first token reaches the host
         runner.finish()
 
+    wall = _walls(prefill, args.steps)
     with torch.inference_mode():
-        for _ in range(3):
-            prefill()
-        torch.cuda.synchronize()
-        walls = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            prefill()
-            walls.append(time.perf_counter() - start)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(4):
                 prefill()
@@ -111,9 +104,7 @@ def _profile_prefill(model, state, ids, args) -> int:
         for _ in range(4):
             prefill()
         host.disable()
-    walls.sort()
-    print(f"prefill batch {args.batch} x {args.prompt} tokens: {walls[len(walls) // 2] * 1e3:.2f} ms (wall, median of "
-          f"{len(walls)}; best {walls[0] * 1e3:.2f})")
+    print(f"prefill batch {args.batch} x {args.prompt} tokens: {wall:.2f} ms (wall, median of {args.steps})")
     print(f"kernel time {_kernel_us(prof) / 4 / 1e3:.2f} ms a prefill")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
@@ -122,9 +113,10 @@ def _profile_prefill(model, state, ids, args) -> int:
     print("host time per function, 4 prefills under cProfile (which inflates each call by a few us):")
     print(text.getvalue())
     import hf_specdec
+    from benchmarks.ab_first_token import first_token_ms
 
     def first_token():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False).tolist()
+        first_token_ms(model, ids)
 
     whole = _walls(first_token, args.steps)
     host = cProfile.Profile()
