@@ -22,7 +22,14 @@ from hf_specdec.generation.stats import SpecStats
 from hf_specdec.runtime import GraphStore, ModelRunner, cuda_graphs_wanted
 from hf_specdec.runtime.cuda_graphs import check_max_graphs
 from hf_specdec.runtime.distributed import RankGroup, key_head_splits, local_kv_layout, tensor_parallel_group
-from hf_specdec.runtime.placement import input_device, is_dispatched, layer_devices
+from hf_specdec.runtime.placement import (
+    gpu_devices,
+    guard_devices,
+    input_device,
+    is_dispatched,
+    layer_devices,
+    unguard_devices,
+)
 
 
 @dataclass
@@ -53,6 +60,7 @@ class EnabledState:
                               GraphStore(self.graph_store.max_graphs), copy.deepcopy(self.last_stats, memo))
         copied.original_experts = copy.deepcopy(self.original_experts, memo)
         copied.ranks, copied.head_shard, copied.dispatched = self.ranks, self.head_shard, self.dispatched
+        copied.graph_store.devices = self.graph_store.devices
         copied.fused = self.fused
         return copied
 
@@ -73,8 +81,10 @@ class EnabledState:
     def graph_store_for(self, device: torch.device) -> GraphStore | None:
         """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off; never
         for a tensor-parallel model (its forwards run eagerly, see runtime/distributed.py) nor for one accelerate
-        dispatched (its hooks move weights and activations between devices, see runtime/placement.py)."""
-        wanted = cuda_graphs_wanted(self.cuda_graphs, device) and self.ranks is None and not self.dispatched
+        offloads in part (its hooks move weights, see runtime/placement.py). A model placed over several GPUs has
+        graphs that span them (``graph_store.devices``)."""
+        wanted = (cuda_graphs_wanted(self.cuda_graphs, device) and self.ranks is None
+                  and (not self.dispatched or bool(self.graph_store.devices)))
         return self.graph_store if wanted else None
 
     def runner(self, model) -> ModelRunner:
@@ -118,6 +128,9 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
                                      head_shard=ranks if split else None, dispatched=dispatched)
     if max_cuda_graphs is not None:
         model._hf_specdec.graph_store.max_graphs = max_cuda_graphs
+    if dispatched:  # kernels launch on each layer's GPU; graphs span the GPUs where nothing is offloaded
+        guard_devices(model)
+        model._hf_specdec.graph_store.devices = gpu_devices(model)
     model.generate = types.MethodType(generate, model)
     if ranks is None:  # a sharded model keeps transformers' tensor-parallel forwards (single-device kernels)
         fuse_modules(model, kernels=False)  # what every device needs (the FP8 layers' forwards)
@@ -167,6 +180,7 @@ def _undo(model, state: EnabledState) -> None:
     state.graph_store.release()
     unfuse_modules(model)
     restore_experts(model, state.original_experts)
+    unguard_devices(model)
     del model.generate
     del model._hf_specdec
 

@@ -21,6 +21,7 @@ makes its speculative output equal its plain output (see ``generation/quantizati
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from hf_specdec.kernels.fp8_w8a8 import compressed_fp8_linear_forward, fp8_linea
 from hf_specdec.kernels.fp8_moe import fp8_experts_forward, fp8_experts_fusible
 from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import dense_weight, stack_weights
+from hf_specdec.runtime.placement import moves_activations_only
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,21 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
     count = 0
     for module in model.modules():
         fused = _FUSED.get(type(module))
-        if (fused is not None and (kernels or not fused.kernels_only) and "forward" not in vars(module)
-                and fused.fusible(module)):
-            module.forward = types.MethodType(fused.forward, module)
+        if fused is None or not (kernels or not fused.kernels_only):
+            continue
+        wrapped = "forward" in vars(module)  # accelerate's hook wraps it (device_map): its _old_forward is fused
+        if wrapped and not (moves_activations_only(module) and _ORIGINAL not in vars(module)):
+            continue
+        with gpu_of_weights(module):  # the checks ask whether the kernels run where the weights are
+            if not fused.fusible(module):
+                continue
+            if wrapped:
+                setattr(module, _ORIGINAL, module._old_forward)
+                module._old_forward = types.MethodType(fused.forward, module)
+            else:
+                module.forward = types.MethodType(fused.forward, module)
             stack_projections(module)
-            count += 1
+        count += 1
     if kernels:
         for link, _ in _LINKS:
             link(model)
@@ -120,6 +132,21 @@ def unfuse_modules(model: torch.nn.Module, kernels_only: bool = False) -> None:
         forward = vars(module).get("forward")
         if forward is not None and getattr(forward, "__func__", None) in forwards:
             del module.forward
+        if _ORIGINAL in vars(module) and getattr(module._old_forward, "__func__", None) in forwards:
+            module._old_forward = vars(module).pop(_ORIGINAL)
+
+
+# where fuse_modules keeps the forward accelerate's hook wrapped (its ``_old_forward``) while a fused one replaces it
+_ORIGINAL = "_hf_specdec_old_forward"
+
+
+def gpu_of_weights(module: torch.nn.Module):
+    """A context in which ``module``'s GPU is the current one (the kernels launch there, and ``use_triton`` asks about
+    it): a module accelerate placed on another GPU than the current one."""
+    weight = next(module.parameters(), None)
+    if weight is None or not weight.is_cuda or weight.get_device() == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(weight.device)
 
 
 def stacked_groups(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:
@@ -141,7 +168,7 @@ def stack_projections(module: torch.nn.Module) -> None:
 def _fusible_linear(module) -> bool:
     """Bias-free ``nn.Linear`` layers on a device where the kernels run take :func:`skinny_linear` for the few
     rows of decode and verify steps (o_proj, down_proj, the LM head; stacked projections already do)."""
-    return (module.bias is None and not getattr(module, "_hf_hook", None)
+    return (module.bias is None and (not getattr(module, "_hf_hook", None) or moves_activations_only(module))
             and dense_weight(module.weight) and use_triton(module.weight))
 
 

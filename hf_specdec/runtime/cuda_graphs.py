@@ -30,6 +30,7 @@ captured (a model doing host work inside its forward) falls back to eager, with 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections import OrderedDict
@@ -92,7 +93,7 @@ def _first_rows(saved, rows: int):
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: "torch.cuda.CUDAGraph | SpanningGraph"
     input_ids: torch.Tensor  # [bucket, q_len]
     meta: ForwardMeta  # bucket rows, rebuilt in place by each replay (rows past the batch are padding)
     logits: torch.Tensor
@@ -125,6 +126,8 @@ class GraphStore:
         self.evicted = 0  # graphs dropped to stay within max_graphs
         self._recency: OrderedDict[tuple[str, tuple], None] = OrderedDict()  # (table, key), least recent first
         self.disabled_reason: str | None = None
+        # the GPUs a model accelerate placed over several of them runs on: its graphs span them (SpanningGraph)
+        self.devices: tuple[torch.device, ...] = ()
 
     def get(self, table: str, key: tuple):
         """The kept graph ``key`` of ``table`` ("graphs": target forwards, "calls": drafter calls), or None;
@@ -254,7 +257,8 @@ class GraphRunner:
         recorded = self.hooked.snapshot()  # the eager forward's records: what the caller reads next
         try:
             with self.cache.forward_with(static_meta):
-                graph, out = capture_graph(_derive_then(static_plan, forward), static_ids)
+                graph, out = capture_graph(_derive_then(static_plan, forward), static_ids,
+                                            devices=self.store.devices)
             self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot(),
                                                   getattr(out, "selected", ()), static_plan))
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
@@ -279,19 +283,78 @@ def _derive_then(static_plan: StaticPlan | None, forward):
     return body
 
 
-def capture_graph(fn, *inputs):
+def capture_graph(fn, *inputs, devices: tuple = ()):
     """(graph, outputs) of ``fn(*inputs)`` captured as a CUDA graph with its own memory pool (a pool shared
     with other graphs could overlay their live outputs), after one warm-up run on a side stream (lazy
-    initialisations must not be captured)."""
+    initialisations must not be captured). ``devices``: the GPUs ``fn``'s work runs on (a model accelerate placed
+    over several GPUs): the graph then spans them (:class:`SpanningGraph`)."""
+    here = torch.cuda.current_device()
+    others = tuple(d for d in devices if torch.device(d).index != here)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn(*inputs)
     torch.cuda.current_stream().wait_stream(stream)
+    if others:
+        return SpanningGraph.capture(fn, inputs, others)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outputs = fn(*inputs)
     return graph, outputs
+
+
+class SpanningGraph:
+    """A CUDA graph whose work runs on several GPUs: a forward of a model accelerate placed over them, its layers'
+    kernels on their own GPU (their hooks make it the current device) and the activations copied between them.
+
+    Captured from the current GPU's stream: each other GPU's current stream is a side stream that joins the capture
+    (it waits on an event of the capturing stream) and is joined back at its end, so the kernels and copies that
+    run there become nodes of the same graph; their memory comes from a pool of that GPU's own
+    (``torch.cuda.MemPool``, kept with the graph, as the graph's pool is on the capturing GPU). A replay is one
+    launch on the current GPU's stream; it first waits for the work queued on the other GPUs' current streams, and
+    their streams wait for it, so eager work there (a prompt's forward) and replays stay in order."""
+
+    def __init__(self, graph, devices: tuple, pools: list):
+        self.graph, self.devices, self.pools = graph, devices, pools
+
+    @classmethod
+    def capture(cls, fn, inputs, devices: tuple):
+        here = torch.cuda.current_device()
+        devices = tuple(torch.device(d) for d in devices)
+        for device in (here, *devices):
+            torch.cuda.synchronize(device)
+        pools = []
+        for device in devices:
+            with torch.cuda.device(device):
+                pools.append(torch.cuda.MemPool())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            main = torch.cuda.current_stream()
+            before = [torch.cuda.current_stream(d) for d in devices]
+            sides = [torch.cuda.Stream(d) for d in devices]
+            for side in sides:
+                side.wait_stream(main)  # the side stream joins the capture
+                torch.cuda.set_stream(side)  # (it makes the side's GPU current: set back below)
+            torch.cuda.set_device(here)
+            try:
+                with contextlib.ExitStack() as stack:
+                    for device, pool in zip(devices, pools):
+                        stack.enter_context(torch.cuda.use_mem_pool(pool, device=device))
+                    outputs = fn(*inputs)
+            finally:
+                for side, previous in zip(sides, before):
+                    main.wait_stream(side)  # joined back: a capture ends with every forked stream joined
+                    torch.cuda.set_stream(previous)
+                torch.cuda.set_device(here)
+        return cls(graph, devices, pools), outputs
+
+    def replay(self) -> None:
+        main = torch.cuda.current_stream()
+        for device in self.devices:
+            main.wait_stream(torch.cuda.current_stream(device))
+        self.graph.replay()
+        for device in self.devices:
+            torch.cuda.current_stream(device).wait_stream(main)
 
 
 def table_width_bucket(blocks: int) -> int:
@@ -304,9 +367,9 @@ class CallGraph:
     inputs into the static ones it was captured with and returns the (static) outputs. A drafter uses it
     for its whole propose (k draft steps in one replay). ``fn`` must not sync with the host."""
 
-    def __init__(self, fn, inputs: list[torch.Tensor]):
+    def __init__(self, fn, inputs: list[torch.Tensor], devices: tuple = ()):
         self.inputs = [t.clone() for t in inputs]
-        self.graph, self.outputs = capture_graph(fn, *self.inputs)
+        self.graph, self.outputs = capture_graph(fn, *self.inputs, devices=devices)
         # the forwards it derives its metadata for, over its inputs (drafter_graphs: a replay loads each plan)
         self.plans: list[StaticPlan] = []
 

@@ -109,7 +109,7 @@ class DrafterGraphs:
             body = functools.partial(_from_flat, fn, len(tensors), [(p.q_len, p.block_size) for p in plans], derive)
         out = body(*inputs)
         try:
-            graph = CallGraph(body, inputs)
+            graph = CallGraph(body, inputs, devices=self.store.devices)
             if derive:
                 graph.plans = [_static_plan(graph.inputs, len(tensors), i, p.q_len, p.block_size)
                                for i, p in enumerate(plans)]

@@ -19,20 +19,33 @@ Refused, naming the fix: a drafter whose weights are on the meta device, offload
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 
 import torch
 
-__all__ = ["execution_device", "input_device", "is_dispatched", "layer_devices", "loaded_weights", "place_drafter"]
+__all__ = ["execution_device", "gpu_devices", "guard_devices", "input_device", "is_dispatched", "layer_devices",
+           "loaded_weights", "moves_activations_only", "place_drafter", "unguard_devices"]
+
+
+def _hooks(module: torch.nn.Module) -> list:
+    hook = getattr(module, "_hf_hook", None)
+    return [] if hook is None else list(getattr(hook, "hooks", None) or [hook])
+
+
+def _as_device(where) -> torch.device | None:
+    """A ``hf_device_map`` value as a device (an int is a GPU index; "disk" is none)."""
+    if isinstance(where, int):
+        return torch.device("cuda", where)
+    return None if where == "disk" else torch.device(where)
 
 
 def _hook_device(module: torch.nn.Module) -> torch.device | None:
     """The execution device accelerate's hook on ``module`` names (a SequentialHook's first that names one)."""
-    hook = getattr(module, "_hf_hook", None)
-    for h in getattr(hook, "hooks", None) or [hook]:
+    for h in _hooks(module):
         device = getattr(h, "execution_device", None)
         if device is not None:
-            return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+            return _as_device(device)
     return None
 
 
@@ -61,10 +74,78 @@ def input_device(model: torch.nn.Module) -> torch.device:
 
 def is_dispatched(model: torch.nn.Module) -> bool:
     """Whether accelerate placed the model over several devices or offloads part of it (its modules then run under
-    hooks that move weights or activations, which a CUDA graph cannot capture)."""
+    hooks that move weights or activations; :func:`gpu_devices` says when CUDA graphs still capture its forwards)."""
     devices = set((getattr(model, "hf_device_map", None) or {}).values())
     return len(devices) > 1 or bool(devices & {"cpu", "disk"}) and any(
         getattr(m, "_hf_hook", None) is not None and getattr(m._hf_hook, "offload", False) for m in model.modules())
+
+
+def moves_activations_only(module: torch.nn.Module) -> bool:
+    """Whether accelerate hooked ``module`` (its forward wrapped, the original kept as ``_old_forward``) only to move
+    its inputs to its GPU, its weights staying there (nothing offloaded)."""
+    hooks = _hooks(module)
+    return (bool(hooks) and hasattr(module, "_old_forward") and not any(getattr(h, "offload", False) for h in hooks)
+            and (_hook_device(module) or torch.device("cpu")).type == "cuda")
+
+
+def gpu_devices(model: torch.nn.Module) -> tuple[torch.device, ...]:
+    """The GPUs of a model accelerate dispatched over several of them with nothing offloaded, in index order; () for
+    any other model. Its hooks then only move activations from GPU to GPU, which a CUDA graph spanning the GPUs
+    captures (runtime/cuda_graphs.py, SpanningGraph); weights loaded around each forward (offload) cannot be."""
+    devices = {_as_device(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(devices) < 2 or any(d is None or d.type != "cuda" for d in devices):
+        return ()
+    if any(getattr(h, "offload", False) for m in model.modules() for h in _hooks(m)):
+        return ()
+    return tuple(sorted(devices, key=lambda d: d.index if d.index is not None else torch.cuda.current_device()))
+
+
+_previous_devices = threading.local()
+
+
+class _EnterDevice:
+    """Forward pre-hook: make ``device`` the current GPU (the one before it is restored by :func:`_leave_device`)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, module, args):
+        stack = getattr(_previous_devices, "stack", None)
+        if stack is None:
+            stack = _previous_devices.stack = []
+        stack.append(torch.cuda.current_device())
+        torch.cuda.set_device(self.device)
+
+
+def _leave_device(module, args, output):
+    torch.cuda.set_device(_previous_devices.stack.pop())
+
+
+def guard_devices(model: torch.nn.Module) -> None:
+    """Make each module accelerate placed on a GPU run with that GPU current (:func:`unguard_devices` undoes it).
+    accelerate moves a module's inputs to its device, but a Triton kernel launches on the current GPU and its current
+    stream: without this, the kernels of layers on cuda:1 ran on cuda:0, reading their weights across the link and
+    on another stream than the layer's other work."""
+    for module in model.modules():
+        device = _hook_device(module)
+        if device is not None and device.type == "cuda" and not _guards(module):
+            module.register_forward_pre_hook(_EnterDevice(device))
+            module.register_forward_hook(_leave_device, always_call=True)
+
+
+def _guards(module: torch.nn.Module) -> list[int]:
+    """Ids of the hooks :func:`guard_devices` put on ``module``."""
+    return [i for i, h in module._forward_pre_hooks.items() if isinstance(h, _EnterDevice)] + [
+        i for i, h in module._forward_hooks.items() if h is _leave_device]
+
+
+def unguard_devices(model: torch.nn.Module) -> None:
+    """Remove what :func:`guard_devices` added (from a copy of the model too)."""
+    for module in model.modules():
+        for i in _guards(module):
+            module._forward_pre_hooks.pop(i, None)
+            module._forward_hooks.pop(i, None)
+            module._forward_hooks_always_called.pop(i, None)
 
 
 def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:

@@ -11,6 +11,7 @@ import torch
 
 import hf_specdec
 from hf_specdec.assets import asset_path
+from hf_specdec.runtime.cuda_graphs import SpanningGraph
 from tests.bundled import batch
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -70,6 +71,13 @@ def test_layers_on_two_gpus_decode_the_one_gpu_tokens(mode, split):
     got = model.generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode))
     assert torch.equal(got, expected)
     assert model._hf_specdec.dispatched
+    # nothing is offloaded: the decode and verify forwards replay graphs that span both GPUs, and the layers on
+    # cuda:1 run the fused forwards (accelerate's wrapped forward calls them)
+    store = model._hf_specdec.graph_store
+    assert store.devices == (torch.device("cuda:0"), torch.device("cuda:1")) and store.disabled_reason is None
+    assert store.graphs and all(isinstance(g.graph, SpanningGraph) for g in store.graphs.values())
+    layer = model.model.layers[second_from]
+    assert getattr(layer._old_forward, "__func__", None) is not type(layer).forward
 
 
 @pytest.mark.parametrize("mode", ["plain", "mtp", "dflash", "step_plain", "step_mtp"])
@@ -88,3 +96,22 @@ def test_a_main_device_apart_from_the_embedding(mode):
     ids, mask = (t.to("cuda:0") for t in batch(3))
     expected = _model(asset, None).generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode))
     assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode)).to("cuda:0"), expected)
+    assert model._hf_specdec.graph_store.graphs
+
+
+def test_a_model_offloaded_in_part_decodes_eagerly_and_disable_undoes_the_gpu_guards():
+    """With a layer offloaded to the CPU, no graph is captured (its hook loads weights around each forward); the
+    tokens are the one-GPU ones; ``disable`` removes the hooks that make each layer's GPU current."""
+    from hf_specdec.runtime.placement import _guards
+
+    placement = _split("tiny-gemma4", 6) | {"model.layers.5": "cpu"}
+    model = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4"), dtype=torch.float32,
+                                                            device_map=placement)
+    model.generation_config.eos_token_id = None
+    ids, mask = (t.to("cuda:0") for t in batch(3))
+    expected = _model("tiny-gemma4", None).generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), expected)
+    assert model._hf_specdec.graph_store.devices == () and not model._hf_specdec.graph_store.graphs
+    assert _guards(model.model.layers[7])
+    hf_specdec.disable(model)
+    assert not any(_guards(m) for m in model.modules())

@@ -300,7 +300,7 @@ def test_drafter_graphs_replay_a_kept_graph_or_run_eagerly_and_capture(monkeypat
     store, seen = GraphStore(), []
 
     class FakeGraph:
-        def __init__(self, fn, inputs):
+        def __init__(self, fn, inputs, devices=()):
             seen.append(("capture", [t.tolist() for t in inputs]))
 
         def __call__(self, *inputs):
@@ -317,7 +317,7 @@ def test_drafter_graphs_replay_a_kept_graph_or_run_eagerly_and_capture(monkeypat
     assert torch.equal(graphs.run("double", fn, [torch.tensor([[5], [6], [7]])]), torch.tensor([[7], [8], [9]]))
     assert seen[-1] == ("replay", [[[5], [6], [7]]])
 
-    def broken(fn, inputs):
+    def broken(fn, inputs, devices=()):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(drafter_graphs, "CallGraph", broken)
@@ -353,7 +353,7 @@ def test_drafter_graphs_pad_every_call_that_writes_kv_and_set_its_metadata(monke
             return scope()
 
     class Captured:  # a "graph" that reruns its function over its static inputs
-        def __init__(self, fn, inputs):
+        def __init__(self, fn, inputs, devices=()):
             self.fn, self.inputs = fn, [t.clone() for t in inputs]
             self.outputs = fn(*self.inputs)
 
@@ -489,3 +489,35 @@ def test_sampled_dflash_block_forward_replays_a_graph_with_the_eager_tokens():
     kwargs = dict(max_new_tokens=24, do_sample=True, temperature=0.9, top_p=0.9, eos_token_id=None, pad_token_id=0,
                   assistant_model=drafter, num_speculative_tokens=4)
     _assert_sampled_graphs_give_eager_tokens(model, kwargs, lambda key: key[:2] == ("dflash", "block_logits"))
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a graph spanning GPUs needs two")
+
+
+@two_gpus
+def test_a_graph_spans_two_gpus_and_replays_what_runs_eagerly():
+    """A function whose work runs on cuda:0 and cuda:1 (cuBLAS on both, a Triton kernel on cuda:1 with that GPU
+    current, activations copied across and back), captured as one SpanningGraph: every replay with new inputs gives
+    what the function gives eagerly, and the work on cuda:1 reads memory of the graph's own pool there."""
+    from hf_specdec.kernels import rms_norm
+    from hf_specdec.runtime.cuda_graphs import SpanningGraph, capture_graph
+
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(64, 64, generator=gen).to("cuda:0")
+    w1, norm = torch.randn(64, 64, generator=gen).to("cuda:1"), torch.rand(64, generator=gen).to("cuda:1") + 0.5
+
+    def fn(x):
+        h = (x @ w0).to("cuda:1")
+        with torch.cuda.device(1):
+            h = rms_norm(h, norm, 1e-6) @ w1
+        return (h.relu() + 1).to("cuda:0")
+
+    x = torch.randn(4, 64, generator=gen).to("cuda:0")
+    graph, out = capture_graph(fn, x, devices=(torch.device("cuda:0"), torch.device("cuda:1")))
+    assert isinstance(graph, SpanningGraph) and graph.devices == (torch.device("cuda:1"),)
+    for _ in range(3):
+        new = torch.randn(4, 64, generator=gen).to("cuda:0")
+        x.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(out, fn(new), rtol=1e-5, atol=1e-5)
+        assert not torch.equal(out, fn(torch.zeros_like(new)))

@@ -88,7 +88,7 @@ class ReplayedCall:
 
     replays = 0
 
-    def __init__(self, fn, inputs):
+    def __init__(self, fn, inputs, devices=()):
         self.fn, self.inputs = fn, [t.clone() for t in inputs]
         self.outputs = fn(*self.inputs)  # the capture runs it again over the same inputs
 
