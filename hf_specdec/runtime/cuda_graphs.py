@@ -327,11 +327,11 @@ class SpanningGraph:
         for device in devices:
             with torch.cuda.device(device):
                 pools.append(torch.cuda.MemPool())
+        before = [torch.cuda.current_stream(d) for d in devices]
+        sides = [torch.cuda.Stream(d) for d in devices]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             main = torch.cuda.current_stream()
-            before = [torch.cuda.current_stream(d) for d in devices]
-            sides = [torch.cuda.Stream(d) for d in devices]
             for side in sides:
                 side.wait_stream(main)  # the side stream joins the capture
                 torch.cuda.set_stream(side)  # (it makes the side's GPU current: set back below)

@@ -499,7 +499,7 @@ def test_a_graph_spans_two_gpus_and_replays_what_runs_eagerly():
     """A function whose work runs on cuda:0 and cuda:1 (cuBLAS on both, a Triton kernel on cuda:1 with that GPU
     current, activations copied across and back), captured as one SpanningGraph: every replay with new inputs gives
     what the function gives eagerly, and the work on cuda:1 reads memory of the graph's own pool there."""
-    from hf_specdec.kernels import rms_norm
+    from hf_specdec.kernels.rms_norm import rms_norm
     from hf_specdec.runtime.cuda_graphs import SpanningGraph, capture_graph
 
     gen = torch.Generator().manual_seed(0)

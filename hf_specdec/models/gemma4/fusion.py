@@ -113,8 +113,11 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
             or (per_layer and (per_layer_input is None or per_layer_input.dtype != hidden_states.dtype))):
         return type(self).forward(self, hidden_states, per_layer_input, shared_kv_states, position_embeddings,
                                   attention_mask, position_ids, **{cache_argument(type(self)): cache}, **kwargs)
+    # the dict of shared K/V by keyword: accelerate's hook (device_map) copies a positional one, and the producers'
+    # entries written into the copy would be lost (it passes keyword arguments of the model's skip keys through)
     attn, _ = self.self_attn(_input_norm(self, hidden_states), position_embeddings, attention_mask,
-                             shared_kv_states, cache, position_ids=position_ids, **kwargs)
+                             shared_kv_states=shared_kv_states, position_ids=position_ids,
+                             **{cache_argument(type(self.self_attn)): cache}, **kwargs)
     post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
     mlp = self.mlp
     seam = dict(next_weight=_norm_weight(pre), next_eps=pre.eps,
