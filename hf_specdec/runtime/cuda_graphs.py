@@ -255,10 +255,13 @@ class GraphRunner:
             static_plan = StaticPlan(*StaticPlan.inputs_for(plan, bucket, self.table_width), plan.q_len,
                                      plan.block_size, static_meta)
         recorded = self.hooked.snapshot()  # the eager forward's records: what the caller reads next
+        body = _derive_then(static_plan, forward)
+
+        def run(ids):  # each run (the warm-up, the capture) a forward of its own: per-GPU copies of the metadata
+            with self.cache.forward_with(static_meta):  # made inside it (PagedKVCache.meta_on) are captured
+                return body(ids)
         try:
-            with self.cache.forward_with(static_meta):
-                graph, out = capture_graph(_derive_then(static_plan, forward), static_ids,
-                                            devices=self.store.devices)
+            graph, out = capture_graph(run, static_ids, devices=self.store.devices)
             self.store.keep("graphs", key, _Graph(graph, static_ids, static_meta, out.logits, self.hooked.snapshot(),
                                                   getattr(out, "selected", ()), static_plan))
         except Exception as error:  # noqa: BLE001 - any capture failure means: run eagerly
