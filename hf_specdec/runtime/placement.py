@@ -82,10 +82,12 @@ def is_dispatched(model: torch.nn.Module) -> bool:
 
 def moves_activations_only(module: torch.nn.Module) -> bool:
     """Whether accelerate hooked ``module`` (its forward wrapped, the original kept as ``_old_forward``) only to move
-    its inputs to its GPU, its weights staying there (nothing offloaded)."""
-    hooks = _hooks(module)
-    return (bool(hooks) and hasattr(module, "_old_forward") and not any(getattr(h, "offload", False) for h in hooks)
-            and (_hook_device(module) or torch.device("cpu")).type == "cuda")
+    its inputs to its GPU, its weights and those of its submodules staying there (none offloaded: an offloaded
+    block's hooks load each submodule's weights around that submodule's own forward)."""
+    return (bool(_hooks(module)) and hasattr(module, "_old_forward")
+            and (_hook_device(module) or torch.device("cpu")).type == "cuda"
+            and not any(getattr(h, "offload", False) for m in module.modules() for h in _hooks(m))
+            and all(t.is_cuda for t in (*module.parameters(), *module.buffers())))
 
 
 def gpu_devices(model: torch.nn.Module) -> tuple[torch.device, ...]:
