@@ -313,7 +313,7 @@ def assert_triton_matches_reference(case, *, scale, sliding_window=None, causal=
     else:
         out = _paged_attention_triton(*case.args(), scale=scale, sliding_window=sliding_window, causal=causal,
                                       out=torch.empty_like(case.q), block_n=block_n)
-    tol = TOLERANCE[case.q.dtype]
+    tol = TOLERANCE[case.q.dtype] if tol is None else tol
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     assert expected.abs().sum() > 0
 
@@ -332,9 +332,9 @@ def _prompt_case(dtype, sliding_window, cached, q_len, head_dim, device):
                      block_size=4 if head_dim < 64 else 16, poison=NAN_BLOCK, seed=11, device=device)
 
 
-def _check_prompt_launch(case, sliding_window, monkeypatch):
+def _check_prompt_launch(case, sliding_window, monkeypatch, tol=None):
     """The launch runs without split-KV chunks (no merge: chunks of 4 keys would need one) and matches the
-    reference."""
+    reference (within ``tol``, default the dtype's)."""
     monkeypatch.setattr(pa, "kv_chunk", lambda *args: 4)
 
     class NoMerge:
@@ -387,7 +387,9 @@ def test_prompt_launch_at_real_head_dims_on_the_gpu(dtype, head_dim, monkeypatch
     """The prompt launch's real tiles (64 query rows at head_dim 128 and 256 in half precision, 16 at 512) at a
     real prompt width, past a sliding window, after a cached prefix."""
     case = _prompt_case(dtype, 48, 16, pa.PREFILL_QUERIES + 36, head_dim, "cuda")
-    _check_prompt_launch(case, 48, monkeypatch)
+    # fp32: a 512-wide row's dots, summed in the kernel's order over its key tiles, differ from the reference's by up
+    # to ~3e-5 (measured on an H200), past the 1e-5 the small interpreter shapes keep
+    _check_prompt_launch(case, 48, monkeypatch, tol=1e-4 if dtype == torch.float32 else None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
