@@ -313,7 +313,7 @@ def assert_triton_matches_reference(case, *, scale, sliding_window=None, causal=
     else:
         out = _paged_attention_triton(*case.args(), scale=scale, sliding_window=sliding_window, causal=causal,
                                       out=torch.empty_like(case.q), block_n=block_n)
-    tol = TOLERANCE[case.q.dtype] if tol is None else tol
+    tol = TOLERANCE[case.q.dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     assert expected.abs().sum() > 0
 
@@ -346,7 +346,7 @@ def _check_prompt_launch(case, sliding_window, monkeypatch, tol=None):
     expected = paged_attention_reference(*case.args(), scale=0.25, sliding_window=sliding_window)
     out = paged_attention(*case.args(), scale=0.25, sliding_window=sliding_window,
                           out=torch.full_like(case.q, float("nan")))
-    tol = TOLERANCE[case.q.dtype]
+    tol = TOLERANCE[case.q.dtype] if tol is None else tol
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     assert expected.abs().sum() > 0
 
