@@ -67,3 +67,28 @@ def test_a_drafter_takes_the_fused_forwards_where_the_kernels_run_and_drops_them
         monkeypatch.setenv(FORCE_TRITON_ENV, "0")
         build_drafter(model, drafter, None, None)
         assert fused_linears() == 0, mode
+
+
+def test_a_module_accelerate_wraps_takes_the_fused_forward_inside_the_wrapper_and_gets_its_own_back(monkeypatch):
+    """Under a device_map accelerate wraps a placed module's forward (the original kept as ``_old_forward``): where it
+    only moves activations, the fused forward replaces ``_old_forward``, so the hook still moves the inputs and calls
+    it; ``unfuse_modules`` puts the original back. A module it offloads keeps its own."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from hf_specdec.generation import fusion
+
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")  # as if the weights were on a GPU
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    for layer in layers:
+        add_hook_to_module(layer, ModelHook())
+    wrapped, original = layers[0].forward, layers[0]._old_forward
+    monkeypatch.setattr(fusion, "moves_activations_only", lambda module: module is layers[0])
+    assert fuse_modules(layers) == 1
+    assert layers[0].forward is wrapped and layers[0]._old_forward.__func__ is fusion.linear_forward
+    assert layers[1]._old_forward.__func__ is torch.nn.Linear.forward  # offloaded: its own
+    assert fuse_modules(layers) == 0  # once
+    fusion.unfuse_modules(layers)
+    assert layers[0]._old_forward == original and "_hf_specdec_old_forward" not in vars(layers[0])
+    monkeypatch.setenv(FORCE_TRITON_ENV, "0")
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(layers(x), x @ layers[0].weight.T @ layers[1].weight.T)

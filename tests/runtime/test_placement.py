@@ -130,3 +130,57 @@ def test_a_hooked_drafter_without_a_device_map_gets_the_error_that_names_the_fix
     drafter._hf_hook = object()  # what accelerate's cpu_offload leaves: hooks, no hf_device_map
     with pytest.raises(ValueError, match="load it without device_map"):
         place_drafter(drafter, torch.device("cpu"))
+
+
+def test_gpu_devices_names_a_split_over_gpus_with_nothing_offloaded():
+    """Only a model accelerate placed over several GPUs, none of its weights offloaded, gets graphs that span them."""
+    from hf_specdec.runtime.placement import gpu_devices
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model.hf_device_map = {"0": 1, "1": "cuda:0"}
+    assert gpu_devices(model) == (torch.device("cuda:0"), torch.device("cuda:1"))
+    model.hf_device_map = {"0": 0, "1": 0}
+    assert gpu_devices(model) == ()  # one GPU: the model's own graphs
+    for elsewhere in ("cpu", "disk"):
+        model.hf_device_map = {"0": 0, "1": elsewhere}
+        assert gpu_devices(model) == ()
+    model.hf_device_map = {"0": 0, "1": 1}
+    model[1]._hf_hook = types.SimpleNamespace(hooks=[types.SimpleNamespace(execution_device=1, offload=True)])
+    assert gpu_devices(model) == ()  # weights loaded around a forward cannot be captured
+
+
+def test_guard_devices_hooks_each_gpu_placed_module_once_and_unguard_removes_them_from_a_copy_too():
+    import copy
+
+    from hf_specdec.runtime.placement import _guards, guard_devices, unguard_devices
+
+    model = torch.nn.Sequential(_hooked(torch.nn.Linear(2, 2), "cuda:1"), _hooked(torch.nn.Linear(2, 2), "cpu"),
+                                torch.nn.Linear(2, 2))
+    guard_devices(model)
+    guard_devices(model)  # idempotent
+    assert len(_guards(model[0])) == 2 and not _guards(model[1]) and not _guards(model[2])
+    assert model[0]._forward_pre_hooks and model[0]._forward_hooks_always_called
+    copied = copy.deepcopy(model)
+    unguard_devices(model)
+    assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
+    assert not model[0]._forward_hooks_always_called
+    assert len(_guards(copied[0])) == 2
+    unguard_devices(copied)
+    assert not any(_guards(m) for m in copied.modules())
+
+
+def test_modules_with_weights_off_the_gpu_keep_accelerates_forward():
+    """The fused forward goes into accelerate's wrapper only where every weight of the module stays on its GPU: not
+    for weights on the CPU, nor for a block whose submodule's hook offloads."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from hf_specdec.runtime.placement import moves_activations_only
+
+    block = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert not moves_activations_only(block)  # no hook
+    add_hook_to_module(block, AlignDevicesHook(execution_device="cpu"))
+    assert not moves_activations_only(block)  # a CPU execution device
+    block._hf_hook.execution_device = torch.device("cuda", 0)
+    assert not moves_activations_only(block)  # its weights are not on the GPU
+    add_hook_to_module(block[0], AlignDevicesHook(execution_device=0, offload=True))
+    assert not moves_activations_only(block)
