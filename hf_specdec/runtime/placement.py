@@ -130,9 +130,14 @@ def guard_devices(model: torch.nn.Module) -> None:
     on another stream than the layer's other work."""
     for module in model.modules():
         device = _hook_device(module)
-        if device is not None and device.type == "cuda" and not _guards(module):
-            module.register_forward_pre_hook(_EnterDevice(device))
-            module.register_forward_hook(_leave_device, always_call=True)
+        if device is not None and device.type == "cuda":
+            _guard(module, device)
+
+
+def _guard(module: torch.nn.Module, device: torch.device) -> None:
+    if not _guards(module):
+        module.register_forward_pre_hook(_EnterDevice(device))
+        module.register_forward_hook(_leave_device, always_call=True)
 
 
 def _guards(module: torch.nn.Module) -> list[int]:
@@ -187,9 +192,12 @@ def loaded_weights(*modules: torch.nn.Module):
             m._hf_hook.post_forward(m, None)
 
 
-def place_drafter(drafter: torch.nn.Module, device: torch.device, role: str = "assistant_model"):
+def place_drafter(drafter: torch.nn.Module, device: torch.device, role: str = "assistant_model",
+                  home: torch.device | None = None):
     """Move ``drafter`` (in place) to ``device``, where the target layers it reads run; returns it. Refused, naming
-    the fix, when its weights cannot move: on the meta device, offloaded or dispatched over several devices."""
+    the fix, when its weights cannot move: on the meta device, offloaded or dispatched over several devices.
+    ``home``: where the loop runs (the target's input device); a drafter on another GPU runs its modules with that
+    GPU current, as :func:`guard_devices` does for the target's."""
     if getattr(drafter, "hf_device_map", None) and len(set(drafter.hf_device_map.values())) > 1 or any(
             getattr(m, "_hf_hook", None) is not None for m in drafter.modules()):
         device_map = dict(getattr(drafter, "hf_device_map", None) or {})  # hooks without a map: cpu_offload
@@ -206,4 +214,8 @@ def place_drafter(drafter: torch.nn.Module, device: torch.device, role: str = "a
                       f"device of the target layers it reads (see docs/multi_gpu.md); load it there to skip the move.",
                       stacklevel=3)
         drafter.to(device)
+    if home is not None and device.type == "cuda" and device != home:
+        for module in (drafter, *drafter.children()):  # its top module (a call) and the parts its steps call
+            for part in (module if isinstance(module, torch.nn.ModuleList) else [module]):
+                _guard(part, device)
     return drafter

@@ -38,7 +38,7 @@ import torch
 
 from hf_specdec.cache import ForwardMeta, KVLayout, PagedKVCache
 from hf_specdec.generation.drafter import Drafter, DraftProposal
-from hf_specdec.generation.fusion import fuse_drafter
+from hf_specdec.generation.fusion import fuse_drafter, gpu_of_weights
 from hf_specdec.kernels import paged_attention, store_kv
 from hf_specdec.kernels.argmax import argmax
 from hf_specdec.runtime.placement import execution_device, input_device, loaded_weights, place_drafter
@@ -97,9 +97,11 @@ class DFlashDraftRunner(Drafter):
         self.num_speculative_tokens = _check_num_speculative_tokens(drafter, num_speculative_tokens)
         self.target = target
         # beside the target's LM head, which turns its hidden states into logits (runtime/placement.py)
-        self.drafter = fuse_drafter(place_drafter(drafter, execution_device(target.get_output_embeddings())
-                                                  or input_device(target)))
-        self.drafter.stack_projections()
+        home = input_device(target)
+        self.drafter = fuse_drafter(place_drafter(drafter, execution_device(target.get_output_embeddings()) or home,
+                                                  home=home))
+        with gpu_of_weights(self.drafter):  # whether the kernels run where its weights are
+            self.drafter.stack_projections()
         self.layout = context_layout(drafter)
         self.cache: PagedKVCache | None = None
 

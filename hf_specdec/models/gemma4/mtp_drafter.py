@@ -21,7 +21,7 @@ import torch
 
 from hf_specdec.attention import QueryRows, paged_query_attention
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftsInVerify, take_rows
-from hf_specdec.generation.fusion import fuse_drafter, stack_projections
+from hf_specdec.generation.fusion import fuse_drafter, gpu_of_weights, stack_projections
 from hf_specdec.kernels import use_triton
 from hf_specdec.kernels.argmax import argmax
 from hf_specdec.kernels.stacked_linear import stack_weights
@@ -71,9 +71,11 @@ class Gemma4MTPDraftRunner(Drafter):
         text_config = target_text_config(target)
         self.producers = {t: producer_layer_for(text_config, t) for t in set(assistant.config.text_config.layer_types)}
         # beside the producer layers whose pages it reads (the last of them if accelerate split them)
+        home = input_device(target)
         self.assistant = fuse_drafter(place_drafter(assistant, layer_devices(target).get(max(self.producers.values()))
-                                                    or input_device(target)))
-        stack_assistant_weights(self.assistant)
+                                                    or home, home=home))
+        with gpu_of_weights(self.assistant):  # whether the kernels run where its weights are
+            stack_assistant_weights(self.assistant)
         self.num_speculative_tokens = num_speculative_tokens or DEFAULT_NUM_SPECULATIVE_TOKENS
         self.embed = target_embedding(target)
         self.embed_scale = fused_embedding_scale(self.embed, self.assistant.pre_projection.weight.dtype)
