@@ -8,11 +8,14 @@ fraction of the free device memory, or of the available RAM on CPU): a request i
 its prompts and drafts alone do not fit, and on CPU the storage starts small and grows as the rows do (a call
 that stops at EOS after a few tokens allocates for those, not for ``max_new_tokens``). A request that outgrows
 its pool while running stops with :class:`CacheExhaustedError` (``generation`` attaches the tokens so far).
+A layout whose pages live on several devices (layers placed by a device_map) is sized so that each device's pages
+fit that device's own budget (:class:`DeviceBudgets`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -51,7 +54,10 @@ def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: 
         need = blocks_needed(layout, cache_config, prompt_lens, max_new_tokens, lookahead)
         if cache_config.max_cache_tokens is None:  # num_blocks alone: still within the device's memory
             limit, knob = memory_budget(device, cache_config)
-            _check_fits(layout, need, bs, dtype, limit if shared_budget is None else shared_budget(limit), knob)
+            limit = limit if shared_budget is None else shared_budget(limit)
+            if len(_devices(layout, device)) > 1:  # layers placed on several devices: each one's pages in its own
+                limit = DeviceBudgets.of(layout, device, cache_config, None)
+            _check_fits(layout, need, bs, dtype, limit, knob)
     else:
         # the owner's pooled storage is freed before a larger one is allocated: it counts as free memory
         pooled = storage_pool.storages.get(storage_owner) if storage_pool is not None else None
@@ -59,6 +65,8 @@ def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: 
         budget, knob = memory_budget(device, cache_config, held)
         if shared_budget is not None:
             budget = shared_budget(budget)
+        if len(_devices(layout, device)) > 1:  # layers placed on several devices: each one's pages within its own
+            budget = DeviceBudgets.of(layout, device, cache_config, pooled)
         need = within_budget(layout, cache_config, prompt_lens, max_new_tokens, lookahead, dtype, budget, knob)
     if storage_pool is not None:
         # with num_blocks the pool holds at least that many blocks (exactly that many when it allocates), and
@@ -76,19 +84,70 @@ def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: 
                         storage_blocks=initial)
 
 
-def _check_fits(layout, blocks: list[int], block_size: int, dtype, budget: int | None, knob: str) -> None:
+def _devices(layout: KVLayout, home) -> set[torch.device]:
+    """The devices the layout's pages live on (a group naming none lives on ``home``)."""
+    return {torch.device(home if g.device is None else g.device) for g in layout.groups}
+
+
+@dataclass(frozen=True)
+class DeviceBudgets:
+    """A memory budget per device, for a layout whose pages live on several (layers placed by a device_map): each
+    device's pages must fit its own. ``home``: where the groups that name no device live."""
+
+    home: torch.device
+    limits: dict  # device -> bytes, or None for no bound
+
+    @classmethod
+    def of(cls, layout: KVLayout, home, cache_config: CacheConfig, pooled) -> "DeviceBudgets":
+        """Each device's budget, counting its share of the pooled storage (freed before a new one) as free."""
+        held: dict[torch.device, int] = {}
+        for t in (*pooled[2], *pooled[3]) if pooled else ():
+            held[t.device] = held.get(t.device, 0) + t.numel() * t.element_size()
+        home = torch.device(home)
+        return cls(home, {d: memory_budget(d, cache_config, held.get(d, 0))[0] for d in _devices(layout, home)})
+
+
+def kv_bytes_by_device(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype,
+                       home) -> dict[torch.device, int]:
+    """:func:`kv_bytes` per device the pages live on (a group naming none on ``home``)."""
+    out: dict[torch.device, int] = {}
+    for group, n in zip(layout.groups, num_blocks):
+        one = KVLayout(groups=[group], layer_slot={}, producer={})
+        device = torch.device(home if group.device is None else group.device)
+        out[device] = out.get(device, 0) + kv_bytes(one, [n], block_size, dtype)
+    return out
+
+
+def _over_budget(layout: KVLayout, blocks: list[int], block_size: int, dtype, budget) -> tuple[int, int] | None:
+    """(bytes needed, bytes allowed) where ``blocks`` do not fit ``budget`` -- bytes for the whole cache, or
+    :class:`DeviceBudgets` (then the first device over its own) -- else None."""
+    if budget is None:
+        return None
+    if isinstance(budget, DeviceBudgets):
+        for device, need in kv_bytes_by_device(layout, blocks, block_size, dtype, budget.home).items():
+            allowed = budget.limits.get(device)
+            if allowed is not None and need > allowed:
+                return need, allowed
+        return None
     need = kv_bytes(layout, blocks, block_size, dtype)
-    if budget is not None and need > budget:
+    return (need, budget) if need > budget else None
+
+
+def _check_fits(layout, blocks: list[int], block_size: int, dtype, budget, knob: str) -> None:
+    over = _over_budget(layout, blocks, block_size, dtype, budget)
+    if over is not None:
+        where = " on one of its devices" if isinstance(budget, DeviceBudgets) else ""
         raise CacheCapacityError(
-            f"CacheConfig.num_blocks makes this cache {need / 2**20:.1f} MiB but CacheConfig.{knob} of the memory "
-            f"free allows {budget / 2**20:.1f} MiB. Lower num_blocks (or leave it None), free memory, or raise {knob}."
+            f"CacheConfig.num_blocks makes this cache {over[0] / 2**20:.1f} MiB{where} but CacheConfig.{knob} of the "
+            f"memory free there allows {over[1] / 2**20:.1f} MiB. Lower num_blocks (or leave it None), free memory, "
+            f"or raise {knob}."
         )
 
 
-def _allocate_within(layout, blocks: list[int], budget: int | None, block_size: int, dtype, device):
+def _allocate_within(layout, blocks: list[int], budget, block_size: int, dtype, device):
     """Pooled storage of ``blocks`` per group, refused past the memory ``budget`` (a ValueError: the pool then
     allocates exactly what the request needs instead of a rounded-up size)."""
-    if budget is not None and kv_bytes(layout, blocks, block_size, dtype) > budget:
+    if _over_budget(layout, blocks, block_size, dtype, budget) is not None:
         raise CacheCapacityError("rounded up past the request's memory budget")
     return allocate_storage(layout, blocks, block_size, dtype, device)
 
@@ -102,17 +161,19 @@ def within_budget(layout: KVLayout, cache_config: CacheConfig, prompt_lens: list
     bs = cache_config.block_size
 
     def fits(new_tokens: int) -> bool:
-        blocks = blocks_needed(layout, cache_config, prompt_lens, new_tokens, lookahead)
-        return kv_bytes(layout, blocks, bs, dtype) <= budget
+        return _over_budget(layout, blocks_needed(layout, cache_config, prompt_lens, new_tokens, lookahead), bs, dtype,
+                            budget) is None
 
     if budget is None or fits(max_new_tokens):
         return blocks_needed(layout, cache_config, prompt_lens, max_new_tokens, lookahead)
     if not fits(1):
-        floor = kv_bytes(layout, blocks_needed(layout, cache_config, prompt_lens, 1, lookahead), bs, dtype)
+        floor, allowed = _over_budget(layout, blocks_needed(layout, cache_config, prompt_lens, 1, lookahead), bs,
+                                      dtype, budget)
+        where = " on one of its devices" if isinstance(budget, DeviceBudgets) else ""
         raise CacheCapacityError(
-            f"this batch's prompts alone need {floor / 2**20:.3f} MiB of KV cache but CacheConfig.{knob}="
-            f"{getattr(cache_config, knob)} of the memory free allows {budget / 2**20:.3f} MiB. Lower the batch "
-            f"size or the prompt lengths, free memory, or raise {knob}."
+            f"this batch's prompts alone need {floor / 2**20:.3f} MiB of KV cache{where} but CacheConfig.{knob}="
+            f"{getattr(cache_config, knob)} of the memory free there allows {allowed / 2**20:.3f} MiB. Lower the "
+            f"batch size or the prompt lengths, free memory, or raise {knob}."
         )
     low, high = 1, max_new_tokens  # low fits, high does not (blocks grow with the new tokens)
     while high - low > 1:

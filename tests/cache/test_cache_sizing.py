@@ -164,3 +164,29 @@ def test_a_fixed_num_blocks_is_still_checked_against_the_memory(monkeypatch):
     with pytest.raises(CacheCapacityError, match=r"CacheConfig.num_blocks makes this cache .* Lower num_blocks"):
         _request(CacheConfig(block_size=4, num_blocks=64))
     _request(CacheConfig(block_size=4, num_blocks=64, max_cache_tokens=4096))  # an explicit token bound: as asked
+
+
+def test_pages_on_several_devices_are_sized_within_each_devices_own_budget(monkeypatch):
+    """A layout split by device (layers placed by a device_map; the meta device stands in for a second one): the
+    pool is cut so that each device's pages fit that device's budget -- one device short of memory binds even when
+    the whole cache would fit the input device's -- and prompts that do not fit one device are refused naming it."""
+    from hf_specdec.cache import split_by_device
+
+    split = split_by_device(LAYOUT, {0: "cpu", 1: "cpu", 2: "meta"})
+    config = CacheConfig(block_size=4)
+    whole = sizing.cache_for_request(split, config, [20, 9], 30, 4, dtype=torch.float32, device="cpu")
+    blocks = [p.num_blocks for p in whole.manager.pools]
+    per_device = sizing.kv_bytes_by_device(split, blocks, 4, torch.float32, torch.device("cpu"))
+    assert set(per_device) == {torch.device("cpu"), torch.device("meta")}
+    assert sum(per_device.values()) == sizing.kv_bytes(split, blocks, 4, torch.float32)
+    room = {"cpu": 10 * sum(per_device.values()), "meta": per_device[torch.device("meta")] // 2}
+    monkeypatch.setattr(sizing, "memory_budget", lambda device, cfg, held=0: (room[device.type], "cpu_memory_fraction"))
+    capped = sizing.cache_for_request(split, config, [20, 9], 30, 4, dtype=torch.float32, device="cpu")
+    got = sizing.kv_bytes_by_device(split, [p.num_blocks for p in capped.manager.pools], 4, torch.float32, "cpu")
+    assert got[torch.device("meta")] <= room["meta"] < per_device[torch.device("meta")]
+    room["meta"] = 1
+    with pytest.raises(CacheCapacityError, match="prompts alone need .* on one of its devices"):
+        sizing.cache_for_request(split, config, [20, 9], 30, 4, dtype=torch.float32, device="cpu")
+    with pytest.raises(CacheCapacityError, match="num_blocks makes this cache .* on one of its devices"):
+        sizing.cache_for_request(split, CacheConfig(block_size=4, num_blocks=27), [20, 9], 30, 4,
+                                 dtype=torch.float32, device="cpu")
