@@ -10,7 +10,6 @@ original attention runs, so an enabled model still behaves as before.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from hf_specdec.kernels import paged_attention
+from hf_specdec.kernels._dispatch import on_gpu
 
 ATTENTION_NAME = "hf_specdec"
 
@@ -48,18 +48,10 @@ def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, sc
     if q_len != meta.q_len:
         q_pos0 = q_pos0 + (meta.q_len - q_len)
         q_lens = q_lens.clamp(max=q_len)
-    with gpu_of(k_cache.device):
+    with on_gpu(k_cache.device):  # a layer placed apart from the pages it reads
         out = paged_attention(query.transpose(1, 2).to(k_cache.device), k_cache, v_cache, block_tables, meta.kv_lens,
                               q_pos0, q_lens, scale=scaling, sliding_window=window, validate=False)
     return out.to(query.device)
-
-
-def gpu_of(pages: torch.device):
-    """A context in which kernels launch on the GPU of ``pages`` (they launch on the current GPU, and take the torch
-    reference for tensors elsewhere): where a layer or drafter placed apart from the pages it reads calls them."""
-    if pages.type != "cuda" or pages.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(pages)
 
 
 @dataclass(frozen=True)
@@ -105,7 +97,7 @@ def paged_query_attention(paged_cache, layer_idx: int, query: torch.Tensor, rows
         query = shard.local_heads(query, dim=2)
     # The kernel's window counts the query's own position; masking as if the query sat on the last cached
     # key makes the window exactly the last `sliding_window` keys.
-    with gpu_of(pages):
+    with on_gpu(pages):
         out = paged_attention(query, k_cache, v_cache, block_tables, rows.kv_lens, rows.q_pos0, rows.q_lens,
                               scale=scaling, sliding_window=sliding_window, validate=False)
     return (out if shard is None else shard.gather_heads(out, dim=2)).to(home)

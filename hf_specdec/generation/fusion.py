@@ -21,7 +21,6 @@ makes its speculative output equal its plain output (see ``generation/quantizati
 
 from __future__ import annotations
 
-import contextlib
 import os
 import types
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from typing import Callable
 import torch
 
 from hf_specdec.kernels import use_triton
-from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON
+from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON, on_gpu
 from hf_specdec.kernels.fp8_w8a8 import compressed_fp8_linear_forward, fp8_linear_forward, fp8_linear_fusible
 from hf_specdec.kernels.fp8_moe import fp8_experts_forward, fp8_experts_fusible
 from hf_specdec.kernels.skinny_gemm import linear_forward
@@ -132,8 +131,10 @@ def unfuse_modules(model: torch.nn.Module, kernels_only: bool = False) -> None:
         forward = vars(module).get("forward")
         if forward is not None and getattr(forward, "__func__", None) in forwards:
             del module.forward
-        if _ORIGINAL in vars(module) and getattr(module._old_forward, "__func__", None) in forwards:
-            module._old_forward = vars(module).pop(_ORIGINAL)
+        if _ORIGINAL in vars(module):
+            original = vars(module).pop(_ORIGINAL)
+            if getattr(getattr(module, "_old_forward", None), "__func__", None) in forwards:
+                module._old_forward = original  # (gone where accelerate's hook was removed since)
 
 
 # where fuse_modules keeps the forward accelerate's hook wrapped (its ``_old_forward``) while a fused one replaces it
@@ -144,9 +145,7 @@ def gpu_of_weights(module: torch.nn.Module):
     """A context in which ``module``'s GPU is the current one (the kernels launch there, and ``use_triton`` asks about
     it): a module accelerate placed on another GPU than the current one."""
     weight = next(module.parameters(), None)
-    if weight is None or not weight.is_cuda or weight.get_device() == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(weight.device)
+    return on_gpu(None if weight is None else weight.device)
 
 
 def stacked_groups(module: torch.nn.Module) -> tuple[tuple[str, ...], ...]:

@@ -34,6 +34,7 @@ from hf_specdec.generation.drafter import Drafter
 from hf_specdec.generation.registry import build_drafter
 from hf_specdec.generation.speculative import speculative_decode
 from hf_specdec.runtime import check_mask_shape
+from hf_specdec.runtime.placement import on_input_gpu
 
 
 def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, *,
@@ -81,7 +82,7 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
         _check_speculative_outputs(self, generation_config, kwargs)
     _check_input_shapes(inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask"))
     generation_config, stopping_criteria = _stop_strings_to_criteria(self, generation_config, stopping_criteria, kwargs)
-    with _exclusive(self, state):
+    with _exclusive(self, state), on_input_gpu(self):  # the loop's kernels launch on the input device's GPU
         try:
             with _no_autograd(self, assistant_model):
                 output = GenerationMixin.generate(self, inputs, generation_config, logits_processor,

@@ -5,6 +5,7 @@ kernel modules and run the torch references. ``triton`` / ``tl`` below are then 
 ``jit`` leaves the kernel body a plain, never-launched function.
 """
 
+import contextlib
 import functools
 import os
 
@@ -50,6 +51,22 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if forced in ("0", "1"):
         return forced == "1"
     return tensor.is_cuda and tensor.get_device() == torch.cuda.current_device()
+
+
+def on_gpu(device: torch.device | None):
+    """A context in which ``device`` is the current GPU where it is a GPU other than the current one (kernels launch
+    on the current GPU, and :func:`use_triton` takes the torch reference for tensors elsewhere); else a no-op."""
+    if device is None or device.type != "cuda" or gpu_index(device) == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def other_hooks(module: torch.nn.Module, pre: bool) -> bool:
+    """Whether ``module`` has forward pre-hooks (``pre``) or forward hooks other than device guards (hooks whose
+    ``device_guard`` attribute is true: they make the module's GPU current around its forward and change nothing it
+    computes). Fused paths that leave a hooked module to run its own forward ask this."""
+    hooks = module._forward_pre_hooks if pre else module._forward_hooks
+    return any(not getattr(h, "device_guard", False) for h in hooks.values())
 
 
 def gpu_index(device: torch.device) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ._dispatch import other_hooks
 from .fp8_gemm import FP8_DTYPE
 from .fp8_w8a8 import fine_grained_fp8_linear
 from .skinny_gemm import skinny_linear
@@ -121,13 +122,14 @@ def _stackable_fp8(module, first) -> bool:
             and len(block) == 2 and tuple(block) == tuple(getattr(first, "block_size", None) or ())
             and weight.dim() == 2 and weight.shape[0] % block[0] == 0 and scale.dim() == 2
             and scale.shape[0] == weight.shape[0] // block[0]
-            and not module._forward_hooks and not module._forward_pre_hooks and not getattr(module, "_hf_hook", None))
+            and not other_hooks(module, pre=False) and not other_hooks(module, pre=True)
+            and not getattr(module, "_hf_hook", None))
 
 
 def _plain_linear(module) -> bool:
     """A plain ``nn.Linear`` without hooks whose weight is a dense tensor (a quantizer that keeps the module class
     and swaps its weight for a tensor subclass, e.g. torchao, leaves one that is not)."""
-    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+    return (type(module) is nn.Linear and not other_hooks(module, pre=False) and not other_hooks(module, pre=True)
             and not getattr(module, "_hf_hook", None) and dense_weight(module.weight))
 
 

@@ -301,7 +301,7 @@ def capture_graph(fn, *inputs, devices: tuple = ()):
     if others:
         return SpanningGraph.capture(fn, inputs, others)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # (its default stream is on the GPU first current)
         outputs = fn(*inputs)
     return graph, outputs
 
@@ -317,8 +317,8 @@ class SpanningGraph:
     launch on the current GPU's stream; it first waits for the work queued on the other GPUs' current streams, and
     their streams wait for it, so eager work there (a prompt's forward) and replays stay in order."""
 
-    def __init__(self, graph, devices: tuple, pools: list):
-        self.graph, self.devices, self.pools = graph, devices, pools
+    def __init__(self, graph, here: int, devices: tuple, pools: list):
+        self.graph, self.here, self.devices, self.pools = graph, here, devices, pools
 
     @classmethod
     def capture(cls, fn, inputs, devices: tuple):
@@ -333,26 +333,29 @@ class SpanningGraph:
         before = [torch.cuda.current_stream(d) for d in devices]
         sides = [torch.cuda.Stream(d) for d in devices]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            main = torch.cuda.current_stream()
-            for side in sides:
-                side.wait_stream(main)  # the side stream joins the capture
-                torch.cuda.set_stream(side)  # (it makes the side's GPU current: set back below)
-            torch.cuda.set_device(here)
-            try:
+        try:
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(here)):
+                main = torch.cuda.current_stream()
+                for side in sides:
+                    side.wait_stream(main)  # the side stream joins the capture
+                    torch.cuda.set_stream(side)  # (it makes the side's GPU current: set back below)
+                torch.cuda.set_device(here)
                 with contextlib.ExitStack() as stack:
                     for device, pool in zip(devices, pools):
                         stack.enter_context(torch.cuda.use_mem_pool(pool, device=device))
                     outputs = fn(*inputs)
-            finally:
-                for side, previous in zip(sides, before):
+                for side in sides:
                     main.wait_stream(side)  # joined back: a capture ends with every forked stream joined
-                    torch.cuda.set_stream(previous)
-                torch.cuda.set_device(here)
-        return cls(graph, devices, pools), outputs
+        finally:  # also where the capture failed (the caller then runs eagerly on these GPUs' own streams)
+            for previous in before:
+                torch.cuda.set_stream(previous)
+            torch.cuda.set_device(here)
+        return cls(graph, here, devices, pools), outputs
 
     def replay(self) -> None:
-        main = torch.cuda.current_stream()
+        """One launch on the capturing GPU's current stream (where ``CUDAGraph.replay`` launches, whichever GPU is
+        current), in order with the work queued on the other GPUs' current streams both ways."""
+        main = torch.cuda.current_stream(self.here)
         for device in self.devices:
             main.wait_stream(torch.cuda.current_stream(device))
         self.graph.replay()

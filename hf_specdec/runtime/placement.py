@@ -25,7 +25,7 @@ import warnings
 import torch
 
 __all__ = ["execution_device", "gpu_devices", "guard_devices", "input_device", "is_dispatched", "layer_devices",
-           "loaded_weights", "moves_activations_only", "place_drafter", "unguard_devices"]
+           "loaded_weights", "moves_activations_only", "on_input_gpu", "place_drafter", "unguard_devices"]
 
 
 def _hooks(module: torch.nn.Module) -> list:
@@ -84,10 +84,10 @@ def moves_activations_only(module: torch.nn.Module) -> bool:
     """Whether accelerate hooked ``module`` (its forward wrapped, the original kept as ``_old_forward``) only to move
     its inputs to its GPU, its weights and those of its submodules staying there (none offloaded: an offloaded
     block's hooks load each submodule's weights around that submodule's own forward)."""
-    return (bool(_hooks(module)) and hasattr(module, "_old_forward")
-            and (_hook_device(module) or torch.device("cpu")).type == "cuda"
+    device = _hook_device(module)
+    return (device is not None and device.type != "cpu" and hasattr(module, "_old_forward")
             and not any(getattr(h, "offload", False) for m in module.modules() for h in _hooks(m))
-            and all(t.is_cuda for t in (*module.parameters(), *module.buffers())))
+            and all(t.device == device for t in (*module.parameters(), *module.buffers())))
 
 
 def gpu_devices(model: torch.nn.Module) -> tuple[torch.device, ...]:
@@ -108,6 +108,8 @@ _previous_devices = threading.local()
 class _EnterDevice:
     """Forward pre-hook: make ``device`` the current GPU (the one before it is restored by :func:`_leave_device`)."""
 
+    device_guard = True
+
     def __init__(self, device: torch.device):
         self.device = device
 
@@ -123,36 +125,68 @@ def _leave_device(module, args, output):
     torch.cuda.set_device(_previous_devices.stack.pop())
 
 
+_leave_device.device_guard = True
+
+
 def guard_devices(model: torch.nn.Module) -> None:
-    """Make each module accelerate placed on a GPU run with that GPU current (:func:`unguard_devices` undoes it).
+    """Make each module accelerate placed on another GPU than the model's input device run with that GPU current
+    (:func:`unguard_devices` undoes it; ``generate`` runs with the input device current, :func:`on_input_gpu`).
     accelerate moves a module's inputs to its device, but a Triton kernel launches on the current GPU and its current
-    stream: without this, the kernels of layers on cuda:1 ran on cuda:0, reading their weights across the link and
-    on another stream than the layer's other work."""
+    stream, and the kernels take their torch reference for tensors on another GPU: without this, the layers on
+    cuda:1 ran every kernel's reference."""
+    home = input_device(model)
     for module in model.modules():
         device = _hook_device(module)
-        if device is not None and device.type == "cuda":
+        if device is not None and device.type == "cuda" and device != home:
             _guard(module, device)
 
 
 def _guard(module: torch.nn.Module, device: torch.device) -> None:
-    if not _guards(module):
-        module.register_forward_pre_hook(_EnterDevice(device))
-        module.register_forward_hook(_leave_device, always_call=True)
+    """``module`` runs with ``device`` current (its guards replaced where it had some for another device)."""
+    found = [module._forward_pre_hooks[i] for i in _guards(module) if i in module._forward_pre_hooks]
+    if found and all(h.device == device for h in found):
+        return
+    _unguard(module)
+    module.register_forward_pre_hook(_EnterDevice(device))
+    module.register_forward_hook(_leave_device, always_call=True)
 
 
 def _guards(module: torch.nn.Module) -> list[int]:
     """Ids of the hooks :func:`guard_devices` put on ``module``."""
-    return [i for i, h in module._forward_pre_hooks.items() if isinstance(h, _EnterDevice)] + [
-        i for i, h in module._forward_hooks.items() if h is _leave_device]
+    return [i for i, h in (*module._forward_pre_hooks.items(), *module._forward_hooks.items())
+            if getattr(h, "device_guard", False)]
 
 
 def unguard_devices(model: torch.nn.Module) -> None:
     """Remove what :func:`guard_devices` added (from a copy of the model too)."""
     for module in model.modules():
-        for i in _guards(module):
-            module._forward_pre_hooks.pop(i, None)
-            module._forward_hooks.pop(i, None)
-            module._forward_hooks_always_called.pop(i, None)
+        _unguard(module)
+
+
+def _unguard(module: torch.nn.Module) -> None:
+    for i in _guards(module):
+        module._forward_pre_hooks.pop(i, None)
+        module._forward_hooks.pop(i, None)
+        module._forward_hooks_always_called.pop(i, None)
+
+
+@contextlib.contextmanager
+def on_input_gpu(model: torch.nn.Module):
+    """While open, the GPU of ``model``'s input device is the current one (a no-op elsewhere): the loop's kernels
+    launch there, and a model on a GPU other than the current one does not take the kernels' torch references. On
+    exit the current GPU is the one before, also after an interrupt inside a guarded forward (whose hooks then did
+    not restore it)."""
+    device = input_device(model)
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.cuda.current_device()
+    torch.cuda.set_device(device)
+    try:
+        yield
+    finally:
+        _previous_devices.stack = []
+        torch.cuda.set_device(before)
 
 
 def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:
@@ -196,8 +230,9 @@ def place_drafter(drafter: torch.nn.Module, device: torch.device, role: str = "a
                   home: torch.device | None = None):
     """Move ``drafter`` (in place) to ``device``, where the target layers it reads run; returns it. Refused, naming
     the fix, when its weights cannot move: on the meta device, offloaded or dispatched over several devices.
-    ``home``: where the loop runs (the target's input device); a drafter on another GPU runs its modules with that
-    GPU current, as :func:`guard_devices` does for the target's."""
+    ``home``: where the loop runs (the target's input device); a drafter on another GPU runs its top module and
+    its parts with that GPU current, as :func:`guard_devices` does for the target's modules (a drafter placed again,
+    beside another target, is guarded for its new place, or unguarded)."""
     if getattr(drafter, "hf_device_map", None) and len(set(drafter.hf_device_map.values())) > 1 or any(
             getattr(m, "_hf_hook", None) is not None for m in drafter.modules()):
         device_map = dict(getattr(drafter, "hf_device_map", None) or {})  # hooks without a map: cpu_offload
@@ -214,8 +249,11 @@ def place_drafter(drafter: torch.nn.Module, device: torch.device, role: str = "a
                       f"device of the target layers it reads (see docs/multi_gpu.md); load it there to skip the move.",
                       stacklevel=3)
         drafter.to(device)
-    if home is not None and device.type == "cuda" and device != home:
-        for module in (drafter, *drafter.children()):  # its top module (a call) and the parts its steps call
-            for part in (module if isinstance(module, torch.nn.ModuleList) else [module]):
+    guarded = home is not None and device.type == "cuda" and device != home
+    for module in (drafter, *drafter.children()):  # its top module (a call) and the parts its steps call
+        for part in (module if isinstance(module, torch.nn.ModuleList) else [module]):
+            if guarded:
                 _guard(part, device)
+            else:
+                _unguard(part)
     return drafter

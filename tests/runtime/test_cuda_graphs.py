@@ -498,7 +498,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a graph spa
 def test_a_graph_spans_two_gpus_and_replays_what_runs_eagerly():
     """A function whose work runs on cuda:0 and cuda:1 (cuBLAS on both, a Triton kernel on cuda:1 with that GPU
     current, activations copied across and back), captured as one SpanningGraph: every replay with new inputs gives
-    what the function gives eagerly, and the work on cuda:1 reads memory of the graph's own pool there."""
+    what the function gives eagerly; the capture leaves cuda:1's current stream as it was."""
     from hf_specdec.kernels.rms_norm import rms_norm
     from hf_specdec.runtime.cuda_graphs import SpanningGraph, capture_graph
 
@@ -513,7 +513,9 @@ def test_a_graph_spans_two_gpus_and_replays_what_runs_eagerly():
         return (h.relu() + 1).to("cuda:0")
 
     x = torch.randn(4, 64, generator=gen).to("cuda:0")
+    before = torch.cuda.current_stream(1)
     graph, out = capture_graph(fn, x, devices=(torch.device("cuda:0"), torch.device("cuda:1")))
+    assert torch.cuda.current_stream(1) == before and torch.cuda.current_device() == 0
     assert isinstance(graph, SpanningGraph) and graph.devices == (torch.device("cuda:1"),)
     for _ in range(3):
         new = torch.randn(4, 64, generator=gen).to("cuda:0")

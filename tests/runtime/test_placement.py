@@ -149,24 +149,77 @@ def test_gpu_devices_names_a_split_over_gpus_with_nothing_offloaded():
     assert gpu_devices(model) == ()  # weights loaded around a forward cannot be captured
 
 
-def test_guard_devices_hooks_each_gpu_placed_module_once_and_unguard_removes_them_from_a_copy_too():
+class _Placed(torch.nn.Module):
+    """A model whose parts accelerate placed (fake hooks): the embedding on cuda:0, one part on cuda:1, one on cuda:0,
+    one on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = _hooked(torch.nn.Embedding(4, 2), "cuda:0")
+        self.far, self.near, self.host = (_hooked(torch.nn.Linear(2, 2), d) for d in ("cuda:1", "cuda:0", "cpu"))
+
+    def get_input_embeddings(self):
+        return self.embed
+
+
+def test_guard_devices_hooks_the_modules_on_other_gpus_once_and_unguard_removes_them_from_a_copy_too():
     import copy
 
+    from hf_specdec.kernels._dispatch import other_hooks
+    from hf_specdec.runtime import placement
     from hf_specdec.runtime.placement import _guards, guard_devices, unguard_devices
 
-    model = torch.nn.Sequential(_hooked(torch.nn.Linear(2, 2), "cuda:1"), _hooked(torch.nn.Linear(2, 2), "cpu"),
-                                torch.nn.Linear(2, 2))
+    model = _Placed()
     guard_devices(model)
     guard_devices(model)  # idempotent
-    assert len(_guards(model[0])) == 2 and not _guards(model[1]) and not _guards(model[2])
-    assert model[0]._forward_pre_hooks and model[0]._forward_hooks_always_called
+    assert len(_guards(model.far)) == 2 and not any(_guards(m) for m in (model.embed, model.near, model.host))
+    assert model.far._forward_hooks_always_called
+    assert not other_hooks(model.far, pre=True) and not other_hooks(model.far, pre=False)  # guards change nothing
+    model.far.register_forward_hook(lambda *args: None)
+    assert other_hooks(model.far, pre=False) and not other_hooks(model.far, pre=True)
     copied = copy.deepcopy(model)
     unguard_devices(model)
-    assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
-    assert not model[0]._forward_hooks_always_called
-    assert len(_guards(copied[0])) == 2
+    assert not model.far._forward_pre_hooks and len(model.far._forward_hooks) == 1  # the user's hook stays
+    assert not model.far._forward_hooks_always_called
+    assert len(_guards(copied.far)) == 2
     unguard_devices(copied)
     assert not any(_guards(m) for m in copied.modules())
+    # a module guarded again for another GPU (a drafter placed beside another target) keeps one pair, for that GPU
+    placement._guard(model.near, torch.device("cuda:1"))
+    placement._guard(model.near, torch.device("cuda:2"))
+    pre = [model.near._forward_pre_hooks[i] for i in _guards(model.near) if i in model.near._forward_pre_hooks]
+    assert len(_guards(model.near)) == 2 and [h.device for h in pre] == [torch.device("cuda:2")]
+
+
+def test_a_guarded_forward_restores_the_gpu_when_it_raises_and_generate_restores_it_after_an_interrupt(monkeypatch):
+    """The guards keep the current GPU balanced around a forward that raises; ``on_input_gpu`` (around each generate
+    call) makes the input device's GPU current and puts the one before back whatever happened inside."""
+    from hf_specdec.runtime import placement
+
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.__setitem__(0, torch.device(d).index
+                                                                                if not isinstance(d, int) else d))
+    model = _Placed()
+    placement.guard_devices(model)
+    seen = []
+    model.far.register_forward_pre_hook(lambda module, args: seen.append(current[0]))
+    model.far(torch.zeros(1, 2))
+    assert seen == [1] and current[0] == 0
+
+    def boom(module, args, output):
+        raise RuntimeError("boom")
+    model.far.register_forward_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.far(torch.zeros(1, 2))
+    assert current[0] == 0 and placement._previous_devices.stack == []
+    current[0] = 1
+    with pytest.raises(KeyboardInterrupt):
+        with placement.on_input_gpu(model):
+            assert current[0] == 0
+            placement._previous_devices.stack.append(0)  # as a guarded forward interrupted inside leaves it
+            raise KeyboardInterrupt
+    assert current[0] == 1 and placement._previous_devices.stack == []
 
 
 def test_modules_with_weights_off_the_gpu_keep_accelerates_forward():
@@ -182,5 +235,12 @@ def test_modules_with_weights_off_the_gpu_keep_accelerates_forward():
     assert not moves_activations_only(block)  # a CPU execution device
     block._hf_hook.execution_device = torch.device("cuda", 0)
     assert not moves_activations_only(block)  # its weights are not on the GPU
-    add_hook_to_module(block[0], AlignDevicesHook(execution_device=0, offload=True))
-    assert not moves_activations_only(block)
+    # the meta device stands in for a GPU: weights there, the hook's device there
+    block.to("meta")
+    block._hf_hook.execution_device = torch.device("meta")
+    assert moves_activations_only(block)
+    offloaded = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    add_hook_to_module(offloaded[0], AlignDevicesHook(execution_device="meta", offload=True))  # weights now on meta
+    add_hook_to_module(offloaded, AlignDevicesHook(execution_device="meta"))
+    assert all(p.device.type == "meta" for p in offloaded.parameters())
+    assert not moves_activations_only(offloaded)  # a submodule's weights are loaded around its own forward

@@ -26,7 +26,7 @@ import torch.nn as nn
 from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from hf_specdec.kernels._dispatch import needs_grad, use_triton
+from hf_specdec.kernels._dispatch import needs_grad, other_hooks, use_triton
 from hf_specdec.kernels.gelu_mul import silu_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import rms_norm
@@ -72,7 +72,7 @@ def _kernels_take(x: torch.Tensor, *modules: nn.Module) -> bool:
     hooks whose weights are in x's dtype (the products round to it, as the modules' do only then). Elsewhere (the
     CPU) the modules' own ops, which are as many as the kernels' torch references."""
     return (use_triton(x) and not needs_grad(x)
-            and all(not m._forward_hooks and not m._forward_pre_hooks for m in modules)
+            and all(not other_hooks(m, pre=False) and not other_hooks(m, pre=True) for m in modules)
             and all(p.dtype == x.dtype for m in modules for p in m.parameters(recurse=False)))
 
 

@@ -33,7 +33,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4TextRotaryEmbedding,
 )
 
-from hf_specdec.kernels._dispatch import needs_grad
+from hf_specdec.kernels._dispatch import needs_grad, other_hooks
 from hf_specdec.kernels.embed_concat import embed_concat
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope, qkv_norm_rope_reference
@@ -244,7 +244,7 @@ class AssistantBackbone(nn.Module):
 
 
 def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None))
+    return bool(other_hooks(module, pre=False) or other_hooks(module, pre=True) or getattr(module, "_hf_hook", None))
 
 
 @dataclass(frozen=True)

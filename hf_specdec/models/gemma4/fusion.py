@@ -178,8 +178,8 @@ def _input_group(self, hidden_states):
 # layer's output next -- the next layer's input norm, or the text model's final norm (_link_following_norms) -- and
 # attaches it to its output; that norm then returns it instead of launching (_computed_norm): one launch less a layer.
 # Only where nothing can change the output in between: no forward hook on the layer (nor a global one), no forward
-# pre-hook on the next layer, the norm's weight on the output's device (accelerate may place the next layer
-# elsewhere). CROSS_LAYER_SEAMS = False (set at run time, with the graphs captured before released) keeps the norms'
+# pre-hook on the next layer, no accelerate hook on the layer (a device_map: its hooks move outputs and inputs), the
+# norm's weight on the output's device. CROSS_LAYER_SEAMS = False (set at run time, with the graphs captured before released) keeps the norms'
 # own launches, e.g. to compare the two.
 CROSS_LAYER_SEAMS = True
 _FOLLOWING: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -206,7 +206,7 @@ def _following_norm(self, hidden_states):
     """(the norm that reads this layer's output next, the values per scale its output's codes take or None) where the
     layer's last seam may compute it (see CROSS_LAYER_SEAMS), else (None, None)."""
     entry = _FOLLOWING.get(self)
-    if (entry is None or not CROSS_LAYER_SEAMS or self._forward_hooks
+    if (entry is None or not CROSS_LAYER_SEAMS or self._forward_hooks or getattr(self, "_hf_hook", None)
             or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks):
         return None, None
     norm, layer = entry[0](), entry[1] and entry[1]()
