@@ -179,8 +179,8 @@ def _input_group(self, hidden_states):
 # attaches it to its output; that norm then returns it instead of launching (_computed_norm): one launch less a layer.
 # Only where nothing can change the output in between: no forward hook on the layer (nor a global one), no forward
 # pre-hook on the next layer, no accelerate hook on the layer (a device_map: its hooks move outputs and inputs), the
-# norm's weight on the output's device. CROSS_LAYER_SEAMS = False (set at run time, with the graphs captured before released) keeps the norms'
-# own launches, e.g. to compare the two.
+# norm's weight on the output's device. CROSS_LAYER_SEAMS = False (set at run time, with the graphs captured before
+# released) keeps the norms' own launches, e.g. to compare the two.
 CROSS_LAYER_SEAMS = True
 _FOLLOWING: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _NORMED = "_hf_specdec_normed"  # on a layer's output: (the norm, the output's version, that norm's output)
