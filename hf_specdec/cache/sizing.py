@@ -50,23 +50,26 @@ def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: 
     bs, device = cache_config.block_size, torch.device(device)
     bounded = cache_config.num_blocks is not None or cache_config.max_cache_tokens is not None
     budget = None
+    split = len(_devices(layout, device)) > 1  # layers placed on several devices: each one's pages within its own
     if bounded:
         need = blocks_needed(layout, cache_config, prompt_lens, max_new_tokens, lookahead)
         if cache_config.max_cache_tokens is None:  # num_blocks alone: still within the device's memory
-            limit, knob = memory_budget(device, cache_config)
-            limit = limit if shared_budget is None else shared_budget(limit)
-            if len(_devices(layout, device)) > 1:  # layers placed on several devices: each one's pages in its own
-                limit = DeviceBudgets.of(layout, device, cache_config, None)
+            if split:
+                limit, knob = DeviceBudgets.of(layout, device, cache_config, None), _knob(device)
+            else:
+                limit, knob = memory_budget(device, cache_config)
+                limit = limit if shared_budget is None else shared_budget(limit)
             _check_fits(layout, need, bs, dtype, limit, knob)
     else:
         # the owner's pooled storage is freed before a larger one is allocated: it counts as free memory
         pooled = storage_pool.storages.get(storage_owner) if storage_pool is not None else None
-        held = sum(t.numel() * t.element_size() for t in (*pooled[2], *pooled[3])) if pooled else 0
-        budget, knob = memory_budget(device, cache_config, held)
-        if shared_budget is not None:
-            budget = shared_budget(budget)
-        if len(_devices(layout, device)) > 1:  # layers placed on several devices: each one's pages within its own
-            budget = DeviceBudgets.of(layout, device, cache_config, pooled)
+        if split:
+            budget, knob = DeviceBudgets.of(layout, device, cache_config, pooled), _knob(device)
+        else:
+            held = sum(t.numel() * t.element_size() for t in (*pooled[2], *pooled[3])) if pooled else 0
+            budget, knob = memory_budget(device, cache_config, held)
+            if shared_budget is not None:
+                budget = shared_budget(budget)
         need = within_budget(layout, cache_config, prompt_lens, max_new_tokens, lookahead, dtype, budget, knob)
     if storage_pool is not None:
         # with num_blocks the pool holds at least that many blocks (exactly that many when it allocates), and
@@ -84,9 +87,14 @@ def cache_for_request(layout: KVLayout, cache_config: CacheConfig, prompt_lens: 
                         storage_blocks=initial)
 
 
+def _group_device(group, home) -> torch.device:
+    """Where a group's pages live (a group naming no device lives on ``home``)."""
+    return torch.device(home if group.device is None else group.device)
+
+
 def _devices(layout: KVLayout, home) -> set[torch.device]:
-    """The devices the layout's pages live on (a group naming none lives on ``home``)."""
-    return {torch.device(home if g.device is None else g.device) for g in layout.groups}
+    """The devices the layout's pages live on."""
+    return {_group_device(g, home) for g in layout.groups}
 
 
 @dataclass(frozen=True)
@@ -110,11 +118,11 @@ class DeviceBudgets:
 def kv_bytes_by_device(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype,
                        home) -> dict[torch.device, int]:
     """:func:`kv_bytes` per device the pages live on (a group naming none on ``home``)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
     out: dict[torch.device, int] = {}
     for group, n in zip(layout.groups, num_blocks):
-        one = KVLayout(groups=[group], layer_slot={}, producer={})
-        device = torch.device(home if group.device is None else group.device)
-        out[device] = out.get(device, 0) + kv_bytes(one, [n], block_size, dtype)
+        device = _group_device(group, home)
+        out[device] = out.get(device, 0) + _group_bytes(group, n, block_size, itemsize)
     return out
 
 
@@ -184,11 +192,17 @@ def within_budget(layout: KVLayout, cache_config: CacheConfig, prompt_lens: list
 
 def memory_budget(device: torch.device, cache_config: CacheConfig, held: int = 0) -> tuple[int | None, str]:
     """(bytes a cache may take on ``device``, or None for no bound; the CacheConfig field that sets it)."""
+    knob = _knob(device)
     if device.type == "cuda":
-        free, fraction, knob = free_device_memory(device), cache_config.gpu_memory_fraction, "gpu_memory_fraction"
+        free = free_device_memory(device)
     else:
-        free, fraction, knob = available_host_memory(), cache_config.cpu_memory_fraction, "cpu_memory_fraction"
-    return (None if free is None else int(fraction * (free + held))), knob
+        free = available_host_memory()
+    return (None if free is None else int(getattr(cache_config, knob) * (free + held))), knob
+
+
+def _knob(device: torch.device) -> str:
+    """The CacheConfig field that bounds a cache on ``device``."""
+    return "gpu_memory_fraction" if device.type == "cuda" else "cpu_memory_fraction"
 
 
 def available_host_memory() -> int | None:
@@ -239,8 +253,11 @@ def blocks_needed(layout: KVLayout, cache_config: CacheConfig, prompt_lens: list
 def kv_bytes(layout: KVLayout, num_blocks: list[int], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V storage of every KV group with ``num_blocks[g]`` blocks each."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * len(g.layers) * n * block_size * g.num_kv_heads * g.head_dim * itemsize
-               for g, n in zip(layout.groups, num_blocks))
+    return sum(_group_bytes(g, n, block_size, itemsize) for g, n in zip(layout.groups, num_blocks))
+
+
+def _group_bytes(group, num_blocks: int, block_size: int, itemsize: int) -> int:
+    return 2 * len(group.layers) * num_blocks * block_size * group.num_kv_heads * group.head_dim * itemsize
 
 
 def free_device_memory(device: torch.device) -> int | None:
