@@ -387,9 +387,9 @@ def test_prompt_launch_at_real_head_dims_on_the_gpu(dtype, head_dim, monkeypatch
     """The prompt launch's real tiles (64 query rows at head_dim 128 and 256 in half precision, 16 at 512) at a
     real prompt width, past a sliding window, after a cached prefix."""
     case = _prompt_case(dtype, 48, 16, pa.PREFILL_QUERIES + 36, head_dim, "cuda")
-    # fp32: a 512-wide row's dots, summed in the kernel's order over its key tiles, differ from the reference's by up
-    # to ~3e-5 (measured on an H200), past the 1e-5 the small interpreter shapes keep
-    _check_prompt_launch(case, 48, monkeypatch, tol=1e-4 if dtype == torch.float32 else None)
+    # fp32 at head_dim 512: a 512-wide row's dots, summed in the kernel's order over its key tiles, differ from the
+    # reference's by up to 2.5e-5 (measured on an H200), past the 1e-5 that 128 and 256 keep
+    _check_prompt_launch(case, 48, monkeypatch, tol=1e-4 if dtype == torch.float32 and head_dim == 512 else None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
