@@ -129,16 +129,23 @@ _leave_device.device_guard = True
 
 
 def guard_devices(model: torch.nn.Module) -> None:
-    """Make each module accelerate placed on another GPU than the model's input device run with that GPU current
-    (:func:`unguard_devices` undoes it; ``generate`` runs with the input device current, :func:`on_input_gpu`).
-    accelerate moves a module's inputs to its device, but a Triton kernel launches on the current GPU and its current
-    stream, and the kernels take their torch reference for tensors on another GPU: without this, the layers on
-    cuda:1 ran every kernel's reference."""
-    home = input_device(model)
-    for module in model.modules():
+    """Make each module accelerate placed on another GPU than the one current when it is called run with its GPU
+    current (:func:`unguard_devices` undoes it; ``generate`` runs with the input device current,
+    :func:`on_input_gpu`). accelerate moves a module's inputs to its device, but a Triton kernel launches on the
+    current GPU and its current stream, and the kernels take their torch reference for tensors on another GPU:
+    without this, the layers on cuda:1 ran every kernel's reference. The GPU current at a module is its nearest
+    guarded ancestor's: under a top module hooked to cuda:1 (accelerate's main device) an embedding on the input
+    GPU is guarded back to it."""
+    def walk(module: torch.nn.Module, current: torch.device) -> None:
         device = _hook_device(module)
-        if device is not None and device.type == "cuda" and device != home:
+        if device is not None and device.type == "cuda" and device != current:
             _guard(module, device)
+            current = device
+        else:
+            _unguard(module)  # (guarded for another parent's GPU before)
+        for child in module.children():
+            walk(child, current)
+    walk(model, input_device(model))
 
 
 def _guard(module: torch.nn.Module, device: torch.device) -> None:

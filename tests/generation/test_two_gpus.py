@@ -96,8 +96,19 @@ def test_a_main_device_apart_from_the_embedding(mode):
     model.generation_config.eos_token_id = None
     ids, mask = (t.to("cuda:0") for t in batch(3))
     expected = _model(asset, None).generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode))
+    seen = _current_gpus(model.model.embed_tokens, model.model.layers[SPLITS[asset][0]])
     assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY, **_drafter(mode)).to("cuda:0"), expected)
     assert model._hf_specdec.graph_store.graphs
+    # the top module runs with cuda:1 current (its hook's device); the embedding on cuda:0 is guarded back to it
+    assert seen == {0: {0}, 1: {1}}
+
+
+def _current_gpus(*modules) -> dict[int, set[int]]:
+    """{i: the GPUs current when ``modules[i]``'s forward ran} (eager forwards: a prompt's), filled as they run."""
+    seen: dict[int, set[int]] = {i: set() for i in range(len(modules))}
+    for i, module in enumerate(modules):
+        module.register_forward_pre_hook(lambda m, args, i=i: seen[i].add(torch.cuda.current_device()))
+    return seen
 
 
 def test_a_model_offloaded_in_part_decodes_eagerly_and_disable_undoes_the_gpu_guards():
@@ -111,8 +122,10 @@ def test_a_model_offloaded_in_part_decodes_eagerly_and_disable_undoes_the_gpu_gu
     model.generation_config.eos_token_id = None
     ids, mask = (t.to("cuda:0") for t in batch(3))
     expected = _model("tiny-gemma4", None).generate(ids, attention_mask=mask, **GREEDY)
+    seen = _current_gpus(model.model.embed_tokens, model.model.layers[7])
     assert torch.equal(model.generate(ids, attention_mask=mask, **GREEDY), expected)
     assert model._hf_specdec.graph_store.devices == () and not model._hf_specdec.graph_store.graphs
-    assert _guards(model.model.layers[7])
+    # each module runs with its GPU current (accelerate's main device, whose hook is on the top module, is either)
+    assert seen == {0: {0}, 1: {1}} and any(_guards(m) for m in model.modules())
     hf_specdec.disable(model)
     assert not any(_guards(m) for m in model.modules())

@@ -191,6 +191,23 @@ def test_guard_devices_hooks_the_modules_on_other_gpus_once_and_unguard_removes_
     assert len(_guards(model.near)) == 2 and [h.device for h in pre] == [torch.device("cuda:2")]
 
 
+def test_under_a_top_module_hooked_to_another_gpu_the_parts_on_the_input_gpu_are_guarded_back_to_it():
+    """accelerate's main device may be cuda:1 (its top-level hook moves the arguments there) while the embedding is
+    on cuda:0: the top module runs with cuda:1 current, so the embedding and the parts on cuda:0 need their own
+    guards; the part on cuda:1 runs with cuda:1 current already."""
+    from hf_specdec.runtime.placement import _guards, guard_devices
+
+    model = _hooked(_Placed(), "cuda:1")
+    guard_devices(model)
+    devices = {name: [h.device for i, h in m._forward_pre_hooks.items() if i in _guards(m)]
+               for name, m in model.named_children()}
+    assert [h.device for i, h in model._forward_pre_hooks.items() if i in _guards(model)] == [torch.device("cuda:1")]
+    assert devices == {"embed": [torch.device("cuda:0")], "far": [], "near": [torch.device("cuda:0")], "host": []}
+    model._hf_hook = types.SimpleNamespace(execution_device="cuda:0")  # placed again with cuda:0 as main device
+    guard_devices(model)
+    assert not _guards(model) and not _guards(model.embed) and len(_guards(model.far)) == 2
+
+
 def test_a_guarded_forward_restores_the_gpu_when_it_raises_and_generate_restores_it_after_an_interrupt(monkeypatch):
     """The guards keep the current GPU balanced around a forward that raises; ``on_input_gpu`` (around each generate
     call) makes the input device's GPU current and puts the one before back whatever happened inside."""
