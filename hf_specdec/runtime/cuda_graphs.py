@@ -298,12 +298,25 @@ def capture_graph(fn, *inputs, devices: tuple = ()):
     with torch.cuda.stream(stream):
         fn(*inputs)
     torch.cuda.current_stream().wait_stream(stream)
-    if others:
-        return SpanningGraph.capture(fn, inputs, others)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # (its default stream is on the GPU first current)
-        outputs = fn(*inputs)
-    return graph, outputs
+    try:
+        if others:
+            return SpanningGraph.capture(fn, inputs, others)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # (its default stream is on the GPU first current)
+            outputs = fn(*inputs)
+        return graph, outputs
+    except BaseException:
+        _end_generator_capture(here)
+        raise
+
+
+def _end_generator_capture(index: int) -> None:
+    """Take GPU ``index``'s default random generator out of capture mode after a capture that failed: torch marks
+    it capturing when a capture begins and unmarks it only when the capture ends well, so every random op after a
+    failed one (the sampling of the eager decoding that follows) raised "Offset increment outside graph capture".
+    Its state is replaced by a copy (same seed and offset) that is not capturing."""
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 class SpanningGraph:
