@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import types
 from collections.abc import Mapping
@@ -21,7 +22,13 @@ from hf_specdec.generation.quantization import check_target_weights
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.runtime import GraphStore, ModelRunner, cuda_graphs_wanted
 from hf_specdec.runtime.cuda_graphs import check_max_graphs
-from hf_specdec.runtime.distributed import RankGroup, key_head_splits, local_kv_layout, tensor_parallel_group
+from hf_specdec.runtime.distributed import (
+    RankGroup,
+    key_head_splits,
+    local_kv_layout,
+    release_graphs_at_destroy,
+    tensor_parallel_group,
+)
 from hf_specdec.runtime.placement import (
     gpu_devices,
     guard_devices,
@@ -30,6 +37,10 @@ from hf_specdec.runtime.placement import (
     layer_devices,
     unguard_devices,
 )
+
+# CUDA graphs for a tensor-parallel model (every rank captures the same forwards, transformers' NCCL all-reduces
+# inside them); HF_SPECDEC_TP_GRAPHS=0 (read at import) runs its forwards eagerly
+TP_GRAPHS = os.environ.get("HF_SPECDEC_TP_GRAPHS", "1") != "0"
 
 
 @dataclass
@@ -80,11 +91,13 @@ class EnabledState:
 
     def graph_store_for(self, device: torch.device) -> GraphStore | None:
         """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off; never
-        for a tensor-parallel model (its forwards run eagerly, see runtime/distributed.py) nor for one accelerate
-        offloads in part (its hooks move weights, see runtime/placement.py). A model placed over several GPUs has
-        graphs that span them (``graph_store.devices``)."""
-        wanted = (cuda_graphs_wanted(self.cuda_graphs, device) and self.ranks is None
+        for a model accelerate offloads in part (its hooks move weights, see runtime/placement.py). A model placed
+        over several GPUs has graphs that span them (``graph_store.devices``); a tensor-parallel model's graphs hold
+        its NCCL collectives (released before its process group is destroyed, runtime/distributed.py)."""
+        wanted = (cuda_graphs_wanted(self.cuda_graphs, device) and (self.ranks is None or TP_GRAPHS)
                   and (not self.dispatched or bool(self.graph_store.devices)))
+        if wanted and self.ranks is not None:
+            release_graphs_at_destroy(self.graph_store)
         return self.graph_store if wanted else None
 
     def runner(self, model) -> ModelRunner:

@@ -21,14 +21,22 @@ every rank runs the same hf_specdec loop over the same rows, and this module kee
   (:meth:`RankGroup.smallest`): the ranks allocate alike, so none runs out of blocks (and stops) alone while the
   others wait in a collective.
 
-Fused forwards, stacked weights, the experts kernel and CUDA graphs are single-device paths: a sharded model
-keeps transformers' own (TP-wrapped) forwards and runs eagerly.
+- **CUDA graphs.** Every rank captures the same decode and verify forwards (and drafter calls) and replays them in
+  step; transformers' NCCL all-reduces are captured inside them. NCCL cannot tear down a communicator that live
+  graphs still use (``destroy_process_group`` hung), so while any such graph lives,
+  ``torch.distributed.destroy_process_group`` first drops the graphs of every enabled tensor-parallel model
+  (:func:`release_graphs_at_destroy`; the next ``generate`` captures anew).
+
+Fused forwards, stacked weights and the experts kernel are single-device paths: a sharded model keeps
+transformers' own (TP-wrapped) forwards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -254,3 +262,35 @@ def register_parallel_styles() -> None:
             return _AllReduceSum.apply(output, mesh.get_group())
 
     ALL_PARALLEL_STYLES.register(LOCAL_SHARDS_ALL_REDUCE, LocalShardsAllReduce())
+
+
+# ---------------------------------------------------------------- graphs with collectives inside
+
+
+_STORES_WITH_COLLECTIVES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def release_graphs_at_destroy(store) -> None:
+    """Have ``torch.distributed.destroy_process_group`` release ``store``'s graphs (a ``GraphStore`` of a
+    tensor-parallel model, whose graphs hold captured NCCL collectives) before it destroys a group: NCCL does not
+    tear down a communicator that live graphs use (the call hung). Installed once, for every such store; a store
+    whose model is gone drops out by itself."""
+    _STORES_WITH_COLLECTIVES.add(store)
+    if not getattr(dist.destroy_process_group, "_hf_specdec_releases_graphs", False):
+        dist.destroy_process_group = _releasing_graphs(dist.destroy_process_group)
+
+
+def _releasing_graphs(destroy):
+    @functools.wraps(destroy)
+    def destroy_process_group(*args, **kwargs):
+        stores = list(_STORES_WITH_COLLECTIVES)
+        for store in stores:
+            store.release()
+        if stores and torch.cuda.is_available():
+            import gc
+
+            gc.collect()  # (a graph kept alive by a reference cycle)
+            torch.cuda.synchronize()
+        return destroy(*args, **kwargs)
+    destroy_process_group._hf_specdec_releases_graphs = True
+    return destroy_process_group

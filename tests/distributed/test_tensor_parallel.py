@@ -10,30 +10,16 @@ test checks one part of what they wrote.
 
 from __future__ import annotations
 
-import json
-import pathlib
-import socket
-import time
-
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
 
 from hf_specdec.runtime.distributed import local_kv_layout, tensor_parallel_group
 from tests.distributed import tp_cases, tp_worker
 
-WORLD_SIZE = 2
-TIMEOUT_S = 240  # both ranks together; a hung collective fails sooner (tp_worker.GROUP_TIMEOUT_S)
+WORLD_SIZE = tp_worker.WORLD_SIZE
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +30,7 @@ def gemma_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(gemma_dirs, tmp_path_factory) -> list[dict]:
     """What each rank wrote (see tp_worker.main)."""
-    out = tmp_path_factory.mktemp("tp_ranks")
-    args = (WORLD_SIZE, _free_port(), {name: str(path) for name, path in gemma_dirs.items()}, str(out))
-    context = mp.start_processes(tp_worker.main, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
-    deadline, error = time.monotonic() + TIMEOUT_S, None
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                error = f"the {WORLD_SIZE} ranks did not finish within {TIMEOUT_S} s"
-                break
-    except ProcessException as exc:  # a rank raised or died: its traceback is in its file
-        error = str(exc)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    written = [pathlib.Path(out, f"rank{r}.json") for r in range(WORLD_SIZE)]
-    results = [json.loads(path.read_text()) if path.exists() else {} for path in written]
-    failures = [r.get("failure") for r in results if r.get("failure")]
-    if error or failures:
-        pytest.fail(f"{error or 'a rank failed'}\n" + "\n".join(failures))
-    return results
+    return tp_worker.spawn_ranks(gemma_dirs, tmp_path_factory.mktemp("tp_ranks"), "gloo")
 
 
 @pytest.fixture(scope="module")

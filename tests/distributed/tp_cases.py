@@ -72,10 +72,13 @@ def write_shardable_gemma(root: pathlib.Path) -> dict[str, pathlib.Path]:
 
 @functools.lru_cache(maxsize=None)
 def load(path: str, placement: str):
-    """A model (enabled if it is a target) loaded for one process ("single"), sharded by its own tp_plan ("tp"), or
-    sharded with its attention projections replicated ("tp_replicated_attention")."""
+    """A model (enabled if it is a target) loaded for one process ("single" on the CPU, "single:cuda:0" on that GPU),
+    sharded by its own tp_plan ("tp"), or sharded with its attention projections replicated
+    ("tp_replicated_attention"); sharded models go where transformers puts each rank's (cuda:r with NCCL)."""
     kwargs = dict(dtype=torch.float32)
-    if placement == "tp":
+    if placement.startswith("single:"):
+        kwargs["device_map"] = {"": placement.split(":", 1)[1]}
+    elif placement == "tp":
         kwargs["tp_plan"] = "auto"
     elif placement == "tp_replicated_attention":
         from transformers.distributed import DistributedConfig
@@ -92,25 +95,31 @@ def replicated_attention_plan() -> dict[str, str]:
     return plan(transformers.Gemma4ForCausalLM)
 
 
-def target_of(family: str, gemma_dirs: dict[str, pathlib.Path], tp: bool):
+def _single(device: str) -> str:
+    return "single" if device == "cpu" else f"single:{device}"
+
+
+def target_of(family: str, gemma_dirs: dict[str, pathlib.Path], tp: bool, device: str = "cpu"):
+    """``device``: where the one-process model goes (ignored for sharded ones)."""
     if family == "step":
-        return load(str(asset_path("tiny-step3p5")), "tp" if tp else "single")
+        return load(str(asset_path("tiny-step3p5")), "tp" if tp else _single(device))
     if family == "gemma":
-        return load(str(gemma_dirs["target"]), "tp" if tp else "single")
-    return load(str(asset_path("tiny-gemma4")), "tp_replicated_attention" if tp else "single")
+        return load(str(gemma_dirs["target"]), "tp" if tp else _single(device))
+    return load(str(asset_path("tiny-gemma4")), "tp_replicated_attention" if tp else _single(device))
 
 
-def drafter_kwargs(case: Case, gemma_dirs: dict[str, pathlib.Path]) -> dict:
-    """The generate() arguments of the case's speculative mode; drafters load replicated on every rank."""
+def drafter_kwargs(case: Case, gemma_dirs: dict[str, pathlib.Path], device: str = "cpu") -> dict:
+    """The generate() arguments of the case's speculative mode; drafters load replicated on every rank (on
+    ``device``: this process's)."""
     if case.mode == "plain":
         return {}
     if case.family == "step":
         return dict(spec_mode="mtp", num_speculative_tokens=3)
     if case.mode == "dflash":
-        return dict(assistant_model=load(str(gemma_dirs["dflash"]), "single"), spec_mode="dflash",
+        return dict(assistant_model=load(str(gemma_dirs["dflash"]), _single(device)), spec_mode="dflash",
                     num_speculative_tokens=4)
     assistant = gemma_dirs["assistant"] if case.family == "gemma" else asset_path("tiny-gemma4-assistant")
-    return dict(assistant_model=load(str(assistant), "single"),
+    return dict(assistant_model=load(str(assistant), _single(device)),
                 num_speculative_tokens="auto" if case.mode == "mtp_auto" else 3)
 
 
@@ -124,17 +133,17 @@ def prompts(family: str):
     return enc["input_ids"], enc["attention_mask"]
 
 
-def run_case(case: Case, gemma_dirs: dict[str, pathlib.Path], tp: bool) -> dict:
+def run_case(case: Case, gemma_dirs: dict[str, pathlib.Path], tp: bool, device: str = "cpu") -> dict:
     """The tokens ``case`` generates and its stats (every rank of a tensor-parallel group runs it alike when
-    ``tp``)."""
-    model = target_of(case.family, gemma_dirs, tp)
-    input_ids, attention_mask = prompts(case.family)
+    ``tp``; ``device``: this process's, a rank's own GPU under NCCL)."""
+    model = target_of(case.family, gemma_dirs, tp, device)
+    input_ids, attention_mask = (t.to(device) for t in prompts(case.family))
     sampling = dict(do_sample=True, temperature=0.8, top_k=50) if case.do_sample else dict(do_sample=False)
     # each rank draws from its own random stream: only what rank 0 drew (as one process seeded alike) may count
     torch.manual_seed(SEED + (torch.distributed.get_rank() if tp else 0))
     with _rank_dependent_round_costs(tp and case.mode == "mtp_auto"):
         out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, **sampling,
-                             **drafter_kwargs(case, gemma_dirs))
+                             **drafter_kwargs(case, gemma_dirs, device))
     stats = hf_specdec.last_generation_stats(model)
     return dict(tokens=out.tolist(), target_forwards=stats.num_target_forwards,
                 accepted=stats.num_accepted_tokens)
@@ -158,8 +167,8 @@ def _rank_dependent_round_costs(on: bool):
         adaptive_k.RoundCosts.curve = original
 
 
-def run_cases(gemma_dirs: dict[str, pathlib.Path], tp: bool) -> dict[str, dict]:
-    return {case.name: run_case(case, gemma_dirs, tp) for case in CASES}
+def run_cases(gemma_dirs: dict[str, pathlib.Path], tp: bool, device: str = "cpu") -> dict[str, dict]:
+    return {case.name: run_case(case, gemma_dirs, tp, device) for case in CASES}
 
 
 def kv_heads(gemma_dirs: dict[str, pathlib.Path], tp: bool) -> dict[str, list[int]]:

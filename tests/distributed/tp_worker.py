@@ -7,30 +7,48 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
+import time
 import traceback
 import warnings
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 GROUP_TIMEOUT_S = 90  # a rank left waiting in a collective fails instead of hanging the test
+WORLD_SIZE = 2
+TIMEOUT_S = 240  # both ranks together; a hung collective fails sooner (GROUP_TIMEOUT_S)
 
 
-def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_dir: str) -> None:
-    # CPU ranks even on a GPU machine (before anything initialises CUDA): with a GPU visible transformers would
-    # place rank r on cuda:r, which a one-GPU machine does not have
+def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_dir: str,
+         backend: str = "gloo") -> None:
+    """``backend`` "gloo": CPU ranks; "nccl": rank r on cuda:r (each target's graphs counted; the process group is
+    destroyed under them, as a user's script does it)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      CUDA_VISIBLE_DEVICES="")
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "gloo":
+        # CPU ranks even on a GPU machine (before anything initialises CUDA): with a GPU visible transformers would
+        # place rank r on cuda:r, which a one-GPU machine does not have
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        torch.cuda.set_device(rank)
     torch.set_num_threads(1)
     _quiet()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     result = {}
     try:
         from tests.distributed import tp_cases
 
         dirs = {name: pathlib.Path(path) for name, path in gemma_dirs.items()}
+        if backend == "nccl":
+            result["cases"] = tp_cases.run_cases(dirs, tp=True, device=f"cuda:{rank}")
+            result["graphs"] = {family: len(tp_cases.target_of(family, dirs, tp=True)._hf_specdec.graph_store.graphs)
+                                for family in ("gemma", "step", "gemma_replicated_attention")}
+            return
         result["cases"] = tp_cases.run_cases(dirs, tp=True)
         result["kv_heads"] = tp_cases.kv_heads(dirs, tp=True)
         result["errors"] = refused_placements(dirs)
@@ -79,3 +97,34 @@ def _quiet() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_ranks(gemma_dirs, out, backend: str) -> list[dict]:
+    """(The test process's side.) Run :func:`main` on WORLD_SIZE ranks of ``backend`` and return what each wrote; fails the test when a rank
+    raised, died or did not finish within TIMEOUT_S."""
+    args = (WORLD_SIZE, _free_port(), {name: str(path) for name, path in gemma_dirs.items()}, str(out), backend)
+    context = mp.start_processes(main, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
+    deadline, error = time.monotonic() + TIMEOUT_S, None
+    try:
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                error = f"the {WORLD_SIZE} ranks did not finish within {TIMEOUT_S} s"
+                break
+    except ProcessException as exc:  # a rank raised or died: its traceback is in its file
+        error = str(exc)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    written = [pathlib.Path(out, f"rank{r}.json") for r in range(WORLD_SIZE)]
+    results = [json.loads(path.read_text()) if path.exists() else {} for path in written]
+    failures = [r.get("failure") for r in results if r.get("failure")]
+    if error or failures:
+        pytest.fail(f"{error or 'a rank failed'}\n" + "\n".join(failures))
+    return results

@@ -1,0 +1,51 @@
+"""Tensor parallelism on two GPUs (skipped on machines with fewer): two NCCL ranks, rank r on cuda:r, run the cases
+of ``tp_cases`` as the CPU test does, with CUDA graphs (every rank captures the same forwards and drafter calls,
+transformers' all-reduces inside them). Greedy tokens and accepted drafts are those of one process on cuda:0;
+sampled ones agree between the ranks; every target replayed graphs; and the ranks finish although each destroys its
+process group under its live graphs, as a user's script does (NCCL hung there: runtime/distributed.py releases
+the graphs first)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import tp_cases, tp_worker
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < tp_worker.WORLD_SIZE or not dist.is_nccl_available(),
+                                reason="needs two GPUs and NCCL")
+
+GREEDY = [case.name for case in tp_cases.CASES if not case.do_sample]
+SAMPLED = [case.name for case in tp_cases.CASES if case.do_sample]
+
+
+@pytest.fixture(scope="module")
+def gemma_dirs(tmp_path_factory):
+    return tp_cases.write_shardable_gemma(tmp_path_factory.mktemp("tp_models_gpu"))
+
+
+@pytest.fixture(scope="module")
+def ranks(gemma_dirs, tmp_path_factory) -> list[dict]:
+    return tp_worker.spawn_ranks(gemma_dirs, tmp_path_factory.mktemp("tp_ranks_gpu"), "nccl")
+
+
+@pytest.fixture(scope="module")
+def single(gemma_dirs) -> dict[str, dict]:
+    return tp_cases.run_cases(gemma_dirs, tp=False, device="cuda:0")
+
+
+@pytest.mark.parametrize("case", GREEDY)
+def test_every_rank_commits_the_greedy_tokens_and_accepts_of_one_gpu(case, ranks, single):
+    for rank, result in enumerate(ranks):
+        assert result["cases"][case] == single[case], f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", SAMPLED)
+def test_sampled_tokens_are_the_same_on_every_rank(case, ranks):
+    assert ranks[0]["cases"][case] == ranks[1]["cases"][case]
+
+
+def test_every_sharded_target_replayed_graphs(ranks):
+    for result in ranks:
+        assert all(count > 0 for count in result["graphs"].values()), result["graphs"]
