@@ -41,6 +41,10 @@ from hf_specdec.runtime.placement import (
 # CUDA graphs for a tensor-parallel model (every rank captures the same forwards, transformers' NCCL all-reduces
 # inside them); HF_SPECDEC_TP_GRAPHS=0 (read at import) runs its forwards eagerly
 TP_GRAPHS = os.environ.get("HF_SPECDEC_TP_GRAPHS", "1") != "0"
+# The fused forwards on a tensor-parallel model's shards (decoder layers, attention, MLPs, norms: they call the
+# sharded projections as modules, so through transformers' TP wrappers); HF_SPECDEC_TP_FUSED=1 (read at import)
+# installs them. Off until measured on two GPUs (tested on CPU ranks only)
+TP_FUSED = os.environ.get("HF_SPECDEC_TP_FUSED", "0") == "1"
 
 
 @dataclass
@@ -78,8 +82,9 @@ class EnabledState:
     def fuse_where_kernels_run(self, model) -> None:
         """Install the kernels-only fused forwards on ``model`` (this state's model) while it has weights where
         the kernels run, remove them while it has none: at ``enable``, and at each ``generate``, since
-        ``model.to(...)`` moves an enabled model. A sharded model keeps transformers' tensor-parallel forwards."""
-        if self.ranks is not None:
+        ``model.to(...)`` moves an enabled model. A sharded model keeps transformers' tensor-parallel forwards unless
+        TP_FUSED."""
+        if self.ranks is not None and not TP_FUSED:
             return
         wanted = kernels_may_run(model)
         if wanted != self.fused:
@@ -145,9 +150,10 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
         guard_devices(model)
         model._hf_specdec.graph_store.devices = gpu_devices(model)
     model.generate = types.MethodType(generate, model)
-    if ranks is None:  # a sharded model keeps transformers' tensor-parallel forwards (single-device kernels)
+    if ranks is None or TP_FUSED:
         fuse_modules(model, kernels=False)  # what every device needs (the FP8 layers' forwards)
         model._hf_specdec.fuse_where_kernels_run(model)
+    if ranks is None:  # a sharded model's experts keep transformers' tensor-parallel forward
         model._hf_specdec.original_experts = select_experts(model)
     return model
 

@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (skipped on machines with fewer): two NCCL ranks, rank r on cuda:r, run the cases
-of ``tp_cases`` as the CPU test does, with CUDA graphs (every rank captures the same forwards and drafter calls,
+of ``tp_cases`` as the CPU test does (with transformers' forwards of the sharded model, then with hf_specdec's fused
+ones, ``HF_SPECDEC_TP_FUSED=1``), with CUDA graphs (every rank captures the same forwards and drafter calls,
 transformers' all-reduces inside them). Greedy tokens and accepted drafts are those of one process on cuda:0;
 sampled ones agree between the ranks; every target replayed graphs; and the ranks finish although each destroys its
 process group under its live graphs, as a user's script does (NCCL hung there: runtime/distributed.py releases
@@ -25,9 +26,16 @@ def gemma_dirs(tmp_path_factory):
     return tp_cases.write_shardable_gemma(tmp_path_factory.mktemp("tp_models_gpu"))
 
 
-@pytest.fixture(scope="module")
-def ranks(gemma_dirs, tmp_path_factory) -> list[dict]:
-    return tp_worker.spawn_ranks(gemma_dirs, tmp_path_factory.mktemp("tp_ranks_gpu"), "nccl")
+@pytest.fixture(scope="module", params=["transformers_forwards", "fused_forwards"])
+def ranks(request, gemma_dirs, tmp_path_factory) -> list[dict]:
+    """What each rank wrote, running transformers' forwards of the sharded model, or hf_specdec's fused ones
+    (HF_SPECDEC_TP_FUSED=1)."""
+    options = dict(env={"HF_SPECDEC_TP_FUSED": "1"}) if request.param == "fused_forwards" else None
+    results = tp_worker.spawn_ranks(gemma_dirs, tmp_path_factory.mktemp("tp_ranks_gpu"), "nccl", options)
+    for result in results:
+        fused = result["fused_modules"]
+        assert all(fused.values()) if options else not any(fused.values()), fused
+    return results
 
 
 @pytest.fixture(scope="module")

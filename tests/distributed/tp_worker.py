@@ -25,11 +25,14 @@ TIMEOUT_S = 240  # both ranks together; a hung collective fails sooner (GROUP_TI
 
 
 def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_dir: str,
-         backend: str = "gloo") -> None:
+         backend: str = "gloo", options: dict | None = None) -> None:
     """``backend`` "gloo": CPU ranks; "nccl": rank r on cuda:r (each target's graphs counted; the process group is
-    destroyed under them, as a user's script does it)."""
+    destroyed under them, as a user's script does it). ``options``: "env" (set before hf_specdec is imported),
+    "cases" (names: only those, and nothing else), "max_new_tokens"."""
+    options = options or {}
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      **options.get("env", {}))
     if backend == "gloo":
         # CPU ranks even on a GPU machine (before anything initialises CUDA): with a GPU visible transformers would
         # place rank r on cuda:r, which a one-GPU machine does not have
@@ -44,10 +47,19 @@ def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_
         from tests.distributed import tp_cases
 
         dirs = {name: pathlib.Path(path) for name, path in gemma_dirs.items()}
+        tp_cases.MAX_NEW_TOKENS = options.get("max_new_tokens", tp_cases.MAX_NEW_TOKENS)
+        if "cases" in options:
+            chosen = [case for case in tp_cases.CASES if case.name in options["cases"]]
+            result["cases"] = {case.name: tp_cases.run_case(case, dirs, tp=True) for case in chosen}
+            result["fused_modules"] = {case.name: fused_modules(tp_cases.target_of(case.family, dirs, tp=True))
+                                       for case in chosen}
+            return
         if backend == "nccl":
             result["cases"] = tp_cases.run_cases(dirs, tp=True, device=f"cuda:{rank}")
-            result["graphs"] = {family: len(tp_cases.target_of(family, dirs, tp=True)._hf_specdec.graph_store.graphs)
-                                for family in ("gemma", "step", "gemma_replicated_attention")}
+            targets = {family: tp_cases.target_of(family, dirs, tp=True)
+                       for family in ("gemma", "step", "gemma_replicated_attention")}
+            result["graphs"] = {family: len(t._hf_specdec.graph_store.graphs) for family, t in targets.items()}
+            result["fused_modules"] = {family: fused_modules(t) for family, t in targets.items()}
             return
         result["cases"] = tp_cases.run_cases(dirs, tp=True)
         result["kv_heads"] = tp_cases.kv_heads(dirs, tp=True)
@@ -58,6 +70,14 @@ def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_
     finally:
         pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()
+
+
+def fused_modules(model) -> int:
+    """How many modules of ``model`` run hf_specdec's fused forward."""
+    from hf_specdec.generation.fusion import _FUSED
+
+    return sum(getattr(vars(m).get("forward"), "__func__", None) is _FUSED[type(m)].forward
+               for m in model.modules() if type(m) in _FUSED)
 
 
 def refused_placements(gemma_dirs: dict[str, pathlib.Path]) -> dict[str, str]:
@@ -105,10 +125,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn_ranks(gemma_dirs, out, backend: str) -> list[dict]:
-    """(The test process's side.) Run :func:`main` on WORLD_SIZE ranks of ``backend`` and return what each wrote; fails the test when a rank
-    raised, died or did not finish within TIMEOUT_S."""
-    args = (WORLD_SIZE, _free_port(), {name: str(path) for name, path in gemma_dirs.items()}, str(out), backend)
+def spawn_ranks(gemma_dirs, out, backend: str, options: dict | None = None) -> list[dict]:
+    """(The test process's side.) Run :func:`main` on WORLD_SIZE ranks of ``backend`` and return what each wrote;
+    fails the test when a rank raised, died or did not finish within TIMEOUT_S."""
+    args = (WORLD_SIZE, _free_port(), {name: str(path) for name, path in gemma_dirs.items()}, str(out), backend,
+            options)
     context = mp.start_processes(main, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
     deadline, error = time.monotonic() + TIMEOUT_S, None
     try:

@@ -24,6 +24,7 @@ from hf_specdec.kernels.rms_norm import add_rms_norm, rms_norm
 from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.models.step3p5.layers import Step3p5Attention, Step3p5MLP, Step3p5RMSNorm
 from hf_specdec.models.step3p5.modeling import Step3p5DecoderLayer, Step3p5MTPLayer
+from hf_specdec.runtime.distributed import is_sharded
 
 
 def _step3p5_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -67,7 +68,8 @@ def _step3p5_decoder_forward(self, hidden_states: torch.Tensor, position_embeddi
                              past_key_values=None, **kwargs) -> torch.Tensor:
     """``Step3p5DecoderLayer.forward`` with the residual add after attention and the norm after it in one launch
     (:func:`add_rms_norm`), and in an MoE layer the shared expert's output and the residual added in the experts'
-    sum launch (``Step3p5MoE.forward(..., addends=)``). The CPU and autograd run the original."""
+    sum launch (``Step3p5MoE.forward(..., addends=)``; not under tensor parallelism, whose all-reduce of the
+    experts' output would sum them once per rank). The CPU and autograd run the original."""
     if not use_triton(hidden_states) or needs_grad(hidden_states):
         return Step3p5DecoderLayer.forward(self, hidden_states, position_embeddings, attention_mask,
                                            past_key_values=past_key_values, **kwargs)
@@ -76,6 +78,8 @@ def _step3p5_decoder_forward(self, hidden_states: torch.Tensor, position_embeddi
     norm = self.post_attention_layernorm
     hidden_states, x = add_rms_norm(attn_out, hidden_states, norm.weight, norm.eps, weight_offset=1.0)
     if hasattr(self, "moe"):
+        if is_sharded(self.moe):  # its tensor-parallel style sums its output over the ranks: nothing may join it
+            return hidden_states + (self.moe(x) + self.share_expert(x))
         return self.moe(x, addends=(self.share_expert(x), hidden_states))
     return hidden_states + self.mlp(x)
 
