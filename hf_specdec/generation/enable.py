@@ -146,6 +146,8 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
                                      head_shard=ranks if split else None, dispatched=dispatched)
     if max_cuda_graphs is not None:
         model._hf_specdec.graph_store.max_graphs = max_cuda_graphs
+    if ranks is not None and TP_GRAPHS:  # its graphs will hold collectives: destroying its group releases them first
+        release_graphs_at_destroy(model._hf_specdec.graph_store)
     if dispatched:  # kernels launch on each layer's GPU; graphs span the GPUs where nothing is offloaded
         guard_devices(model)
         model._hf_specdec.graph_store.devices = gpu_devices(model)

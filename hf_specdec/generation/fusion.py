@@ -34,6 +34,7 @@ from hf_specdec.kernels.fp8_w8a8 import compressed_fp8_linear_forward, fp8_linea
 from hf_specdec.kernels.fp8_moe import fp8_experts_forward, fp8_experts_fusible
 from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import dense_weight, stack_weights
+from hf_specdec.runtime.distributed import holds_shards
 from hf_specdec.runtime.placement import moves_activations_only
 
 
@@ -82,6 +83,8 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
             continue
         wrapped = "forward" in vars(module)  # accelerate's hook wraps it (device_map): its _old_forward is fused
         if wrapped and not (moves_activations_only(module) and _ORIGINAL not in vars(module)):
+            continue
+        if holds_shards(module):  # a tensor-parallel shard (its own weights): transformers' TP forward reads it
             continue
         with gpu_of_weights(module):  # the checks ask whether the kernels run where the weights are
             if not fused.fusible(module):

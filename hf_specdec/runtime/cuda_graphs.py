@@ -312,11 +312,15 @@ def capture_graph(fn, *inputs, devices: tuple = ()):
 
 def _end_generator_capture(index: int) -> None:
     """Take GPU ``index``'s default random generator out of capture mode after a capture that failed: torch marks
-    it capturing when a capture begins and unmarks it only when the capture ends well, so every random op after a
-    failed one (the sampling of the eager decoding that follows) raised "Offset increment outside graph capture".
-    Its state is replaced by a copy (same seed and offset) that is not capturing."""
-    generator = torch.cuda.default_generators[index]
-    generator.graphsafe_set_state(generator.clone_state())
+    its state capturing when a capture begins and unmarks it only when a capture ends well, so every random op after
+    a failed one (the sampling of the eager decoding that follows) raised "Offset increment outside graph capture".
+    A capture of nothing that ends well unmarks that same state object, which the graphs captured before share (a
+    fresh state would leave them on the marked one, out of reach of ``manual_seed``); harmless where nothing was
+    marked."""
+    with torch.cuda.device(index):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+            torch.empty(1, device=torch.device("cuda", index)).zero_()  # (torch warns of an empty graph)
 
 
 class SpanningGraph:

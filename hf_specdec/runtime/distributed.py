@@ -27,8 +27,9 @@ every rank runs the same hf_specdec loop over the same rows, and this module kee
   ``torch.distributed.destroy_process_group`` first drops the graphs of every enabled tensor-parallel model
   (:func:`release_graphs_at_destroy`; the next ``generate`` captures anew).
 
-Fused forwards, stacked weights and the experts kernel are single-device paths: a sharded model keeps
-transformers' own (TP-wrapped) forwards.
+Stacked weights, ``skinny_linear`` and the experts kernel read weights directly: a sharded projection or experts
+module keeps transformers' own (TP-wrapped) forward. The fused decoder layers, attention, MLPs and norms, which call
+the projections as modules, are installed on a sharded model with ``HF_SPECDEC_TP_FUSED=1`` (generation/enable.py).
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from hf_specdec.cache import KVLayout
 
@@ -111,6 +114,16 @@ def _sharding_mesh(model: torch.nn.Module):
         if isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.device_mesh.size() > 1:
             return param.device_mesh
     return None
+
+
+def holds_shards(module: torch.nn.Module) -> bool:
+    """Whether a parameter of ``module`` itself (not of its submodules) is a DTensor: a projection or experts
+    module that a tensor-parallel plan sharded, whose forward transformers wrapped to read the shards."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
@@ -268,22 +281,26 @@ def register_parallel_styles() -> None:
 
 
 _STORES_WITH_COLLECTIVES: "weakref.WeakSet" = weakref.WeakSet()
+_STORES_LOCK = threading.Lock()
 
 
 def release_graphs_at_destroy(store) -> None:
     """Have ``torch.distributed.destroy_process_group`` release ``store``'s graphs (a ``GraphStore`` of a
     tensor-parallel model, whose graphs hold captured NCCL collectives) before it destroys a group: NCCL does not
-    tear down a communicator that live graphs use (the call hung). Installed once, for every such store; a store
-    whose model is gone drops out by itself."""
-    _STORES_WITH_COLLECTIVES.add(store)
-    if not getattr(dist.destroy_process_group, "_hf_specdec_releases_graphs", False):
-        dist.destroy_process_group = _releasing_graphs(dist.destroy_process_group)
+    tear down a communicator that live graphs use (the call hung). Installed once (under both names torch gives the
+    function), for every such store; a store whose model is gone drops out by itself."""
+    with _STORES_LOCK:
+        _STORES_WITH_COLLECTIVES.add(store)
+        for module in (dist, distributed_c10d):
+            if not getattr(module.destroy_process_group, "_hf_specdec_releases_graphs", False):
+                module.destroy_process_group = _releasing_graphs(module.destroy_process_group)
 
 
 def _releasing_graphs(destroy):
     @functools.wraps(destroy)
     def destroy_process_group(*args, **kwargs):
-        stores = list(_STORES_WITH_COLLECTIVES)
+        with _STORES_LOCK:
+            stores = list(_STORES_WITH_COLLECTIVES)
         for store in stores:
             store.release()
         if stores and torch.cuda.is_available():

@@ -133,19 +133,23 @@ def guard_devices(model: torch.nn.Module) -> None:
     current (:func:`unguard_devices` undoes it; ``generate`` runs with the input device current,
     :func:`on_input_gpu`). accelerate moves a module's inputs to its device, but a Triton kernel launches on the
     current GPU and its current stream, and the kernels take their torch reference for tensors on another GPU:
-    without this, the layers on cuda:1 ran every kernel's reference. The GPU current at a module is its nearest
-    guarded ancestor's: under a top module hooked to cuda:1 (accelerate's main device) an embedding on the input
-    GPU is guarded back to it."""
+    without this, the layers on cuda:1 ran every kernel's reference. Guarded: every module placed on another GPU
+    than the input device (some are also called outside their parent's forward, with the input GPU current: an LM
+    head read by a drafter, Step 3.5's MTP layers), and every module placed on another GPU than the one its nearest
+    guarded ancestor makes current (under a top module hooked to cuda:1, accelerate's main device, an embedding on
+    the input GPU is guarded back to it)."""
+    home = input_device(model)
+
     def walk(module: torch.nn.Module, current: torch.device) -> None:
         device = _hook_device(module)
-        if device is not None and device.type == "cuda" and device != current:
+        if device is not None and device.type == "cuda" and (device != current or device != home):
             _guard(module, device)
             current = device
         else:
             _unguard(module)  # (guarded for another parent's GPU before)
         for child in module.children():
             walk(child, current)
-    walk(model, input_device(model))
+    walk(model, home)
 
 
 def _guard(module: torch.nn.Module, device: torch.device) -> None:

@@ -21,17 +21,23 @@ class _Store:
 
 def test_destroy_releases_every_registered_store_first_and_a_dropped_store_drops_out(monkeypatch):
     log = []
-    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: log.append(("destroy", group)))
+    from torch.distributed import distributed_c10d
+
+    def destroy(group=None):
+        log.append(("destroy", group))
+    for module in (dist, distributed_c10d):  # torch's two names of the function: both wrapped
+        monkeypatch.setattr(module, "destroy_process_group", destroy)
     monkeypatch.setattr(distributed, "_STORES_WITH_COLLECTIVES", type(distributed._STORES_WITH_COLLECTIVES)())
     first, second = _Store(log), _Store(log)
     distributed.release_graphs_at_destroy(first)
     distributed.release_graphs_at_destroy(first)  # installed once, registered once
     distributed.release_graphs_at_destroy(second)
     assert dist.destroy_process_group._hf_specdec_releases_graphs
+    assert distributed_c10d.destroy_process_group._hf_specdec_releases_graphs
     dist.destroy_process_group("group")
     assert log == ["release", "release", ("destroy", "group")]
     del second
     gc.collect()
     log.clear()
-    dist.destroy_process_group()
+    distributed_c10d.destroy_process_group()
     assert log == ["release", ("destroy", None)]

@@ -2,9 +2,9 @@
 of ``tp_cases`` as the CPU test does (with transformers' forwards of the sharded model, then with hf_specdec's fused
 ones, ``HF_SPECDEC_TP_FUSED=1``), with CUDA graphs (every rank captures the same forwards and drafter calls,
 transformers' all-reduces inside them). Greedy tokens and accepted drafts are those of one process on cuda:0;
-sampled ones agree between the ranks; every target replayed graphs; and the ranks finish although each destroys its
-process group under its live graphs, as a user's script does (NCCL hung there: runtime/distributed.py releases
-the graphs first)."""
+sampled ones agree between the ranks; every target kept graphs it captured; and the ranks finish although each
+destroys its process group under its live graphs, as a user's script does (NCCL hung there: runtime/distributed.py
+releases the graphs first)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,6 @@ def test_sampled_tokens_are_the_same_on_every_rank(case, ranks):
     assert ranks[0]["cases"][case] == ranks[1]["cases"][case]
 
 
-def test_every_sharded_target_replayed_graphs(ranks):
+def test_every_sharded_target_kept_the_graphs_it_captured(ranks):
     for result in ranks:
         assert all(count > 0 for count in result["graphs"].values()), result["graphs"]

@@ -529,13 +529,24 @@ def test_a_graph_spans_two_gpus_and_replays_what_runs_eagerly():
 def test_random_ops_work_after_a_capture_that_failed():
     """A capture that fails (here a host sync inside it) leaves the GPU's random generator usable: torch marks it
     capturing when a capture begins and only unmarks it when one ends well, so the eager decoding that follows a
-    failed capture could not sample ("Offset increment outside graph capture")."""
+    failed capture could not sample ("Offset increment outside graph capture"); graphs captured before keep
+    replaying, seeded by ``manual_seed``."""
     from hf_specdec.runtime.cuda_graphs import capture_graph
 
     x = torch.ones(4, device="cuda")
+    drawing, drawn = capture_graph(lambda t: t + torch.rand(4, device="cuda"), x)  # a graph captured before
     with pytest.raises(Exception):  # noqa: B017 - whatever CUDA says of a sync inside a capture
         capture_graph(lambda t: t * t.sum().item(), x)
     torch.manual_seed(0)
     first = torch.rand(8, device="cuda")
     torch.manual_seed(0)
     assert torch.equal(torch.rand(8, device="cuda"), first) and torch.multinomial(first, 2).shape == (2,)
+    # the graph captured before still replays, on the generator state manual_seed reaches
+    torch.manual_seed(1)
+    drawing.replay()
+    again = drawn.clone()
+    drawing.replay()
+    assert not torch.equal(drawn, again)  # each replay draws anew
+    torch.manual_seed(1)
+    drawing.replay()
+    assert torch.equal(drawn, again)

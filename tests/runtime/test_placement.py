@@ -194,7 +194,7 @@ def test_guard_devices_hooks_the_modules_on_other_gpus_once_and_unguard_removes_
 def test_under_a_top_module_hooked_to_another_gpu_the_parts_on_the_input_gpu_are_guarded_back_to_it():
     """accelerate's main device may be cuda:1 (its top-level hook moves the arguments there) while the embedding is
     on cuda:0: the top module runs with cuda:1 current, so the embedding and the parts on cuda:0 need their own
-    guards; the part on cuda:1 runs with cuda:1 current already."""
+    guards; the part on cuda:1 keeps its own too (it may be called outside the top module's forward)."""
     from hf_specdec.runtime.placement import _guards, guard_devices
 
     model = _hooked(_Placed(), "cuda:1")
@@ -202,7 +202,8 @@ def test_under_a_top_module_hooked_to_another_gpu_the_parts_on_the_input_gpu_are
     devices = {name: [h.device for i, h in m._forward_pre_hooks.items() if i in _guards(m)]
                for name, m in model.named_children()}
     assert [h.device for i, h in model._forward_pre_hooks.items() if i in _guards(model)] == [torch.device("cuda:1")]
-    assert devices == {"embed": [torch.device("cuda:0")], "far": [], "near": [torch.device("cuda:0")], "host": []}
+    assert devices == {"embed": [torch.device("cuda:0")], "far": [torch.device("cuda:1")],
+                       "near": [torch.device("cuda:0")], "host": []}
     model._hf_hook = types.SimpleNamespace(execution_device="cuda:0")  # placed again with cuda:0 as main device
     guard_devices(model)
     assert not _guards(model) and not _guards(model.embed) and len(_guards(model.far)) == 2
