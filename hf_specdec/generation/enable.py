@@ -77,7 +77,14 @@ class EnabledState:
         copied.ranks, copied.head_shard, copied.dispatched = self.ranks, self.head_shard, self.dispatched
         copied.graph_store.devices = self.graph_store.devices
         copied.fused = self.fused
+        copied.hold_collectives()
         return copied
+
+    def hold_collectives(self) -> None:
+        """A tensor-parallel model's graphs will hold NCCL collectives: have destroying its process group release
+        them first (runtime/distributed.py). Called where a state gets its graph store (``enable``, a copy)."""
+        if self.ranks is not None and TP_GRAPHS:
+            release_graphs_at_destroy(self.graph_store)
 
     def fuse_where_kernels_run(self, model) -> None:
         """Install the kernels-only fused forwards on ``model`` (this state's model) while it has weights where
@@ -98,11 +105,9 @@ class EnabledState:
         """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off; never
         for a model accelerate offloads in part (its hooks move weights, see runtime/placement.py). A model placed
         over several GPUs has graphs that span them (``graph_store.devices``); a tensor-parallel model's graphs hold
-        its NCCL collectives (released before its process group is destroyed, runtime/distributed.py)."""
+        its NCCL collectives (released before its process group is destroyed: :meth:`hold_collectives`)."""
         wanted = (cuda_graphs_wanted(self.cuda_graphs, device) and (self.ranks is None or TP_GRAPHS)
                   and (not self.dispatched or bool(self.graph_store.devices)))
-        if wanted and self.ranks is not None:
-            release_graphs_at_destroy(self.graph_store)
         return self.graph_store if wanted else None
 
     def runner(self, model) -> ModelRunner:
@@ -146,8 +151,7 @@ def enable(model, cache_config: CacheConfig | None = None, *, cuda_graphs: bool 
                                      head_shard=ranks if split else None, dispatched=dispatched)
     if max_cuda_graphs is not None:
         model._hf_specdec.graph_store.max_graphs = max_cuda_graphs
-    if ranks is not None and TP_GRAPHS:  # its graphs will hold collectives: destroying its group releases them first
-        release_graphs_at_destroy(model._hf_specdec.graph_store)
+    model._hf_specdec.hold_collectives()
     if dispatched:  # kernels launch on each layer's GPU; graphs span the GPUs where nothing is offloaded
         guard_devices(model)
         model._hf_specdec.graph_store.devices = gpu_devices(model)
