@@ -34,7 +34,7 @@ from hf_specdec.kernels.fp8_w8a8 import compressed_fp8_linear_forward, fp8_linea
 from hf_specdec.kernels.fp8_moe import fp8_experts_forward, fp8_experts_fusible
 from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import dense_weight, stack_weights
-from hf_specdec.runtime.distributed import holds_shards
+from hf_specdec.runtime.distributed import holds_shards, install_sharded_linear, remove_sharded_linear
 from hf_specdec.runtime.placement import moves_activations_only
 
 
@@ -81,10 +81,12 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
         fused = _FUSED.get(type(module))
         if fused is None or not (kernels or not fused.kernels_only):
             continue
+        if holds_shards(module):  # a tensor-parallel shard: transformers' TP forward reads it, or ours on its shard
+            if kernels and isinstance(module, torch.nn.Linear) and _fuse_shard(module):
+                count += 1
+            continue
         wrapped = "forward" in vars(module)  # accelerate's hook wraps it (device_map): its _old_forward is fused
         if wrapped and not (moves_activations_only(module) and _ORIGINAL not in vars(module)):
-            continue
-        if holds_shards(module):  # a tensor-parallel shard (its own weights): transformers' TP forward reads it
             continue
         with gpu_of_weights(module):  # the checks ask whether the kernels run where the weights are
             if not fused.fusible(module):
@@ -131,6 +133,7 @@ def unfuse_modules(model: torch.nn.Module, kernels_only: bool = False) -> None:
     for _, unlink in _LINKS:
         unlink(model)
     for module in model.modules():
+        remove_sharded_linear(module)
         forward = vars(module).get("forward")
         if forward is not None and getattr(forward, "__func__", None) in forwards:
             del module.forward
@@ -142,6 +145,12 @@ def unfuse_modules(model: torch.nn.Module, kernels_only: bool = False) -> None:
 
 # where fuse_modules keeps the forward accelerate's hook wrapped (its ``_old_forward``) while a fused one replaces it
 _ORIGINAL = "_hf_specdec_old_forward"
+
+
+def _fuse_shard(linear: torch.nn.Linear) -> bool:
+    """A tensor-parallel projection whose shard lives where the kernels run takes the few-row GEMM on its shard
+    inside transformers' collectives (runtime/distributed.py: :func:`install_sharded_linear`)."""
+    return use_triton(linear.weight.to_local()) and install_sharded_linear(linear)
 
 
 def gpu_of_weights(module: torch.nn.Module):

@@ -215,6 +215,90 @@ def check_replicated(module: torch.nn.Module, role: str) -> None:
                          f"device_map set to this rank's device).")
 
 
+# ---------------------------------------------------------------- sharded projections on the few-row GEMM
+
+
+COLUMN, ROW = "column", "row"
+
+
+def local_linear_kind(module: torch.nn.Module) -> str | None:
+    """:data:`COLUMN` or :data:`ROW` for a bias-free ``nn.Linear`` whose forward transformers' tensor-parallel plan
+    wrapped with its plain column-parallel style (replicated input, this rank's slice of the outputs kept local:
+    "colwise") or its plain row-parallel style (this rank's slice of the inputs, outputs summed over the group:
+    "rowwise"); None for any other module or style (an LM head that gathers its outputs, a packed or quantized
+    projection), which keeps transformers' forward. Read from the style the wrapper closes over (transformers 5.17
+    through 5.24 install ``tp_forward(*args, **kwargs)`` as the instance's ``forward``)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    try:
+        from transformers.distributed.tensor_parallel import ColwiseParallel, RowwiseParallel
+    except ImportError:  # pragma: no cover - every supported version has them
+        return None
+    forward = vars(module).get("forward")
+    if (type(module) is not torch.nn.Linear or module.bias is not None or not isinstance(module.weight, DTensor)
+            or module.weight.device_mesh.ndim != 1
+            or getattr(forward, "__name__", None) != "tp_forward" or not getattr(forward, "__closure__", None)):
+        return None
+    style = dict(zip(forward.__code__.co_freevars, (cell.cell_contents for cell in forward.__closure__))).get("self")
+    last = lambda layout: isinstance(layout, Shard) and layout.dim == -1  # noqa: E731
+    if (type(style) is ColwiseParallel and style.use_local_output and isinstance(style.input_layouts, Replicate)
+            and last(style.output_layouts)):
+        return COLUMN
+    if (type(style) is RowwiseParallel and style.use_local_output and last(style.input_layouts)
+            and isinstance(style.output_layouts, Replicate)):
+        return ROW
+    return None
+
+
+def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a projection :func:`local_linear_kind` accepts: transformers' own inference path (the local
+    input times the local shard; a row-parallel one then summed over the group by one all-reduce), with the product
+    on :func:`skinny_linear` (the decode and verify steps' few rows stream the shard faster than cuBLAS does). Under
+    autograd, or for a DTensor input, transformers' wrapper runs."""
+    from hf_specdec.kernels.skinny_gemm import skinny_linear
+
+    wrapped = vars(self)[TP_FORWARD]
+    if torch.is_grad_enabled() or type(x) is not torch.Tensor:
+        return wrapped(x)
+    param, local, kind, group = vars(self)[SHARD_PLAN]
+    if param is not self.weight:  # the parameter was replaced since (a reload): its shard
+        param, local = self.weight, self.weight.to_local()
+        vars(self)[SHARD_PLAN] = (param, local, kind, group)
+    out = skinny_linear(x, local)
+    if kind == ROW:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+# where the sharded projections keep transformers' wrapper and (parameter, its local shard, kind, group)
+TP_FORWARD, SHARD_PLAN = "_hf_specdec_tp_forward", "_hf_specdec_shard_plan"
+
+
+def install_sharded_linear(module: torch.nn.Module) -> bool:
+    """Give a projection :func:`local_linear_kind` accepts :func:`sharded_linear_forward` (instance-scoped; undone
+    by :func:`remove_sharded_linear`); returns whether it has it now."""
+    import types
+
+    if TP_FORWARD in vars(module):
+        return True
+    kind = local_linear_kind(module)
+    if kind is None:
+        return False
+    weight = module.weight
+    vars(module)[SHARD_PLAN] = (weight, weight.to_local(), kind, weight.device_mesh.get_group())
+    vars(module)[TP_FORWARD] = module.forward
+    module.forward = types.MethodType(sharded_linear_forward, module)
+    return True
+
+
+def remove_sharded_linear(module: torch.nn.Module) -> None:
+    """Give the projection transformers' wrapper back (no-op where :func:`install_sharded_linear` did not run)."""
+    if TP_FORWARD in vars(module):
+        module.forward = vars(module).pop(TP_FORWARD)
+        vars(module).pop(SHARD_PLAN, None)
+
+
 # ---------------------------------------------------------------- a tensor-parallel style for packed experts
 
 

@@ -1,6 +1,6 @@
-"""The fused forwards on a tensor-parallel model's shards (``HF_SPECDEC_TP_FUSED=1``, off by default until measured
-on two GPUs): two gloo ranks run them with the Triton bodies interpreted on the CPU and commit the tokens of one
-plain process. The case is Step 3.5 (MoE layers, experts sharded): its fused decoder layer added the residual and the
+"""The fused forwards on a tensor-parallel model's shards (the default; ``HF_SPECDEC_TP_FUSED=0`` keeps transformers'
+forwards), the sharded projections on hf_specdec's forward: two gloo ranks run them with the Triton bodies interpreted
+on the CPU and commit the tokens of one plain process. The case is Step 3.5 (MoE layers, experts sharded): its fused decoder layer added the residual and the
 shared expert inside the experts' sum launch, which the tensor-parallel all-reduce then counted once per rank. About
 a minute on two cores (the interpreter)."""
 
@@ -21,11 +21,11 @@ NEW_TOKENS = 3
 
 def test_fused_forwards_on_the_shards_commit_the_tokens_of_one_process(tmp_path, monkeypatch):
     dirs = tp_cases.write_shardable_gemma(tmp_path / "models")
-    env = {"HF_SPECDEC_TP_FUSED": "1", FORCE_TRITON_ENV: "1", "TRITON_INTERPRET": "1"}
+    env = {FORCE_TRITON_ENV: "1", "TRITON_INTERPRET": "1"}
     ranks = tp_worker.spawn_ranks(dirs, tmp_path, "gloo", dict(env=env, cases=[CASE], max_new_tokens=NEW_TOKENS))
     monkeypatch.setattr(tp_cases, "MAX_NEW_TOKENS", NEW_TOKENS)
     case = next(c for c in tp_cases.CASES if c.name == CASE)
     single = tp_cases.run_case(case, dirs, tp=False)
     for rank, result in enumerate(ranks):
-        assert result["fused_modules"][CASE] > 0, f"rank {rank}"
+        assert result["fused_modules"][CASE] > 0 and result["sharded_projections"][CASE] > 0, f"rank {rank}"
         assert result["cases"][CASE]["tokens"] == single["tokens"], f"rank {rank}"

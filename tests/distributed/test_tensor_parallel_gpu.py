@@ -1,6 +1,6 @@
 """Tensor parallelism on two GPUs (skipped on machines with fewer): two NCCL ranks, rank r on cuda:r, run the cases
-of ``tp_cases`` as the CPU test does (with transformers' forwards of the sharded model, then with hf_specdec's fused
-ones, ``HF_SPECDEC_TP_FUSED=1``), with CUDA graphs (every rank captures the same forwards and drafter calls,
+of ``tp_cases`` as the CPU test does (with transformers' forwards of the sharded model, ``HF_SPECDEC_TP_FUSED=0``,
+then with hf_specdec's fused ones and the few-row GEMM on the projections' shards, the default), with CUDA graphs (every rank captures the same forwards and drafter calls,
 transformers' all-reduces inside them). Greedy tokens and accepted drafts are those of one process on cuda:0;
 sampled ones agree between the ranks; every target kept graphs it captured; and the ranks finish although each
 destroys its process group under its live graphs, as a user's script does (NCCL hung there: runtime/distributed.py
@@ -28,13 +28,15 @@ def gemma_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["transformers_forwards", "fused_forwards"])
 def ranks(request, gemma_dirs, tmp_path_factory) -> list[dict]:
-    """What each rank wrote, running transformers' forwards of the sharded model, or hf_specdec's fused ones
-    (HF_SPECDEC_TP_FUSED=1)."""
-    options = dict(env={"HF_SPECDEC_TP_FUSED": "1"}) if request.param == "fused_forwards" else None
+    """What each rank wrote, running transformers' forwards of the sharded model (HF_SPECDEC_TP_FUSED=0), or
+    hf_specdec's fused ones (the default)."""
+    fused = request.param == "fused_forwards"
+    options = None if fused else dict(env={"HF_SPECDEC_TP_FUSED": "0"})
     results = tp_worker.spawn_ranks(gemma_dirs, tmp_path_factory.mktemp("tp_ranks_gpu"), "nccl", options)
     for result in results:
-        fused = result["fused_modules"]
-        assert all(fused.values()) if options else not any(fused.values()), fused
+        counts = {family: (result["fused_modules"][family], result["sharded_projections"][family])
+                  for family in result["fused_modules"]}
+        assert all(all(c) for c in counts.values()) if fused else not any(any(c) for c in counts.values()), counts
     return results
 
 

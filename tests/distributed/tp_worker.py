@@ -52,8 +52,9 @@ def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_
         if "cases" in options:
             chosen = [case for case in tp_cases.CASES if case.name in options["cases"]]
             result["cases"] = {case.name: tp_cases.run_case(case, dirs, tp=True) for case in chosen}
-            result["fused_modules"] = {case.name: fused_modules(tp_cases.target_of(case.family, dirs, tp=True))
-                                       for case in chosen}
+            targets = {case.name: tp_cases.target_of(case.family, dirs, tp=True) for case in chosen}
+            result["fused_modules"] = {name: fused_modules(t) for name, t in targets.items()}
+            result["sharded_projections"] = {name: sharded_projections(t) for name, t in targets.items()}
             return
         if backend == "nccl":
             result["cases"] = tp_cases.run_cases(dirs, tp=True, device=f"cuda:{rank}")
@@ -61,6 +62,7 @@ def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_
                        for family in ("gemma", "step", "gemma_replicated_attention")}
             result["graphs"] = {family: len(t._hf_specdec.graph_store.graphs) for family, t in targets.items()}
             result["fused_modules"] = {family: fused_modules(t) for family, t in targets.items()}
+            result["sharded_projections"] = {family: sharded_projections(t) for family, t in targets.items()}
             return
         result["cases"] = tp_cases.run_cases(dirs, tp=True)
         result["kv_heads"] = tp_cases.kv_heads(dirs, tp=True)
@@ -79,6 +81,13 @@ def fused_modules(model) -> int:
 
     return sum(getattr(vars(m).get("forward"), "__func__", None) is _FUSED[type(m)].forward
                for m in model.modules() if type(m) in _FUSED)
+
+
+def sharded_projections(model) -> int:
+    """How many sharded projections of ``model`` run hf_specdec's forward on their shard."""
+    from hf_specdec.runtime.distributed import TP_FORWARD
+
+    return sum(TP_FORWARD in vars(m) for m in model.modules())
 
 
 def refused_placements(gemma_dirs: dict[str, pathlib.Path]) -> dict[str, str]:

@@ -1,0 +1,101 @@
+"""Sharded projections on the few-row GEMM (runtime/distributed.py): a bias-free ``nn.Linear`` that transformers'
+plain column- or row-parallel style wrapped runs its local shard through ``skinny_linear`` (a row-parallel one then
+sums over the group), anything else keeps transformers' wrapper. One process, a group of one (gloo): the styles are
+transformers' own, installed as its loader installs them; the two-rank runs are test_tensor_parallel*.py."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hf_specdec.generation import fusion
+from hf_specdec.runtime import distributed
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="needs torch.distributed with the gloo backend")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(mesh, style_name: str, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    """A Linear(16 -> 12) sharded and wrapped by transformers' ``style_name`` (as its loader does: each parameter's
+    ``shard_param``, then the module's ``install_forward``)."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(16, 12, bias=bias)
+    style = ALL_PARALLEL_STYLES[style_name]
+    for name in list(linear._parameters):
+        style.shard_param(linear, name, mesh)
+    style.install_forward(linear, mesh)
+    return linear
+
+
+@pytest.mark.parametrize("style, kind", [("colwise", distributed.COLUMN), ("rowwise", distributed.ROW),
+                                         ("colwise_rep", None), ("rowwise_rep", None)])
+def test_the_kind_of_a_projection_is_read_from_its_transformers_style(mesh, style, kind):
+    assert distributed.local_linear_kind(_sharded(mesh, style)) == kind
+
+
+def test_a_projection_with_a_bias_or_one_not_wrapped_keeps_transformers_forward(mesh):
+    assert distributed.local_linear_kind(_sharded(mesh, "colwise", bias=True)) is None
+    assert distributed.local_linear_kind(torch.nn.Linear(16, 12, bias=False)) is None
+    assert not distributed.install_sharded_linear(_sharded(mesh, "colwise_rep"))
+
+
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_the_installed_forward_computes_transformers_output_and_sums_row_parallel_outputs(mesh, style, monkeypatch):
+    linear = _sharded(mesh, style)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = linear(x)
+    wrapper = linear.forward
+    assert distributed.install_sharded_linear(linear)
+    reduced = []
+    real_all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: reduced.append(t.shape) or real_all_reduce(t, **kw))
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x), expected, rtol=0, atol=0)
+    assert reduced == ([torch.Size([3, 12])] if style == "rowwise" else [])
+    reduced.clear()
+    with torch.enable_grad():  # autograd: transformers' wrapper, as before
+        assert linear(x.requires_grad_()).requires_grad
+    distributed.remove_sharded_linear(linear)
+    assert linear.forward is wrapper
+    assert distributed.TP_FORWARD not in vars(linear) and distributed.SHARD_PLAN not in vars(linear)
+
+
+def test_a_replaced_parameter_is_read_again(mesh):
+    linear = _sharded(mesh, "colwise")
+    assert distributed.install_sharded_linear(linear)
+    linear.weight = _sharded(mesh, "colwise", seed=1).weight
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x), x @ linear.weight.to_local().T)
+
+
+def test_fuse_modules_installs_it_where_the_kernels_run_and_unfuse_removes_it(mesh, monkeypatch):
+    model = torch.nn.Sequential(_sharded(mesh, "colwise"), _sharded(mesh, "rowwise"), _sharded(mesh, "colwise_rep"))
+    wrappers = [m.forward for m in model]
+    monkeypatch.setattr(fusion, "use_triton", lambda tensor: False)
+    assert fusion.fuse_modules(model) == 0
+    monkeypatch.setattr(fusion, "use_triton", lambda tensor: True)
+    assert fusion.fuse_modules(model) == 2
+    assert [distributed.TP_FORWARD in vars(m) for m in model] == [True, True, False]
+    fusion.unfuse_modules(model, kernels_only=True)
+    assert [m.forward for m in model] == wrappers
