@@ -30,6 +30,11 @@ SHAPES = {
     "26b-router": (128, 2816),
     "e4b-qkv": (3072, 2560), "e4b-o": (2560, 2048), "e4b-gate-up": (20480, 2560), "e4b-down": (2560, 10240),
     "e2b-qkv": (2560, 1536), "e2b-o": (1536, 2048), "e2b-gate-up": (12288, 1536), "e2b-down": (1536, 6144),
+    # the 31B's o and down, then one rank's shards of its sliding layers under tensor parallelism over 2 GPUs
+    # (q/k/v and gate/up column-parallel, alone and stacked; o and down row-parallel)
+    "31b-o": (5376, 8192), "31b-down": (5376, 21504),
+    "31b-tp2-q": (4096, 5376), "31b-tp2-kv": (2048, 5376), "31b-tp2-qkv": (8192, 5376), "31b-tp2-o": (5376, 4096),
+    "31b-tp2-gate": (10752, 5376), "31b-tp2-gate-up": (21504, 5376), "31b-tp2-down": (5376, 10752),
 }
 CONFIGS = [(16, 256, 2, 4), (16, 512, 4, 4), (32, 128, 4, 4), (32, 128, 4, 6), (32, 256, 4, 4), (32, 512, 4, 4),
            (32, 512, 8, 3), (64, 128, 4, 4), (64, 256, 4, 4), (64, 256, 8, 4)]

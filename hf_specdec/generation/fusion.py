@@ -34,7 +34,13 @@ from hf_specdec.kernels.fp8_w8a8 import compressed_fp8_linear_forward, fp8_linea
 from hf_specdec.kernels.fp8_moe import fp8_experts_forward, fp8_experts_fusible
 from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import dense_weight, stack_weights
-from hf_specdec.runtime.distributed import holds_shards, install_sharded_linear, remove_sharded_linear
+from hf_specdec.runtime.distributed import (
+    holds_shards,
+    install_sharded_linear,
+    local_shard,
+    remove_sharded_linear,
+    stack_column_shards,
+)
 from hf_specdec.runtime.placement import moves_activations_only
 
 
@@ -150,7 +156,7 @@ _ORIGINAL = "_hf_specdec_old_forward"
 def _fuse_shard(linear: torch.nn.Linear) -> bool:
     """A tensor-parallel projection whose shard lives where the kernels run takes the few-row GEMM on its shard
     inside transformers' collectives (runtime/distributed.py: :func:`install_sharded_linear`)."""
-    return use_triton(linear.weight.to_local()) and install_sharded_linear(linear)
+    return use_triton(local_shard(linear.weight)) and install_sharded_linear(linear)
 
 
 def gpu_of_weights(module: torch.nn.Module):
@@ -171,6 +177,10 @@ def stack_projections(module: torch.nn.Module) -> None:
     their device: same parameters and values, one storage (see :mod:`hf_specdec.kernels.stacked_linear`)."""
     for names in stacked_groups(module):
         linears = [getattr(module, n) for n in names if getattr(module, n, None) is not None]
+        if linears and all(holds_shards(linear) for linear in linears):  # tensor-parallel: their local shards
+            if use_triton(local_shard(linears[0].weight)):
+                stack_column_shards(*linears)
+            continue
         weight = getattr(linears[0], "weight", None) if linears else None
         if isinstance(weight, torch.Tensor) and use_triton(weight):
             stack_weights(*linears)

@@ -29,13 +29,34 @@ from .fp8_w8a8 import fine_grained_fp8_linear
 from .skinny_gemm import skinny_linear
 
 
+# A projection whose output is ``x @ W.T`` for a tensor W other than its ``weight`` parameter (a column-parallel
+# shard of a tensor-parallel model, whose output is this rank's slice: runtime/distributed.py) holds, under this
+# attribute, a callable that returns W; stacked projections then read such W as they read plain weights.
+LOCAL_WEIGHT = "_hf_specdec_local_weight"
+
+
 def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
     """The weights of ``linears`` as one ``[sum of out_features, in_features]`` view when they lie back to back
     in one storage, in this order, without biases, and each module is a plain ``nn.Linear`` without hooks
-    (a wrapped or hooked projection, e.g. an adapter, must run its own forward); otherwise None."""
-    if not all(_plain_linear(linear) and linear.bias is None for linear in linears):
-        return None
-    return _adjacent([linear.weight for linear in linears])
+    (a wrapped or hooked projection, e.g. an adapter, must run its own forward) or names its :data:`LOCAL_WEIGHT`;
+    otherwise None."""
+    weights = _operands(linears)
+    return None if weights is None else _adjacent(weights)
+
+
+def _operands(linears) -> list[torch.Tensor] | None:
+    """What each of ``linears`` multiplies its input by (:data:`LOCAL_WEIGHT`, or a plain bias-free projection's
+    weight), or None if one has none."""
+    weights = []
+    for linear in linears:
+        local = vars(linear).get(LOCAL_WEIGHT)
+        if local is not None:
+            weights.append(local())
+        elif _plain_linear(linear) and linear.bias is None:
+            weights.append(linear.weight)
+        else:
+            return None
+    return weights
 
 
 def stacked_fp8(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
@@ -72,20 +93,22 @@ def stack_weights(*linears: nn.Module) -> bool:
     if linears and all(_stackable_fp8(linear, linears[0]) for linear in linears):
         if stacked_fp8(*linears) is not None:
             return True
-        return (_move_into_one_storage([linear.weight for linear in linears])
-                and _move_into_one_storage([linear.weight_scale_inv for linear in linears]))
+        return (move_into_one_storage([linear.weight for linear in linears])
+                and move_into_one_storage([linear.weight_scale_inv for linear in linears]))
     if not all(_plain_linear(linear) for linear in linears):
         return False
     if stacked_weight(*linears) is not None:
         return True
     if any(linear.bias is not None for linear in linears):
         return False
-    return _move_into_one_storage([linear.weight for linear in linears])
+    return move_into_one_storage([linear.weight for linear in linears])
 
 
-def _move_into_one_storage(params: list[torch.Tensor]) -> bool:
+def move_into_one_storage(params: list[torch.Tensor]) -> bool:
+    """Move ``params`` (parameters or the plain tensors behind them, 2-D, one width, dtype and device) into one new
+    storage, back to back in this order (``.data``: the same objects, the same values); returns whether it did."""
     first = params[0]
-    if any(type(p) is not nn.Parameter or p.dim() != 2 or p.layout != torch.strided or p.shape[1] != first.shape[1]
+    if any(type(p) not in (nn.Parameter, torch.Tensor) or p.dim() != 2 or p.layout != torch.strided or p.shape[1] != first.shape[1]
            or p.dtype != first.dtype or p.device != first.device or p.device.type == "meta" for p in params):
         return False
     with torch.no_grad():
@@ -101,13 +124,13 @@ def _move_into_one_storage(params: list[torch.Tensor]) -> bool:
 def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x) for linear in linears)``: one GEMM over the stacked weights when they are stacked
     (the outputs are then column slices of one tensor), else one call per projection."""
-    sizes = [linear.weight.shape[0] for linear in linears]
-    weight = stacked_weight(*linears)
+    weights = _operands(linears)
+    weight = None if weights is None else _adjacent(weights)
     if weight is not None:
-        return skinny_linear(x, weight).split(sizes, dim=-1)
+        return skinny_linear(x, weight).split([w.shape[0] for w in weights], dim=-1)
     fp8 = stacked_fp8(*linears)
     if fp8 is not None:  # the layers' own product (their activations are dynamic: stacked_fp8)
-        return fine_grained_fp8_linear(x, *fp8).split(sizes, dim=-1)
+        return fine_grained_fp8_linear(x, *fp8).split([linear.weight.shape[0] for linear in linears], dim=-1)
     return tuple(linear(x) for linear in linears)
 
 

@@ -251,6 +251,13 @@ def local_linear_kind(module: torch.nn.Module) -> str | None:
     return None
 
 
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """The tensor behind this rank's shard of a DTensor parameter (the object itself, so that moving it into another
+    storage reaches the parameter)."""
+    local = getattr(param, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else param.to_local()
+
+
 def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The forward of a projection :func:`local_linear_kind` accepts: transformers' own inference path (the local
     input times the local shard; a row-parallel one then summed over the group by one all-reduce), with the product
@@ -258,45 +265,61 @@ def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     autograd, or for a DTensor input, transformers' wrapper runs."""
     from hf_specdec.kernels.skinny_gemm import skinny_linear
 
-    wrapped = vars(self)[TP_FORWARD]
     if torch.is_grad_enabled() or type(x) is not torch.Tensor:
-        return wrapped(x)
-    param, local, kind, group = vars(self)[SHARD_PLAN]
-    if param is not self.weight:  # the parameter was replaced since (a reload): its shard
-        param, local = self.weight, self.weight.to_local()
-        vars(self)[SHARD_PLAN] = (param, local, kind, group)
-    out = skinny_linear(x, local)
+        return vars(self)[TP_FORWARD](x)
+    kind, group = vars(self)[SHARD_PLAN]
+    out = skinny_linear(x, local_shard(self.weight))
     if kind == ROW:
         dist.all_reduce(out, group=group)
     return out
 
 
-# where the sharded projections keep transformers' wrapper and (parameter, its local shard, kind, group)
+# where the sharded projections keep transformers' wrapper and (kind, group)
 TP_FORWARD, SHARD_PLAN = "_hf_specdec_tp_forward", "_hf_specdec_shard_plan"
 
 
 def install_sharded_linear(module: torch.nn.Module) -> bool:
     """Give a projection :func:`local_linear_kind` accepts :func:`sharded_linear_forward` (instance-scoped; undone
-    by :func:`remove_sharded_linear`); returns whether it has it now."""
+    by :func:`remove_sharded_linear`); returns whether it has it now. A column-parallel one also names its shard as
+    the weight that stacked projections read (``stacked_linear.LOCAL_WEIGHT``): q/k/v or gate/up shards stacked by
+    :func:`stack_column_shards` run as one GEMM."""
     import types
+
+    from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT
 
     if TP_FORWARD in vars(module):
         return True
     kind = local_linear_kind(module)
     if kind is None:
         return False
-    weight = module.weight
-    vars(module)[SHARD_PLAN] = (weight, weight.to_local(), kind, weight.device_mesh.get_group())
+    vars(module)[SHARD_PLAN] = (kind, module.weight.device_mesh.get_group())
     vars(module)[TP_FORWARD] = module.forward
     module.forward = types.MethodType(sharded_linear_forward, module)
+    if kind == COLUMN:
+        vars(module)[LOCAL_WEIGHT] = lambda: local_shard(module.weight)
     return True
 
 
 def remove_sharded_linear(module: torch.nn.Module) -> None:
     """Give the projection transformers' wrapper back (no-op where :func:`install_sharded_linear` did not run)."""
+    from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT
+
     if TP_FORWARD in vars(module):
         module.forward = vars(module).pop(TP_FORWARD)
         vars(module).pop(SHARD_PLAN, None)
+        vars(module).pop(LOCAL_WEIGHT, None)
+
+
+def stack_column_shards(*linears: torch.nn.Module) -> bool:
+    """Move the local shards of column-parallel projections of one input (q/k/v, gate/up) into one storage, back to
+    back (``stacked_linear.move_into_one_storage``), so that the fused forwards' stacked projections run them as one
+    GEMM, as they do unsharded weights; returns whether they are stacked. Others are left as they are."""
+    from hf_specdec.kernels.stacked_linear import move_into_one_storage
+
+    kinds = [vars(m)[SHARD_PLAN][0] if SHARD_PLAN in vars(m) else local_linear_kind(m) for m in linears]
+    if not linears or any(kind != COLUMN for kind in kinds):
+        return False
+    return move_into_one_storage([local_shard(m.weight) for m in linears])
 
 
 # ---------------------------------------------------------------- a tensor-parallel style for packed experts

@@ -99,3 +99,19 @@ def test_fuse_modules_installs_it_where_the_kernels_run_and_unfuse_removes_it(me
     assert [distributed.TP_FORWARD in vars(m) for m in model] == [True, True, False]
     fusion.unfuse_modules(model, kernels_only=True)
     assert [m.forward for m in model] == wrappers
+
+
+def test_column_parallel_shards_stack_and_run_as_one_product_of_their_local_shards(mesh):
+    from hf_specdec.kernels.stacked_linear import stacked_projections, stacked_weight
+
+    q, k = _sharded(mesh, "colwise", seed=1), _sharded(mesh, "colwise", seed=2)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        expected = (q(x), k(x))
+    assert distributed.stack_column_shards(q, k)
+    assert all(distributed.install_sharded_linear(m) for m in (q, k))
+    assert stacked_weight(q, k) is not None  # their shards lie back to back now
+    with torch.no_grad():
+        for got, want in zip(stacked_projections(x, q, k), expected):
+            torch.testing.assert_close(got, want)
+    assert not distributed.stack_column_shards(q, _sharded(mesh, "rowwise"))

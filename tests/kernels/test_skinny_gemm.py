@@ -102,7 +102,9 @@ def test_split_k_follows_the_weights_shape(monkeypatch):
     assert split_k_for(128, 2816) == 5  # a router: 4 column blocks, 22 tiles: parts of 4+ tiles
     assert split_k_for(2816, 2112) == 1  # short K on 88 column blocks: not worth a second launch
     assert split_k_for(16, 7 * block_k) == 1  # 7 tiles: no two parts of 4
-    assert split_k_for(8192, 2816) == 1 and split_k_for(5376, 8192) == 1  # 168+ column blocks stream on their own
+    assert split_k_for(8192, 2816) == 1 and split_k_for(16384, 5376) == 1  # 256+ column blocks stream on their own
+    # long K on 168 column blocks (84 programs of the unsplit config): the 31B's o and down, and their TP shards
+    assert split_k_for(5376, 8192) == 2 and split_k_for(5376, 21504) == 2 and split_k_for(5376, 4096) == 2
     monkeypatch.setattr(skinny_gemm, "SPLIT_K", False)
     assert split_k_for(2816, 4096) == 1
     assert config_for(2816, 4096) != SPLIT_CONFIG
