@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -269,9 +270,54 @@ def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
         return vars(self)[TP_FORWARD](x)
     kind, group = vars(self)[SHARD_PLAN]
     out = skinny_linear(x, local_shard(self.weight))
-    if kind == ROW:
-        dist.all_reduce(out, group=group)
+    return all_reduce_sum(out, group) if kind == ROW else out
+
+
+# A decode or verify step's row-parallel sums are small (rows x hidden): NCCL's ring all-reduce took 14.6 us a call
+# in a CUDA graph on two H200 (5376 bf16 values), a one-shot all-reduce over symmetric memory (torch's
+# ``symm_mem.one_shot_all_reduce_copy``: every rank reads its peers' buffers over NVLink and sums them in rank order)
+# 6.2 us, with the same values (scratch probe, not kept). HF_SPECDEC_TP_SYMM_ALL_REDUCE=1 (read at import) sends
+# sums of at most SYMM_MAX_BYTES through it; anything else, and any group where symmetric memory cannot be set up,
+# takes NCCL's. Off: not yet run end to end (its first two-GPU run found the op wants a buffer of the input's size,
+# mended since, not rerun; docs/perf_log.md, session 45).
+SYMM_ALL_REDUCE = os.environ.get("HF_SPECDEC_TP_SYMM_ALL_REDUCE", "0") == "1"
+SYMM_MAX_BYTES = 1 << 20
+_SYMM_BUFFERS: dict = {}  # (group name, device, dtype) -> the rank's symmetric buffer, or None where it failed
+
+
+def all_reduce_sum(out: torch.Tensor, group) -> torch.Tensor:
+    """``out`` summed over ``group`` (in place through NCCL, or a new tensor from the symmetric-memory one-shot
+    all-reduce: see SYMM_ALL_REDUCE)."""
+    if SYMM_ALL_REDUCE and out.is_cuda and out.is_contiguous() and out.numel() * out.element_size() <= SYMM_MAX_BYTES:
+        buffer = _symmetric_buffer(group, out.device, out.dtype)
+        if buffer is not None:
+            # the op takes a symmetric buffer of the input's size: the buffer's first elements (its own address)
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer[:out.numel()], out.view(-1), "sum",
+                                                               group.group_name).view(out.shape)
+    dist.all_reduce(out, group=group)
     return out
+
+
+def _symmetric_buffer(group, device: torch.device, dtype: torch.dtype):
+    """This rank's symmetric buffer of SYMM_MAX_BYTES for ``group`` (allocated and exchanged with the group's other
+    ranks once, a collective: every rank of a tensor-parallel model reaches it at the same forward), or None where
+    symmetric memory is not available."""
+    key = (group.group_name, str(device), dtype)
+    if key not in _SYMM_BUFFERS:
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buffer = symm_mem.empty(SYMM_MAX_BYTES // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
+                                    device=device)
+            symm_mem.rendezvous(buffer, group.group_name)
+        except (ImportError, RuntimeError) as error:  # no symmetric memory here: NCCL's all-reduce
+            import warnings
+
+            warnings.warn(f"hf_specdec: symmetric memory is not available ({error}); tensor-parallel sums take "
+                          f"NCCL's all-reduce", stacklevel=3)
+            buffer = None
+        _SYMM_BUFFERS[key] = buffer
+    return _SYMM_BUFFERS[key]
 
 
 # where the sharded projections keep transformers' wrapper and (kind, group)

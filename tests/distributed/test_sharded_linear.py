@@ -115,3 +115,14 @@ def test_column_parallel_shards_stack_and_run_as_one_product_of_their_local_shar
         for got, want in zip(stacked_projections(x, q, k), expected):
             torch.testing.assert_close(got, want)
     assert not distributed.stack_column_shards(q, _sharded(mesh, "rowwise"))
+
+
+def test_row_parallel_sums_off_the_gpu_take_the_process_groups_all_reduce(mesh, monkeypatch):
+    group = mesh.get_group()
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append(group))
+    for symmetric in (False, True):  # symmetric memory is for CUDA tensors only
+        monkeypatch.setattr(distributed, "SYMM_ALL_REDUCE", symmetric)
+        out = torch.ones(2, 3)
+        assert distributed.all_reduce_sum(out, group) is out
+    assert calls == [group, group]

@@ -30,7 +30,8 @@ def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_
     destroyed under them, as a user's script does it). ``options``: "env" (set before hf_specdec is imported),
     "cases" (names: only those, and nothing else), "max_new_tokens"."""
     options = options or {}
-    os.environ.pop("HF_SPECDEC_TP_FUSED", None)  # only where the options say (a rank inherits the parent's)
+    for name in ("HF_SPECDEC_TP_FUSED", "HF_SPECDEC_TP_SYMM_ALL_REDUCE"):  # only where the options say (a rank
+        os.environ.pop(name, None)                                         # inherits the parent's)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       **options.get("env", {}))
