@@ -27,9 +27,11 @@ every rank runs the same hf_specdec loop over the same rows, and this module kee
   ``torch.distributed.destroy_process_group`` first drops the graphs of every enabled tensor-parallel model
   (:func:`release_graphs_at_destroy`; the next ``generate`` captures anew).
 
-Stacked weights, ``skinny_linear`` and the experts kernel read weights directly: a sharded projection or experts
-module keeps transformers' own (TP-wrapped) forward. The fused decoder layers, attention, MLPs and norms, which call
-the projections as modules, are installed on a sharded model with ``HF_SPECDEC_TP_FUSED=1`` (generation/enable.py).
+- **Fused forwards on the shards** (``HF_SPECDEC_TP_FUSED=0``, generation/enable.py, keeps transformers' forwards).
+  The fused decoder layers, attention, MLPs and norms call the projections as modules. A projection that
+  transformers wrapped with its plain column- or row-parallel style gets :func:`sharded_linear_forward` (its
+  inference path with the local product on ``skinny_linear``); column-parallel shards of one input are stacked
+  (:func:`stack_column_shards`) and run as one GEMM. Other styles, and experts modules, keep transformers' forward.
 """
 
 from __future__ import annotations
