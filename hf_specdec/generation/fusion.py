@@ -15,8 +15,12 @@ transformers' FP8 layers (``FP8Linear`` and ``FP8Experts`` of its fine-grained F
 GPU kernel, so an enabled model's FP8 layers always take hf_specdec's forwards, on every device: the linears
 transformers' own W8A8 arithmetic where the GPU has FP8 tensor cores (``kernels/fp8_w8a8.py``), the weight-only
 product elsewhere (``kernels/fp8_gemm.py``, its dequantize-then-matmul reference on CPU); the experts likewise
-(``kernels/fp8_moe.py``: W8A8 grouped kernels for dynamic activations, else weight-only). Plain, verify and draft forwards of the target then compute the same products, which is what
-makes its speculative output equal its plain output (see ``generation/quantization.py``).
+(``kernels/fp8_moe.py``: W8A8 grouped kernels for dynamic activations, else weight-only). Plain, verify and draft
+forwards of the target then compute the same products, which is what makes its speculative output equal its plain
+output (see ``generation/quantization.py``).
+
+Under tensor parallelism (``runtime/distributed.py``) the projections transformers wrapped with its plain column- and
+row-parallel styles take the few-row GEMM on their local shards, and column-parallel shards of one input are stacked.
 """
 
 from __future__ import annotations
@@ -33,14 +37,9 @@ from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON, on_gpu
 from hf_specdec.kernels.fp8_w8a8 import compressed_fp8_linear_forward, fp8_linear_forward, fp8_linear_fusible
 from hf_specdec.kernels.fp8_moe import fp8_experts_forward, fp8_experts_fusible
 from hf_specdec.kernels.skinny_gemm import linear_forward
-from hf_specdec.kernels.stacked_linear import dense_weight, stack_weights
-from hf_specdec.runtime.distributed import (
-    holds_shards,
-    install_sharded_linear,
-    local_shard,
-    remove_sharded_linear,
-    stack_column_shards,
-)
+from hf_specdec.kernels.stacked_linear import dense_weight, local_tensor, stack_weights
+from hf_specdec.runtime.distributed import (holds_shards, install_sharded_linear, remove_sharded_linear,
+                                             stack_column_shards)
 from hf_specdec.runtime.placement import moves_activations_only
 
 
@@ -156,7 +155,8 @@ _ORIGINAL = "_hf_specdec_old_forward"
 def _fuse_shard(linear: torch.nn.Linear) -> bool:
     """A tensor-parallel projection whose shard lives where the kernels run takes the few-row GEMM on its shard
     inside transformers' collectives (runtime/distributed.py: :func:`install_sharded_linear`)."""
-    return use_triton(local_shard(linear.weight)) and install_sharded_linear(linear)
+    with gpu_of_weights(linear):  # the check asks about the shard's GPU, whichever is current
+        return use_triton(local_tensor(linear.weight)) and install_sharded_linear(linear)
 
 
 def gpu_of_weights(module: torch.nn.Module):
@@ -178,7 +178,7 @@ def stack_projections(module: torch.nn.Module) -> None:
     for names in stacked_groups(module):
         linears = [getattr(module, n) for n in names if getattr(module, n, None) is not None]
         if linears and all(holds_shards(linear) for linear in linears):  # tensor-parallel: their local shards
-            if use_triton(local_shard(linears[0].weight)):
+            if use_triton(local_tensor(linears[0].weight)):
                 stack_column_shards(*linears)
             continue
         weight = getattr(linears[0], "weight", None) if linears else None

@@ -132,10 +132,11 @@ def config_for(n: int, k: int, rows: int = 1, element_size: int = 2) -> tuple[in
 # by a second launch. H200, graph-timed, one and four rows (benchmarks/results/skinny_split_sweep_h200.log): the
 # E4B down projection [2560, 10240] 23.6 -> 19.1 us, E2B's [1536, 6144] 13.5 -> 9.2, the 26B-A4B's o [2816, 4096]
 # 10.9 -> 9.8 and router [128, 2816] 6.4 -> 4.3; shorter K (the q/k/v of E2B and E4B, the 26B-A4B's dense down) gained
-# nothing or lost up to 0.5 us split. A long-K weight whose unsplit config (64-column programs) would not fill the
-# SMs (fewer than 2 x SPLIT_K_BELOW_PROGRAMS split-config blocks: the 31B's o and down, [5376, 8192] and [5376, 21504],
-# and their shards under tensor parallelism) splits too: one row, H200, benchmarks/results/gemm_tp_shapes_h200.log:
-# 26.5 -> 25.2 us, 62.0 -> 57.9, the two-rank shards [5376, 4096] 14.7 -> 13.9 and [5376, 10752] 33.4 -> 31.7.
+# nothing or lost up to 0.5 us split. A long-K weight of fewer than SPLIT_PROGRAMS split-config blocks, whose unsplit
+# config (64-column programs) would not fill the SMs, splits too (in 2 parts): the 31B's o and down, [5376, 8192] and
+# [5376, 21504], and their shards under tensor parallelism; one row, H200, gemm_tp_shapes_h200.log in
+# benchmarks/results: 26.5 -> 25.2 us, 62.0 -> 57.9, the two-rank shards [5376, 4096] 14.7 -> 13.9 and
+# [5376, 10752] 33.4 -> 31.7.
 SPLIT_K = os.environ.get("HF_SPECDEC_SKINNY_SPLIT_K", "1") != "0"
 SPLIT_CONFIG = (32, 128, 4, 4)
 SPLIT_K_BELOW_PROGRAMS = 132
@@ -154,7 +155,7 @@ def split_k_for(n: int, k: int, block_n: int | None = None, block_k: int | None 
     block_k = block_k or SPLIT_CONFIG[1]
     column_blocks, tiles = _cdiv(n, block_n), _cdiv(k, block_k)
     long_k = k >= SPLIT_MIN_K
-    if (not SPLIT_K or column_blocks >= SPLIT_K_BELOW_PROGRAMS * (2 if long_k else 1)
+    if (not SPLIT_K or column_blocks >= (SPLIT_PROGRAMS if long_k else SPLIT_K_BELOW_PROGRAMS)
             or (not long_k and column_blocks >= FEW_PROGRAMS)):
         return 1
     return max(1, min(MAX_SPLIT_K, _cdiv(SPLIT_PROGRAMS, column_blocks), tiles // MIN_TILES_PER_SPLIT))

@@ -29,10 +29,19 @@ from .fp8_w8a8 import fine_grained_fp8_linear
 from .skinny_gemm import skinny_linear
 
 
-# A projection whose output is ``x @ W.T`` for a tensor W other than its ``weight`` parameter (a column-parallel
-# shard of a tensor-parallel model, whose output is this rank's slice: runtime/distributed.py) holds, under this
-# attribute, a callable that returns W; stacked projections then read such W as they read plain weights.
+# A projection whose ``weight`` is a DTensor and whose output is ``x @ W.T`` for W its local shard (a column-parallel
+# projection of a tensor-parallel model, whose output is this rank's slice: runtime/distributed.py) is marked with
+# this attribute (True); stacked projections then read such W (:func:`local_tensor`) as they read plain weights.
 LOCAL_WEIGHT = "_hf_specdec_local_weight"
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The tensor behind this process's shard of a DTensor parameter (the object itself, so that moving it into
+    another storage reaches the parameter); a plain tensor as it is."""
+    local = getattr(param, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
@@ -41,7 +50,7 @@ def stacked_weight(*linears: nn.Linear) -> torch.Tensor | None:
     (a wrapped or hooked projection, e.g. an adapter, must run its own forward) or names its :data:`LOCAL_WEIGHT`;
     otherwise None."""
     weights = _operands(linears)
-    return None if weights is None else _adjacent(weights)
+    return None if weights is None else adjacent(weights)
 
 
 def _operands(linears) -> list[torch.Tensor] | None:
@@ -49,10 +58,11 @@ def _operands(linears) -> list[torch.Tensor] | None:
     weight), or None if one has none."""
     weights = []
     for linear in linears:
-        local = vars(linear).get(LOCAL_WEIGHT)
-        if local is not None:
-            weights.append(local())
-        elif _plain_linear(linear) and linear.bias is None:
+        if not (linear.bias is None and _unhooked(linear)):
+            return None
+        if vars(linear).get(LOCAL_WEIGHT):
+            weights.append(local_tensor(linear.weight))
+        elif _plain_linear(linear):
             weights.append(linear.weight)
         else:
             return None
@@ -64,12 +74,12 @@ def stacked_fp8(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor, tuple[
     storage (:func:`stack_weights`), in this order; otherwise None."""
     if not linears or not all(_stackable_fp8(linear, linears[0]) for linear in linears):
         return None
-    weight = _adjacent([linear.weight for linear in linears])
-    scale = _adjacent([linear.weight_scale_inv for linear in linears])
+    weight = adjacent([linear.weight for linear in linears])
+    scale = adjacent([linear.weight_scale_inv for linear in linears])
     return None if weight is None or scale is None else (weight, scale, tuple(linears[0].block_size))
 
 
-def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+def adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """``tensors`` (2-D, one width and dtype) as one ``[sum of rows, width]`` view when they lie back to back in
     one storage, in this order; otherwise None."""
     first = tensors[0]
@@ -108,7 +118,8 @@ def move_into_one_storage(params: list[torch.Tensor]) -> bool:
     """Move ``params`` (parameters or the plain tensors behind them, 2-D, one width, dtype and device) into one new
     storage, back to back in this order (``.data``: the same objects, the same values); returns whether it did."""
     first = params[0]
-    if any(type(p) not in (nn.Parameter, torch.Tensor) or p.dim() != 2 or p.layout != torch.strided or p.shape[1] != first.shape[1]
+    if any(type(p) not in (nn.Parameter, torch.Tensor) or p.dim() != 2 or p.layout != torch.strided
+           or p.shape[1] != first.shape[1]
            or p.dtype != first.dtype or p.device != first.device or p.device.type == "meta" for p in params):
         return False
     with torch.no_grad():
@@ -125,7 +136,7 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Ten
     """``tuple(linear(x) for linear in linears)``: one GEMM over the stacked weights when they are stacked
     (the outputs are then column slices of one tensor), else one call per projection."""
     weights = _operands(linears)
-    weight = None if weights is None else _adjacent(weights)
+    weight = None if weights is None else adjacent(weights)
     if weight is not None:
         return skinny_linear(x, weight).split([w.shape[0] for w in weights], dim=-1)
     fp8 = stacked_fp8(*linears)
@@ -152,8 +163,13 @@ def _stackable_fp8(module, first) -> bool:
 def _plain_linear(module) -> bool:
     """A plain ``nn.Linear`` without hooks whose weight is a dense tensor (a quantizer that keeps the module class
     and swaps its weight for a tensor subclass, e.g. torchao, leaves one that is not)."""
-    return (type(module) is nn.Linear and not other_hooks(module, pre=False) and not other_hooks(module, pre=True)
-            and not getattr(module, "_hf_hook", None) and dense_weight(module.weight))
+    return type(module) is nn.Linear and _unhooked(module) and dense_weight(module.weight)
+
+
+def _unhooked(module) -> bool:
+    """No forward hooks (but hf_specdec's own) and no accelerate hook: a hooked projection runs its own forward."""
+    return (not other_hooks(module, pre=False) and not other_hooks(module, pre=True)
+            and not getattr(module, "_hf_hook", None))
 
 
 def dense_weight(weight) -> bool:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from hf_specdec.cache import KVLayout
+from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT, adjacent, local_tensor, move_into_one_storage
 
 _NO_BOUND = 2**62  # stands for "no memory bound" in the group's minimum
 
@@ -254,13 +255,6 @@ def local_linear_kind(module: torch.nn.Module) -> str | None:
     return None
 
 
-def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """The tensor behind this rank's shard of a DTensor parameter (the object itself, so that moving it into another
-    storage reaches the parameter)."""
-    local = getattr(param, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else param.to_local()
-
-
 def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The forward of a projection :func:`local_linear_kind` accepts: transformers' own inference path (the local
     input times the local shard; a row-parallel one then summed over the group by one all-reduce), with the product
@@ -270,27 +264,28 @@ def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
 
     if torch.is_grad_enabled() or type(x) is not torch.Tensor:
         return vars(self)[TP_FORWARD](x)
-    kind, group = vars(self)[SHARD_PLAN]
-    out = skinny_linear(x, local_shard(self.weight))
-    return all_reduce_sum(out, group) if kind == ROW else out
+    out = skinny_linear(x, local_tensor(self.weight))
+    return all_reduce_sum(out, self.weight.device_mesh.get_group()) if vars(self)[SHARD_KIND] == ROW else out
 
 
 # A decode or verify step's row-parallel sums are small (rows x hidden): NCCL's ring all-reduce took 14.6 us a call
 # in a CUDA graph on two H200 (5376 bf16 values), a one-shot all-reduce over symmetric memory (torch's
 # ``symm_mem.one_shot_all_reduce_copy``: every rank reads its peers' buffers over NVLink and sums them in rank order)
 # 6.2 us, with the same values (scratch probe, not kept). HF_SPECDEC_TP_SYMM_ALL_REDUCE=1 (read at import) sends
-# sums of at most SYMM_MAX_BYTES through it; anything else, and any group where symmetric memory cannot be set up,
-# takes NCCL's. Off: not yet run end to end (its first two-GPU run found the op wants a buffer of the input's size,
-# mended since, not rerun; docs/perf_log.md, session 45).
+# bf16 and fp32 sums (the op's dtypes) of at most SYMM_MAX_BYTES through it; anything else, and any group where
+# symmetric memory cannot be set up on every rank, takes NCCL's. Off: not yet run end to end (its first two-GPU run
+# found the op wants a buffer of the input's size, mended since, not rerun; docs/perf_log.md, session 45).
 SYMM_ALL_REDUCE = os.environ.get("HF_SPECDEC_TP_SYMM_ALL_REDUCE", "0") == "1"
 SYMM_MAX_BYTES = 1 << 20
+SYMM_DTYPES = (torch.bfloat16, torch.float32)
 _SYMM_BUFFERS: dict = {}  # (group name, device, dtype) -> the rank's symmetric buffer, or None where it failed
 
 
 def all_reduce_sum(out: torch.Tensor, group) -> torch.Tensor:
     """``out`` summed over ``group`` (in place through NCCL, or a new tensor from the symmetric-memory one-shot
     all-reduce: see SYMM_ALL_REDUCE)."""
-    if SYMM_ALL_REDUCE and out.is_cuda and out.is_contiguous() and out.numel() * out.element_size() <= SYMM_MAX_BYTES:
+    if (SYMM_ALL_REDUCE and out.is_cuda and out.dtype in SYMM_DTYPES and out.is_contiguous()
+            and out.numel() * out.element_size() <= SYMM_MAX_BYTES):
         buffer = _symmetric_buffer(group, out.device, out.dtype)
         if buffer is not None:
             # the op takes a symmetric buffer of the input's size: the buffer's first elements (its own address)
@@ -301,73 +296,83 @@ def all_reduce_sum(out: torch.Tensor, group) -> torch.Tensor:
 
 
 def _symmetric_buffer(group, device: torch.device, dtype: torch.dtype):
-    """This rank's symmetric buffer of SYMM_MAX_BYTES for ``group`` (allocated and exchanged with the group's other
-    ranks once, a collective: every rank of a tensor-parallel model reaches it at the same forward), or None where
-    symmetric memory is not available."""
+    """This rank's symmetric buffer of SYMM_MAX_BYTES for ``group``, or None where symmetric memory is not available
+    on every rank of it (they agree, so that all take the same kind of all-reduce). Set up once per group, device and
+    dtype, a collective: every rank of a tensor-parallel model reaches it at the same eager forward (a graph's warm-up
+    runs before its capture)."""
     key = (group.group_name, str(device), dtype)
     if key not in _SYMM_BUFFERS:
+        buffer, error = None, None
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
             buffer = symm_mem.empty(SYMM_MAX_BYTES // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
                                     device=device)
             symm_mem.rendezvous(buffer, group.group_name)
-        except (ImportError, RuntimeError) as error:  # no symmetric memory here: NCCL's all-reduce
+        except Exception as failure:  # noqa: BLE001 - any failure: this rank says so, and the group keeps NCCL's
+            buffer, error = None, failure
+        ready = torch.tensor([0 if buffer is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+        if not int(ready.item()):
             import warnings
 
-            warnings.warn(f"hf_specdec: symmetric memory is not available ({error}); tensor-parallel sums take "
-                          f"NCCL's all-reduce", stacklevel=3)
+            warnings.warn(f"hf_specdec: symmetric memory is not available on every rank ({error or 'another rank'})"
+                          f"; tensor-parallel sums take NCCL's all-reduce", stacklevel=3)
             buffer = None
         _SYMM_BUFFERS[key] = buffer
     return _SYMM_BUFFERS[key]
 
 
-# where the sharded projections keep transformers' wrapper and (kind, group)
-TP_FORWARD, SHARD_PLAN = "_hf_specdec_tp_forward", "_hf_specdec_shard_plan"
+def _forget_symmetric_buffers(group=None) -> None:
+    """Drop the symmetric buffers of ``group`` (None: of every group), which is being destroyed: a later group of the
+    same name sets up its own."""
+    name = None if group is None else getattr(group, "group_name", None)
+    for key in [key for key in _SYMM_BUFFERS if name is None or key[0] == name]:
+        del _SYMM_BUFFERS[key]
+
+
+# where the sharded projections keep transformers' wrapper and their kind (COLUMN or ROW)
+TP_FORWARD, SHARD_KIND = "_hf_specdec_tp_forward", "_hf_specdec_shard_kind"
 
 
 def install_sharded_linear(module: torch.nn.Module) -> bool:
     """Give a projection :func:`local_linear_kind` accepts :func:`sharded_linear_forward` (instance-scoped; undone
-    by :func:`remove_sharded_linear`); returns whether it has it now. A column-parallel one also names its shard as
-    the weight that stacked projections read (``stacked_linear.LOCAL_WEIGHT``): q/k/v or gate/up shards stacked by
+    by :func:`remove_sharded_linear`); returns whether it has it now. A column-parallel one is also marked as one
+    whose local shard stacked projections read (``stacked_linear.LOCAL_WEIGHT``): q/k/v or gate/up shards stacked by
     :func:`stack_column_shards` run as one GEMM."""
     import types
-
-    from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT
 
     if TP_FORWARD in vars(module):
         return True
     kind = local_linear_kind(module)
     if kind is None:
         return False
-    vars(module)[SHARD_PLAN] = (kind, module.weight.device_mesh.get_group())
+    vars(module)[SHARD_KIND] = kind
     vars(module)[TP_FORWARD] = module.forward
     module.forward = types.MethodType(sharded_linear_forward, module)
     if kind == COLUMN:
-        vars(module)[LOCAL_WEIGHT] = lambda: local_shard(module.weight)
+        vars(module)[LOCAL_WEIGHT] = True
     return True
 
 
 def remove_sharded_linear(module: torch.nn.Module) -> None:
     """Give the projection transformers' wrapper back (no-op where :func:`install_sharded_linear` did not run)."""
-    from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT
-
     if TP_FORWARD in vars(module):
         module.forward = vars(module).pop(TP_FORWARD)
-        vars(module).pop(SHARD_PLAN, None)
+        vars(module).pop(SHARD_KIND, None)
         vars(module).pop(LOCAL_WEIGHT, None)
 
 
 def stack_column_shards(*linears: torch.nn.Module) -> bool:
     """Move the local shards of column-parallel projections of one input (q/k/v, gate/up) into one storage, back to
     back (``stacked_linear.move_into_one_storage``), so that the fused forwards' stacked projections run them as one
-    GEMM, as they do unsharded weights; returns whether they are stacked. Others are left as they are."""
-    from hf_specdec.kernels.stacked_linear import move_into_one_storage
-
-    kinds = [vars(m)[SHARD_PLAN][0] if SHARD_PLAN in vars(m) else local_linear_kind(m) for m in linears]
+    GEMM, as they do unsharded weights; returns whether they are stacked. Others are left as they are; shards already
+    stacked are not moved again (graphs captured since read them where they are)."""
+    kinds = [vars(m).get(SHARD_KIND) or local_linear_kind(m) for m in linears]
     if not linears or any(kind != COLUMN for kind in kinds):
         return False
-    return move_into_one_storage([local_shard(m.weight) for m in linears])
+    shards = [local_tensor(m.weight) for m in linears]
+    return adjacent(shards) is not None or move_into_one_storage(shards)
 
 
 # ---------------------------------------------------------------- a tensor-parallel style for packed experts
@@ -463,6 +468,7 @@ def _releasing_graphs(destroy):
 
             gc.collect()  # (a graph kept alive by a reference cycle)
             torch.cuda.synchronize()
+        _forget_symmetric_buffers(args[0] if args else kwargs.get("group"))
         return destroy(*args, **kwargs)
     destroy_process_group._hf_specdec_releases_graphs = True
     return destroy_process_group

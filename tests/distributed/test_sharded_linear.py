@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hf_specdec.generation import fusion
+from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT, stacked_projections, stacked_weight
 from hf_specdec.runtime import distributed
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -77,7 +78,7 @@ def test_the_installed_forward_computes_transformers_output_and_sums_row_paralle
         assert linear(x.requires_grad_()).requires_grad
     distributed.remove_sharded_linear(linear)
     assert linear.forward is wrapper
-    assert distributed.TP_FORWARD not in vars(linear) and distributed.SHARD_PLAN not in vars(linear)
+    assert not {distributed.TP_FORWARD, distributed.SHARD_KIND, LOCAL_WEIGHT} & set(vars(linear))
 
 
 def test_a_replaced_parameter_is_read_again(mesh):
@@ -102,8 +103,6 @@ def test_fuse_modules_installs_it_where_the_kernels_run_and_unfuse_removes_it(me
 
 
 def test_column_parallel_shards_stack_and_run_as_one_product_of_their_local_shards(mesh):
-    from hf_specdec.kernels.stacked_linear import stacked_projections, stacked_weight
-
     q, k = _sharded(mesh, "colwise", seed=1), _sharded(mesh, "colwise", seed=2)
     x = torch.randn(2, 16)
     with torch.no_grad():
@@ -114,7 +113,23 @@ def test_column_parallel_shards_stack_and_run_as_one_product_of_their_local_shar
     with torch.no_grad():
         for got, want in zip(stacked_projections(x, q, k), expected):
             torch.testing.assert_close(got, want)
+    stacked = stacked_weight(q, k)
+    assert distributed.stack_column_shards(q, k) and stacked_weight(q, k).data_ptr() == stacked.data_ptr()  # kept
     assert not distributed.stack_column_shards(q, _sharded(mesh, "rowwise"))
+    handle = q.register_forward_hook(lambda module, args, out: out * 2)  # a hooked projection runs its own forward
+    assert stacked_weight(q, k) is None
+    with torch.no_grad():
+        torch.testing.assert_close(stacked_projections(x, q, k)[0], 2 * expected[0])
+    handle.remove()
+
+
+def test_a_copy_of_a_model_with_the_forward_installed_is_made(mesh):
+    import copy
+
+    linear = _sharded(mesh, "rowwise")
+    assert distributed.install_sharded_linear(linear)
+    copied = copy.deepcopy(linear)
+    assert copied.weight is not linear.weight and vars(copied)[distributed.SHARD_KIND] == distributed.ROW
 
 
 def test_row_parallel_sums_off_the_gpu_take_the_process_groups_all_reduce(mesh, monkeypatch):

@@ -1,8 +1,9 @@
 """The fused forwards on a tensor-parallel model's shards (the default; ``HF_SPECDEC_TP_FUSED=0`` keeps transformers'
-forwards), the sharded projections on hf_specdec's forward: two gloo ranks run them with the Triton bodies interpreted
-on the CPU and commit the tokens of one plain process. The case is Step 3.5 (MoE layers, experts sharded): its fused decoder layer added the residual and the
-shared expert inside the experts' sum launch, which the tensor-parallel all-reduce then counted once per rank. About
-a minute on two cores (the interpreter)."""
+forwards), the sharded projections on hf_specdec's forward, the column-parallel ones stacked: two gloo ranks run them
+with the Triton bodies interpreted on the CPU and commit the tokens of one plain process. The case is Step 3.5 (MoE
+layers, experts sharded): its fused decoder layer added the residual and the shared expert inside the experts' sum
+launch, which the tensor-parallel all-reduce then counted once per rank. About a minute on two cores (the
+interpreter)."""
 
 from __future__ import annotations
 
@@ -27,5 +28,6 @@ def test_fused_forwards_on_the_shards_commit_the_tokens_of_one_process(tmp_path,
     case = next(c for c in tp_cases.CASES if c.name == CASE)
     single = tp_cases.run_case(case, dirs, tp=False)
     for rank, result in enumerate(ranks):
-        assert result["fused_modules"][CASE] > 0 and result["sharded_projections"][CASE] > 0, f"rank {rank}"
+        sharded = result["sharded_projections"][CASE]
+        assert result["fused_modules"][CASE] > 0 and sharded["forwards"] > 0 and sharded["stacked"] > 0, rank
         assert result["cases"][CASE]["tokens"] == single["tokens"], f"rank {rank}"

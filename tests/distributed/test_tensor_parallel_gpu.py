@@ -36,10 +36,13 @@ def ranks(request, gemma_dirs, tmp_path_factory) -> list[dict]:
     options = {"transformers_forwards": dict(env={"HF_SPECDEC_TP_FUSED": "0"}), "fused_forwards": None,
                "symmetric_memory_sums": dict(env={"HF_SPECDEC_TP_SYMM_ALL_REDUCE": "1"})}[request.param]
     results = tp_worker.spawn_ranks(gemma_dirs, tmp_path_factory.mktemp("tp_ranks_gpu"), "nccl", options)
+    symmetric = request.param == "symmetric_memory_sums"
     for result in results:
-        counts = {family: (result["fused_modules"][family], result["sharded_projections"][family])
+        counts = {family: (result["fused_modules"][family], *result["sharded_projections"][family].values())
                   for family in result["fused_modules"]}
-        assert all(all(c) for c in counts.values()) if fused else not any(any(c) for c in counts.values()), counts
+        for family, (modules, forwards, stacked, buffers) in counts.items():
+            assert (modules > 0 and forwards > 0 and stacked > 0) if fused else not (modules or forwards), counts
+            assert (buffers > 0) == symmetric, counts  # the symmetric-memory set: it ran, no fallback to NCCL
     return results
 
 

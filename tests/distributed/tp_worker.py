@@ -84,11 +84,21 @@ def fused_modules(model) -> int:
                for m in model.modules() if type(m) in _FUSED)
 
 
-def sharded_projections(model) -> int:
-    """How many sharded projections of ``model`` run hf_specdec's forward on their shard."""
-    from hf_specdec.runtime.distributed import TP_FORWARD
+def sharded_projections(model) -> dict[str, int]:
+    """How many sharded projections of ``model`` run hf_specdec's forward on their shard ("forwards"), how many
+    groups of column-parallel shards run as one GEMM ("stacked"), and how many symmetric-memory buffers this rank
+    set up for the row-parallel sums ("symmetric")."""
+    from hf_specdec.generation.fusion import stacked_groups
+    from hf_specdec.kernels.stacked_linear import stacked_weight
+    from hf_specdec.runtime import distributed
 
-    return sum(TP_FORWARD in vars(m) for m in model.modules())
+    stacked = 0
+    for module in model.modules():
+        for names in stacked_groups(module):
+            linears = [getattr(module, n) for n in names if getattr(module, n, None) is not None]
+            stacked += all(distributed.TP_FORWARD in vars(m) for m in linears) and stacked_weight(*linears) is not None
+    return dict(forwards=sum(distributed.TP_FORWARD in vars(m) for m in model.modules()), stacked=stacked,
+                symmetric=sum(buffer is not None for buffer in distributed._SYMM_BUFFERS.values()))
 
 
 def refused_placements(gemma_dirs: dict[str, pathlib.Path]) -> dict[str, str]:

@@ -19,7 +19,8 @@ def test_triton_skinny_matmul(triton_device, dtype, rows):
     _check_skinny_matmul(triton_device, dtype, rows)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter does not multiply bf16 tiles as GPUs do")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="Triton's interpreter does not multiply bf16 tiles as GPUs do")
 @pytest.mark.parametrize("rows", [1, 8, 24, MAX_KERNEL_ROWS])
 def test_skinny_matmul_bf16_on_the_gpu(rows):
     _check_skinny_matmul("cuda", torch.bfloat16, rows)
