@@ -1,7 +1,8 @@
 """Sharded projections on the few-row GEMM (runtime/distributed.py): a bias-free ``nn.Linear`` that transformers'
 plain column- or row-parallel style wrapped runs its local shard through ``skinny_linear`` (a row-parallel one then
-sums over the group), anything else keeps transformers' wrapper. One process, a group of one (gloo): the styles are
-transformers' own, installed as its loader installs them; the two-rank runs are test_tensor_parallel*.py."""
+sums over the group), anything else keeps transformers' wrapper. Mostly one process, a group of one (gloo), and one
+test on two gloo ranks (each rank's shares against the unsharded products); the styles are transformers' own,
+installed as its loader installs them. Whole models on two ranks: test_tensor_parallel*.py."""
 
 from __future__ import annotations
 
@@ -141,3 +142,39 @@ def test_row_parallel_sums_off_the_gpu_take_the_process_groups_all_reduce(mesh, 
         out = torch.ones(2, 3)
         assert distributed.all_reduce_sum(out, group) is out
     assert calls == [group, group]
+
+
+def _two_ranks(rank: int, port: int) -> None:
+    """One of two gloo ranks: projections sharded by transformers' styles over both, against the unsharded product."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        q, k, o = (_sharded(mesh, style, seed=seed) for style, seed in (("colwise", 1), ("colwise", 2),
+                                                                        ("rowwise", 3)))
+        full = {}
+        for name, seed in (("q", 1), ("k", 2), ("o", 3)):  # the unsharded weights: the same seeds
+            torch.manual_seed(seed)
+            full[name] = torch.nn.Linear(16, 12, bias=False)
+        torch.manual_seed(4)
+        x = torch.randn(3, 16)
+        assert distributed.stack_column_shards(q, k) and all(distributed.install_sharded_linear(m) for m in (q, k, o))
+        assert stacked_weight(q, k) is not None
+        outputs, inputs = slice(6 * rank, 6 * rank + 6), slice(8 * rank, 8 * rank + 8)  # this rank's shares
+        with torch.no_grad():
+            got_q, got_k = stacked_projections(x, q, k)
+            torch.testing.assert_close(got_q, full["q"](x)[:, outputs])
+            torch.testing.assert_close(got_k, full["k"](x)[:, outputs])
+            torch.testing.assert_close(o(x[:, inputs]), full["o"](x))  # the two ranks' partial sums added
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_compute_their_shards_and_sum_the_row_parallel_outputs():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_two_ranks, args=(port,), nprocs=2, join=True, start_method="spawn")
