@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from hf_specdec.cache import KVLayout
+from hf_specdec.kernels.skinny_gemm import skinny_linear
 from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT, adjacent, local_tensor, move_into_one_storage
 
 _NO_BOUND = 2**62  # stands for "no memory bound" in the group's minimum
@@ -260,15 +261,13 @@ def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     input times the local shard; a row-parallel one then summed over the group by one all-reduce), with the product
     on :func:`skinny_linear` (the decode and verify steps' few rows stream the shard faster than cuBLAS does). Under
     autograd, or for a DTensor input, transformers' wrapper runs."""
-    from hf_specdec.kernels.skinny_gemm import skinny_linear
-
     if torch.is_grad_enabled() or type(x) is not torch.Tensor:
         return vars(self)[TP_FORWARD](x)
     out = skinny_linear(x, local_tensor(self.weight))
     return all_reduce_sum(out, self.weight.device_mesh.get_group()) if vars(self)[SHARD_KIND] == ROW else out
 
 
-# A decode or verify step's row-parallel sums are small (rows x hidden): NCCL's ring all-reduce took 14.6 us a call
+# A decode or verify step's row-parallel sums (and the packed experts' sums, _AllReduceSum) are small (rows x hidden): NCCL's ring all-reduce took 14.6 us a call
 # in a CUDA graph on two H200 (5376 bf16 values), a one-shot all-reduce over symmetric memory (torch's
 # ``symm_mem.one_shot_all_reduce_copy``: every rank reads its peers' buffers over NVLink and sums them in rank order)
 # 6.2 us, with the same values (scratch probe, not kept). HF_SPECDEC_TP_SYMM_ALL_REDUCE=1 (read at import) sends
@@ -383,9 +382,10 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.mark_dirty(x)
-        dist.all_reduce(x, group=group)
-        return x
+        out = all_reduce_sum(x, group)  # in place through NCCL, or a new tensor through symmetric memory
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -6,8 +6,6 @@ installed as its loader installs them. Whole models on two ranks: test_tensor_pa
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +13,7 @@ import torch.distributed as dist
 from hf_specdec.generation import fusion
 from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT, stacked_projections, stacked_weight
 from hf_specdec.runtime import distributed
+from tests.distributed import tp_worker
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")
@@ -24,10 +23,7 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 def mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tp_worker._free_port()}", rank=0, world_size=1)
     try:
         yield init_device_mesh("cpu", (1,))
     finally:
@@ -174,7 +170,4 @@ def _two_ranks(rank: int, port: int) -> None:
 def test_two_ranks_compute_their_shards_and_sum_the_row_parallel_outputs():
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(_two_ranks, args=(port,), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_two_ranks, args=(tp_worker._free_port(),), nprocs=2, join=True, start_method="spawn")
