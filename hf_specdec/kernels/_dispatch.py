@@ -69,6 +69,47 @@ def other_hooks(module: torch.nn.Module, pre: bool) -> bool:
     return any(not getattr(h, "device_guard", False) for h in hooks.values())
 
 
+def runs_own_forward(module: torch.nn.Module) -> bool:
+    """Whether a fused path that would call ``module``'s kernels directly (stacked projections) must leave it to run
+    its own forward: forward (pre-)hooks other than device guards, or an accelerate hook that does more than move
+    its inputs to the GPU its weights stay on (:func:`moves_activations_only`: a model split over GPUs by a device
+    map hooks every projection so, and the fused layer around it already gives its inputs there)."""
+    return bool(other_hooks(module, pre=False) or other_hooks(module, pre=True)
+                or (getattr(module, "_hf_hook", None) is not None and not moves_activations_only(module)))
+
+
+def accelerate_hooks(module: torch.nn.Module) -> list:
+    """The hooks accelerate put on ``module`` (a SequentialHook's members), [] for none."""
+    hook = getattr(module, "_hf_hook", None)
+    return [] if hook is None else list(getattr(hook, "hooks", None) or [hook])
+
+
+def as_device(where) -> torch.device | None:
+    """A ``hf_device_map`` value as a device (an int is a GPU index; "disk" is none)."""
+    if isinstance(where, int):
+        return torch.device("cuda", where)
+    return None if where == "disk" else torch.device(where)
+
+
+def hook_device(module: torch.nn.Module) -> torch.device | None:
+    """The execution device accelerate's hook on ``module`` names (a SequentialHook's first that names one)."""
+    for h in accelerate_hooks(module):
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return as_device(device)
+    return None
+
+
+def moves_activations_only(module: torch.nn.Module) -> bool:
+    """Whether accelerate hooked ``module`` (its forward wrapped, the original kept as ``_old_forward``) only to move
+    its inputs to its GPU, its weights and those of its submodules staying there (none offloaded: an offloaded
+    block's hooks load each submodule's weights around that submodule's own forward)."""
+    device = hook_device(module)
+    return (device is not None and device.type != "cpu" and hasattr(module, "_old_forward")
+            and not any(getattr(h, "offload", False) for m in module.modules() for h in accelerate_hooks(m))
+            and all(t.device == device for t in (*module.parameters(), *module.buffers())))
+
+
 def gpu_index(device: torch.device) -> int:
     """The index of a CUDA ``device`` (the current device when it names none)."""
     return torch.cuda.current_device() if device.index is None else device.index

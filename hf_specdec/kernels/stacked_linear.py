@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ._dispatch import other_hooks
+from ._dispatch import runs_own_forward
 from .fp8_gemm import FP8_DTYPE
 from .fp8_w8a8 import fine_grained_fp8_linear
 from .skinny_gemm import skinny_linear
@@ -137,10 +137,10 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Ten
     (the outputs are then column slices of one tensor), else one call per projection."""
     weights = _operands(linears)
     weight = None if weights is None else adjacent(weights)
-    if weight is not None:
+    if weight is not None and weight.device == x.device:  # (a device-map hook would have moved x to the weights)
         return skinny_linear(x, weight).split([w.shape[0] for w in weights], dim=-1)
     fp8 = stacked_fp8(*linears)
-    if fp8 is not None:  # the layers' own product (their activations are dynamic: stacked_fp8)
+    if fp8 is not None and fp8[0].device == x.device:  # the layers' own product (their activations are dynamic: stacked_fp8)
         return fine_grained_fp8_linear(x, *fp8).split([linear.weight.shape[0] for linear in linears], dim=-1)
     return tuple(linear(x) for linear in linears)
 
@@ -156,8 +156,7 @@ def _stackable_fp8(module, first) -> bool:
             and len(block) == 2 and tuple(block) == tuple(getattr(first, "block_size", None) or ())
             and weight.dim() == 2 and weight.shape[0] % block[0] == 0 and scale.dim() == 2
             and scale.shape[0] == weight.shape[0] // block[0]
-            and not other_hooks(module, pre=False) and not other_hooks(module, pre=True)
-            and not getattr(module, "_hf_hook", None))
+            and not runs_own_forward(module))
 
 
 def _plain_linear(module) -> bool:
@@ -167,9 +166,9 @@ def _plain_linear(module) -> bool:
 
 
 def _unhooked(module) -> bool:
-    """No forward hooks (but hf_specdec's own) and no accelerate hook: a hooked projection runs its own forward."""
-    return (not other_hooks(module, pre=False) and not other_hooks(module, pre=True)
-            and not getattr(module, "_hf_hook", None))
+    """No forward hooks (but hf_specdec's device guards) and no accelerate hook but one that only moves inputs to the
+    module's GPU: a hooked projection runs its own forward (:func:`._dispatch.runs_own_forward`)."""
+    return not runs_own_forward(module)
 
 
 def dense_weight(weight) -> bool:

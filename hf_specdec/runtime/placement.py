@@ -24,29 +24,13 @@ import warnings
 
 import torch
 
+from hf_specdec.kernels._dispatch import accelerate_hooks as _hooks
+from hf_specdec.kernels._dispatch import as_device as _as_device
+from hf_specdec.kernels._dispatch import hook_device as _hook_device
+from hf_specdec.kernels._dispatch import moves_activations_only
+
 __all__ = ["execution_device", "gpu_devices", "guard_devices", "input_device", "is_dispatched", "layer_devices",
            "loaded_weights", "moves_activations_only", "on_input_gpu", "place_drafter", "unguard_devices"]
-
-
-def _hooks(module: torch.nn.Module) -> list:
-    hook = getattr(module, "_hf_hook", None)
-    return [] if hook is None else list(getattr(hook, "hooks", None) or [hook])
-
-
-def _as_device(where) -> torch.device | None:
-    """A ``hf_device_map`` value as a device (an int is a GPU index; "disk" is none)."""
-    if isinstance(where, int):
-        return torch.device("cuda", where)
-    return None if where == "disk" else torch.device(where)
-
-
-def _hook_device(module: torch.nn.Module) -> torch.device | None:
-    """The execution device accelerate's hook on ``module`` names (a SequentialHook's first that names one)."""
-    for h in _hooks(module):
-        device = getattr(h, "execution_device", None)
-        if device is not None:
-            return _as_device(device)
-    return None
 
 
 def execution_device(module: torch.nn.Module) -> torch.device | None:
@@ -78,16 +62,6 @@ def is_dispatched(model: torch.nn.Module) -> bool:
     devices = set((getattr(model, "hf_device_map", None) or {}).values())
     return len(devices) > 1 or bool(devices & {"cpu", "disk"}) and any(
         getattr(m, "_hf_hook", None) is not None and getattr(m._hf_hook, "offload", False) for m in model.modules())
-
-
-def moves_activations_only(module: torch.nn.Module) -> bool:
-    """Whether accelerate hooked ``module`` (its forward wrapped, the original kept as ``_old_forward``) only to move
-    its inputs to its GPU, its weights and those of its submodules staying there (none offloaded: an offloaded
-    block's hooks load each submodule's weights around that submodule's own forward)."""
-    device = _hook_device(module)
-    return (device is not None and device.type != "cpu" and hasattr(module, "_old_forward")
-            and not any(getattr(h, "offload", False) for m in module.modules() for h in _hooks(m))
-            and all(t.device == device for t in (*module.parameters(), *module.buffers())))
 
 
 def gpu_devices(model: torch.nn.Module) -> tuple[torch.device, ...]:

@@ -92,3 +92,48 @@ def test_a_module_accelerate_wraps_takes_the_fused_forward_inside_the_wrapper_an
     monkeypatch.setenv(FORCE_TRITON_ENV, "0")
     x = torch.randn(2, 4)
     torch.testing.assert_close(layers(x), x @ layers[0].weight.T @ layers[1].weight.T)
+
+
+def test_a_layer_a_device_map_only_moves_inputs_for_still_computes_the_next_norm_in_its_seam(monkeypatch):
+    """Gemma 4's cross-layer seams (a layer's last seam computes the next layer's input norm) stay on for layers
+    accelerate hooked only to move their inputs to their GPU, and beside hf_specdec's device guards; a hook that may
+    change what the next norm reads (any other forward hook on the layer, pre-hook on the next one, or an accelerate
+    hook that does more) turns them off."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from hf_specdec.generation.fusion import unfuse_modules
+    from hf_specdec.models.gemma4 import fusion as gemma4_fusion
+    from tests import tiny_models
+
+    model = tiny_models.gemma4_31b_style()
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")  # as if its weights were on a GPU: the fused forwards and their links
+    assert fuse_modules(model) > 0
+    first, second = model.model.layers[0], model.model.layers[1]
+    hidden = torch.randn(1, 2, model.config.hidden_size)
+
+    def follows() -> bool:
+        norm, _ = gemma4_fusion._following_norm(first, hidden)
+        assert norm is None or norm is second.input_layernorm
+        return norm is not None
+
+    assert follows()
+    add_hook_to_module(first, ModelHook())
+    assert not follows()  # not known to move inputs only (on the CPU none does)
+    monkeypatch.setattr(gemma4_fusion, "moves_activations_only", lambda module: module is first)
+    assert follows()
+
+    def guard(*args):
+        return None
+
+    guard.device_guard = True
+    handles = [first.register_forward_hook(guard), second.register_forward_pre_hook(guard)]
+    assert follows()
+    handles.append(second.register_forward_pre_hook(lambda module, args: None))
+    assert not follows()
+    handles.pop().remove()
+    handles.append(first.register_forward_hook(lambda module, args, out: None))
+    assert not follows()
+    for handle in handles:
+        handle.remove()
+    unfuse_modules(model)
+    assert not follows()  # unlinked

@@ -11,7 +11,8 @@ import torch
 
 import hf_specdec
 from hf_specdec.assets import asset_path
-from hf_specdec.generation.fusion import _FUSED
+from hf_specdec.generation.fusion import _FUSED, stacked_groups
+from hf_specdec.kernels.stacked_linear import stacked_weight
 from hf_specdec.runtime.cuda_graphs import SpanningGraph
 from tests.bundled import batch
 
@@ -79,6 +80,10 @@ def test_layers_on_two_gpus_decode_the_one_gpu_tokens(mode, split):
     assert store.graphs and all(isinstance(g.graph, SpanningGraph) for g in store.graphs.values())
     layer = model.model.layers[second_from]
     assert getattr(layer._old_forward, "__func__", None) is _FUSED[type(layer)].forward
+    # and its same-input projections (each hooked by accelerate to move its inputs only) share one GEMM
+    groups = [[getattr(m, n) for n in names if getattr(m, n, None) is not None]
+              for m in layer.modules() for names in stacked_groups(m)]
+    assert groups and all(stacked_weight(*linears) is not None for linears in groups if len(linears) > 1)
 
 
 @pytest.mark.parametrize("mode", ["plain", "mtp", "dflash", "step_plain", "step_mtp"])

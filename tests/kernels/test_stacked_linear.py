@@ -79,6 +79,33 @@ def test_a_hook_added_after_stacking_still_runs():
     torch.testing.assert_close(stacked_projections(x, a, b)[1], b(x))
 
 
+def test_projections_a_device_map_hooks_share_a_gemm_where_the_hooks_only_move_inputs(monkeypatch):
+    """accelerate's device map hooks every projection of a layer placed on a GPU with a hook that only moves its inputs
+    there (the layer's own hook already did): those share a GEMM; a hook that does more (offload: it loads the
+    weights around the forward) keeps each projection's own forward."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from hf_specdec.kernels import _dispatch
+
+    q, k, v = _linears(8, 4, 4)
+    for linear in (q, k, v):
+        add_hook_to_module(linear, ModelHook())
+    x = torch.randn(3, 12)
+    before = [m(x) for m in (q, k, v)]
+    assert not stack_weights(q, k, v) and stacked_weight(q, k, v) is None  # not known to move inputs only
+    monkeypatch.setattr(_dispatch, "moves_activations_only", lambda module: module is not v)
+    assert not stack_weights(q, k, v)
+    monkeypatch.setattr(_dispatch, "moves_activations_only", lambda module: True)  # as on a GPU of the map
+    assert stack_weights(q, k, v) and stacked_weight(q, k, v) is not None
+    handle = k.register_forward_pre_hook(lambda module, args: None)
+    assert stacked_weight(q, k, v) is None  # anyone else's hook: each projection runs its own forward again
+    handle.remove()
+    got = stacked_projections(x, q, k, v)
+    assert got[0].untyped_storage().data_ptr() == got[2].untyped_storage().data_ptr()  # one product
+    for g, want in zip(got, before):
+        torch.testing.assert_close(g, want)
+
+
 def test_a_model_with_stacked_projections_saves_and_loads_its_own_weights(tmp_path):
     """save_pretrained writes each projection under its own key; loading gives the same weights back."""
     import transformers
