@@ -113,10 +113,32 @@ class ForwardMeta:
                            block_tables=[t[:n] for t in self.block_tables])
 
     def to(self, device: torch.device) -> "ForwardMeta":
-        """The same description on another device (for layers whose pages live there)."""
-        moved = {name: getattr(self, name).to(device) for name in ("kv_lens", "q_pos0", "q_lens", "position_ids")}
-        return ForwardMeta(q_len=self.q_len, slot_mapping=[t.to(device) for t in self.slot_mapping],
-                           block_tables=[t.to(device) for t in self.block_tables], **moved)
+        """The same description on another device (for layers whose pages live there): from one GPU to another, its
+        tensors packed into one buffer and copied at once (each copy between GPUs is a dependency on the step's
+        critical path: ten of them cost ~50 us of a 31B step split over two GPUs)."""
+        tensors = [self.kv_lens, self.q_pos0, self.q_lens, self.position_ids, *self.slot_mapping, *self.block_tables]
+        if self.kv_lens.is_cuda and device.type == "cuda":
+            moved = _copy_packed(tensors, device)
+        else:
+            moved = [t.to(device) for t in tensors]
+        groups = len(self.slot_mapping)
+        return ForwardMeta(self.q_len, *moved[:4], slot_mapping=moved[4:4 + groups], block_tables=moved[4 + groups:])
+
+
+def _copy_packed(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``[t.to(device) for t in tensors]`` with one copy: their bytes concatenated on their device (each at an offset
+    aligned to 16 bytes), copied, and viewed back as each tensor on ``device``."""
+    parts, spans, offset = [], [], 0
+    for t in tensors:
+        data = t.contiguous().view(-1).view(torch.uint8)
+        parts.append(data)
+        spans.append((offset, data.numel()))
+        pad = -(offset + data.numel()) % 16
+        if pad:
+            parts.append(data.new_empty(pad))  # (never read: no kernel to fill it)
+        offset += data.numel() + pad
+    packed = torch.cat(parts).to(device)
+    return [packed[start:start + n].view(t.dtype).view(t.shape) for (start, n), t in zip(spans, tensors)]
 
 
 # On CPU a forward of at most this many query slots (batch x q_len: decode and verify steps) gets its metadata from

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -124,11 +125,96 @@ def guard_devices(model: torch.nn.Module) -> None:
         for child in module.children():
             walk(child, current)
     walk(model, home)
+    _install_movers(model)
+
+
+# Tensors a forward hands to every decoder layer (the rotary tables, masks, position ids) sit on one GPU; accelerate's
+# hook on each layer placed on another one copies them there again for every layer: two or three copies, each a
+# cross-GPU dependency on the step's critical path, ~16 us a layer (31B cut to 12 layers, two H200: 0.92x one GPU with
+# them). While the enabled model's own forward runs, a layer's keyword tensors are copied to its GPU once per forward
+# and source tensor (the same object: transformers builds them once a forward and no layer writes them), then handed
+# to accelerate's hook already there. Outside that forward (a drafter calling a target module with tensors it updates
+# in place between calls) accelerate moves them as always.
+_moves = threading.local()
+
+
+class _MoveOnce:
+    """Forward pre-hook (with keyword arguments) of a module accelerate placed on ``device``: its keyword tensors (and
+    tuples or lists of tensors) copied there once per forward of the enabled model (:func:`_moved`); the keys
+    accelerate's hook skips are left to it."""
+
+    device_guard = True  # changes nothing the module computes
+
+    def __init__(self, device: torch.device, skip_keys):
+        self.device = device
+        self.skip_keys = set([skip_keys] if isinstance(skip_keys, str) else skip_keys or ())
+
+    def __call__(self, module, args, kwargs):
+        if not getattr(_moves, "depth", 0):
+            return None
+        return args, {k: v if k in self.skip_keys else _moved(v, self.device) for k, v in kwargs.items()}
+
+
+def _moved(value, device: torch.device):
+    """``value`` on ``device``: a tensor elsewhere copied once per forward (the copy kept while the forward runs and
+    the source lives), a tuple or list of tensors element by element; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
+        copies = _moves.copies
+        key = (id(value), device)
+        found = copies.get(key)
+        if found is not None and found[0]() is value:
+            return found[1]
+        copy = value.to(device)
+        copies[key] = (weakref.ref(value, lambda _, key=key, copies=copies: copies.pop(key, None)), copy)
+        return copy
+    if type(value) in (tuple, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_moved(v, device) for v in value)
+    return value
+
+
+def _open_moves(module, args):
+    depth = getattr(_moves, "depth", 0)
+    if not depth:
+        _moves.copies = {}
+    _moves.depth = depth + 1
+
+
+def _close_moves(module, args, output):
+    _moves.depth = max(0, getattr(_moves, "depth", 1) - 1)
+    if not _moves.depth:
+        _moves.copies = {}
+
+
+_open_moves.device_guard = _close_moves.device_guard = True
+
+
+def _install_movers(model: torch.nn.Module) -> None:
+    """:class:`_MoveOnce` on each module a device map placed on one of several GPUs (only moving its inputs there),
+    opened and closed by the enabled model's forward."""
+    for module in model.modules():  # (again: once)
+        for i in _guards(module):
+            pre, post = module._forward_pre_hooks.get(i), module._forward_hooks.get(i)
+            if isinstance(pre, _MoveOnce) or pre is _open_moves or post is _close_moves:
+                _remove_hook(module, i)
+    if not gpu_devices(model):
+        return
+    for name, module in model.named_modules():
+        if name and name in model.hf_device_map and moves_activations_only(module):
+            hook = next(h for h in _hooks(module) if getattr(h, "execution_device", None) is not None)
+            if getattr(hook, "io_same_device", False):
+                continue  # (accelerate notes where the inputs came from)
+            module.register_forward_pre_hook(_MoveOnce(_hook_device(module), getattr(hook, "skip_keys", None)),
+                                             with_kwargs=True)
+    model.register_forward_pre_hook(_open_moves)
+    model.register_forward_hook(_close_moves, always_call=True)
 
 
 def _guard(module: torch.nn.Module, device: torch.device) -> None:
     """``module`` runs with ``device`` current (its guards replaced where it had some for another device)."""
-    found = [module._forward_pre_hooks[i] for i in _guards(module) if i in module._forward_pre_hooks]
+    found = [module._forward_pre_hooks[i] for i in _guards(module)
+             if isinstance(module._forward_pre_hooks.get(i), _EnterDevice)]
     if found and all(h.device == device for h in found):
         return
     _unguard(module)
@@ -150,9 +236,14 @@ def unguard_devices(model: torch.nn.Module) -> None:
 
 def _unguard(module: torch.nn.Module) -> None:
     for i in _guards(module):
-        module._forward_pre_hooks.pop(i, None)
-        module._forward_hooks.pop(i, None)
-        module._forward_hooks_always_called.pop(i, None)
+        _remove_hook(module, i)
+
+
+def _remove_hook(module: torch.nn.Module, i: int) -> None:
+    module._forward_pre_hooks.pop(i, None)
+    module._forward_pre_hooks_with_kwargs.pop(i, None)
+    module._forward_hooks.pop(i, None)
+    module._forward_hooks_always_called.pop(i, None)
 
 
 @contextlib.contextmanager

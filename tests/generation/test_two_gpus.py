@@ -13,6 +13,7 @@ import hf_specdec
 from hf_specdec.assets import asset_path
 from hf_specdec.generation.fusion import _FUSED, stacked_groups
 from hf_specdec.kernels.stacked_linear import stacked_weight
+from hf_specdec.runtime import placement
 from hf_specdec.runtime.cuda_graphs import SpanningGraph
 from tests.bundled import batch
 
@@ -84,6 +85,8 @@ def test_layers_on_two_gpus_decode_the_one_gpu_tokens(mode, split):
     groups = [[getattr(m, n) for n in names if getattr(m, n, None) is not None]
               for m in layer.modules() for names in stacked_groups(m)]
     assert groups and all(stacked_weight(*linears) is not None for linears in groups if len(linears) > 1)
+    # the tensors every layer takes reach each GPU once per forward (placement._MoveOnce, before accelerate's move)
+    assert any(isinstance(h, placement._MoveOnce) for h in layer._forward_pre_hooks.values())
 
 
 @pytest.mark.parametrize("mode", ["plain", "mtp", "dflash", "step_plain", "step_mtp"])

@@ -74,6 +74,21 @@ def test_loaded_weights_runs_the_hooks_around_the_block():
     assert calls == ["load", "read", "offload"]
 
 
+def test_a_forward_description_copied_in_one_piece_views_the_same_values():
+    """From one GPU to another the description's tensors (int32, int64 and bool, any length) go over as one packed
+    copy, each viewed back at an aligned offset: the same values, dtypes and shapes (here CPU to CPU)."""
+    from hf_specdec.cache.paged_cache import _copy_packed
+
+    tensors = [torch.arange(3, dtype=torch.int32), torch.tensor([[5, -1]], dtype=torch.int64),
+               torch.tensor([True, False, True]), torch.arange(7, dtype=torch.int32).view(1, 7)[:, 1:],
+               torch.empty(0, dtype=torch.int64)]
+    moved = _copy_packed(tensors, torch.device("cpu"))
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == 1  # one buffer
+    for got, want in zip(moved, tensors):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert got.storage_offset() * got.element_size() % 16 == 0
+
+
 def test_place_drafter_moves_a_small_drafter_beside_its_layers_with_a_warning():
     drafter = torch.nn.Linear(2, 2)
     with warnings.catch_warnings():
@@ -189,6 +204,35 @@ def test_guard_devices_hooks_the_modules_on_other_gpus_once_and_unguard_removes_
     placement._guard(model.near, torch.device("cuda:2"))
     pre = [model.near._forward_pre_hooks[i] for i in _guards(model.near) if i in model.near._forward_pre_hooks]
     assert len(_guards(model.near)) == 2 and [h.device for h in pre] == [torch.device("cuda:2")]
+
+
+def test_keyword_tensors_reach_a_layer_on_another_device_once_per_forward_of_the_enabled_model():
+    """The tensors a forward hands to every decoder layer (rotary tables, masks) are copied to a layer's device once
+    per forward of the enabled model, not once per layer; the keys accelerate's hook skips and non-tensors are left as
+    they are, and outside that forward (or after it) the hook changes nothing. (CPU -> meta stands for two GPUs.)"""
+    from hf_specdec.runtime import placement
+
+    meta = torch.device("meta")
+    hook = placement._MoveOnce(meta, ["past_key_values"])
+    cos, sin, mask, cache = torch.randn(3), torch.randn(3), torch.ones(2, dtype=torch.bool), torch.zeros(1)
+    kwargs = dict(position_embeddings=(cos, sin), attention_mask=mask, past_key_values=cache, layer_idx=3)
+    assert hook(None, (), kwargs) is None  # no forward of the enabled model is running
+    placement._open_moves(None, ())
+    try:
+        _, first = hook(None, ("hidden",), kwargs)
+        _, second = hook(None, ("hidden",), dict(kwargs))
+        assert first["position_embeddings"][0].device == meta and first["attention_mask"].device == meta
+        assert all(a is b for a, b in zip(first["position_embeddings"], second["position_embeddings"]))
+        assert first["attention_mask"] is second["attention_mask"]  # copied once
+        assert first["past_key_values"] is cache and first["layer_idx"] == 3  # skipped, not a tensor
+        fresh = torch.ones(2, dtype=torch.bool)  # another tensor (a new forward's), even with the same values
+        _, third = hook(None, (), dict(kwargs, attention_mask=fresh))
+        assert third["attention_mask"] is not first["attention_mask"]
+        del fresh, third
+        assert len(placement._moves.copies) == 3  # a source gone takes its copy with it
+    finally:
+        placement._close_moves(None, (), None)
+    assert not placement._moves.copies and hook(None, (), kwargs) is None
 
 
 def test_under_a_top_module_hooked_to_another_gpu_the_parts_on_the_input_gpu_are_guarded_back_to_it():
