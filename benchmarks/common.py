@@ -42,7 +42,8 @@ RECORD_FIELDS = ("bench", "gpu", "commit", "torch", "transformers", "model_shape
 
 
 def environment() -> dict:
-    """GPU (or "cpu"), commit, torch and transformers versions: the fields every record carries.
+    """GPU (or "cpu"), commit, torch and transformers versions: the fields every record carries, and ``settings``:
+    the HF_SPECDEC_* environment variables set for the run (e.g. HF_SPECDEC_TP_SYMM_ALL_REDUCE=1), where any is.
 
     ``BENCH_COMMIT`` overrides the commit: a copied checkout (a lent GPU machine) may carry a stale HEAD."""
     import transformers
@@ -57,7 +58,9 @@ def environment() -> dict:
         commit = "unknown"
     commit = os.environ.get("BENCH_COMMIT", commit)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "commit": commit, "torch": torch.__version__, "transformers": transformers.__version__}
+    env = {"gpu": gpu, "commit": commit, "torch": torch.__version__, "transformers": transformers.__version__}
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("HF_SPECDEC_")}
+    return env | ({"settings": settings} if settings else {})
 
 
 def append_records(bench: str, records: list[dict], results_dir: pathlib.Path | None = None) -> pathlib.Path:
@@ -96,6 +99,8 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 
 def _fmt(value) -> str:
+    if isinstance(value, dict):  # settings: NAME=value ...
+        return " ".join(f"{k}={v}" for k, v in value.items())
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
     return "" if value is None else str(value)

@@ -30,7 +30,7 @@ TABLE_COLUMNS = {
     "hf_native_step_mtp": ["model_shape", "backend", "k", "tokens_per_s", "tau", "speedup_vs_plain",
                            "speedup_vs_hf_dynamic", "same_tokens", "skipped"],
     "multi_gpu": ["model_shape", "placement", "gpus", "spec_mode", "batch", "tokens_per_s", "speedup_vs_plain",
-                  "speedup_vs_single_gpu", "same_tokens", "skipped"],
+                  "speedup_vs_single_gpu", "same_tokens", "skipped", "settings"],
 }
 
 

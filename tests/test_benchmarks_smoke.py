@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 
 import pytest
 import torch
@@ -167,6 +168,22 @@ def test_report_adds_the_rows_of_runs_made_apart(tmp_path):
     both = load_records(tmp_path, also=["20260101T000000"])
     assert [r["model_shape"] for r in both] == ["s/L12", "s/L60"]
     assert "cmd s/L60" in markdown(both)
+
+
+def test_records_name_the_hf_specdec_settings_of_their_run(monkeypatch):
+    """A run under an HF_SPECDEC_* environment variable (an A/B of a switch) says so in every record and in the
+    tables; a run under none carries no such field."""
+    from benchmarks.common import environment
+    from benchmarks.report import markdown
+
+    for name in [k for k in os.environ if k.startswith("HF_SPECDEC_")]:
+        monkeypatch.delenv(name)
+    assert "settings" not in environment()
+    monkeypatch.setenv("HF_SPECDEC_TP_SYMM_ALL_REDUCE", "1")
+    env = environment()
+    assert env["settings"] == {"HF_SPECDEC_TP_SYMM_ALL_REDUCE": "1"}
+    row = env | dict(bench="multi_gpu", run_id="20260101T000000", model_shape="s", placement="tp", command="cmd")
+    assert "| HF_SPECDEC_TP_SYMM_ALL_REDUCE=1 |" in markdown([row])
 
 
 def test_fp8_weights_rows_count_the_stored_bytes(tmp_path, clock_of_the_work):
