@@ -49,6 +49,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from hf_specdec.cache import KVLayout
+from hf_specdec.kernels import peer_sum as peer_sum_kernel
+from hf_specdec.kernels._dispatch import use_triton
 from hf_specdec.kernels.skinny_gemm import skinny_linear
 from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT, adjacent, local_tensor, move_into_one_storage
 
@@ -280,9 +282,55 @@ SYMM_DTYPES = (torch.bfloat16, torch.float32)
 _SYMM_BUFFERS: dict = {}  # (group name, device, dtype) -> the rank's symmetric buffer, or None where it failed
 
 
+# HF_SPECDEC_TP_PEER_SUM=1 (read at import) sends sums of at most PEER_SUM_SLOT_BYTES (bf16, fp16 or fp32, contiguous,
+# on the current GPU, a group of at most 8 ranks) through kernels/peer_sum.py: one launch that pushes this rank's values
+# into every rank's symmetric buffer over NVLink, raises a flag on each, waits for theirs and sums in rank order, launched
+# early as the step's other kernels are (NCCL's kernel is not: ~6 us of launch gap around each of its ~14.6 us calls).
+# Off: not yet run on GPUs (written after the session's device time; its kernel tested in the interpreter and on one
+# GPU with the ranks simulated in one process).
+PEER_SUM = os.environ.get("HF_SPECDEC_TP_PEER_SUM", "0") == "1"
+PEER_SUM_SLOT_BYTES = 1 << 20
+_PEER_STATES: dict = {}  # (group name, device) -> _PeerState, or None where symmetric memory failed on some rank
+
+
+@dataclass
+class _PeerState:
+    """A group's symmetric buffers for :func:`peer_sum_kernel.peer_sum` on this rank: ``data`` (bytes, RING slots of
+    ``world`` parts of PEER_SUM_SLOT_BYTES) and ``flags`` (int32, down), the peers' byte distances from this rank's
+    (``data_bytes``, ``flag_rel`` in flags), and the calls made (their slots taken in turn)."""
+
+    data: torch.Tensor
+    flags: torch.Tensor
+    data_bytes: list[int]
+    flag_rel: torch.Tensor
+    rank: int
+    world: int
+    calls: int = 0
+    views: dict = dataclasses.field(default_factory=dict)
+
+    def data_as(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffer as ``dtype`` and the peers' offsets in its elements (made once per dtype)."""
+        if dtype not in self.views:
+            size = torch.empty((), dtype=dtype).element_size()
+            rel = torch.tensor([b // size for b in self.data_bytes], dtype=torch.int64, device=self.data.device)
+            self.views[dtype] = (self.data.view(dtype), rel)
+        return self.views[dtype]
+
+
 def all_reduce_sum(out: torch.Tensor, group) -> torch.Tensor:
-    """``out`` summed over ``group`` (in place through NCCL, or a new tensor from the symmetric-memory one-shot
-    all-reduce: see SYMM_ALL_REDUCE)."""
+    """``out`` summed over ``group`` (in place through NCCL or :data:`PEER_SUM`'s launch, or a new tensor from the
+    symmetric-memory one-shot all-reduce: see SYMM_ALL_REDUCE)."""
+    if (PEER_SUM and out.is_cuda and out.dtype in peer_sum_kernel.SUM_DTYPES and out.is_contiguous()
+            and out.numel() * out.element_size() <= PEER_SUM_SLOT_BYTES and use_triton(out)):
+        state = _peer_state(group, out.device)
+        if state is not None:
+            data, rel = state.data_as(out.dtype)
+            slot = state.calls % peer_sum_kernel.RING
+            state.calls += 1
+            flat = out.view(-1)
+            peer_sum_kernel.peer_sum(flat, data, rel, state.flags, state.flag_rel, state.rank, state.world, slot,
+                                     PEER_SUM_SLOT_BYTES // out.element_size(), out=flat)
+            return out
     if (SYMM_ALL_REDUCE and out.is_cuda and out.dtype in SYMM_DTYPES and out.is_contiguous()
             and out.numel() * out.element_size() <= SYMM_MAX_BYTES):
         buffer = _symmetric_buffer(group, out.device, out.dtype)
@@ -326,8 +374,45 @@ def _forget_symmetric_buffers(group=None) -> None:
     """Drop the symmetric buffers of ``group`` (None: of every group), which is being destroyed: a later group of the
     same name sets up its own."""
     name = None if group is None else getattr(group, "group_name", None)
-    for key in [key for key in _SYMM_BUFFERS if name is None or key[0] == name]:
-        del _SYMM_BUFFERS[key]
+    for buffers in (_SYMM_BUFFERS, _PEER_STATES):
+        for key in [key for key in buffers if name is None or key[0] == name]:
+            del buffers[key]
+
+
+def _peer_state(group, device: torch.device) -> _PeerState | None:
+    """This rank's :class:`_PeerState` for ``group`` on ``device``, or None where symmetric memory cannot be set up
+    on every rank (they agree, as :func:`_symmetric_buffer`'s do; a collective, reached at an eager forward)."""
+    key = (group.group_name, str(device))
+    if key not in _PEER_STATES:
+        state, error = None, None
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            if world > peer_sum_kernel.MAX_WORLD:
+                raise ValueError(f"{world} ranks (peer_sum takes at most {peer_sum_kernel.MAX_WORLD})")
+            ring, programs = peer_sum_kernel.RING, peer_sum_kernel.MAX_PROGRAMS
+            data = symm_mem.empty(ring * world * PEER_SUM_SLOT_BYTES, dtype=torch.uint8, device=device)
+            flags = symm_mem.empty(ring * programs * world, dtype=torch.int32, device=device)
+            flags.zero_()  # down; the agreement below orders it before any rank's first push
+            data_ptrs = list(symm_mem.rendezvous(data, group.group_name).buffer_ptrs)
+            flag_ptrs = list(symm_mem.rendezvous(flags, group.group_name).buffer_ptrs)
+            if any((p - data_ptrs[rank]) % 4 or (f - flag_ptrs[rank]) % 4 for p, f in zip(data_ptrs, flag_ptrs)):
+                raise ValueError("symmetric buffers not 4-byte aligned to each other")
+            flag_rel = torch.tensor([(f - flag_ptrs[rank]) // 4 for f in flag_ptrs], dtype=torch.int64, device=device)
+            state = _PeerState(data, flags, [p - data_ptrs[rank] for p in data_ptrs], flag_rel, rank, world)
+        except Exception as failure:  # noqa: BLE001 - any failure: this rank says so, and the group keeps NCCL's
+            state, error = None, failure
+        ready = torch.tensor([0 if state is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+        if not int(ready.item()):
+            import warnings
+
+            warnings.warn(f"hf_specdec: symmetric memory is not available on every rank ({error or 'another rank'})"
+                          f"; tensor-parallel sums take NCCL's all-reduce", stacklevel=3)
+            state = None
+        _PEER_STATES[key] = state
+    return _PEER_STATES[key]
 
 
 # where the sharded projections keep transformers' wrapper and their kind (COLUMN or ROW)

@@ -135,9 +135,10 @@ def test_row_parallel_sums_off_the_gpu_take_the_process_groups_all_reduce(mesh, 
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append(group))
     for symmetric in (False, True):  # symmetric memory is for CUDA tensors only
         monkeypatch.setattr(distributed, "SYMM_ALL_REDUCE", symmetric)
+        monkeypatch.setattr(distributed, "PEER_SUM", symmetric)
         out = torch.ones(2, 3)
         assert distributed.all_reduce_sum(out, group) is out
-    assert calls == [group, group]
+    assert calls == [group, group] and not distributed._PEER_STATES
 
 
 def _two_ranks(rank: int, port: int) -> None:

@@ -1,7 +1,8 @@
 """Tensor parallelism on two GPUs (skipped on machines with fewer): two NCCL ranks, rank r on cuda:r, run the cases
 of ``tp_cases`` as the CPU test does (with transformers' forwards of the sharded model, ``HF_SPECDEC_TP_FUSED=0``;
 with hf_specdec's fused ones and the few-row GEMM on the projections' shards, the default; and with those and the
-row-parallel sums through symmetric memory, ``HF_SPECDEC_TP_SYMM_ALL_REDUCE=1``), with CUDA graphs (every rank
+row-parallel sums through symmetric memory, ``HF_SPECDEC_TP_SYMM_ALL_REDUCE=1``, or through peer_sum's launch,
+``HF_SPECDEC_TP_PEER_SUM=1``), with CUDA graphs (every rank
 captures the same forwards and drafter calls, the all-reduces inside them). Greedy tokens and accepted drafts are
 those of one process on cuda:0; sampled ones agree between the ranks; every target kept graphs it captured; and the
 ranks finish although each destroys its process group under its live graphs, as a user's script does (NCCL hung
@@ -27,22 +28,26 @@ def gemma_dirs(tmp_path_factory):
     return tp_cases.write_shardable_gemma(tmp_path_factory.mktemp("tp_models_gpu"))
 
 
-@pytest.fixture(scope="module", params=["transformers_forwards", "fused_forwards", "symmetric_memory_sums"])
+@pytest.fixture(scope="module", params=["transformers_forwards", "fused_forwards", "symmetric_memory_sums",
+                                        "peer_sums"])
 def ranks(request, gemma_dirs, tmp_path_factory) -> list[dict]:
     """What each rank wrote, running transformers' forwards of the sharded model (HF_SPECDEC_TP_FUSED=0), or
     hf_specdec's fused ones (the default), also with the row-parallel sums through symmetric memory
-    (HF_SPECDEC_TP_SYMM_ALL_REDUCE=1)."""
+    (HF_SPECDEC_TP_SYMM_ALL_REDUCE=1), or through peer_sum's launch (HF_SPECDEC_TP_PEER_SUM=1)."""
     fused = request.param != "transformers_forwards"
     options = {"transformers_forwards": dict(env={"HF_SPECDEC_TP_FUSED": "0"}), "fused_forwards": None,
-               "symmetric_memory_sums": dict(env={"HF_SPECDEC_TP_SYMM_ALL_REDUCE": "1"})}[request.param]
+               "symmetric_memory_sums": dict(env={"HF_SPECDEC_TP_SYMM_ALL_REDUCE": "1"}),
+               "peer_sums": dict(env={"HF_SPECDEC_TP_PEER_SUM": "1"})}[request.param]
     results = tp_worker.spawn_ranks(gemma_dirs, tmp_path_factory.mktemp("tp_ranks_gpu"), "nccl", options)
-    symmetric = request.param == "symmetric_memory_sums"
     for result in results:
-        counts = {family: (result["fused_modules"][family], *result["sharded_projections"][family].values())
+        counts = {family: (result["fused_modules"][family], result["sharded_projections"][family])
                   for family in result["fused_modules"]}
-        for family, (modules, forwards, stacked, buffers) in counts.items():
+        for family, (modules, projections) in counts.items():
+            forwards, stacked = projections["forwards"], projections["stacked"]
             assert (modules > 0 and forwards > 0 and stacked > 0) if fused else not (modules or forwards), counts
-            assert (buffers > 0) == symmetric, counts  # the symmetric-memory set: it ran, no fallback to NCCL
+            # the sets that ask for symmetric memory: it ran, no fallback to NCCL
+            assert (projections["symmetric"] > 0) == (request.param == "symmetric_memory_sums"), counts
+            assert (projections["peer"] > 0) == (request.param == "peer_sums"), counts
     return results
 
 

@@ -30,8 +30,9 @@ def main(rank: int, world_size: int, port: int, gemma_dirs: dict[str, str], out_
     destroyed under them, as a user's script does it). ``options``: "env" (set before hf_specdec is imported),
     "cases" (names: only those, and nothing else), "max_new_tokens"."""
     options = options or {}
-    for name in ("HF_SPECDEC_TP_FUSED", "HF_SPECDEC_TP_SYMM_ALL_REDUCE"):  # only where the options say (a rank
-        os.environ.pop(name, None)                                         # inherits the parent's)
+    # only where the options say (a rank inherits the parent's)
+    for name in ("HF_SPECDEC_TP_FUSED", "HF_SPECDEC_TP_SYMM_ALL_REDUCE", "HF_SPECDEC_TP_PEER_SUM"):
+        os.environ.pop(name, None)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       **options.get("env", {}))
@@ -87,7 +88,7 @@ def fused_modules(model) -> int:
 def sharded_projections(model) -> dict[str, int]:
     """How many sharded projections of ``model`` run hf_specdec's forward on their shard ("forwards"), how many
     groups of column-parallel shards run as one GEMM ("stacked"), and how many symmetric-memory buffers this rank
-    set up for the row-parallel sums ("symmetric")."""
+    set up for the row-parallel sums ("symmetric": the one-shot all-reduce's, "peer": peer_sum's)."""
     from hf_specdec.generation.fusion import stacked_groups
     from hf_specdec.kernels.stacked_linear import stacked_weight
     from hf_specdec.runtime import distributed
@@ -98,7 +99,8 @@ def sharded_projections(model) -> dict[str, int]:
             linears = [getattr(module, n) for n in names if getattr(module, n, None) is not None]
             stacked += all(distributed.TP_FORWARD in vars(m) for m in linears) and stacked_weight(*linears) is not None
     return dict(forwards=sum(distributed.TP_FORWARD in vars(m) for m in model.modules()), stacked=stacked,
-                symmetric=sum(buffer is not None for buffer in distributed._SYMM_BUFFERS.values()))
+                symmetric=sum(buffer is not None for buffer in distributed._SYMM_BUFFERS.values()),
+                peer=sum(state is not None and state.calls > 0 for state in distributed._PEER_STATES.values()))
 
 
 def refused_placements(gemma_dirs: dict[str, pathlib.Path]) -> dict[str, str]:

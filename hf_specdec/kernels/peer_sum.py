@@ -1,0 +1,104 @@
+"""peer_sum: the sum of a small tensor over the ranks of a tensor-parallel group, in one launch that pushes.
+
+A decode or verify step of a tensor-parallel model ends each attention and each MLP in an all-reduce of a few rows of
+the hidden size (10.7 KB a row on the 31B). NCCL's all-reduce of that size took ~14.6 us in a CUDA graph on two H200,
+and ~6 us more around it: it takes no part in programmatic dependent launch, so the kernel after it cannot be
+launched early and it waits for the whole of the one before. Here one launch of a few programs does the exchange over
+NVLink, launched early like every kernel of the step (:func:`._dispatch.pdl_wait`):
+
+1. each program reads its block of this rank's values and writes it into every rank's buffer (this rank's own
+   included), at this rank's place in the call's slot;
+2. after a barrier of the program, it raises its flag on every rank (compare-and-swap 0 -> 1, release, system scope;
+   it spins while the flag is still raised from the call before: that rank has not read it yet);
+3. it waits for the flag of every rank on its own side (compare-and-swap 1 -> 0, acquire, system scope: the flags are
+   back to zero after each call, so CUDA graphs replay it without a counter);
+4. it sums the ranks' blocks in rank order, in fp32, and writes the result: every rank computes the same sum from the
+   same values in the same order, so every rank gets the same bits.
+
+The buffers and flags live in memory every rank of the group maps (torch's symmetric memory: runtime/distributed.py
+sets it up); the kernel reaches rank p's buffer as a base pointer plus ``rel[p]`` elements (its own buffer and 0 for
+itself on GPUs; one tensor holding every rank's buffer in the interpreter's tests). Calls take slots in
+turn (``RING`` of them): a rank writes a slot again only after a later call's exchange, which every rank reaches only
+once it has read the slot, so no write lands on values still to be read.
+
+``phase`` splits the launch into its push (steps 1-2) and its wait (3-4) for the interpreter's tests, which run the
+ranks one after the other in one process (a rank waiting on a flag no other rank can raise would spin forever).
+"""
+
+import torch
+
+from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton
+
+RING = 4  # slots calls take in turn
+MAX_PROGRAMS = 64  # programs (flags per rank and slot) a call may take
+MAX_WORLD = 8
+PUSH, WAIT, BOTH = 1, 2, 3
+SUM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _peer_sum_kernel(x_ptr, out_ptr, data_ptr, data_rel_ptr, flag_ptr, flag_rel_ptr, n, data_base, flag_base,
+                     SLOT_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                     PHASE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    if PHASE % 2 == 1:  # push
+        x = tl.load(x_ptr + offs, mask=ok)
+        for p in tl.static_range(WORLD):
+            rank_data = data_ptr + tl.load(data_rel_ptr + p)
+            tl.store(rank_data + data_base + RANK * SLOT_STRIDE + offs, x, mask=ok)
+        tl.debug_barrier()  # every thread's writes before the flag's release
+        for p in tl.static_range(WORLD):
+            flag = flag_ptr + tl.load(flag_rel_ptr + p) + flag_base + pid * WORLD + RANK
+            raised = tl.atomic_cas(flag, 0, 1, sem="release", scope="sys")
+            while raised != 0:
+                raised = tl.atomic_cas(flag, 0, 1, sem="release", scope="sys")
+    if PHASE >= 2:  # wait, then sum
+        own_data = data_ptr + tl.load(data_rel_ptr + RANK)
+        own_flags = flag_ptr + tl.load(flag_rel_ptr + RANK)
+        for q in tl.static_range(WORLD):
+            flag = own_flags + flag_base + pid * WORLD + q
+            seen = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
+            while seen != 1:
+                seen = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
+        tl.debug_barrier()
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for q in tl.static_range(WORLD):
+            # another GPU wrote these values: read them past the caches
+            total += tl.load(own_data + data_base + q * SLOT_STRIDE + offs, mask=ok, other=0.0,
+                             cache_modifier=".cv").to(tl.float32)
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def block_for(numel: int) -> int:
+    """Values per program: at least 1024, and few enough programs for the flags (:data:`MAX_PROGRAMS`)."""
+    return max(1024, next_power_of_2(-(-numel // MAX_PROGRAMS)))
+
+
+def peer_sum(x: torch.Tensor, data: torch.Tensor, data_rel: torch.Tensor, flags: torch.Tensor, flag_rel: torch.Tensor,
+             rank: int, world: int, slot: int, slot_numel: int, out: torch.Tensor | None = None,
+             phase: int = BOTH) -> torch.Tensor:
+    """``x`` summed over the ``world`` ranks whose buffers ``data`` reaches (a base pointer in ``x``'s dtype, rank p's
+    buffer ``data_rel[p]`` elements from it: this rank's own buffer with ``data_rel[rank]`` 0 on GPUs) with the flags
+    ``flags`` (int32, likewise ``flag_rel``), in
+    ``slot`` (``slot_numel`` values per rank): into ``out`` (``x`` itself may be ``out``), else a new tensor. Every
+    rank of the group must make the same calls in the same order (:mod:`hf_specdec.kernels.peer_sum`)."""
+    check(x.is_contiguous() and x.dtype in SUM_DTYPES, f"peer_sum takes a contiguous {SUM_DTYPES} tensor, got "
+          f"{x.dtype} (contiguous: {x.is_contiguous()})")
+    check(data.dtype == x.dtype and flags.dtype == torch.int32, "peer_sum: data in x's dtype, flags in int32")
+    check(1 <= world <= MAX_WORLD and 0 <= rank < world and 0 <= slot < RING,
+          f"peer_sum: rank {rank} of {world} (at most {MAX_WORLD}), slot {slot} of {RING}")
+    check(x.numel() <= slot_numel and data.numel() >= RING * world * slot_numel,
+          f"peer_sum: {x.numel()} values do not fit a slot of {slot_numel} (buffer {data.numel()})")
+    check(data_rel.numel() == world and flag_rel.numel() == world and data_rel.dtype == flag_rel.dtype == torch.int64,
+          "peer_sum: one int64 offset per rank for the buffers and the flags")
+    block = block_for(x.numel())
+    programs = triton.cdiv(x.numel(), block)
+    check(flags.numel() >= RING * MAX_PROGRAMS * world, "peer_sum: too few flags for the ranks and slots")
+    out = torch.empty_like(x) if out is None else out
+    _peer_sum_kernel[(programs,)](x, out, data, data_rel, flags, flag_rel, x.numel(), slot * world * slot_numel,
+                                  slot * MAX_PROGRAMS * world, SLOT_STRIDE=slot_numel, RANK=rank, WORLD=world,
+                                  BLOCK=block, PHASE=phase, num_warps=4, **pdl_args(x))
+    return out

@@ -1,0 +1,72 @@
+"""peer_sum: the ranks of a group simulated in one process, every rank's buffer and flags in one tensor (each rank's
+kernel reaches the others' at their offsets, as on GPUs it reaches the peers' mapped memory). The ranks push, then
+wait and sum, one after the other (the two phases of the one launch the GPUs run): each gets the sum of every
+rank's values in rank order, the same bits on every rank, and leaves its flags down for the next call."""
+
+import pytest
+import torch
+
+from hf_specdec.kernels import peer_sum as ps
+
+
+def _group(world: int, slot_numel: int, dtype, device):
+    per_rank = ps.RING * world * slot_numel
+    data = torch.full((world * per_rank,), float("nan"), dtype=dtype, device=device)
+    flags = torch.zeros(world * ps.RING * ps.MAX_PROGRAMS * world, dtype=torch.int32, device=device)
+    data_rel = torch.arange(world, dtype=torch.int64, device=device) * per_rank
+    flag_rel = torch.arange(world, dtype=torch.int64, device=device) * (ps.RING * ps.MAX_PROGRAMS * world)
+    return data, data_rel, flags, flag_rel
+
+
+def _exchange(xs, group, slot, slot_numel):
+    data, data_rel, flags, flag_rel = group
+    world = len(xs)
+    for rank, x in enumerate(xs):
+        ps.peer_sum(x, data, data_rel, flags, flag_rel, rank, world, slot, slot_numel, phase=ps.PUSH)
+    return [ps.peer_sum(x, data, data_rel, flags, flag_rel, rank, world, slot, slot_numel, phase=ps.WAIT)
+            for rank, x in enumerate(xs)]
+
+
+# bf16 on GPUs only: the interpreter does not follow bf16 stores through offsets into another rank's part
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_peer_sum_gives_every_rank_the_sum_in_rank_order(triton_device, world, dtype):
+    torch.manual_seed(world)
+    slot_numel = 3000
+    group = _group(world, slot_numel, dtype, triton_device)
+    for call, numel in enumerate([5, 2500, 1, 3000, 700, 64]):  # more calls than slots: each slot used again
+        xs = [torch.randn(numel, device=triton_device).to(dtype) for _ in range(world)]
+        expected = sum(x.float() for x in xs).to(dtype)  # rank order, fp32
+        outs = _exchange(xs, group, call % ps.RING, slot_numel)
+        for out in outs:
+            assert torch.equal(out, expected), (call, numel)
+        assert not group[2].any()  # every flag down again
+
+
+def test_triton_peer_sum_writes_in_place_and_refuses_what_does_not_fit(triton_device):
+    slot_numel = 256
+    group = _group(2, slot_numel, torch.float32, triton_device)
+    xs = [torch.randn(200, device=triton_device) for _ in range(2)]
+    expected = xs[0] + xs[1]
+    data, data_rel, flags, flag_rel = group
+    for rank, x in enumerate(xs):
+        ps.peer_sum(x, data, data_rel, flags, flag_rel, rank, 2, 1, slot_numel, phase=ps.PUSH)
+    for rank, x in enumerate(xs):
+        assert ps.peer_sum(x, data, data_rel, flags, flag_rel, rank, 2, 1, slot_numel, out=x, phase=ps.WAIT) is x
+        assert torch.equal(x, expected)
+    with pytest.raises(ValueError, match="fit a slot"):
+        ps.peer_sum(torch.ones(300, device=triton_device), data, data_rel, flags, flag_rel, 0, 2, 0, slot_numel)
+    with pytest.raises(ValueError, match="slot 4 of 4"):
+        ps.peer_sum(xs[0], data, data_rel, flags, flag_rel, 0, 2, ps.RING, slot_numel)
+    with pytest.raises(ValueError, match="contiguous"):
+        ps.peer_sum(torch.ones(8, 2, device=triton_device).t(), data, data_rel, flags, flag_rel, 0, 2, 0, slot_numel)
+
+
+def test_blocks_keep_the_programs_within_the_flags():
+    assert ps.block_for(1) == 1024 and ps.block_for(5376) == 1024
+    for numel in (1 << 16, 5376 * 64, 1 << 20):
+        block = ps.block_for(numel)
+        assert -(-numel // block) <= ps.MAX_PROGRAMS and block & (block - 1) == 0
