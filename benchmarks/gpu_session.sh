@@ -2,7 +2,8 @@
 # One command for a GPU machine that only gets a copy of the working tree: the GPU tests, then the benches,
 # with every result under one folder (few files: a machine that sends results back may cap their number).
 #
-#   bash benchmarks/gpu_session.sh OUT_DIR COMMIT [tests|quick|full-depth|moe-decode|moe-spec|fp8|tp|device-map|all]
+#   bash benchmarks/gpu_session.sh OUT_DIR COMMIT \
+#       [tests|quick|full-depth|moe-decode|moe-spec|fp8|tp|tp-tests|device-map|all]
 #
 #   tests       pytest of the Triton kernels, CUDA graphs and the Gemma 4 / DFlash / Step 3.5 models on the GPU
 #   quick       python -m benchmarks.run_all --quick --skip soak (~7 min on an H100)
@@ -14,10 +15,11 @@
 #               weight-only and bf16 ones (dense and the 26B-A4B's experts), then the 31B at 60 layers in FP8 (plain,
 #               MTP k=7 at 0.8), its verify cost (12 layers) and the 26B-A4B's FP8 decode (~8 min)
 #   tp          (two GPUs or more) peer_sum between two ranks against NCCL's all-reduce, then the 31B shape at 12
-#               layers under tp, batch 1 and 4, plain and MTP k=3 at 0.8, with NCCL's sums and with
-#               HF_SPECDEC_TP_PEER_SUM=1, then the tensor-parallel tests (transformers' forwards, the fused ones,
-#               symmetric-memory and peer sums) (~9.5 min, each step under a timeout; NVLink multicast off, as the
-#               device machines ask)
+#               layers under tp, batch 1 and 4, plain and MTP k=3 at 0.8 (96 new tokens, median of 3), with NCCL's
+#               sums and with HF_SPECDEC_TP_PEER_SUM=1 (~8 min, each step under a timeout; NVLink multicast off, as
+#               the device machines ask)
+#   tp-tests    (two GPUs) the tensor-parallel tests: transformers' forwards, the fused ones, symmetric-memory and peer
+#               sums, every case the one-GPU tokens (~5-6 min)
 #   device-map  (two GPUs) the device_map tests (every mode, guards, the once-per-forward moves), then the 31B shape
 #               at 12 layers split by a balanced device map against one GPU, batch 1 and 4, plain and MTP (~6 min)
 #   all         tests, then quick (default)
@@ -111,12 +113,19 @@ run_tp() {
   timeout 100 python -m pytest -q tests/distributed/test_peer_sum_gpu.py -p no:cacheprovider \
     >"$out/gpu_peer_sum_tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_peer_sum_tests.log" | tail -4
-  local shape=(--shape gemma4-31b --layers 12 --batch 1 4 --modes none mtp --placements tp --results-dir "$out/results")
-  timeout 150 python -m benchmarks.multi_gpu "${shape[@]}" >"$out/tp_31b.log" 2>&1 || rc=1
-  HF_SPECDEC_TP_PEER_SUM=1 timeout 150 python -m benchmarks.multi_gpu "${shape[@]}" >"$out/tp_31b_peer.log" 2>&1 || rc=1
+  local shape=(--shape gemma4-31b --layers 12 --batch 1 4 --modes none mtp --placements tp --new-tokens 96
+               --repeats 3 --results-dir "$out/results")
+  timeout 200 python -m benchmarks.multi_gpu "${shape[@]}" >"$out/tp_31b.log" 2>&1 || rc=1
+  HF_SPECDEC_TP_PEER_SUM=1 timeout 200 python -m benchmarks.multi_gpu "${shape[@]}" >"$out/tp_31b_peer.log" 2>&1 || rc=1
   grep -hE "^ *(model_shape|gemma4)|Error" "$out/tp_31b.log" "$out/tp_31b_peer.log"
-  timeout 180 python -m pytest -q tests/distributed/test_tensor_parallel_gpu.py -p no:cacheprovider \
-    >"$out/gpu_tp_tests.log" 2>&1 || rc=1
+  return $rc
+}
+
+run_tp_tests() {
+  local rc=0
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout 400 python -m pytest -q tests/distributed/test_tensor_parallel_gpu.py tests/distributed/test_peer_sum_gpu.py \
+    -p no:cacheprovider >"$out/gpu_tp_tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_tp_tests.log" | tail -12
   return $rc
 }
@@ -128,7 +137,8 @@ run_device_map() {
     -p no:cacheprovider >"$out/gpu_two_gpu_tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_two_gpu_tests.log" | tail -12
   timeout 240 python -m benchmarks.multi_gpu --shape gemma4-31b --layers 12 --batch 1 4 --modes none mtp \
-    --placements device_map --results-dir "$out/results" >"$out/device_map_31b.log" 2>&1 || rc=1
+    --placements device_map --new-tokens 96 --repeats 3 --results-dir "$out/results" >"$out/device_map_31b.log" 2>&1 \
+    || rc=1
   grep -hE "^ *(model_shape|gemma4)|Error" "$out/device_map_31b.log"
   return $rc
 }
@@ -141,9 +151,10 @@ case "$what" in
   full-depth) run_full_depth || status=1 ;;
   fp8) run_fp8 || status=1 ;;
   tp) run_tp || status=1 ;;
+  tp-tests) run_tp_tests || status=1 ;;
   device-map) run_device_map || status=1 ;;
   all) run_tests || status=1; run_quick || status=1 ;;
-  *) echo "unknown part '$what': tests, quick, full-depth, moe-decode, moe-spec, fp8, tp, device-map or all" >&2
+  *) echo "unknown part '$what': tests, quick, full-depth, moe-decode, moe-spec, fp8, tp, tp-tests, device-map or all" >&2
      exit 2 ;;
 esac
 exit $status

@@ -1,7 +1,8 @@
 """multi_gpu: hf_specdec over several devices — accelerate device_map, offload, transformers tensor parallelism.
 
     python -m benchmarks.multi_gpu [--gpus 2] [--placements device_map tp offload] [--modes none mtp dflash]
-                                   [--batch 1 4] [--new-tokens 32] [--shape tiny | gemma4-31b ...] [--layers N]
+                                   [--batch 1 4] [--new-tokens 32] [--repeats 1] [--shape tiny | gemma4-31b ...]
+                                   [--layers N]
                                    [--quick | --smoke]
 
 The bundled tiny family (fp32: tiny-gemma4 with its MTP assistant and DFlash drafter, tiny-step3p5 with its MTP
@@ -55,6 +56,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--modes", nargs="+", default=["none", "mtp", "dflash"], choices=["none", "mtp", "dflash"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="each row the median of this many (t(1), t(N)) pairs (a rate from one pair moves by ~10%% "
+                             "between calls at 32 new tokens: raise both for placements compared within a few %%)")
     parser.add_argument("--shape", default="tiny",
                         help="'tiny' (the bundled family, fp32) or a Gemma 4 shape of benchmarks/shapes.py (bf16)")
     parser.add_argument("--layers", type=int, default=None, help="cut a shape to this many layers")
@@ -186,7 +190,8 @@ def _measure_all(model, shape: str, modes: list[str], args) -> dict:
         for batch in args.batch:
             ids, mask = _prompt(batch, device)
             measured = decode_rate(lambda n: model.generate(ids, attention_mask=mask, max_new_tokens=n,
-                                                            do_sample=False, **extra), batch, args.new_tokens)
+                                                            do_sample=False, **extra), batch, args.new_tokens,
+                                   repeats=getattr(args, "repeats", 1))
             out[(mode, batch)] = dict(tokens_per_s=measured["tokens_per_s"], output=measured["output"].cpu().tolist())
     return out
 
@@ -222,7 +227,8 @@ def _tensor_parallel(shape: str, modes: list[str], args, **shape_settings) -> di
     cuda = args.device.startswith("cuda")
     world = args.gpus if cuda else 2
     with tempfile.TemporaryDirectory() as folder:
-        settings = dict(shape=shape, modes=modes, batch=args.batch, new_tokens=args.new_tokens, cuda=cuda,
+        settings = dict(shape=shape, modes=modes, batch=args.batch, new_tokens=args.new_tokens, repeats=args.repeats,
+                        cuda=cuda,
                         out=os.path.join(folder, "rank0.json"), **shape_settings)
         # gloo ranks on the CPU have aborted now and then right after loading (SIGABRT, "terminate called without
         # an active exception" from a thread without Python frames; 3 runs in ~35 on a 2-core machine, cause not
@@ -270,7 +276,8 @@ def _tp_rank(rank: int, world: int, port: int, settings: dict) -> None:
             measured = _measure_shape(model, settings)
         else:
             model = _load_tp(_asset(settings["shape"]), world, settings["shape"] == "tiny-gemma4", torch.float32)
-            args = SimpleNamespace(batch=settings["batch"], new_tokens=settings["new_tokens"])
+            args = SimpleNamespace(batch=settings["batch"], new_tokens=settings["new_tokens"],
+                                   repeats=settings["repeats"])
             measured = _measure_all(model, settings["shape"], settings["modes"], args)
         if rank == 0:
             with open(settings["out"], "w") as f:
@@ -317,7 +324,8 @@ def _shape_rows(args, progress) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         if "tp" in args.placements:  # before enable: it stacks projections into shared storages
             target.save_pretrained(folder)
-        run_settings = dict(settings, shape=args.shape, modes=modes, batch=args.batch, new_tokens=args.new_tokens)
+        run_settings = dict(settings, shape=args.shape, modes=modes, batch=args.batch, new_tokens=args.new_tokens,
+                            repeats=args.repeats)
         single = _measure_shape(target, run_settings, enable=True)
         progress.step("one device")
         measured = {}
@@ -392,7 +400,7 @@ def _measure_shape(model, settings: dict, enable: bool = False) -> dict:
                 ids = random_prompt(batch, settings["prompt"], model.config.vocab_size, device)
                 measured = decode_rate(lambda n: model.generate(ids, attention_mask=torch.ones_like(ids),
                                                                 max_new_tokens=n, do_sample=False, **extra),
-                                       batch, settings["new_tokens"])
+                                       batch, settings["new_tokens"], repeats=settings.get("repeats", 1))
                 out[(mode, batch)] = dict(tokens_per_s=measured["tokens_per_s"], output=(
                     measured["output"].cpu().tolist() if mode == "none" else None))
     finally:

@@ -274,8 +274,9 @@ def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
 # ``symm_mem.one_shot_all_reduce_copy``: every rank reads its peers' buffers over NVLink and sums them in rank order)
 # 6.2 us, with the same values (scratch probe, not kept). HF_SPECDEC_TP_SYMM_ALL_REDUCE=1 (read at import) sends
 # bf16 and fp32 sums (the op's dtypes) of at most SYMM_MAX_BYTES through it; anything else, and any group where
-# symmetric memory cannot be set up on every rank, takes NCCL's. Off: not yet run end to end (its first two-GPU run
-# found the op wants a buffer of the input's size, mended since, not rerun; docs/perf_log.md, session 45).
+# symmetric memory cannot be set up on every rank, takes NCCL's. Off: end to end it gained nothing (31B cut to 12
+# layers, two H200, batch 1: 1.48x one GPU against NCCL's 1.46x; docs/perf_log.md, session 46): its kernels take no
+# programmatic dependent launch either, and wait on a barrier each call.
 SYMM_ALL_REDUCE = os.environ.get("HF_SPECDEC_TP_SYMM_ALL_REDUCE", "0") == "1"
 SYMM_MAX_BYTES = 1 << 20
 SYMM_DTYPES = (torch.bfloat16, torch.float32)
