@@ -18,8 +18,9 @@ NVLink, launched early like every kernel of the step (:func:`._dispatch.pdl_wait
 The buffers and flags live in memory every rank of the group maps (torch's symmetric memory: runtime/distributed.py
 sets it up); the kernel reaches rank p's buffer as a base pointer plus ``rel[p]`` elements (its own buffer and 0 for
 itself on GPUs; one tensor holding every rank's buffer in the interpreter's tests). Calls take slots in
-turn (``RING`` of them): a rank writes a slot again only after a later call's exchange, which every rank reaches only
-once it has read the slot, so no write lands on values still to be read.
+turn (``RING`` of them), each program counting its own calls on the device (the same count on every rank, graphs
+replayed or not): two calls in a row never share a slot, and a rank writes a slot again only after a later call's
+exchange, which every rank reaches only once it has read the slot, so no write lands on values still to be read.
 
 ``phase`` splits the launch into its push (steps 1-2) and its wait (3-4) for the interpreter's tests, which run the
 ranks one after the other in one process (a rank waiting on a flag no other rank can raise would spin forever).
@@ -37,13 +38,21 @@ SUM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _peer_sum_kernel(x_ptr, out_ptr, data_ptr, data_rel_ptr, flag_ptr, flag_rel_ptr, n, data_base, flag_base,
+def _peer_sum_kernel(x_ptr, out_ptr, data_ptr, data_rel_ptr, flag_ptr, flag_rel_ptr, calls_ptr, n,
                      SLOT_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                     PHASE: tl.constexpr, PDL: tl.constexpr):
+                     RING: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
+    # this program's slot: its own count of calls, the same on every rank (they make the same calls), so two calls
+    # in a row never share a slot, whatever graphs and eager calls interleave
+    calls = tl.load(calls_ptr + pid)
+    slot = calls % RING
+    data_base = slot * WORLD * SLOT_STRIDE
+    flag_base = slot * MAX_PROGRAMS * WORLD
+    if PHASE >= 2:
+        tl.store(calls_ptr + pid, calls + 1)
     if PHASE % 2 == 1:  # push
         x = tl.load(x_ptr + offs, mask=ok)
         for p in tl.static_range(WORLD):
@@ -78,18 +87,19 @@ def block_for(numel: int) -> int:
 
 
 def peer_sum(x: torch.Tensor, data: torch.Tensor, data_rel: torch.Tensor, flags: torch.Tensor, flag_rel: torch.Tensor,
-             rank: int, world: int, slot: int, slot_numel: int, out: torch.Tensor | None = None,
+             calls: torch.Tensor, rank: int, world: int, slot_numel: int, out: torch.Tensor | None = None,
              phase: int = BOTH) -> torch.Tensor:
     """``x`` summed over the ``world`` ranks whose buffers ``data`` reaches (a base pointer in ``x``'s dtype, rank p's
     buffer ``data_rel[p]`` elements from it: this rank's own buffer with ``data_rel[rank]`` 0 on GPUs) with the flags
-    ``flags`` (int32, likewise ``flag_rel``), in
-    ``slot`` (``slot_numel`` values per rank): into ``out`` (``x`` itself may be ``out``), else a new tensor. Every
-    rank of the group must make the same calls in the same order (:mod:`hf_specdec.kernels.peer_sum`)."""
+    ``flags`` (int32, likewise ``flag_rel``), ``slot_numel`` values per rank and slot, the slot of each program
+    taken from its count of calls in ``calls`` (int32, :data:`MAX_PROGRAMS`, this rank's own, zeros at first; the
+    wait phase counts the call): into ``out`` (``x`` itself may be ``out``), else a new tensor. Every rank of the
+    group must make the same calls in the same order (:mod:`hf_specdec.kernels.peer_sum`)."""
     check(x.is_contiguous() and x.dtype in SUM_DTYPES, f"peer_sum takes a contiguous {SUM_DTYPES} tensor, got "
           f"{x.dtype} (contiguous: {x.is_contiguous()})")
     check(data.dtype == x.dtype and flags.dtype == torch.int32, "peer_sum: data in x's dtype, flags in int32")
-    check(1 <= world <= MAX_WORLD and 0 <= rank < world and 0 <= slot < RING,
-          f"peer_sum: rank {rank} of {world} (at most {MAX_WORLD}), slot {slot} of {RING}")
+    check(1 <= world <= MAX_WORLD and 0 <= rank < world, f"peer_sum: rank {rank} of {world} (at most {MAX_WORLD})")
+    check(calls.dtype == torch.int32 and calls.numel() >= MAX_PROGRAMS, "peer_sum: an int32 count of calls per program")
     check(x.numel() <= slot_numel and data.numel() >= RING * world * slot_numel,
           f"peer_sum: {x.numel()} values do not fit a slot of {slot_numel} (buffer {data.numel()})")
     check(data_rel.numel() == world and flag_rel.numel() == world and data_rel.dtype == flag_rel.dtype == torch.int64,
@@ -98,7 +108,7 @@ def peer_sum(x: torch.Tensor, data: torch.Tensor, data_rel: torch.Tensor, flags:
     programs = triton.cdiv(x.numel(), block)
     check(flags.numel() >= RING * MAX_PROGRAMS * world, "peer_sum: too few flags for the ranks and slots")
     out = torch.empty_like(x) if out is None else out
-    _peer_sum_kernel[(programs,)](x, out, data, data_rel, flags, flag_rel, x.numel(), slot * world * slot_numel,
-                                  slot * MAX_PROGRAMS * world, SLOT_STRIDE=slot_numel, RANK=rank, WORLD=world,
-                                  BLOCK=block, PHASE=phase, num_warps=4, **pdl_args(x))
+    _peer_sum_kernel[(programs,)](x, out, data, data_rel, flags, flag_rel, calls, x.numel(), SLOT_STRIDE=slot_numel,
+                                  RANK=rank, WORLD=world, BLOCK=block, RING=RING, MAX_PROGRAMS=MAX_PROGRAMS,
+                                  PHASE=phase, num_warps=4, **pdl_args(x))
     return out

@@ -298,12 +298,14 @@ _PEER_STATES: dict = {}  # (group name, device) -> _PeerState, or None where sym
 class _PeerState:
     """A group's symmetric buffers for :func:`peer_sum_kernel.peer_sum` on this rank: ``data`` (bytes, RING slots of
     ``world`` parts of PEER_SUM_SLOT_BYTES) and ``flags`` (int32, down), the peers' byte distances from this rank's
-    (``data_bytes``, ``flag_rel`` in flags), and the calls made (their slots taken in turn)."""
+    (``data_bytes``, ``flag_rel`` in flags), each program's count of calls on the device (``counts``, which picks its
+    slot), and the calls launched from here (graph replays not counted)."""
 
     data: torch.Tensor
     flags: torch.Tensor
     data_bytes: list[int]
     flag_rel: torch.Tensor
+    counts: torch.Tensor
     rank: int
     world: int
     calls: int = 0
@@ -326,11 +328,10 @@ def all_reduce_sum(out: torch.Tensor, group) -> torch.Tensor:
         state = _peer_state(group, out.device)
         if state is not None:
             data, rel = state.data_as(out.dtype)
-            slot = state.calls % peer_sum_kernel.RING
             state.calls += 1
             flat = out.view(-1)
-            peer_sum_kernel.peer_sum(flat, data, rel, state.flags, state.flag_rel, state.rank, state.world, slot,
-                                     PEER_SUM_SLOT_BYTES // out.element_size(), out=flat)
+            peer_sum_kernel.peer_sum(flat, data, rel, state.flags, state.flag_rel, state.counts, state.rank,
+                                     state.world, PEER_SUM_SLOT_BYTES // out.element_size(), out=flat)
             return out
     if (SYMM_ALL_REDUCE and out.is_cuda and out.dtype in SYMM_DTYPES and out.is_contiguous()
             and out.numel() * out.element_size() <= SYMM_MAX_BYTES):
@@ -401,7 +402,8 @@ def _peer_state(group, device: torch.device) -> _PeerState | None:
             if any((p - data_ptrs[rank]) % 4 or (f - flag_ptrs[rank]) % 4 for p, f in zip(data_ptrs, flag_ptrs)):
                 raise ValueError("symmetric buffers not 4-byte aligned to each other")
             flag_rel = torch.tensor([(f - flag_ptrs[rank]) // 4 for f in flag_ptrs], dtype=torch.int64, device=device)
-            state = _PeerState(data, flags, [p - data_ptrs[rank] for p in data_ptrs], flag_rel, rank, world)
+            counts = torch.zeros(programs, dtype=torch.int32, device=device)
+            state = _PeerState(data, flags, [p - data_ptrs[rank] for p in data_ptrs], flag_rel, counts, rank, world)
         except Exception as failure:  # noqa: BLE001 - any failure: this rank says so, and the group keeps NCCL's
             state, error = None, failure
         ready = torch.tensor([0 if state is None else 1], dtype=torch.int32, device=device)

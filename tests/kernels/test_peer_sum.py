@@ -15,15 +15,16 @@ def _group(world: int, slot_numel: int, dtype, device):
     flags = torch.zeros(world * ps.RING * ps.MAX_PROGRAMS * world, dtype=torch.int32, device=device)
     data_rel = torch.arange(world, dtype=torch.int64, device=device) * per_rank
     flag_rel = torch.arange(world, dtype=torch.int64, device=device) * (ps.RING * ps.MAX_PROGRAMS * world)
-    return data, data_rel, flags, flag_rel
+    counts = [torch.zeros(ps.MAX_PROGRAMS, dtype=torch.int32, device=device) for _ in range(world)]  # each rank's
+    return data, data_rel, flags, flag_rel, counts
 
 
-def _exchange(xs, group, slot, slot_numel):
-    data, data_rel, flags, flag_rel = group
+def _exchange(xs, group, slot_numel):
+    data, data_rel, flags, flag_rel, counts = group
     world = len(xs)
     for rank, x in enumerate(xs):
-        ps.peer_sum(x, data, data_rel, flags, flag_rel, rank, world, slot, slot_numel, phase=ps.PUSH)
-    return [ps.peer_sum(x, data, data_rel, flags, flag_rel, rank, world, slot, slot_numel, phase=ps.WAIT)
+        ps.peer_sum(x, data, data_rel, flags, flag_rel, counts[rank], rank, world, slot_numel, phase=ps.PUSH)
+    return [ps.peer_sum(x, data, data_rel, flags, flag_rel, counts[rank], rank, world, slot_numel, phase=ps.WAIT)
             for rank, x in enumerate(xs)]
 
 
@@ -37,13 +38,22 @@ def test_triton_peer_sum_gives_every_rank_the_sum_in_rank_order(triton_device, w
     torch.manual_seed(world)
     slot_numel = 3000
     group = _group(world, slot_numel, dtype, triton_device)
+    data, counts = group[0], group[4]
+    per_rank = data.numel() // world
     for call, numel in enumerate([5, 2500, 1, 3000, 700, 64]):  # more calls than slots: each slot used again
         xs = [torch.randn(numel, device=triton_device).to(dtype) for _ in range(world)]
         expected = sum(x.float() for x in xs).to(dtype)  # rank order, fp32
-        outs = _exchange(xs, group, call % ps.RING, slot_numel)
+        slot = int(counts[0][0]) % ps.RING  # program 0's next slot
+        outs = _exchange(xs, group, slot_numel)
         for out in outs:
             assert torch.equal(out, expected), (call, numel)
         assert not group[2].any()  # every flag down again
+        programs = -(-numel // ps.block_for(numel))
+        for rank in range(world):  # each program counted the call; program 0 wrote its block in that slot
+            assert int(counts[rank][:programs].min()) > 0
+            for q in range(world):
+                start = rank * per_rank + (slot * world + q) * slot_numel
+                assert torch.equal(data[start:start + min(numel, 1024)], xs[q][:1024]), (call, rank, q)
 
 
 def test_triton_peer_sum_writes_in_place_and_refuses_what_does_not_fit(triton_device):
@@ -51,18 +61,19 @@ def test_triton_peer_sum_writes_in_place_and_refuses_what_does_not_fit(triton_de
     group = _group(2, slot_numel, torch.float32, triton_device)
     xs = [torch.randn(200, device=triton_device) for _ in range(2)]
     expected = xs[0] + xs[1]
-    data, data_rel, flags, flag_rel = group
+    data, data_rel, flags, flag_rel, counts = group
     for rank, x in enumerate(xs):
-        ps.peer_sum(x, data, data_rel, flags, flag_rel, rank, 2, 1, slot_numel, phase=ps.PUSH)
+        ps.peer_sum(x, data, data_rel, flags, flag_rel, counts[rank], rank, 2, slot_numel, phase=ps.PUSH)
     for rank, x in enumerate(xs):
-        assert ps.peer_sum(x, data, data_rel, flags, flag_rel, rank, 2, 1, slot_numel, out=x, phase=ps.WAIT) is x
-        assert torch.equal(x, expected)
+        got = ps.peer_sum(x, data, data_rel, flags, flag_rel, counts[rank], rank, 2, slot_numel, out=x, phase=ps.WAIT)
+        assert got is x and torch.equal(x, expected)
+    args = (data, data_rel, flags, flag_rel, counts[0])
     with pytest.raises(ValueError, match="fit a slot"):
-        ps.peer_sum(torch.ones(300, device=triton_device), data, data_rel, flags, flag_rel, 0, 2, 0, slot_numel)
-    with pytest.raises(ValueError, match="slot 4 of 4"):
-        ps.peer_sum(xs[0], data, data_rel, flags, flag_rel, 0, 2, ps.RING, slot_numel)
+        ps.peer_sum(torch.ones(300, device=triton_device), *args, 0, 2, slot_numel)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        ps.peer_sum(xs[0], *args, 2, 2, slot_numel)
     with pytest.raises(ValueError, match="contiguous"):
-        ps.peer_sum(torch.ones(8, 2, device=triton_device).t(), data, data_rel, flags, flag_rel, 0, 2, 0, slot_numel)
+        ps.peer_sum(torch.ones(8, 2, device=triton_device).t(), *args, 0, 2, slot_numel)
 
 
 def test_blocks_keep_the_programs_within_the_flags():
