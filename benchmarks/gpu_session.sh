@@ -42,6 +42,16 @@ run_tests() {
   return $rc
 }
 
+two_gpu_pytest() {  # two_gpu_pytest LOG SECONDS PYTEST-ARGS...: NVLink multicast off, as the device machines ask
+  local log="$1" seconds="$2"
+  shift 2
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  timeout "$seconds" python -m pytest -q "$@" -p no:cacheprovider >"$out/$log" 2>&1
+  local rc=$?
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/$log" | tail -12
+  return $rc
+}
+
 run_quick() {
   python -m benchmarks.run_all --quick --skip soak --results-dir "$out/results" --no-report >"$out/run_all.log" 2>&1
   local rc=$?
@@ -110,9 +120,7 @@ run_fp8() {
 run_tp() {
   local rc=0
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  timeout 100 python -m pytest -q tests/distributed/test_peer_sum_gpu.py -p no:cacheprovider \
-    >"$out/gpu_peer_sum_tests.log" 2>&1 || rc=1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_peer_sum_tests.log" | tail -4
+  two_gpu_pytest gpu_peer_sum_tests.log 100 tests/distributed/test_peer_sum_gpu.py || rc=1
   local shape=(--shape gemma4-31b --layers 12 --batch 1 4 --modes none mtp --placements tp --new-tokens 96
                --repeats 3 --results-dir "$out/results")
   timeout 200 python -m benchmarks.multi_gpu "${shape[@]}" >"$out/tp_31b.log" 2>&1 || rc=1
@@ -122,20 +130,12 @@ run_tp() {
 }
 
 run_tp_tests() {
-  local rc=0
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  timeout 400 python -m pytest -q tests/distributed/test_tensor_parallel_gpu.py tests/distributed/test_peer_sum_gpu.py \
-    -p no:cacheprovider >"$out/gpu_tp_tests.log" 2>&1 || rc=1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_tp_tests.log" | tail -12
-  return $rc
+  two_gpu_pytest gpu_tp_tests.log 400 tests/distributed/test_tensor_parallel_gpu.py tests/distributed/test_peer_sum_gpu.py
 }
 
 run_device_map() {
   local rc=0
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  timeout 240 python -m pytest -q tests/generation/test_two_gpus.py tests/runtime/test_placement.py \
-    -p no:cacheprovider >"$out/gpu_two_gpu_tests.log" 2>&1 || rc=1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/gpu_two_gpu_tests.log" | tail -12
+  two_gpu_pytest gpu_two_gpu_tests.log 240 tests/generation/test_two_gpus.py tests/runtime/test_placement.py || rc=1
   timeout 240 python -m benchmarks.multi_gpu --shape gemma4-31b --layers 12 --batch 1 4 --modes none mtp \
     --placements device_map --new-tokens 96 --repeats 3 --results-dir "$out/results" >"$out/device_map_31b.log" 2>&1 \
     || rc=1

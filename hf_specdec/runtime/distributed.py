@@ -360,16 +360,22 @@ def _symmetric_buffer(group, device: torch.device, dtype: torch.dtype):
             symm_mem.rendezvous(buffer, group.group_name)
         except Exception as failure:  # noqa: BLE001 - any failure: this rank says so, and the group keeps NCCL's
             buffer, error = None, failure
-        ready = torch.tensor([0 if buffer is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
-        if not int(ready.item()):
-            import warnings
-
-            warnings.warn(f"hf_specdec: symmetric memory is not available on every rank ({error or 'another rank'})"
-                          f"; tensor-parallel sums take NCCL's all-reduce", stacklevel=3)
-            buffer = None
-        _SYMM_BUFFERS[key] = buffer
+        _SYMM_BUFFERS[key] = _agreed(buffer, error, group, device)
     return _SYMM_BUFFERS[key]
+
+
+def _agreed(value, error, group, device: torch.device):
+    """``value`` where every rank of ``group`` set up its symmetric memory (each says whether it did: an all-reduce of
+    a flag, so that none waits in an exchange another rank does not join), else None, with a warning."""
+    ready = torch.tensor([0 if value is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
+    if int(ready.item()):
+        return value
+    import warnings
+
+    warnings.warn(f"hf_specdec: symmetric memory is not available on every rank ({error or 'another rank'})"
+                  f"; tensor-parallel sums take NCCL's all-reduce", stacklevel=4)
+    return None
 
 
 def _forget_symmetric_buffers(group=None) -> None:
@@ -406,15 +412,7 @@ def _peer_state(group, device: torch.device) -> _PeerState | None:
             state = _PeerState(data, flags, [p - data_ptrs[rank] for p in data_ptrs], flag_rel, counts, rank, world)
         except Exception as failure:  # noqa: BLE001 - any failure: this rank says so, and the group keeps NCCL's
             state, error = None, failure
-        ready = torch.tensor([0 if state is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
-        if not int(ready.item()):
-            import warnings
-
-            warnings.warn(f"hf_specdec: symmetric memory is not available on every rank ({error or 'another rank'})"
-                          f"; tensor-parallel sums take NCCL's all-reduce", stacklevel=3)
-            state = None
-        _PEER_STATES[key] = state
+        _PEER_STATES[key] = _agreed(state, error, group, device)
     return _PEER_STATES[key]
 
 
