@@ -102,12 +102,21 @@ def hook_device(module: torch.nn.Module) -> torch.device | None:
 
 def moves_activations_only(module: torch.nn.Module) -> bool:
     """Whether accelerate hooked ``module`` (its forward wrapped, the original kept as ``_old_forward``) only to move
-    its inputs to its GPU, its weights and those of its submodules staying there (none offloaded: an offloaded
-    block's hooks load each submodule's weights around that submodule's own forward)."""
+    its inputs to its GPU, its weights and those of its submodules staying there: every hook on it and below it is
+    accelerate's ``AlignDevicesHook`` without offload (an offloaded block's hooks load each submodule's weights around
+    that submodule's own forward; ``CpuOffload`` or a user's hook does more than move inputs)."""
     device = hook_device(module)
     return (device is not None and device.type != "cpu" and hasattr(module, "_old_forward")
-            and not any(getattr(h, "offload", False) for m in module.modules() for h in accelerate_hooks(m))
+            and all(_aligns_only(h) for m in module.modules() for h in accelerate_hooks(m))
             and all(t.device == device for t in (*module.parameters(), *module.buffers())))
+
+
+def _aligns_only(hook) -> bool:
+    try:
+        from accelerate.hooks import AlignDevicesHook
+    except ImportError:  # pragma: no cover - accelerate made the hook
+        return False
+    return type(hook) is AlignDevicesHook and not hook.offload and getattr(hook, "weights_map", None) is None
 
 
 def gpu_index(device: torch.device) -> int:

@@ -9,9 +9,9 @@ NVLink, launched early like every kernel of the step (:func:`._dispatch.pdl_wait
 1. each program reads its block of this rank's values and writes it into every rank's buffer (this rank's own
    included), at this rank's place in the call's slot;
 2. after a barrier of the program, it raises its flag on every rank (compare-and-swap 0 -> 1, release, system scope;
-   it spins while the flag is still raised from the call before: that rank has not read it yet);
+   it would spin while that flag were still raised, which the slots below rule out);
 3. it waits for the flag of every rank on its own side (compare-and-swap 1 -> 0, acquire, system scope: the flags are
-   back to zero after each call, so CUDA graphs replay it without a counter);
+   back to zero after each call);
 4. it sums the ranks' blocks in rank order, in fp32, and writes the result: every rank computes the same sum from the
    same values in the same order, so every rank gets the same bits.
 
@@ -19,8 +19,12 @@ The buffers and flags live in memory every rank of the group maps (torch's symme
 sets it up); the kernel reaches rank p's buffer as a base pointer plus ``rel[p]`` elements (its own buffer and 0 for
 itself on GPUs; one tensor holding every rank's buffer in the interpreter's tests). Calls take slots in
 turn (``RING`` of them), each program counting its own calls on the device (the same count on every rank, graphs
-replayed or not): two calls in a row never share a slot, and a rank writes a slot again only after a later call's
-exchange, which every rank reaches only once it has read the slot, so no write lands on values still to be read.
+replayed or not; kept below RING), each program in its own region of a slot whatever its block size: two calls in a
+row never share a slot, and a rank writes a program's region of a slot again only after a later call's exchange of
+that program, which every rank reaches only once it has read the region, so no write lands on values still to be
+read. The calls of a rank must run in order on one stream (each program reads, then writes its count), as a model's
+row-parallel sums do. A rank whose peer never arrives (a dead process) spins in the kernel: no watchdog aborts it, as
+none aborts NCCL's kernels inside a CUDA graph replay either.
 
 ``phase`` splits the launch into its push (steps 1-2) and its wait (3-4) for the interpreter's tests, which run the
 ranks one after the other in one process (a rank waiting on a flag no other rank can raise would spin forever).
@@ -39,25 +43,29 @@ SUM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _peer_sum_kernel(x_ptr, out_ptr, data_ptr, data_rel_ptr, flag_ptr, flag_rel_ptr, calls_ptr, n,
-                     SLOT_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                     RING: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr):
+                     SLOT_STRIDE: tl.constexpr, PROGRAM_STRIDE: tl.constexpr, RANK: tl.constexpr,
+                     WORLD: tl.constexpr, BLOCK: tl.constexpr, RING: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
+                     PHASE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    local = tl.arange(0, BLOCK)
+    offs = pid * BLOCK + local
     ok = offs < n
-    # this program's slot: its own count of calls, the same on every rank (they make the same calls), so two calls
-    # in a row never share a slot, whatever graphs and eager calls interleave
+    # this program's slot: its own count of calls (kept below RING), the same on every rank (they make the same
+    # calls), so two calls in a row never share a slot, whatever graphs and eager calls interleave; and in a slot its
+    # own region (PROGRAM_STRIDE values), whatever its block size: a program of the next call, which may run while a
+    # peer still reads this one, never writes where another program of this call put its values
     calls = tl.load(calls_ptr + pid)
     slot = calls % RING
-    data_base = slot * WORLD * SLOT_STRIDE
+    data_base = slot * WORLD * SLOT_STRIDE + pid * PROGRAM_STRIDE + local
     flag_base = slot * MAX_PROGRAMS * WORLD
     if PHASE >= 2:
-        tl.store(calls_ptr + pid, calls + 1)
+        tl.store(calls_ptr + pid, (calls + 1) % RING)
     if PHASE % 2 == 1:  # push
         x = tl.load(x_ptr + offs, mask=ok)
         for p in tl.static_range(WORLD):
             rank_data = data_ptr + tl.load(data_rel_ptr + p)
-            tl.store(rank_data + data_base + RANK * SLOT_STRIDE + offs, x, mask=ok)
+            tl.store(rank_data + data_base + RANK * SLOT_STRIDE, x, mask=ok)
         tl.debug_barrier()  # every thread's writes before the flag's release
         for p in tl.static_range(WORLD):
             flag = flag_ptr + tl.load(flag_rel_ptr + p) + flag_base + pid * WORLD + RANK
@@ -76,7 +84,7 @@ def _peer_sum_kernel(x_ptr, out_ptr, data_ptr, data_rel_ptr, flag_ptr, flag_rel_
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for q in tl.static_range(WORLD):
             # another GPU wrote these values: read them past the caches
-            total += tl.load(own_data + data_base + q * SLOT_STRIDE + offs, mask=ok, other=0.0,
+            total += tl.load(own_data + data_base + q * SLOT_STRIDE, mask=ok, other=0.0,
                              cache_modifier=".cv").to(tl.float32)
         tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -106,9 +114,12 @@ def peer_sum(x: torch.Tensor, data: torch.Tensor, data_rel: torch.Tensor, flags:
           "peer_sum: one int64 offset per rank for the buffers and the flags")
     block = block_for(x.numel())
     programs = triton.cdiv(x.numel(), block)
+    check(block <= slot_numel // MAX_PROGRAMS, f"peer_sum: {x.numel()} values take blocks of {block}, more than a "
+          f"program's share of a slot of {slot_numel} ({slot_numel // MAX_PROGRAMS}): give slots of at least "
+          f"{block * MAX_PROGRAMS} values")
     check(flags.numel() >= RING * MAX_PROGRAMS * world, "peer_sum: too few flags for the ranks and slots")
     out = torch.empty_like(x) if out is None else out
     _peer_sum_kernel[(programs,)](x, out, data, data_rel, flags, flag_rel, calls, x.numel(), SLOT_STRIDE=slot_numel,
-                                  RANK=rank, WORLD=world, BLOCK=block, RING=RING, MAX_PROGRAMS=MAX_PROGRAMS,
+                                  PROGRAM_STRIDE=slot_numel // MAX_PROGRAMS, RANK=rank, WORLD=world, BLOCK=block, RING=RING, MAX_PROGRAMS=MAX_PROGRAMS,
                                   PHASE=phase, num_warps=4, **pdl_args(x))
     return out

@@ -50,7 +50,7 @@ from torch.distributed import distributed_c10d
 
 from hf_specdec.cache import KVLayout
 from hf_specdec.kernels import peer_sum as peer_sum_kernel
-from hf_specdec.kernels._dispatch import use_triton
+from hf_specdec.kernels._dispatch import FORCE_TRITON_ENV, HAS_TRITON, on_gpu
 from hf_specdec.kernels.skinny_gemm import skinny_linear
 from hf_specdec.kernels.stacked_linear import LOCAL_WEIGHT, adjacent, local_tensor, move_into_one_storage
 
@@ -287,8 +287,9 @@ _SYMM_BUFFERS: dict = {}  # (group name, device, dtype) -> the rank's symmetric 
 # on the current GPU, a group of at most 8 ranks) through kernels/peer_sum.py: one launch that pushes this rank's values
 # into every rank's symmetric buffer over NVLink, raises a flag on each, waits for theirs and sums in rank order, launched
 # early as the step's other kernels are (NCCL's kernel is not: ~6 us of launch gap around each of its ~14.6 us calls).
-# Off: not yet run on GPUs (written after the session's device time; its kernel tested in the interpreter and on one
-# GPU with the ranks simulated in one process).
+# Off: not yet run on GPUs (written after the session's device time; its kernel tested in the interpreter with the
+# ranks simulated in one process; tests/distributed/test_peer_sum_gpu.py compares it with NCCL's on two GPUs). Every
+# rank's first eligible sum asks the others whether all want it (one small all-reduce, whatever the setting).
 PEER_SUM = os.environ.get("HF_SPECDEC_TP_PEER_SUM", "0") == "1"
 PEER_SUM_SLOT_BYTES = 1 << 20
 _PEER_STATES: dict = {}  # (group name, device) -> _PeerState, or None where symmetric memory failed on some rank
@@ -323,15 +324,18 @@ class _PeerState:
 def all_reduce_sum(out: torch.Tensor, group) -> torch.Tensor:
     """``out`` summed over ``group`` (in place through NCCL or :data:`PEER_SUM`'s launch, or a new tensor from the
     symmetric-memory one-shot all-reduce: see SYMM_ALL_REDUCE)."""
-    if (PEER_SUM and out.is_cuda and out.dtype in peer_sum_kernel.SUM_DTYPES and out.is_contiguous()
-            and out.numel() * out.element_size() <= PEER_SUM_SLOT_BYTES and use_triton(out)):
+    # every rank asks (whatever its own setting): the ranks agree once per group whether peer_sum runs, and which
+    # sums take it depends only on what is summed, the same on every rank
+    if (out.is_cuda and out.dtype in peer_sum_kernel.SUM_DTYPES and out.is_contiguous()
+            and out.numel() * out.element_size() <= PEER_SUM_SLOT_BYTES):
         state = _peer_state(group, out.device)
         if state is not None:
             data, rel = state.data_as(out.dtype)
             state.calls += 1
             flat = out.view(-1)
-            peer_sum_kernel.peer_sum(flat, data, rel, state.flags, state.flag_rel, state.counts, state.rank,
-                                     state.world, PEER_SUM_SLOT_BYTES // out.element_size(), out=flat)
+            with on_gpu(out.device):  # (the kernel launches on the current GPU)
+                peer_sum_kernel.peer_sum(flat, data, rel, state.flags, state.flag_rel, state.counts, state.rank,
+                                         state.world, PEER_SUM_SLOT_BYTES // out.element_size(), out=flat)
             return out
     if (SYMM_ALL_REDUCE and out.is_cuda and out.dtype in SYMM_DTYPES and out.is_contiguous()
             and out.numel() * out.element_size() <= SYMM_MAX_BYTES):
@@ -364,13 +368,16 @@ def _symmetric_buffer(group, device: torch.device, dtype: torch.dtype):
     return _SYMM_BUFFERS[key]
 
 
-def _agreed(value, error, group, device: torch.device):
+def _agreed(value, error, group, device: torch.device, warn: bool = True):
     """``value`` where every rank of ``group`` set up its symmetric memory (each says whether it did: an all-reduce of
-    a flag, so that none waits in an exchange another rank does not join), else None, with a warning."""
+    a flag, so that none waits in an exchange another rank does not join), else None, with a warning (``warn``: this
+    rank asked for it)."""
     ready = torch.tensor([0 if value is None else 1], dtype=torch.int32, device=device)
     dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
     if int(ready.item()):
         return value
+    if not warn:
+        return None
     import warnings
 
     warnings.warn(f"hf_specdec: symmetric memory is not available on every rank ({error or 'another rank'})"
@@ -388,21 +395,36 @@ def _forget_symmetric_buffers(group=None) -> None:
 
 
 def _peer_state(group, device: torch.device) -> _PeerState | None:
-    """This rank's :class:`_PeerState` for ``group`` on ``device``, or None where symmetric memory cannot be set up
-    on every rank (they agree, as :func:`_symmetric_buffer`'s do; a collective, reached at an eager forward)."""
+    """This rank's :class:`_PeerState` for ``group`` on ``device``, or None where not every rank of it wants
+    peer_sum (:data:`PEER_SUM`, kernels that run) and can set it up. A collective the first time, on every rank
+    whatever its setting (so that ranks whose settings differ all take NCCL's sums rather than wait for each other):
+    the ranks agree after allocating the buffers and again after mapping each other's (``rendezvous``, which waits
+    for every rank), so none waits in a step another rank left. Under a CUDA graph capture (every rank captures the
+    same forwards) a group not yet set up takes NCCL's sums for that capture."""
     key = (group.group_name, str(device))
-    if key not in _PEER_STATES:
-        state, error = None, None
+    if key in _PEER_STATES:
+        return _PEER_STATES[key]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    state, error, buffers = None, None, None
+    ring, programs = peer_sum_kernel.RING, peer_sum_kernel.MAX_PROGRAMS
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if PEER_SUM and HAS_TRITON and os.environ.get(FORCE_TRITON_ENV) != "0":
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            world, rank = dist.get_world_size(group), dist.get_rank(group)
             if world > peer_sum_kernel.MAX_WORLD:
                 raise ValueError(f"{world} ranks (peer_sum takes at most {peer_sum_kernel.MAX_WORLD})")
-            ring, programs = peer_sum_kernel.RING, peer_sum_kernel.MAX_PROGRAMS
             data = symm_mem.empty(ring * world * PEER_SUM_SLOT_BYTES, dtype=torch.uint8, device=device)
             flags = symm_mem.empty(ring * programs * world, dtype=torch.int32, device=device)
-            flags.zero_()  # down; the agreement below orders it before any rank's first push
+            flags.zero_()  # down; the agreements below order it before any rank's first push
+            buffers = (symm_mem, data, flags)
+        except Exception as failure:  # noqa: BLE001 - any failure: this rank says so, and the group keeps NCCL's
+            error = failure
+    buffers = _agreed(buffers, error, group, device, warn=PEER_SUM)
+    if buffers is not None:
+        symm_mem, data, flags = buffers
+        try:
             data_ptrs = list(symm_mem.rendezvous(data, group.group_name).buffer_ptrs)
             flag_ptrs = list(symm_mem.rendezvous(flags, group.group_name).buffer_ptrs)
             if any((p - data_ptrs[rank]) % 4 or (f - flag_ptrs[rank]) % 4 for p, f in zip(data_ptrs, flag_ptrs)):
@@ -410,10 +432,11 @@ def _peer_state(group, device: torch.device) -> _PeerState | None:
             flag_rel = torch.tensor([(f - flag_ptrs[rank]) // 4 for f in flag_ptrs], dtype=torch.int64, device=device)
             counts = torch.zeros(programs, dtype=torch.int32, device=device)
             state = _PeerState(data, flags, [p - data_ptrs[rank] for p in data_ptrs], flag_rel, counts, rank, world)
-        except Exception as failure:  # noqa: BLE001 - any failure: this rank says so, and the group keeps NCCL's
-            state, error = None, failure
-        _PEER_STATES[key] = _agreed(state, error, group, device)
-    return _PEER_STATES[key]
+        except Exception as failure:  # noqa: BLE001 - as above
+            error = failure
+        state = _agreed(state, error, group, device)
+    _PEER_STATES[key] = state
+    return state
 
 
 # where the sharded projections keep transformers' wrapper and their kind (COLUMN or ROW)

@@ -181,6 +181,11 @@ def _open_moves(module, args):
     _moves.depth = depth + 1
 
 
+def _close_all_moves() -> None:
+    """No forward open and no copies kept (after a generate call, whatever ended it)."""
+    _moves.depth, _moves.copies = 0, {}
+
+
 def _close_moves(module, args, output):
     _moves.depth = max(0, getattr(_moves, "depth", 1) - 1)
     if not _moves.depth:
@@ -251,18 +256,18 @@ def on_input_gpu(model: torch.nn.Module):
     """While open, the GPU of ``model``'s input device is the current one (a no-op elsewhere): the loop's kernels
     launch there, and a model on a GPU other than the current one does not take the kernels' torch references. On
     exit the current GPU is the one before, also after an interrupt inside a guarded forward (whose hooks then did
-    not restore it)."""
+    not restore it), and no forward's copies (:class:`_MoveOnce`) are kept open."""
     device = input_device(model)
-    if device.type != "cuda":
-        yield
-        return
-    before = torch.cuda.current_device()
-    torch.cuda.set_device(device)
+    before = torch.cuda.current_device() if device.type == "cuda" else None
+    if before is not None:
+        torch.cuda.set_device(device)
     try:
         yield
     finally:
-        _previous_devices.stack = []
-        torch.cuda.set_device(before)
+        _close_all_moves()  # (an interrupt skips the model's forward hooks that close them)
+        if before is not None:
+            _previous_devices.stack = []
+            torch.cuda.set_device(before)
 
 
 def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:

@@ -160,3 +160,18 @@ def test_keeping_rows_frees_the_others_and_the_kept_rows_read_and_grow_as_before
         cache.keep_rows([2])
     cache.free()
     assert all(p.num_free == 64 for p in cache.manager.pools)
+
+
+def test_a_forward_description_copied_in_one_piece_views_the_same_values():
+    """From one GPU to another the description's tensors (int32, int64 and bool, any length) go over as one packed
+    copy, each viewed back at an aligned offset: the same values, dtypes and shapes (here CPU to CPU)."""
+    from hf_specdec.cache.paged_cache import copy_packed
+
+    tensors = [torch.arange(3, dtype=torch.int32), torch.tensor([[5, -1]], dtype=torch.int64),
+               torch.tensor([True, False, True]), torch.arange(7, dtype=torch.int32).view(1, 7)[:, 1:],
+               torch.empty(0, dtype=torch.int64)]
+    moved = copy_packed(tensors, torch.device("cpu"))
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == 1  # one buffer
+    for got, want in zip(moved, tensors):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert got.storage_offset() * got.element_size() % 16 == 0

@@ -1,7 +1,8 @@
 """peer_sum between two GPUs (skipped on machines with fewer): two NCCL ranks sum tensors of the sizes a decode or
 verify step sums (and odd ones) through ``all_reduce_sum`` with HF_SPECDEC_TP_PEER_SUM on, eagerly and replayed in a
 CUDA graph many times (more calls than the slots it takes in turn); every result is NCCL's all-reduce of the same
-values, bit for bit, on both ranks. A size past a slot, or another dtype, takes NCCL's (no state set up for it)."""
+values, bit for bit, on both ranks. A size past a slot takes NCCL's, and so does every sum of a group whose ranks'
+settings differ."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def _rank(rank: int, port: int) -> None:
                 got = distributed.all_reduce_sum(x.clone(), group)
                 assert torch.equal(got, expected), (dtype, numel)
         state = distributed._PEER_STATES[(group.group_name, f"cuda:{rank}")]
-        assert state is not None and state.calls == 3 * len(SIZES)
+        fit = sum(numel * torch.empty((), dtype=dtype).element_size() <= distributed.PEER_SUM_SLOT_BYTES
+                  for dtype in (torch.bfloat16, torch.float32, torch.float16) for numel in SIZES)
+        assert state is not None and state.calls == fit == 3 * len(SIZES) - 1  # fp32's largest goes to NCCL
         # in a graph: three sums a replay (slots taken at capture), replayed more times than there are slots
         xs = [torch.randn(5376, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         static = [x.clone() for x in xs]
@@ -67,6 +70,12 @@ def _rank(rank: int, port: int) -> None:
         big = torch.ones(distributed.PEER_SUM_SLOT_BYTES // 2 + 1, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(distributed.all_reduce_sum(big, group), torch.full_like(big, 2))  # NCCL's
         assert state.calls == calls
+        # ranks whose settings differ agree on NCCL's sums (none waits for a peer that never pushes)
+        distributed.PEER_SUM = rank == 0
+        other = dist.new_group([0, 1])
+        x = torch.full((5376,), float(rank + 1), device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(distributed.all_reduce_sum(x, other), torch.full_like(x, 3))
+        assert distributed._PEER_STATES[(other.group_name, f"cuda:{rank}")] is None
     finally:
         dist.destroy_process_group()
 

@@ -102,6 +102,7 @@ def test_a_layer_a_device_map_only_moves_inputs_for_still_computes_the_next_norm
     from accelerate.hooks import ModelHook, add_hook_to_module
 
     from hf_specdec.generation.fusion import unfuse_modules
+    from hf_specdec.kernels import _dispatch
     from hf_specdec.models.gemma4 import fusion as gemma4_fusion
     from tests import tiny_models
 
@@ -119,7 +120,7 @@ def test_a_layer_a_device_map_only_moves_inputs_for_still_computes_the_next_norm
     assert follows()
     add_hook_to_module(first, ModelHook())
     assert not follows()  # not known to move inputs only (on the CPU none does)
-    monkeypatch.setattr(gemma4_fusion, "moves_activations_only", lambda module: module is first)
+    monkeypatch.setattr(_dispatch, "moves_activations_only", lambda module: module is first)
     assert follows()
 
     def guard(*args):
@@ -132,6 +133,9 @@ def test_a_layer_a_device_map_only_moves_inputs_for_still_computes_the_next_norm
     assert not follows()
     handles.pop().remove()
     handles.append(first.register_forward_hook(lambda module, args, out: None))
+    assert not follows()
+    handles.pop().remove()
+    handles.append(first.register_forward_pre_hook(lambda module, args: None))  # anyone else's hook: as written
     assert not follows()
     for handle in handles:
         handle.remove()

@@ -74,21 +74,6 @@ def test_loaded_weights_runs_the_hooks_around_the_block():
     assert calls == ["load", "read", "offload"]
 
 
-def test_a_forward_description_copied_in_one_piece_views_the_same_values():
-    """From one GPU to another the description's tensors (int32, int64 and bool, any length) go over as one packed
-    copy, each viewed back at an aligned offset: the same values, dtypes and shapes (here CPU to CPU)."""
-    from hf_specdec.cache.paged_cache import _copy_packed
-
-    tensors = [torch.arange(3, dtype=torch.int32), torch.tensor([[5, -1]], dtype=torch.int64),
-               torch.tensor([True, False, True]), torch.arange(7, dtype=torch.int32).view(1, 7)[:, 1:],
-               torch.empty(0, dtype=torch.int64)]
-    moved = _copy_packed(tensors, torch.device("cpu"))
-    assert len({t.untyped_storage().data_ptr() for t in moved}) == 1  # one buffer
-    for got, want in zip(moved, tensors):
-        assert got.dtype == want.dtype and torch.equal(got, want)
-        assert got.storage_offset() * got.element_size() % 16 == 0
-
-
 def test_place_drafter_moves_a_small_drafter_beside_its_layers_with_a_warning():
     drafter = torch.nn.Linear(2, 2)
     with warnings.catch_warnings():
@@ -176,6 +161,13 @@ class _Placed(torch.nn.Module):
     def get_input_embeddings(self):
         return self.embed
 
+    @classmethod
+    def on_cpu(cls) -> "_Placed":
+        """One whose embedding runs on the CPU."""
+        model = cls()
+        model.embed._hf_hook.execution_device = "cpu"
+        return model
+
 
 def test_guard_devices_hooks_the_modules_on_other_gpus_once_and_unguard_removes_them_from_a_copy_too():
     import copy
@@ -233,6 +225,12 @@ def test_keyword_tensors_reach_a_layer_on_another_device_once_per_forward_of_the
     finally:
         placement._close_moves(None, (), None)
     assert not placement._moves.copies and hook(None, (), kwargs) is None
+    # an interrupt inside the model's forward skips the hook that closes it: the generate call's exit does
+    placement._open_moves(None, ())
+    with pytest.raises(KeyboardInterrupt):
+        with placement.on_input_gpu(_Placed.on_cpu()):
+            raise KeyboardInterrupt
+    assert placement._moves.depth == 0 and hook(None, (), kwargs) is None
 
 
 def test_under_a_top_module_hooked_to_another_gpu_the_parts_on_the_input_gpu_are_guarded_back_to_it():
@@ -306,3 +304,13 @@ def test_modules_with_weights_off_the_gpu_keep_accelerates_forward():
     add_hook_to_module(offloaded, AlignDevicesHook(execution_device="meta"))
     assert all(p.device.type == "meta" for p in offloaded.parameters())
     assert not moves_activations_only(offloaded)  # a submodule's weights are loaded around its own forward
+    # a hook beside accelerate's own, or accelerate's CpuOffload (weights moved around the forward), does more
+    from accelerate.hooks import CpuOffload, ModelHook, SequentialHook
+
+    assert moves_activations_only(block)
+    block._hf_hook = SequentialHook(block._hf_hook, ModelHook())
+    assert not moves_activations_only(block)
+    cpu_offloaded = torch.nn.Linear(2, 2)
+    add_hook_to_module(cpu_offloaded, CpuOffload(execution_device="meta"))
+    cpu_offloaded.to("meta")  # as if its weights were on its GPU now
+    assert not moves_activations_only(cpu_offloaded)

@@ -29,7 +29,7 @@ from hf_specdec.compat import cache_argument
 from hf_specdec.generation.quantization import w8a8_input_group
 from hf_specdec.generation.registry import FusedForward, register_fused_forwards, register_model_links
 from hf_specdec.kernels import use_triton
-from hf_specdec.kernels._dispatch import moves_activations_only, needs_grad, other_hooks, write_count
+from hf_specdec.kernels._dispatch import needs_grad, other_hooks, runs_own_forward, write_count
 from hf_specdec.kernels.fp8_w8a8 import reshape_with_codes
 from hf_specdec.kernels.fused_moe import softmax_topk_route
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, is_gelu_tanh
@@ -177,10 +177,10 @@ def _input_group(self, hidden_states):
 # Cross-layer seams: a decoder layer's last seam (norm_add, dual_norm_add) also computes the norm that reads the
 # layer's output next -- the next layer's input norm, or the text model's final norm (_link_following_norms) -- and
 # attaches it to its output; that norm then returns it instead of launching (_computed_norm): one launch less a layer.
-# Only where nothing can change the output in between: no forward hook on the layer but hf_specdec's device guards (nor
-# a global one), no forward pre-hook on the next layer, no accelerate hook on the layer but one that only moves inputs
-# to the layer's GPU (a device_map's: a tensor it moves to another GPU is a new tensor, without the attached norm),
-# the norm's weight on the output's device. CROSS_LAYER_SEAMS = False (set at run time, with the graphs captured before
+# Only where nothing can change the output in between: no hook on the layer but hf_specdec's device guards and an
+# accelerate hook that only moves inputs to the layer's GPU (runs_own_forward; a device_map's: a tensor it moves to
+# another GPU is a new tensor, without the attached norm), no global hook, no forward pre-hook on the next layer, the
+# norm's weight on the output's device. CROSS_LAYER_SEAMS = False (set at run time, with the graphs captured before
 # released) keeps the norms' own launches, e.g. to compare the two.
 CROSS_LAYER_SEAMS = True
 _FOLLOWING: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -207,8 +207,7 @@ def _following_norm(self, hidden_states):
     """(the norm that reads this layer's output next, the values per scale its output's codes take or None) where the
     layer's last seam may compute it (see CROSS_LAYER_SEAMS), else (None, None)."""
     entry = _FOLLOWING.get(self)
-    if (entry is None or not CROSS_LAYER_SEAMS or other_hooks(self, pre=False)
-            or (getattr(self, "_hf_hook", None) is not None and not moves_activations_only(self))
+    if (entry is None or not CROSS_LAYER_SEAMS or runs_own_forward(self)
             or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks):
         return None, None
     norm, layer = entry[0](), entry[1] and entry[1]()
