@@ -120,6 +120,6 @@ def peer_sum(x: torch.Tensor, data: torch.Tensor, data_rel: torch.Tensor, flags:
     check(flags.numel() >= RING * MAX_PROGRAMS * world, "peer_sum: too few flags for the ranks and slots")
     out = torch.empty_like(x) if out is None else out
     _peer_sum_kernel[(programs,)](x, out, data, data_rel, flags, flag_rel, calls, x.numel(), SLOT_STRIDE=slot_numel,
-                                  PROGRAM_STRIDE=slot_numel // MAX_PROGRAMS, RANK=rank, WORLD=world, BLOCK=block, RING=RING, MAX_PROGRAMS=MAX_PROGRAMS,
-                                  PHASE=phase, num_warps=4, **pdl_args(x))
+                                  PROGRAM_STRIDE=slot_numel // MAX_PROGRAMS, RANK=rank, WORLD=world, BLOCK=block,
+                                  RING=RING, MAX_PROGRAMS=MAX_PROGRAMS, PHASE=phase, num_warps=4, **pdl_args(x))
     return out

@@ -140,7 +140,7 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Ten
     if weight is not None and weight.device == x.device:  # (a device-map hook would have moved x to the weights)
         return skinny_linear(x, weight).split([w.shape[0] for w in weights], dim=-1)
     fp8 = stacked_fp8(*linears)
-    if fp8 is not None and fp8[0].device == x.device:  # the layers' own product (their activations are dynamic: stacked_fp8)
+    if fp8 is not None and fp8[0].device == x.device:  # the layers' own product (dynamic activations: stacked_fp8)
         return fine_grained_fp8_linear(x, *fp8).split([linear.weight.shape[0] for linear in linears], dim=-1)
     return tuple(linear(x) for linear in linears)
 

@@ -269,8 +269,9 @@ def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     return all_reduce_sum(out, self.weight.device_mesh.get_group()) if vars(self)[SHARD_KIND] == ROW else out
 
 
-# A decode or verify step's row-parallel sums (and the packed experts' sums, _AllReduceSum) are small (rows x hidden): NCCL's ring all-reduce took 14.6 us a call
-# in a CUDA graph on two H200 (5376 bf16 values), a one-shot all-reduce over symmetric memory (torch's
+# A decode or verify step's row-parallel sums (and the packed experts' sums, _AllReduceSum) are small (rows x hidden):
+# NCCL's ring all-reduce took 14.6 us a call in a CUDA graph on two H200 (5376 bf16 values), a one-shot all-reduce
+# over symmetric memory (torch's
 # ``symm_mem.one_shot_all_reduce_copy``: every rank reads its peers' buffers over NVLink and sums them in rank order)
 # 6.2 us, with the same values (scratch probe, not kept). HF_SPECDEC_TP_SYMM_ALL_REDUCE=1 (read at import) sends
 # bf16 and fp32 sums (the op's dtypes) of at most SYMM_MAX_BYTES through it; anything else, and any group where
@@ -284,9 +285,9 @@ _SYMM_BUFFERS: dict = {}  # (group name, device, dtype) -> the rank's symmetric 
 
 
 # HF_SPECDEC_TP_PEER_SUM=1 (read at import) sends sums of at most PEER_SUM_SLOT_BYTES (bf16, fp16 or fp32, contiguous,
-# on the current GPU, a group of at most 8 ranks) through kernels/peer_sum.py: one launch that pushes this rank's values
-# into every rank's symmetric buffer over NVLink, raises a flag on each, waits for theirs and sums in rank order, launched
-# early as the step's other kernels are (NCCL's kernel is not: ~6 us of launch gap around each of its ~14.6 us calls).
+# CUDA, a group of at most 8 ranks) through kernels/peer_sum.py: one launch that pushes this rank's values into every
+# rank's symmetric buffer over NVLink, raises a flag on each, waits for theirs and sums in rank order, launched early
+# as the step's other kernels are (NCCL's kernel is not: ~6 us of launch gap around each of its ~14.6 us calls).
 # Off: not yet run on GPUs (written after the session's device time; its kernel tested in the interpreter with the
 # ranks simulated in one process; tests/distributed/test_peer_sum_gpu.py compares it with NCCL's on two GPUs). Every
 # rank's first eligible sum asks the others whether all want it (one small all-reduce, whatever the setting).
