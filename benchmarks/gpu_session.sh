@@ -21,7 +21,8 @@
 #   tp-tests    (two GPUs) the tensor-parallel tests: transformers' forwards, the fused ones, symmetric-memory and peer
 #               sums, every case the one-GPU tokens (~5-6 min)
 #   device-map  (two GPUs) the device_map tests (every mode, guards, the once-per-forward moves), then the 31B shape
-#               at 12 layers split by a balanced device map against one GPU, batch 1 and 4, plain and MTP (~6 min)
+#               at 12 layers split by a balanced device map against one GPU, batch 1 and 4, plain and MTP, and the
+#               step's device time from the kernels' timeline (benchmarks/step_timeline.py) (~7 min)
 #   all         tests, then quick (default)
 #
 # COMMIT tags the records (a copied checkout may carry a stale git HEAD). Records go to OUT_DIR/results/*.jsonl
@@ -144,6 +145,9 @@ run_device_map() {
     --placements device_map --new-tokens 96 --repeats 3 --results-dir "$out/results" >"$out/device_map_31b.log" 2>&1 \
     || rc=1
   grep -hE "^ *(model_shape|gemma4)|Error" "$out/device_map_31b.log"
+  timeout -k 10 120 python -m benchmarks.step_timeline --shape gemma4-31b --layers 12 --gpus 2 \
+    >"$out/step_timeline_31b.log" 2>&1 || rc=1
+  grep -E "^(one GPU|device_map)|Error" "$out/step_timeline_31b.log"
   return $rc
 }
 

@@ -540,3 +540,25 @@ def test_synthetic_acceptance_runs_ahead_with_its_decision_inside_the_verify(mon
     (out, forwards, histogram, ahead), (out_ahead, forwards_ahead, histogram_ahead, ahead_ahead) = runs
     assert torch.equal(out, out_ahead) and (forwards, histogram) == (forwards_ahead, histogram_ahead)
     assert ahead == 0 and ahead_ahead >= forwards - 3 > 0 and 0 < sum(histogram[1:]) < sum(histogram)
+
+
+def test_step_timeline_reads_steps_layers_and_copies_from_the_kernels_timeline():
+    """``benchmarks.step_timeline``'s reading of a trace (the GPU run profiles a real one): steps between the forwards'
+    first kernels, the first layer's start and each layer's span, copies between GPUs and kernels a step per device."""
+    from benchmarks.step_timeline import LAYER_MARKER, STEP_MARKER, timeline
+
+    def kernel(name, ts, pid=0, cat="kernel"):
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=1.0, pid=pid)
+
+    events = [dict(ph="X", cat="cpu_op", name=STEP_MARKER, ts=5.0, dur=1.0, pid=0)]  # a host event: not a step
+    for step in range(9):
+        t = 1000.0 * step + (3.0 if step % 2 else 0.0)  # steps of 997 / 1003 us
+        events += [kernel(STEP_MARKER, t), kernel(LAYER_MARKER, t + 60), kernel("gemm", t + 70),
+                   kernel(LAYER_MARKER, t + 320, pid=1), kernel("Memcpy PtoP (Device -> Device)", t + 310, 0,
+                                                                "gpu_memcpy"), kernel(LAYER_MARKER, t + 600, pid=1)]
+    figures = timeline(events, skip=2)
+    assert figures["step_us"] == 1000.0  # the median of 1003, 997, ... (the steps after the two skipped)
+    assert figures["first_layer_us"] == 60.0 and figures["layer_us"] == [260.0, 280.0]
+    assert figures["peer_copies"] == 1 and figures["kernels"] == {0: 3.0, 1: 2.0}
+    with pytest.raises(ValueError, match="generate more tokens"):
+        timeline(events[:12], skip=2)
