@@ -233,6 +233,34 @@ def test_keyword_tensors_reach_a_layer_on_another_device_once_per_forward_of_the
     assert placement._moves.depth == 0 and hook(None, (), kwargs) is None
 
 
+def test_movers_go_on_each_placed_module_once_and_disable_takes_them_away(monkeypatch):
+    """Over several GPUs, each module the device map names (and whose hooks only move its inputs) gets one
+    :class:`placement._MoveOnce`, the model the pair that opens and closes a forward's copies; installing again
+    keeps one of each; ``unguard_devices`` removes them (the meta device stands in for the GPUs)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from hf_specdec.runtime import placement
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).to("meta")
+    for layer in model:
+        add_hook_to_module(layer, AlignDevicesHook(execution_device="meta", skip_keys=["past_key_values"]))
+    model.hf_device_map = {"0": "meta", "1": "meta"}
+    monkeypatch.setattr(placement, "gpu_devices", lambda m: (torch.device("cuda", 0), torch.device("cuda", 1)))
+
+    def movers(module):
+        return [h for h in module._forward_pre_hooks.values() if isinstance(h, placement._MoveOnce)]
+
+    for _ in range(2):
+        placement._install_movers(model)
+        assert [len(movers(layer)) for layer in model] == [1, 1]
+        assert movers(model[0])[0].skip_keys == {"past_key_values"}
+        assert list(model._forward_pre_hooks.values()) == [placement._open_moves]
+        assert list(model._forward_hooks.values()) == [placement._close_moves]
+    placement.unguard_devices(model)
+    assert not any(m._forward_pre_hooks or m._forward_hooks or m._forward_pre_hooks_with_kwargs
+                   for m in model.modules())
+
+
 def test_under_a_top_module_hooked_to_another_gpu_the_parts_on_the_input_gpu_are_guarded_back_to_it():
     """accelerate's main device may be cuda:1 (its top-level hook moves the arguments there) while the embedding is
     on cuda:0: the top module runs with cuda:1 current, so the embedding and the parts on cuda:0 need their own
