@@ -112,11 +112,18 @@ def moves_activations_only(module: torch.nn.Module) -> bool:
 
 
 def _aligns_only(hook) -> bool:
+    return (type(hook) is _align_devices_hook() and not hook.offload
+            and getattr(hook, "weights_map", None) is None)
+
+
+@functools.cache
+def _align_devices_hook():
+    """accelerate's AlignDevicesHook class, looked up once (asked per hooked module on eager forwards)."""
     try:
         from accelerate.hooks import AlignDevicesHook
     except ImportError:  # pragma: no cover - accelerate made the hook
-        return False
-    return type(hook) is AlignDevicesHook and not hook.offload and getattr(hook, "weights_map", None) is None
+        return None
+    return AlignDevicesHook
 
 
 def gpu_index(device: torch.device) -> int:

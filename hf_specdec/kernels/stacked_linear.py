@@ -58,9 +58,9 @@ def _operands(linears) -> list[torch.Tensor] | None:
     weight), or None if one has none."""
     weights = []
     for linear in linears:
-        if not (linear.bias is None and _unhooked(linear)):
+        if linear.bias is not None:
             return None
-        if vars(linear).get(LOCAL_WEIGHT):
+        if vars(linear).get(LOCAL_WEIGHT) and not runs_own_forward(linear):  # (a hooked one runs its own forward)
             weights.append(local_tensor(linear.weight))
         elif _plain_linear(linear):
             weights.append(linear.weight)
@@ -162,13 +162,7 @@ def _stackable_fp8(module, first) -> bool:
 def _plain_linear(module) -> bool:
     """A plain ``nn.Linear`` without hooks whose weight is a dense tensor (a quantizer that keeps the module class
     and swaps its weight for a tensor subclass, e.g. torchao, leaves one that is not)."""
-    return type(module) is nn.Linear and _unhooked(module) and dense_weight(module.weight)
-
-
-def _unhooked(module) -> bool:
-    """No forward hooks (but hf_specdec's device guards) and no accelerate hook but one that only moves inputs to the
-    module's GPU: a hooked projection runs its own forward (:func:`._dispatch.runs_own_forward`)."""
-    return not runs_own_forward(module)
+    return type(module) is nn.Linear and not runs_own_forward(module) and dense_weight(module.weight)
 
 
 def dense_weight(weight) -> bool:

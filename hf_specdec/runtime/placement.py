@@ -187,9 +187,11 @@ def _close_all_moves() -> None:
 
 
 def _close_moves(module, args, output):
-    _moves.depth = max(0, getattr(_moves, "depth", 1) - 1)
-    if not _moves.depth:
-        _moves.copies = {}
+    depth = getattr(_moves, "depth", 1) - 1
+    if depth > 0:
+        _moves.depth = depth
+    else:
+        _close_all_moves()
 
 
 _open_moves.device_guard = _close_moves.device_guard = True
