@@ -15,9 +15,9 @@
 #               weight-only and bf16 ones (dense and the 26B-A4B's experts), then the 31B at 60 layers in FP8 (plain,
 #               MTP k=7 at 0.8), its verify cost (12 layers) and the 26B-A4B's FP8 decode (~8 min)
 #   tp          (two GPUs or more) peer_sum between two ranks against NCCL's all-reduce, then the 31B shape at 12
-#               layers under tp, batch 1 and 4, plain and MTP k=3 at 0.8 (96 new tokens, median of 3), with NCCL's
-#               sums and with HF_SPECDEC_TP_PEER_SUM=1 (~8 min, each step under a timeout; NVLink multicast off, as
-#               the device machines ask)
+#               layers under tp, batch 1 and 4, plain and MTP k=3 at 0.8 (96 new tokens, median of 3), then its
+#               step's kernel timeline on rank 0 against one GPU (~6 min, each step under a timeout; NVLink
+#               multicast off, as the device machines ask)
 #   tp-tests    (two GPUs) the tensor-parallel tests: transformers' forwards, the fused ones, symmetric-memory and peer
 #               sums, every case the one-GPU tokens (~5-6 min)
 #   device-map  (two GPUs) the device_map tests (every mode, guards, the once-per-forward moves), then the 31B shape
@@ -121,16 +121,16 @@ run_fp8() {
 run_tp() {
   local rc=0
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  local peer_ok=1
-  two_gpu_pytest gpu_peer_sum_tests.log 100 tests/distributed/test_peer_sum_gpu.py || { rc=1; peer_ok=0; }
+  # (a peer_sum that failed its test could spin: the runs after it then take NCCL's sums)
+  two_gpu_pytest gpu_peer_sum_tests.log 100 tests/distributed/test_peer_sum_gpu.py \
+    || { rc=1; export HF_SPECDEC_TP_PEER_SUM=0; }
   local shape=(--shape gemma4-31b --layers 12 --batch 1 4 --modes none mtp --placements tp --new-tokens 96
                --repeats 3 --results-dir "$out/results")
   timeout -k 10 200 python -m benchmarks.multi_gpu "${shape[@]}" >"$out/tp_31b.log" 2>&1 || rc=1
-  if [ "$peer_ok" = 1 ]; then  # (a peer_sum that failed its test could spin: not timed)
-    HF_SPECDEC_TP_PEER_SUM=1 timeout -k 10 200 python -m benchmarks.multi_gpu "${shape[@]}" >"$out/tp_31b_peer.log" \
-      2>&1 || rc=1
-  fi
-  grep -hE "^ *(model_shape|gemma4)|Error" "$out/tp_31b.log" "$out/tp_31b_peer.log" 2>/dev/null
+  grep -hE "^ *(model_shape|gemma4)|Error" "$out/tp_31b.log"
+  timeout -k 10 150 python -m benchmarks.step_timeline --shape gemma4-31b --layers 12 --gpus 2 --placement tp \
+    >"$out/step_timeline_tp.log" 2>&1 || rc=1
+  grep -vE "Warning|warn|^ *$" "$out/step_timeline_tp.log" | tail -30
   return $rc
 }
 

@@ -391,6 +391,13 @@ def _measure_shape(model, settings: dict, enable: bool = False) -> dict:
     out = {}
     try:
         for mode in settings["modes"]:
+            if mode == "timeline":  # benchmarks/step_timeline.py: every rank profiles the same plain call
+                from benchmarks.step_timeline import _profile, timeline
+
+                for batch in settings["batch"]:
+                    ids = random_prompt(batch, settings["prompt"], model.config.vocab_size, device)
+                    out[(mode, batch)] = dict(timeline=timeline(_profile(model, ids, settings["new_tokens"], None)))
+                continue
             extra = {}
             if mode == "mtp":  # seeded: every rank of a tensor-parallel group builds the same assistant
                 assistant = gemma4_assistant(settings["shape"], model, device, getattr(torch, settings["dtype"]))

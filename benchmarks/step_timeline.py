@@ -1,7 +1,8 @@
-"""step_timeline: a decode step's device time from the GPUs' own kernel timeline, one GPU against a device_map split.
+"""step_timeline: a decode step's device time from the GPUs' own kernel timeline, one GPU against a device_map split
+or tensor parallelism.
 
     PYTHONPATH=. python -m benchmarks.step_timeline [--shape gemma4-31b] [--layers 12] [--batch 1] [--gpus 2]
-                                                   [--new-tokens 33] [--trace-dir DIR]
+                                                   [--placement device_map|tp] [--new-tokens 33] [--trace-dir DIR]
 
 Tokens/s of a split model against one GPU moves with the host between processes (the one-GPU 31B/L12 row read
 255-289 tok/s over three calls of one commit); the kernels' own timeline does not. This builds a random-weight
@@ -9,8 +10,10 @@ target of ``--shape``, enables it on one GPU, profiles one greedy ``generate`` c
 then splits it over ``--gpus`` GPUs with accelerate's balanced device map and profiles the same call. Per placement:
 the median device time of a decode step (the distance between the starts of consecutive forwards: each begins with
 hf_specdec's forward-metadata kernel), the time from a step's start to its first layer, each layer's span (from one
-layer's first attention kernel to the next's), copies between GPUs a step, and kernels a step per GPU. ``--trace-dir``
-also writes each profile's Chrome trace (gzip).
+layer's first attention kernel to the next's), copies between GPUs a step, kernels a step per GPU, the time a step's
+kernels keep the first GPU busy, and the kernels that take most of it. ``--placement tp`` profiles rank 0 of
+``--gpus`` ranks that load the target with ``tp_plan="auto"`` instead (each rank profiles its own call). ``--trace-dir``
+also writes each profile's Chrome trace (gzip; the device_map placement only).
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ import torch
 STEP_MARKER = "_forward_meta_kernel"  # the first kernel of every hf_specdec forward whose metadata the GPU builds
 LAYER_MARKER = "_qkv_norm_rope_kernel"  # once per Gemma 4 attention layer
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+TOP = 12  # kernels named in a step's breakdown
 
 
 def timeline(events: list[dict], skip: int = 4) -> dict:
     """Per-step figures from Chrome-trace events (``ph`` "X", ``cat``, ``name``, ``ts``, ``dur``, ``pid`` (the
     device)): ``step_us`` (median distance between consecutive :data:`STEP_MARKER` starts, after ``skip`` steps),
     ``first_layer_us`` and ``layer_us`` (median over the steps of the time to the first :data:`LAYER_MARKER` and of
-    each layer's span), ``peer_copies`` (device-to-device copies between GPUs a step) and ``kernels`` ({device:
-    kernels a step}). Steps are the intervals between markers; the last marker (the call's end) closes none."""
+    each layer's span), ``peer_copies`` (device-to-device copies between GPUs a step), ``kernels`` ({device:
+    kernels a step}), ``busy_us`` (median time a step during which some kernel or copy runs on the device of the
+    markers) and ``top`` ({kernel name: median microseconds a step on that device}, the TOP longest). Steps are the
+    intervals between markers; the last marker (the call's end) closes none."""
     device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
                     key=lambda e: e["ts"])
     starts = [e["ts"] for e in device if e["name"].startswith(STEP_MARKER)]
@@ -41,9 +47,18 @@ def timeline(events: list[dict], skip: int = 4) -> dict:
         raise ValueError(f"{len(starts)} forwards in the trace (markers '{STEP_MARKER}'): need at least {skip + 3}; "
                          "generate more tokens")
     steps = list(zip(starts[skip:-1], starts[skip + 1:]))
-    firsts, layers, copies, kernels = [], [], [], {}
-    for begin, end in steps:
+    home = next(e["pid"] for e in device if e["name"].startswith(STEP_MARKER))
+    firsts, layers, copies, kernels, busy, names = [], [], [], {}, [], {}
+    for index, (begin, end) in enumerate(steps):
         inside = [e for e in device if begin <= e["ts"] < end]
+        covered, reach = 0.0, begin
+        for e in (e for e in inside if e["pid"] == home):  # sorted by start: the union of their intervals
+            stop = min(e["ts"] + e["dur"], end)
+            covered += max(0.0, stop - max(e["ts"], reach))
+            reach = max(reach, stop)
+            name = e["name"][:60]
+            names.setdefault(name, [0.0] * len(steps))[index] += e["dur"]
+        busy.append(covered)
         marks = [e["ts"] for e in inside if e["name"].startswith(LAYER_MARKER)]
         if marks:
             firsts.append(marks[0] - begin)
@@ -57,7 +72,10 @@ def timeline(events: list[dict], skip: int = 4) -> dict:
                 first_layer_us=statistics.median(firsts) if firsts else None,
                 layer_us=[statistics.median(spans[i] for spans in layers) for i in range(width)],
                 peer_copies=statistics.median(copies),
-                kernels={device: count / len(steps) for device, count in sorted(kernels.items())})
+                kernels={device: count / len(steps) for device, count in sorted(kernels.items())},
+                busy_us=statistics.median(busy),
+                top=dict(sorted(((name, statistics.median(us)) for name, us in names.items()),
+                                key=lambda item: -item[1])[:TOP]))
 
 
 def _profile(model, ids, new_tokens: int, trace_path: str | None) -> list[dict]:
@@ -83,7 +101,9 @@ def _show(name: str, figures: dict, one: dict | None) -> None:
     layers = " ".join(f"{us:.0f}" for us in figures["layer_us"])
     print(f"{name}: {figures['step_us']:.0f} us a step{ratio}; first layer at {figures['first_layer_us'] or 0:.0f} us;"
           f" layers {layers}; copies between GPUs {figures['peer_copies']:.0f} a step; kernels a step "
-          f"{ {d: round(k, 1) for d, k in figures['kernels'].items()} }")
+          f"{ {d: round(k, 1) for d, k in figures['kernels'].items()} }; busy {figures['busy_us']:.0f} us a step")
+    for kernel, us in figures["top"].items():
+        print(f"    {us:8.1f} us  {kernel}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--gpus", type=int, default=2, help="GPUs of the device_map split (0: one GPU only)")
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs of the split (0: one GPU only)")
+    parser.add_argument("--placement", choices=("device_map", "tp"), default="device_map")
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--trace-dir", default=None, help="write each profile's Chrome trace here (gzip)")
     args = parser.parse_args(argv)
@@ -113,13 +134,35 @@ def main(argv: list[str] | None = None) -> int:
     hf_specdec.enable(target)
     one = timeline(_profile(target, ids, args.new_tokens, trace("one_gpu")))
     _show("one GPU", one, None)
-    if args.gpus >= 2:
+    if args.gpus >= 2 and args.placement == "tp":
+        hf_specdec.disable(target)
+        _show(f"tp over {args.gpus} GPUs (rank 0)", _tp_timeline(target, args), one)
+    elif args.gpus >= 2:
         hf_specdec.disable(target)
         _dispatch_balanced(target, args.gpus, torch.bfloat16)
         hf_specdec.enable(target)
         split = timeline(_profile(target, ids, args.new_tokens, trace("device_map")))
         _show(f"device_map over {args.gpus} GPUs", split, one)
     return 0
+
+
+def _tp_timeline(target, args) -> dict:
+    """Rank 0's :func:`timeline` of ``args.gpus`` ranks that load ``target`` (saved to a folder) with tp_plan and
+    profile the same call (benchmarks/multi_gpu.py spawns them; its "timeline" mode profiles)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from benchmarks.multi_gpu import _tensor_parallel
+
+    heads = {layer.self_attn.k_proj.out_features // layer.self_attn.head_dim for layer in target.model.layers}
+    with tempfile.TemporaryDirectory() as folder:
+        target.save_pretrained(folder)
+        run = SimpleNamespace(device="cuda:0", gpus=args.gpus, batch=[args.batch], new_tokens=args.new_tokens,
+                              repeats=1)
+        got = _tensor_parallel(args.shape, ["timeline"], run, folder=folder,
+                               replicate_attention=any(h % args.gpus for h in heads), layers=args.layers,
+                               alpha=None, prompt=args.prompt, dtype="bfloat16")
+    return got[("timeline", args.batch)]["timeline"]
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ from hf_specdec.kernels.fp8_w8a8 import compressed_fp8_linear_forward, fp8_linea
 from hf_specdec.kernels.fp8_moe import fp8_experts_forward, fp8_experts_fusible
 from hf_specdec.kernels.skinny_gemm import linear_forward
 from hf_specdec.kernels.stacked_linear import dense_weight, local_tensor, stack_weights
-from hf_specdec.runtime.distributed import (holds_shards, install_sharded_linear, remove_sharded_linear,
-                                             stack_column_shards)
+from hf_specdec.runtime.distributed import (holds_shards, install_sharded_embedding, install_sharded_linear,
+                                             remove_sharded_forward, stack_column_shards)
 from hf_specdec.runtime.placement import moves_activations_only
 
 
@@ -83,12 +83,12 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
     the fused forward runs them as one GEMM."""
     count = 0
     for module in model.modules():
+        if holds_shards(module):  # a tensor-parallel shard: transformers' TP forward reads it, or ours on its shard
+            if kernels and _fuse_shard(module):
+                count += 1
+            continue
         fused = _FUSED.get(type(module))
         if fused is None or not (kernels or not fused.kernels_only):
-            continue
-        if holds_shards(module):  # a tensor-parallel shard: transformers' TP forward reads it, or ours on its shard
-            if kernels and isinstance(module, torch.nn.Linear) and _fuse_shard(module):
-                count += 1
             continue
         wrapped = "forward" in vars(module)  # accelerate's hook wraps it (device_map): its _old_forward is fused
         if wrapped and not (moves_activations_only(module) and _ORIGINAL not in vars(module)):
@@ -138,7 +138,7 @@ def unfuse_modules(model: torch.nn.Module, kernels_only: bool = False) -> None:
     for _, unlink in _LINKS:
         unlink(model)
     for module in model.modules():
-        remove_sharded_linear(module)
+        remove_sharded_forward(module)
         forward = vars(module).get("forward")
         if forward is not None and getattr(forward, "__func__", None) in forwards:
             del module.forward
@@ -152,11 +152,17 @@ def unfuse_modules(model: torch.nn.Module, kernels_only: bool = False) -> None:
 _ORIGINAL = "_hf_specdec_old_forward"
 
 
-def _fuse_shard(linear: torch.nn.Linear) -> bool:
+def _fuse_shard(module: torch.nn.Module) -> bool:
     """A tensor-parallel projection whose shard lives where the kernels run takes the few-row GEMM on its shard
-    inside transformers' collectives (runtime/distributed.py: :func:`install_sharded_linear`)."""
-    with gpu_of_weights(linear):  # the check asks about the shard's GPU, whichever is current
-        return use_triton(local_tensor(linear.weight)) and install_sharded_linear(linear)
+    inside transformers' collectives, and a vocabulary-parallel embedding there its lookup without the DTensor
+    dispatch, summed by peer_sum (runtime/distributed.py: :func:`install_sharded_linear`,
+    :func:`install_sharded_embedding`)."""
+    install = {torch.nn.Linear: install_sharded_linear, torch.nn.Embedding: install_sharded_embedding}
+    kind = next((k for k in install if isinstance(module, k)), None)
+    if kind is None:
+        return False
+    with gpu_of_weights(module):  # the check asks about the shard's GPU, whichever is current
+        return use_triton(local_tensor(module.weight)) and install[kind](module)
 
 
 def gpu_of_weights(module: torch.nn.Module):

@@ -31,7 +31,10 @@ every rank runs the same hf_specdec loop over the same rows, and this module kee
   The fused decoder layers, attention, MLPs and norms call the projections as modules. A projection that
   transformers wrapped with its plain column- or row-parallel style gets :func:`sharded_linear_forward` (its
   inference path with the local product on ``skinny_linear``); column-parallel shards of one input are stacked
-  (:func:`stack_column_shards`) and run as one GEMM. Other styles, and experts modules, keep transformers' forward.
+  (:func:`stack_column_shards`) and run as one GEMM. An LM head that gathers its outputs runs its shard on the same
+  GEMM and gathers the logits itself (:func:`gather_columns`), and an embedding split by vocabulary rows looks up
+  its rows without the DTensor dispatch (:func:`sharded_embedding_forward`), both summed through peer_sum where the
+  output fits its slot. Other styles, and experts modules, keep transformers' forward.
 """
 
 from __future__ import annotations
@@ -225,16 +228,25 @@ def check_replicated(module: torch.nn.Module, role: str) -> None:
 # ---------------------------------------------------------------- sharded projections on the few-row GEMM
 
 
-COLUMN, ROW = "column", "row"
+COLUMN, ROW, GATHER = "column", "row", "gather"
+
+
+def _tp_style(module: torch.nn.Module):
+    """The tensor-parallel style whose wrapper is ``module``'s forward (transformers 5.17 through 5.24 install
+    ``tp_forward(*args, **kwargs)``, closing over the style, as the instance's ``forward``), or None."""
+    forward = vars(module).get("forward")
+    if getattr(forward, "__name__", None) != "tp_forward" or not getattr(forward, "__closure__", None):
+        return None
+    return dict(zip(forward.__code__.co_freevars, (cell.cell_contents for cell in forward.__closure__))).get("self")
 
 
 def local_linear_kind(module: torch.nn.Module) -> str | None:
     """:data:`COLUMN` or :data:`ROW` for a bias-free ``nn.Linear`` whose forward transformers' tensor-parallel plan
     wrapped with its plain column-parallel style (replicated input, this rank's slice of the outputs kept local:
     "colwise") or its plain row-parallel style (this rank's slice of the inputs, outputs summed over the group:
-    "rowwise"); None for any other module or style (an LM head that gathers its outputs, a packed or quantized
-    projection), which keeps transformers' forward. Read from the style the wrapper closes over (transformers 5.17
-    through 5.24 install ``tp_forward(*args, **kwargs)`` as the instance's ``forward``)."""
+    "rowwise"); :data:`GATHER` for a column-parallel one that gathers its outputs ("colwise_gather_output": an LM
+    head, its rows split as torch.chunk splits them, :func:`row_shard`); None for any other module or style (a
+    packed or quantized projection), which keeps transformers' forward."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Replicate, Shard
 
@@ -242,31 +254,124 @@ def local_linear_kind(module: torch.nn.Module) -> str | None:
         from transformers.distributed.tensor_parallel import ColwiseParallel, RowwiseParallel
     except ImportError:  # pragma: no cover - every supported version has them
         return None
-    forward = vars(module).get("forward")
     if (type(module) is not torch.nn.Linear or module.bias is not None or not isinstance(module.weight, DTensor)
-            or module.weight.device_mesh.ndim != 1
-            or getattr(forward, "__name__", None) != "tp_forward" or not getattr(forward, "__closure__", None)):
+            or module.weight.device_mesh.ndim != 1):
         return None
-    style = dict(zip(forward.__code__.co_freevars, (cell.cell_contents for cell in forward.__closure__))).get("self")
+    style = _tp_style(module)
     last = lambda layout: isinstance(layout, Shard) and layout.dim == -1  # noqa: E731
-    if (type(style) is ColwiseParallel and style.use_local_output and isinstance(style.input_layouts, Replicate)
-            and last(style.output_layouts)):
-        return COLUMN
+    if type(style) is ColwiseParallel and style.use_local_output and isinstance(style.input_layouts, Replicate):
+        if last(style.output_layouts):
+            return COLUMN
+        if isinstance(style.output_layouts, Replicate) and row_shard(module.weight) is not None:
+            return GATHER
     if (type(style) is RowwiseParallel and style.use_local_output and last(style.input_layouts)
             and isinstance(style.output_layouts, Replicate)):
         return ROW
     return None
 
 
+def row_shard(weight) -> tuple[int, int] | None:
+    """(first row, rows) of this rank's shard of a DTensor ``weight`` split on its first axis over a one-dimensional
+    mesh, as ``torch.chunk`` splits it (what ``Shard(0)`` does: the first ranks take ``ceil(rows / ranks)`` each); None
+    for any other placement, or a local shard of another size."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    if (not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or len(weight.placements) != 1
+            or not isinstance(weight.placements[0], Shard) or weight.placements[0].dim not in (0, -weight.ndim)):
+        return None
+    total, ranks, rank = weight.shape[0], weight.device_mesh.size(), weight.device_mesh.get_local_rank()
+    chunk = -(-total // ranks)
+    first = min(rank * chunk, total)
+    rows = max(0, min(chunk, total - first))
+    return (first, rows) if weight.to_local().shape[0] == rows else None
+
+
 def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The forward of a projection :func:`local_linear_kind` accepts: transformers' own inference path (the local
-    input times the local shard; a row-parallel one then summed over the group by one all-reduce), with the product
-    on :func:`skinny_linear` (the decode and verify steps' few rows stream the shard faster than cuBLAS does). Under
-    autograd, or for a DTensor input, transformers' wrapper runs."""
+    input times the local shard; a row-parallel one then summed over the group by one all-reduce, a gathering one's
+    outputs gathered: :func:`gather_columns`), with the product on :func:`skinny_linear` (the decode and verify steps'
+    few rows stream the shard faster than cuBLAS does). Under autograd, or for a DTensor input, transformers' wrapper
+    runs."""
     if torch.is_grad_enabled() or type(x) is not torch.Tensor:
         return vars(self)[TP_FORWARD](x)
     out = skinny_linear(x, local_tensor(self.weight))
-    return all_reduce_sum(out, self.weight.device_mesh.get_group()) if vars(self)[SHARD_KIND] == ROW else out
+    kind = vars(self)[SHARD_KIND]
+    if kind == ROW:
+        return all_reduce_sum(out, self.weight.device_mesh.get_group())
+    if kind == GATHER:
+        first, _ = row_shard(self.weight)
+        return gather_columns(out, first, self.out_features, self.weight.device_mesh.get_group())
+    return out
+
+
+def gather_columns(local: torch.Tensor, first: int, width: int, group) -> torch.Tensor:
+    """Every rank's ``local`` (this rank's columns ``[first, first + local.shape[-1])`` of an output ``width`` wide,
+    split as torch.chunk splits it), gathered along the last axis in rank order. Where the whole output fits
+    peer_sum's slot, each rank places its columns in zeros and the ranks sum (one early launch: an LM head's logits at
+    batch 1); else one all-gather where the columns split evenly, or the same sum through NCCL."""
+    ranks = dist.get_world_size(group)
+    full = local.new_zeros(*local.shape[:-1], width)
+    if _peer_sum_state(full, group) is None and width % ranks == 0:
+        parts = local.new_empty(ranks * local.numel())
+        # (all_gather_single from torch 2.13, where all_gather_into_tensor is deprecated)
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(parts, local.reshape(-1), group=group)
+        return torch.movedim(parts.view(ranks, *local.shape), 0, -2).reshape(full.shape)
+    full[..., first:first + local.shape[-1]] = local
+    return all_reduce_sum(full, group)
+
+
+# where a vocabulary-parallel embedding keeps its rows' place: (first row, rows) of its shard
+VOCAB_SHARD = "_hf_specdec_vocab_shard"
+
+
+def vocab_parallel_embedding(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(first row, rows) for an ``nn.Embedding`` whose table transformers' plan split by vocabulary rows (``Shard(0)``,
+    a tied LM head's or "embedding_rowwise") and whose forward its wrapper sums over the group (transformers 5.17's
+    row-parallel style, 5.24's embedding style); None for any other (a table split by columns, a max_norm
+    renormalising rows in place)."""
+    from torch.distributed.tensor.placement_types import Replicate
+
+    if not isinstance(module, torch.nn.Embedding) or module.max_norm is not None:
+        return None
+    style = _tp_style(module)
+    name = type(style).__name__
+    if not getattr(style, "use_local_output", False) or not (
+            (name == "EmbeddingParallel" and getattr(style, "shard_dim", None) == 0)
+            or (name == "RowwiseParallel" and isinstance(getattr(style, "output_layouts", None), Replicate))):
+        return None
+    return row_shard(module.weight)
+
+
+def install_sharded_embedding(module: torch.nn.Module) -> bool:
+    """Give an embedding :func:`vocab_parallel_embedding` accepts :func:`sharded_embedding_forward` (instance-scoped;
+    undone by :func:`remove_sharded_forward`); returns whether it has it now."""
+    import types
+
+    if TP_FORWARD in vars(module):
+        return True
+    shard = vocab_parallel_embedding(module)
+    if shard is None:
+        return False
+    vars(module)[VOCAB_SHARD] = shard
+    vars(module)[TP_FORWARD] = module.forward
+    module.forward = types.MethodType(sharded_embedding_forward, module)
+    return True
+
+
+def sharded_embedding_forward(self, ids: torch.Tensor) -> torch.Tensor:
+    """A vocabulary-parallel lookup as transformers' wrapper computes it (each rank looks up the ids of its rows, in
+    the module's own forward with its local table, zeros for the others, and the ranks sum), without the DTensor
+    dispatch, the sum through :func:`all_reduce_sum` (peer_sum's early launch on GPUs). Under autograd, or for a
+    DTensor input, transformers' wrapper runs."""
+    if torch.is_grad_enabled() or type(ids) is not torch.Tensor:
+        return vars(self)[TP_FORWARD](ids)
+    first, rows = vars(self)[VOCAB_SHARD]
+    local_ids = ids - first
+    outside = (local_ids < 0) | (local_ids >= rows)
+    with _local_parameters(self):
+        out = type(self).forward(self, local_ids.masked_fill(outside, 0))
+    return all_reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0), self.weight.device_mesh.get_group())
 
 
 # A decode or verify step's row-parallel sums (and the packed experts' sums, _AllReduceSum) are small (rows x hidden):
@@ -284,14 +389,14 @@ SYMM_DTYPES = (torch.bfloat16, torch.float32)
 _SYMM_BUFFERS: dict = {}  # (group name, device, dtype) -> the rank's symmetric buffer, or None where it failed
 
 
-# HF_SPECDEC_TP_PEER_SUM=1 (read at import) sends sums of at most PEER_SUM_SLOT_BYTES (bf16, fp16 or fp32, contiguous,
-# CUDA, a group of at most 8 ranks) through kernels/peer_sum.py: one launch that pushes this rank's values into every
-# rank's symmetric buffer over NVLink, raises a flag on each, waits for theirs and sums in rank order, launched early
-# as the step's other kernels are (NCCL's kernel is not: ~6 us of launch gap around each of its ~14.6 us calls).
-# Off: not yet run on GPUs (written after the session's device time; its kernel tested in the interpreter with the
-# ranks simulated in one process; tests/distributed/test_peer_sum_gpu.py compares it with NCCL's on two GPUs). Every
-# rank's first eligible sum asks the others whether all want it (one small all-reduce, whatever the setting).
-PEER_SUM = os.environ.get("HF_SPECDEC_TP_PEER_SUM", "0") == "1"
+# Sums of at most PEER_SUM_SLOT_BYTES (bf16, fp16 or fp32, contiguous, CUDA, a group of at most 8 ranks) go through
+# kernels/peer_sum.py: one launch that pushes this rank's values into every rank's symmetric buffer over NVLink, raises
+# a flag on each, waits for theirs and sums in rank order, launched early as the step's other kernels are (NCCL's
+# kernel is not: ~6 us of launch gap around each of its ~14.6 us calls). On (HF_SPECDEC_TP_PEER_SUM=0, read at
+# import, keeps NCCL's): 31B cut to 12 layers on two H200, batch 1, 1.569x one GPU against NCCL's 1.507x in one call,
+# batch 4 1.661x against 1.577x (docs/perf_log.md, session 47); every rank's first eligible sum asks the others
+# whether all want it and could set it up (one small all-reduce, whatever the setting), else all take NCCL's.
+PEER_SUM = os.environ.get("HF_SPECDEC_TP_PEER_SUM", "1") == "1"
 PEER_SUM_SLOT_BYTES = 1 << 20
 _PEER_STATES: dict = {}  # (group name, device) -> _PeerState, or None where symmetric memory failed on some rank
 
@@ -322,14 +427,21 @@ class _PeerState:
         return self.views[dtype]
 
 
+def _peer_sum_state(out: torch.Tensor, group) -> _PeerState | None:
+    """The group's peer_sum state where ``out``'s sum takes peer_sum, else None. Every rank asks (whatever its own
+    setting): the ranks agree once per group whether peer_sum runs, and which sums take it depends only on what is
+    summed, the same on every rank."""
+    if (out.is_cuda and out.dtype in peer_sum_kernel.SUM_DTYPES and out.is_contiguous()
+            and out.numel() * out.element_size() <= PEER_SUM_SLOT_BYTES):
+        return _peer_state(group, out.device)
+    return None
+
+
 def all_reduce_sum(out: torch.Tensor, group) -> torch.Tensor:
     """``out`` summed over ``group`` (in place through NCCL or :data:`PEER_SUM`'s launch, or a new tensor from the
     symmetric-memory one-shot all-reduce: see SYMM_ALL_REDUCE)."""
-    # every rank asks (whatever its own setting): the ranks agree once per group whether peer_sum runs, and which
-    # sums take it depends only on what is summed, the same on every rank
-    if (out.is_cuda and out.dtype in peer_sum_kernel.SUM_DTYPES and out.is_contiguous()
-            and out.numel() * out.element_size() <= PEER_SUM_SLOT_BYTES):
-        state = _peer_state(group, out.device)
+    if out.is_cuda:
+        state = _peer_sum_state(out, group)
         if state is not None:
             data, rel = state.data_as(out.dtype)
             state.calls += 1
@@ -440,13 +552,13 @@ def _peer_state(group, device: torch.device) -> _PeerState | None:
     return state
 
 
-# where the sharded projections keep transformers' wrapper and their kind (COLUMN or ROW)
+# where the sharded projections (and embeddings) keep transformers' wrapper, and the projections their kind
 TP_FORWARD, SHARD_KIND = "_hf_specdec_tp_forward", "_hf_specdec_shard_kind"
 
 
 def install_sharded_linear(module: torch.nn.Module) -> bool:
     """Give a projection :func:`local_linear_kind` accepts :func:`sharded_linear_forward` (instance-scoped; undone
-    by :func:`remove_sharded_linear`); returns whether it has it now. A column-parallel one is also marked as one
+    by :func:`remove_sharded_forward`); returns whether it has it now. A column-parallel one is also marked as one
     whose local shard stacked projections read (``stacked_linear.LOCAL_WEIGHT``): q/k/v or gate/up shards stacked by
     :func:`stack_column_shards` run as one GEMM."""
     import types
@@ -464,12 +576,13 @@ def install_sharded_linear(module: torch.nn.Module) -> bool:
     return True
 
 
-def remove_sharded_linear(module: torch.nn.Module) -> None:
-    """Give the projection transformers' wrapper back (no-op where :func:`install_sharded_linear` did not run)."""
+def remove_sharded_forward(module: torch.nn.Module) -> None:
+    """Give the projection or embedding transformers' wrapper back (no-op where :func:`install_sharded_linear` or
+    :func:`install_sharded_embedding` did not run)."""
     if TP_FORWARD in vars(module):
         module.forward = vars(module).pop(TP_FORWARD)
-        vars(module).pop(SHARD_KIND, None)
-        vars(module).pop(LOCAL_WEIGHT, None)
+        for key in (SHARD_KIND, LOCAL_WEIGHT, VOCAB_SHARD):
+            vars(module).pop(key, None)
 
 
 def stack_column_shards(*linears: torch.nn.Module) -> bool:

@@ -30,22 +30,39 @@ def mesh():
         dist.destroy_process_group()
 
 
-def _sharded(mesh, style_name: str, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
-    """A Linear(16 -> 12) sharded and wrapped by transformers' ``style_name`` (as its loader does: each parameter's
-    ``shard_param``, then the module's ``install_forward``)."""
+def _sharded(mesh, style_name: str, bias: bool = False, seed: int = 0, out: int = 12) -> torch.nn.Linear:
+    """A Linear(16 -> ``out``) sharded and wrapped by transformers' ``style_name`` (as its loader does: each
+    parameter's ``shard_param``, then the module's ``install_forward``)."""
+    torch.manual_seed(seed)
+    return _apply_style(torch.nn.Linear(16, out, bias=bias), mesh, style_name)
+
+
+def _apply_style(module: torch.nn.Module, mesh, style_name: str) -> torch.nn.Module:
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-    torch.manual_seed(seed)
-    linear = torch.nn.Linear(16, 12, bias=bias)
     style = ALL_PARALLEL_STYLES[style_name]
-    for name in list(linear._parameters):
-        style.shard_param(linear, name, mesh)
-    style.install_forward(linear, mesh)
-    return linear
+    for name in list(module._parameters):
+        style.shard_param(module, name, mesh)
+    style.install_forward(module, mesh)
+    return module
+
+
+class _ScaledEmbedding(torch.nn.Embedding):
+    """An embedding whose own forward does more than the lookup (as Gemma's scales it)."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 3.0
+
+
+def _vocab_parallel(mesh, rows: int = 13, seed: int = 5) -> torch.nn.Embedding:
+    """A 13-row table split by rows over ``mesh`` by transformers' "embedding_rowwise" style."""
+    torch.manual_seed(seed)
+    return _apply_style(_ScaledEmbedding(rows, 8), mesh, "embedding_rowwise")
 
 
 @pytest.mark.parametrize("style, kind", [("colwise", distributed.COLUMN), ("rowwise", distributed.ROW),
-                                         ("colwise_rep", None), ("rowwise_rep", None)])
+                                         ("colwise_gather_output", distributed.GATHER),
+                                         ("colwise_rep", distributed.GATHER), ("rowwise_rep", None)])
 def test_the_kind_of_a_projection_is_read_from_its_transformers_style(mesh, style, kind):
     assert distributed.local_linear_kind(_sharded(mesh, style)) == kind
 
@@ -53,13 +70,13 @@ def test_the_kind_of_a_projection_is_read_from_its_transformers_style(mesh, styl
 def test_a_projection_with_a_bias_or_one_not_wrapped_keeps_transformers_forward(mesh):
     assert distributed.local_linear_kind(_sharded(mesh, "colwise", bias=True)) is None
     assert distributed.local_linear_kind(torch.nn.Linear(16, 12, bias=False)) is None
-    assert not distributed.install_sharded_linear(_sharded(mesh, "colwise_rep"))
+    assert not distributed.install_sharded_linear(_sharded(mesh, "rowwise_rep"))
 
 
-@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+@pytest.mark.parametrize("style", ["colwise", "rowwise", "colwise_gather_output"])
 def test_the_installed_forward_computes_transformers_output_and_sums_row_parallel_outputs(mesh, style, monkeypatch):
     linear = _sharded(mesh, style)
-    x = torch.randn(3, 16)
+    x = torch.randn(2, 3, 16)
     with torch.no_grad():
         expected = linear(x)
     wrapper = linear.forward
@@ -67,15 +84,50 @@ def test_the_installed_forward_computes_transformers_output_and_sums_row_paralle
     reduced = []
     real_all_reduce = dist.all_reduce
     monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: reduced.append(t.shape) or real_all_reduce(t, **kw))
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real_all_gather = getattr(dist, gather)
+    monkeypatch.setattr(dist, gather,
+                        lambda out, t, **kw: reduced.append(("gather", out.shape)) or real_all_gather(out, t, **kw))
     with torch.no_grad():
         torch.testing.assert_close(linear(x), expected, rtol=0, atol=0)
-    assert reduced == ([torch.Size([3, 12])] if style == "rowwise" else [])
+    assert reduced == {"rowwise": [torch.Size([2, 3, 12])], "colwise": [],
+                       "colwise_gather_output": [("gather", torch.Size([72]))]}[style]
     reduced.clear()
     with torch.enable_grad():  # autograd: transformers' wrapper, as before
         assert linear(x.requires_grad_()).requires_grad
-    distributed.remove_sharded_linear(linear)
+    distributed.remove_sharded_forward(linear)
     assert linear.forward is wrapper
     assert not {distributed.TP_FORWARD, distributed.SHARD_KIND, LOCAL_WEIGHT} & set(vars(linear))
+
+
+def test_a_vocabulary_parallel_embedding_looks_up_its_rows_and_sums_them(mesh, monkeypatch):
+    embedding = _vocab_parallel(mesh)
+    ids = torch.tensor([[0, 12, 5], [7, 7, 1]])
+    with torch.no_grad():
+        expected = embedding(ids)
+    wrapper = embedding.forward
+    assert distributed.vocab_parallel_embedding(embedding) == (0, 13)
+    assert distributed.install_sharded_embedding(embedding)
+    reduced = []
+    real_all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: reduced.append(t.shape) or real_all_reduce(t, **kw))
+    with torch.no_grad():
+        torch.testing.assert_close(embedding(ids), expected, rtol=0, atol=0)
+    assert reduced == [torch.Size([2, 3, 8])]
+    assert type(embedding.weight).__name__ == "DTensor"  # the local table only while the lookup runs
+    distributed.remove_sharded_forward(embedding)
+    assert embedding.forward is wrapper and distributed.VOCAB_SHARD not in vars(embedding)
+
+
+def test_embeddings_split_otherwise_keep_transformers_forward(mesh):
+    torch.manual_seed(0)
+    by_columns = _apply_style(torch.nn.Embedding(13, 8), mesh, "embedding_colwise") if "embedding_colwise" in (
+        __import__("transformers.distributed.tensor_parallel", fromlist=["x"]).ALL_PARALLEL_STYLES) else None
+    renormed = _apply_style(torch.nn.Embedding(13, 8, max_norm=1.0), mesh, "embedding_rowwise")
+    for embedding in (by_columns, renormed, torch.nn.Embedding(13, 8)):
+        if embedding is not None:
+            assert distributed.vocab_parallel_embedding(embedding) is None
+            assert not distributed.install_sharded_embedding(embedding)
 
 
 def test_a_replaced_parameter_is_read_again(mesh):
@@ -88,13 +140,14 @@ def test_a_replaced_parameter_is_read_again(mesh):
 
 
 def test_fuse_modules_installs_it_where_the_kernels_run_and_unfuse_removes_it(mesh, monkeypatch):
-    model = torch.nn.Sequential(_sharded(mesh, "colwise"), _sharded(mesh, "rowwise"), _sharded(mesh, "colwise_rep"))
+    model = torch.nn.Sequential(_sharded(mesh, "colwise"), _sharded(mesh, "rowwise"), _sharded(mesh, "rowwise_rep"),
+                                _vocab_parallel(mesh), _sharded(mesh, "colwise_gather_output"))
     wrappers = [m.forward for m in model]
     monkeypatch.setattr(fusion, "use_triton", lambda tensor: False)
     assert fusion.fuse_modules(model) == 0
     monkeypatch.setattr(fusion, "use_triton", lambda tensor: True)
-    assert fusion.fuse_modules(model) == 2
-    assert [distributed.TP_FORWARD in vars(m) for m in model] == [True, True, False]
+    assert fusion.fuse_modules(model) == 4
+    assert [distributed.TP_FORWARD in vars(m) for m in model] == [True, True, False, True, True]
     fusion.unfuse_modules(model, kernels_only=True)
     assert [m.forward for m in model] == wrappers
 
@@ -150,20 +203,34 @@ def _two_ranks(rank: int, port: int) -> None:
         mesh = init_device_mesh("cpu", (2,))
         q, k, o = (_sharded(mesh, style, seed=seed) for style, seed in (("colwise", 1), ("colwise", 2),
                                                                         ("rowwise", 3)))
+        # LM heads that gather their outputs: split evenly (an all-gather) and unevenly (7 and 6 rows: a sum)
+        heads = {out: _sharded(mesh, "colwise_gather_output", seed=6, out=out) for out in (12, 13)}
         full = {}
         for name, seed in (("q", 1), ("k", 2), ("o", 3)):  # the unsharded weights: the same seeds
             torch.manual_seed(seed)
             full[name] = torch.nn.Linear(16, 12, bias=False)
+        for out in heads:
+            torch.manual_seed(6)
+            full[out] = torch.nn.Linear(16, out, bias=False)
+        torch.manual_seed(5)
+        full["embedding"] = _ScaledEmbedding(13, 8)
+        embedding = _vocab_parallel(mesh)
         torch.manual_seed(4)
         x = torch.randn(3, 16)
         assert distributed.stack_column_shards(q, k) and all(distributed.install_sharded_linear(m) for m in (q, k, o))
+        assert all(distributed.install_sharded_linear(head) for head in heads.values())
+        assert distributed.install_sharded_embedding(embedding)
         assert stacked_weight(q, k) is not None
         outputs, inputs = slice(6 * rank, 6 * rank + 6), slice(8 * rank, 8 * rank + 8)  # this rank's shares
+        ids = torch.tensor([[0, 6, 7, 12], [3, 9, 9, 1]])  # rows of both shards
         with torch.no_grad():
             got_q, got_k = stacked_projections(x, q, k)
             torch.testing.assert_close(got_q, full["q"](x)[:, outputs])
             torch.testing.assert_close(got_k, full["k"](x)[:, outputs])
             torch.testing.assert_close(o(x[:, inputs]), full["o"](x))  # the two ranks' partial sums added
+            for out, head in heads.items():
+                torch.testing.assert_close(head(x), full[out](x))
+            torch.testing.assert_close(embedding(ids), full["embedding"](ids), rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
 

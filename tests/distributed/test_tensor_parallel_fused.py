@@ -30,4 +30,6 @@ def test_fused_forwards_on_the_shards_commit_the_tokens_of_one_process(tmp_path,
     for rank, result in enumerate(ranks):
         sharded = result["sharded_projections"][CASE]
         assert result["fused_modules"][CASE] > 0 and sharded["forwards"] > 0 and sharded["stacked"] > 0, rank
+        # the LM head and the MTP layers' heads, their logits gathered by hf_specdec; the tied embedding's lookup
+        assert sharded["gathers"] == 4 and sharded["embeddings"] == 1, (rank, sharded)
         assert result["cases"][CASE]["tokens"] == single["tokens"], f"rank {rank}"

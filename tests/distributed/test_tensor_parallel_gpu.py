@@ -1,8 +1,8 @@
 """Tensor parallelism on two GPUs (skipped on machines with fewer): two NCCL ranks, rank r on cuda:r, run the cases
 of ``tp_cases`` as the CPU test does (with transformers' forwards of the sharded model, ``HF_SPECDEC_TP_FUSED=0``;
-with hf_specdec's fused ones and the few-row GEMM on the projections' shards, the default; and with those and the
-row-parallel sums through symmetric memory, ``HF_SPECDEC_TP_SYMM_ALL_REDUCE=1``, or through peer_sum's launch,
-``HF_SPECDEC_TP_PEER_SUM=1``), with CUDA graphs (every rank
+with hf_specdec's fused ones, the few-row GEMM on the projections' shards and the sums through peer_sum's launch,
+the default; with those and NCCL's sums, ``HF_SPECDEC_TP_PEER_SUM=0``; and with the row-parallel sums through
+symmetric memory, ``HF_SPECDEC_TP_SYMM_ALL_REDUCE=1``), with CUDA graphs (every rank
 captures the same forwards and drafter calls, the all-reduces inside them). Greedy tokens and accepted drafts are
 those of one process on cuda:0; sampled ones agree between the ranks; every target kept graphs it captured; and the
 ranks finish although each destroys its process group under its live graphs, as a user's script does (NCCL hung
@@ -28,16 +28,18 @@ def gemma_dirs(tmp_path_factory):
     return tp_cases.write_shardable_gemma(tmp_path_factory.mktemp("tp_models_gpu"))
 
 
-@pytest.fixture(scope="module", params=["transformers_forwards", "fused_forwards", "symmetric_memory_sums",
-                                        "peer_sums"])
+@pytest.fixture(scope="module", params=["transformers_forwards", "fused_forwards", "nccl_sums",
+                                        "symmetric_memory_sums"])
 def ranks(request, gemma_dirs, tmp_path_factory) -> list[dict]:
-    """What each rank wrote, running transformers' forwards of the sharded model (HF_SPECDEC_TP_FUSED=0), or
-    hf_specdec's fused ones (the default), also with the row-parallel sums through symmetric memory
-    (HF_SPECDEC_TP_SYMM_ALL_REDUCE=1), or through peer_sum's launch (HF_SPECDEC_TP_PEER_SUM=1)."""
+    """What each rank wrote, running transformers' forwards of the sharded model (HF_SPECDEC_TP_FUSED=0, NCCL's
+    sums), or hf_specdec's fused ones (the default, sums through peer_sum), also with NCCL's sums
+    (HF_SPECDEC_TP_PEER_SUM=0), or with the row-parallel sums through symmetric memory
+    (HF_SPECDEC_TP_SYMM_ALL_REDUCE=1)."""
     fused = request.param != "transformers_forwards"
-    options = {"transformers_forwards": dict(env={"HF_SPECDEC_TP_FUSED": "0"}), "fused_forwards": None,
-               "symmetric_memory_sums": dict(env={"HF_SPECDEC_TP_SYMM_ALL_REDUCE": "1"}),
-               "peer_sums": dict(env={"HF_SPECDEC_TP_PEER_SUM": "1"})}[request.param]
+    nccl = {"HF_SPECDEC_TP_PEER_SUM": "0"}
+    options = {"transformers_forwards": dict(env={"HF_SPECDEC_TP_FUSED": "0", **nccl}), "fused_forwards": None,
+               "nccl_sums": dict(env=nccl),
+               "symmetric_memory_sums": dict(env={"HF_SPECDEC_TP_SYMM_ALL_REDUCE": "1", **nccl})}[request.param]
     results = tp_worker.spawn_ranks(gemma_dirs, tmp_path_factory.mktemp("tp_ranks_gpu"), "nccl", options)
     for result in results:
         counts = {family: (result["fused_modules"][family], result["sharded_projections"][family])
@@ -47,7 +49,10 @@ def ranks(request, gemma_dirs, tmp_path_factory) -> list[dict]:
             assert (modules > 0 and forwards > 0 and stacked > 0) if fused else not (modules or forwards), counts
             # the sets that ask for symmetric memory: it ran, no fallback to NCCL
             assert (projections["symmetric"] > 0) == (request.param == "symmetric_memory_sums"), counts
-            assert (projections["peer"] > 0) == (request.param == "peer_sums"), counts
+            assert (projections["peer"] > 0) == (request.param == "fused_forwards"), counts
+            # the LM head's logits gathered by hf_specdec, the (tied) embedding looked up by it
+            assert (projections["gathers"] > 0) == fused, counts
+            assert projections["embeddings"] == (1 if fused and family == "gemma" else projections["embeddings"])
     return results
 
 

@@ -87,7 +87,9 @@ def fused_modules(model) -> int:
 
 def sharded_projections(model) -> dict[str, int]:
     """How many sharded projections of ``model`` run hf_specdec's forward on their shard ("forwards"), how many
-    groups of column-parallel shards run as one GEMM ("stacked"), and how many symmetric-memory buffers this rank
+    groups of column-parallel shards run as one GEMM ("stacked"), how many of the projections gather their outputs
+    ("gathers": an LM head) and embeddings look up their vocabulary rows ("embeddings"), and how many symmetric-memory
+    buffers this rank
     set up for the row-parallel sums ("symmetric": the one-shot all-reduce's, "peer": peer_sum's)."""
     from hf_specdec.generation.fusion import stacked_groups
     from hf_specdec.kernels.stacked_linear import stacked_weight
@@ -99,6 +101,8 @@ def sharded_projections(model) -> dict[str, int]:
             linears = [getattr(module, n) for n in names if getattr(module, n, None) is not None]
             stacked += all(distributed.TP_FORWARD in vars(m) for m in linears) and stacked_weight(*linears) is not None
     return dict(forwards=sum(distributed.TP_FORWARD in vars(m) for m in model.modules()), stacked=stacked,
+                gathers=sum(vars(m).get(distributed.SHARD_KIND) == distributed.GATHER for m in model.modules()),
+                embeddings=sum(distributed.VOCAB_SHARD in vars(m) for m in model.modules()),
                 symmetric=sum(buffer is not None for buffer in distributed._SYMM_BUFFERS.values()),
                 peer=sum(state is not None and state.calls > 0 for state in distributed._PEER_STATES.values()))
 
