@@ -50,9 +50,11 @@ def ranks(request, gemma_dirs, tmp_path_factory) -> list[dict]:
             # the sets that ask for symmetric memory: it ran, no fallback to NCCL
             assert (projections["symmetric"] > 0) == (request.param == "symmetric_memory_sums"), counts
             assert (projections["peer"] > 0) == (request.param == "fused_forwards"), counts
-            # the LM head's logits gathered by hf_specdec, the (tied) embedding looked up by it
-            assert (projections["gathers"] > 0) == fused, counts
-            assert projections["embeddings"] == (1 if fused and family == "gemma" else projections["embeddings"])
+            # the LM head's logits gathered by hf_specdec, the tied embedding looked up by it (where the plan shards
+            # them: transformers 5.17 keeps both whole under the replicated-attention plan, which replaces its own)
+            if family != "gemma_replicated_attention":
+                assert projections["gathers"] >= fused and projections["embeddings"] == fused, counts
+            assert fused or not (projections["gathers"] or projections["embeddings"]), counts
     return results
 
 
