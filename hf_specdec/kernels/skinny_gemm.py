@@ -5,9 +5,8 @@ weights once. On an H100 cuBLAS streams the Gemma-4-31B shapes at 2.4-2.85 TB/s 
 this kernel streams them at 2.85-3.1 (``docs/perf_log.md``, session 7): each program owns ``BLOCK_N`` output
 columns, walks the whole K dimension in ``BLOCK_K`` tiles through a deep software pipeline, and multiplies
 the rows, padded to 16, on the tensor cores. Narrow outputs (few column blocks: the o and down projections of the
-smaller targets) also split K, so that every SM streams: each part writes an fp32 partial, and the last part of
-each column block to finish sums the block's parts in their order (:func:`split_k_for`, :data:`SPLIT_FIXUP`: one
-counter per column block, left at zero; or a second launch sums them).
+smaller targets) also split K, so that every SM streams: each part writes an fp32 partial and a second launch sums
+the parts in their order (:func:`split_k_for`; no atomics, no memset).
 
 Every row is computed by the same dot (16 or 32 rows, the warp-level MMA) over the same tiles in the same K
 order whatever the number of rows, so a row's result does not depend on the batch: a verify step's k+1 rows
@@ -54,13 +53,11 @@ def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_split,
-                        out_ptr, stride_om, counter_ptr, splits,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = False):
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
     # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows;
     # PRECISION "fma": fp32 multiply-adds instead, no tensor cores (fp32_rows_matmul);
-    # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial;
-    # FIXUP: the last of a column block's ``splits`` programs to finish sums the block's partials (see SPLIT_FIXUP)
+    # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,19 +74,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         else:
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    tile = rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
-    tl.store(y_ptr + tl.program_id(1).to(tl.int64) * stride_split + tile, acc.to(y_ptr.dtype.element_ty), mask=ok)
-    if FIXUP:
-        tl.debug_barrier()  # every thread's partial written before the count's release
-        arrived = tl.atomic_add(counter_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:  # the last part of this column block: sum the parts in split order
-            total = tl.load(y_ptr + tile, mask=ok, other=0.0, cache_modifier=".cg")
-            for part in range(1, splits):
-                total += tl.load(y_ptr + part * stride_split + tile, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
-                     total.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(counter_ptr + tl.program_id(0), 0)  # down again for the next launch (graph replays too)
+    out = (y_ptr + tl.program_id(1).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
+           + cols[None, :])
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -142,7 +129,7 @@ def config_for(n: int, k: int, rows: int = 1, element_size: int = 2) -> tuple[in
 # SM) leaves SMs idle, and each program streams a long row of K alone: such a weight with K >= SPLIT_MIN_K, or of
 # fewer than FEW_PROGRAMS column blocks (a router), cuts K into parts of at least MIN_TILES_PER_SPLIT tiles until the
 # launch has about SPLIT_PROGRAMS programs (at most MAX_SPLIT_K parts); the fp32 partials are summed in split order
-# (inside the launch, SPLIT_FIXUP, or by a second one). H200, graph-timed, one and four rows (benchmarks/results/skinny_split_sweep_h200.log): the
+# by a second launch. H200, graph-timed, one and four rows (benchmarks/results/skinny_split_sweep_h200.log): the
 # E4B down projection [2560, 10240] 23.6 -> 19.1 us, E2B's [1536, 6144] 13.5 -> 9.2, the 26B-A4B's o [2816, 4096]
 # 10.9 -> 9.8 and router [128, 2816] 6.4 -> 4.3; shorter K (the q/k/v of E2B and E4B, the 26B-A4B's dense down) gained
 # nothing or lost up to 0.5 us split. A long-K weight of fewer than SPLIT_PROGRAMS split-config blocks, whose unsplit
@@ -226,7 +213,7 @@ def fp32_rows_matmul(x: torch.Tensor, weight: torch.Tensor,
     block_n, block_k, warps = config or FP32_ROWS_CONFIG
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n), 1)](
-        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), k, 0, out, 0, out, 1,
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), k, 0,
         BLOCK_M=max(2, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="fma",
         num_warps=warps, **pdl_args(x))
     return out
@@ -290,50 +277,13 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
         x = x.contiguous()
     (block_n, block_k, warps, stages), split, k_per_split = launch_plan(n, k, rows, x.element_size(), config, split_k)
     out_dtype = out_dtype or x.dtype
-    column_blocks = triton.cdiv(n, block_n)
     out = torch.empty(split, rows, n, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
-    counters = split_counters(x.device, column_blocks) if split > 1 else None
-    summed = out[0] if counters is None else torch.empty(rows, n, dtype=out_dtype, device=x.device)
-    _skinny_gemm_kernel[(column_blocks, split)](
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(1), k_per_split, out.stride(0),
-        summed, summed.stride(0), out if counters is None else counters, split,
         BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: no tf32 rounding
-        FIXUP=counters is not None, **pdl_args(x))
-    if split > 1 and counters is None:
-        return sum_splits(out, out_dtype)
-    return summed
-
-
-# Split-K sums inside the GEMM's launch (HF_SPECDEC_SKINNY_SPLIT_FIXUP=0, read at import, keeps the second launch):
-# each program of a split launch writes its fp32 partial, then counts itself in its column block's counter
-# (acquire-release at GPU scope, after a barrier of the program); the last of the block's parts sums the block's
-# partials in split order (the bits the sum launch gets) and puts the counter down again. A decode step of the small
-# targets is a chain of short launches (E2B: ~18 a layer, ~624 a step, the GPU busy all of a 2.35 ms step on an
-# H200; docs/perf_log.md, session 47): each split GEMM's second launch is one more link. The counters are one
-# int32 buffer per GPU (zeros; SPLIT_COUNTERS of them), handed out in turn, so the launches that may run at once
-# (on different streams) take different counters; the launches of one stream run one after the other, each leaving
-# its counters down. A first split launch under a CUDA graph capture, before the buffer exists, takes the sum launch.
-SPLIT_FIXUP = os.environ.get("HF_SPECDEC_SKINNY_SPLIT_FIXUP", "1") != "0"
-SPLIT_COUNTERS = 1 << 16
-_COUNTERS: dict = {}  # device -> [counters, the next free one]
-
-
-def split_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
-    """``blocks`` zeroed counters on ``device`` for a split launch's column blocks (:data:`SPLIT_FIXUP`), or None where
-    its sums take the second launch."""
-    if not SPLIT_FIXUP or blocks > SPLIT_COUNTERS:
-        return None
-    entry = _COUNTERS.get(device)
-    if entry is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        entry = _COUNTERS[device] = [torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device), 0]
-    counters, start = entry
-    if start + blocks > SPLIT_COUNTERS:
-        start = 0
-    entry[1] = start + blocks
-    return counters[start:start + blocks]
+        **pdl_args(x))
+    return out[0] if split == 1 else sum_splits(out, out_dtype)
 
 
 def launch_plan(n: int, k: int, rows: int, element_size: int = 2, config: tuple[int, int, int, int] | None = None,

@@ -71,91 +71,26 @@ def test_triton_skinny_rows_do_not_depend_on_the_batch(triton_device):
     assert torch.equal(skinny_matmul(x[MAX_ROWS - 2:MAX_ROWS + 3], w, SMALL), full[MAX_ROWS - 2:MAX_ROWS + 3])
 
 
-@pytest.mark.parametrize("fixup", [True, False])
-def test_triton_split_rows_do_not_depend_on_the_batch(triton_device, monkeypatch, fixup):
+def test_triton_split_rows_do_not_depend_on_the_batch(triton_device, monkeypatch):
     """A narrow weight splits K by its shape alone, with one config at every row count: a verify row (17-32 rows)
-    is summed in the same parts and tiles as a decode row, bit for bit (the parts summed inside the GEMM's launch,
-    or by the second launch)."""
+    is summed in the same parts and tiles as a decode row, bit for bit."""
     n, k = 24, 8 * SPLIT_CONFIG[1]
     splits = split_k_for(n, k)
     assert splits == 2  # 8 tiles, at least 4 a part
     assert {config_for(n, k, rows) for rows in (1, MAX_ROWS, MAX_ROWS + 1, MAX_KERNEL_ROWS)} == {SPLIT_CONFIG}
-    monkeypatch.setattr(skinny_gemm, "SPLIT_FIXUP", fixup)
     summed = []
-    real_sum_splits = skinny_gemm.sum_splits
     monkeypatch.setattr(skinny_gemm, "sum_splits", lambda parts, dtype: summed.append(parts.shape[0])
-                        or real_sum_splits(parts, dtype))
+                        or parts.sum(0).to(dtype))  # the parts summed in order, as the kernel does
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(MAX_KERNEL_ROWS, k, generator=gen).to(torch.float16).to(triton_device)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.float16).to(triton_device)
     full = skinny_matmul(x, w)
     torch.testing.assert_close(full.double().cpu(), (x.double() @ w.double().T).cpu(), atol=2e-2, rtol=2e-2)
+    assert summed == [2]
     for r in (0, MAX_ROWS - 1, MAX_KERNEL_ROWS - 1):
         assert torch.equal(skinny_matmul(x[r:r + 1], w), full[r:r + 1])
     assert torch.equal(skinny_matmul(x[:MAX_ROWS + 3], w), full[:MAX_ROWS + 3])
-    assert summed == ([] if fixup else [2] * 5)
-
-
-@pytest.mark.parametrize("dtype, split", [(torch.float32, 4), (torch.float16, 3), (torch.float32, 2)])
-@pytest.mark.parametrize("rows", [1, 29])
-def test_triton_split_sums_inside_the_launch_are_the_second_launchs_bits(triton_device, monkeypatch, dtype, split,
-                                                                           rows):
-    """The last part of each column block sums the block's partials in split order: the bits of the sum launch,
-    and every counter is down again after the call (the next launch, or a graph's replay, starts from zero)."""
-    gen = torch.Generator().manual_seed(rows + split)
-    x = torch.randn(rows, 100, generator=gen).to(dtype).to(triton_device)
-    w = (torch.randn(70, 100, generator=gen) * 0.1).to(dtype).to(triton_device)
-    monkeypatch.setattr(skinny_gemm, "SPLIT_FIXUP", False)
-    two_launches = skinny_matmul(x, w, SMALL, split)
-    monkeypatch.setattr(skinny_gemm, "SPLIT_FIXUP", True)
-    handed = []
-    real_counters = skinny_gemm.split_counters
-    monkeypatch.setattr(skinny_gemm, "split_counters", lambda device, blocks: handed.append(blocks)
-                        or real_counters(device, blocks))
-    for _ in range(2):  # the second call finds its counters down
-        assert torch.equal(skinny_matmul(x, w, SMALL, split), two_launches)
-    assert handed == [5, 5]  # 70 columns in blocks of 16
-    assert not skinny_gemm._COUNTERS[x.device][0].any()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the counters' ordering between programs needs a GPU")
-@pytest.mark.parametrize("n, k", [(1536, 6144), (128, 2816), (5376, 8192)])
-def test_split_sums_inside_the_launch_hold_on_the_gpu_eagerly_and_in_graph_replays(monkeypatch, n, k):
-    """Real split shapes (E2B's down projection, a router, the 31B's o) on the GPU, where the parts of a column block
-    run at once on different SMs: every eager call and every replay of a graph of several launches in a row gives
-    the second launch's bits."""
-    gen = torch.Generator().manual_seed(n)
-    x = torch.randn(4, k, generator=gen).to(torch.bfloat16).cuda()
-    w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
-    assert split_k_for(n, k) > 1
-    monkeypatch.setattr(skinny_gemm, "SPLIT_FIXUP", False)
-    expected = [skinny_matmul(x[:rows], w) for rows in (1, 4)]
-    monkeypatch.setattr(skinny_gemm, "SPLIT_FIXUP", True)
-    for _ in range(20):
-        assert all(torch.equal(skinny_matmul(x[:rows], w), want) for rows, want in zip((1, 4), expected))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [skinny_matmul(x[:rows], w) for rows in (1, 4, 1, 4)]
-    for _ in range(20):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(out, expected[i % 2]) for i, out in enumerate(outs))
-
-
-def test_split_counters_are_handed_out_in_turn(monkeypatch):
-    """Counters for split launches: one zeroed buffer per device, consecutive launches take the next ones (launches
-    that may run at once take different counters), wrapping at the end; none past the buffer, or when turned off."""
-    monkeypatch.setattr(skinny_gemm, "_COUNTERS", {})
-    monkeypatch.setattr(skinny_gemm, "SPLIT_COUNTERS", 10)
-    device = torch.device("cpu")
-    first, second = skinny_gemm.split_counters(device, 4), skinny_gemm.split_counters(device, 4)
-    buffer = skinny_gemm._COUNTERS[device][0]
-    assert (first.data_ptr() - buffer.data_ptr(), second.data_ptr() - buffer.data_ptr()) == (0, 16)
-    assert skinny_gemm.split_counters(device, 4).data_ptr() == buffer.data_ptr()  # 8 + 4 > 10: back to the start
-    assert not buffer.any() and buffer.dtype == torch.int32
-    assert skinny_gemm.split_counters(device, 11) is None
-    monkeypatch.setattr(skinny_gemm, "SPLIT_FIXUP", False)
-    assert skinny_gemm.split_counters(device, 4) is None
+    assert summed == [2] * 5
 
 
 def test_split_k_follows_the_weights_shape(monkeypatch):
