@@ -245,7 +245,7 @@ def local_linear_kind(module: torch.nn.Module) -> str | None:
     wrapped with its plain column-parallel style (replicated input, this rank's slice of the outputs kept local:
     "colwise") or its plain row-parallel style (this rank's slice of the inputs, outputs summed over the group:
     "rowwise"); :data:`GATHER` for a column-parallel one that gathers its outputs ("colwise_gather_output": an LM
-    head, its rows split as torch.chunk splits them, :func:`row_shard`); None for any other module or style (a
+    head, its rows split as Shard(0) splits them, :func:`row_shard`); None for any other module or style (a
     packed or quantized projection), which keeps transformers' forward."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Replicate, Shard
@@ -272,8 +272,9 @@ def local_linear_kind(module: torch.nn.Module) -> str | None:
 
 def row_shard(weight) -> tuple[int, int] | None:
     """(first row, rows) of this rank's shard of a DTensor ``weight`` split on its first axis over a one-dimensional
-    mesh, as ``torch.chunk`` splits it (what ``Shard(0)`` does: the first ranks take ``ceil(rows / ranks)`` each); None
-    for any other placement, or a local shard of another size."""
+    mesh, as ``Shard(0)`` splits it (torch's own rule); None for any other placement, and where some rank would hold
+    no row (a table smaller than the group: every rank decides alike, from the global shape). A local shard of
+    another size than the rule gives is refused with an error (the ranks would otherwise disagree)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Shard
 
@@ -281,10 +282,29 @@ def row_shard(weight) -> tuple[int, int] | None:
             or not isinstance(weight.placements[0], Shard) or weight.placements[0].dim not in (0, -weight.ndim)):
         return None
     total, ranks, rank = weight.shape[0], weight.device_mesh.size(), weight.device_mesh.get_local_rank()
+    shares = [_shard_size_and_offset(total, ranks, r) for r in range(ranks)]
+    if any(rows == 0 for rows, _ in shares):
+        return None
+    rows, first = shares[rank]
+    if weight.to_local().shape[0] != rows:
+        raise ValueError(f"this rank's shard of a [{total}, ...] weight has {weight.to_local().shape[0]} rows where "
+                         f"Shard(0) over {ranks} ranks gives {rows}; hf_specdec cannot place its rows (run with "
+                         f"HF_SPECDEC_TP_FUSED=0 to keep transformers' forwards)")
+    return first, rows
+
+
+def _shard_size_and_offset(total: int, ranks: int, rank: int) -> tuple[int, int]:
+    """(rows, first row) of ``rank``'s share of ``total`` rows under ``Shard(0)``: torch's rule where it names it,
+    else torch.chunk's (the first ranks take ``ceil(total / ranks)`` rows each)."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    rule = getattr(Shard, "local_shard_size_and_offset", None) or getattr(Shard, "_local_shard_size_and_offset", None)
+    if rule is not None:
+        rows, first = rule(total, ranks, rank)
+        return int(rows), int(first)
     chunk = -(-total // ranks)
     first = min(rank * chunk, total)
-    rows = max(0, min(chunk, total - first))
-    return (first, rows) if weight.to_local().shape[0] == rows else None
+    return max(0, min(chunk, total - first)), first
 
 
 def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -300,29 +320,34 @@ def sharded_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
     if kind == ROW:
         return all_reduce_sum(out, self.weight.device_mesh.get_group())
     if kind == GATHER:
-        first, _ = row_shard(self.weight)
+        first, _ = vars(self)[ROW_SHARD]
         return gather_columns(out, first, self.out_features, self.weight.device_mesh.get_group())
     return out
 
 
+# (all_gather_single from torch 2.13, where all_gather_into_tensor is deprecated)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather_columns(local: torch.Tensor, first: int, width: int, group) -> torch.Tensor:
     """Every rank's ``local`` (this rank's columns ``[first, first + local.shape[-1])`` of an output ``width`` wide,
-    split as torch.chunk splits it), gathered along the last axis in rank order. Where the whole output fits
+    split as ``Shard(0)`` splits it), gathered along the last axis in rank order. Where the whole output fits
     peer_sum's slot, each rank places its columns in zeros and the ranks sum (one early launch: an LM head's logits at
     batch 1); else one all-gather where the columns split evenly, or the same sum through NCCL."""
     ranks = dist.get_world_size(group)
-    full = local.new_zeros(*local.shape[:-1], width)
-    if _peer_sum_state(full, group) is None and width % ranks == 0:
+    shape = (*local.shape[:-1], width)
+    if _peer_sum_state(local.device, local.dtype, local.numel() // max(1, local.shape[-1]) * width, group) is None \
+            and width % ranks == 0:
         parts = local.new_empty(ranks * local.numel())
-        # (all_gather_single from torch 2.13, where all_gather_into_tensor is deprecated)
-        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(parts, local.reshape(-1), group=group)
-        return torch.movedim(parts.view(ranks, *local.shape), 0, -2).reshape(full.shape)
+        _all_gather_flat(parts, local.reshape(-1), group=group)
+        return torch.movedim(parts.view(ranks, *local.shape), 0, -2).reshape(shape)
+    full = local.new_zeros(shape)
     full[..., first:first + local.shape[-1]] = local
     return all_reduce_sum(full, group)
 
 
-# where a vocabulary-parallel embedding keeps its rows' place: (first row, rows) of its shard
-VOCAB_SHARD = "_hf_specdec_vocab_shard"
+# where a gathering projection or a vocabulary-parallel embedding keeps its rows' place: (first row, rows) of its shard
+ROW_SHARD = "_hf_specdec_row_shard"
 
 
 def vocab_parallel_embedding(module: torch.nn.Module) -> tuple[int, int] | None:
@@ -338,7 +363,8 @@ def vocab_parallel_embedding(module: torch.nn.Module) -> tuple[int, int] | None:
     name = type(style).__name__
     if not getattr(style, "use_local_output", False) or not (
             (name == "EmbeddingParallel" and getattr(style, "shard_dim", None) == 0)
-            or (name == "RowwiseParallel" and isinstance(getattr(style, "output_layouts", None), Replicate))):
+            or (name == "RowwiseParallel" and isinstance(getattr(style, "input_layouts", None), Replicate)
+                and isinstance(getattr(style, "output_layouts", None), Replicate))):
         return None
     return row_shard(module.weight)
 
@@ -353,7 +379,7 @@ def install_sharded_embedding(module: torch.nn.Module) -> bool:
     shard = vocab_parallel_embedding(module)
     if shard is None:
         return False
-    vars(module)[VOCAB_SHARD] = shard
+    vars(module)[ROW_SHARD] = shard
     vars(module)[TP_FORWARD] = module.forward
     module.forward = types.MethodType(sharded_embedding_forward, module)
     return True
@@ -362,15 +388,22 @@ def install_sharded_embedding(module: torch.nn.Module) -> bool:
 def sharded_embedding_forward(self, ids: torch.Tensor) -> torch.Tensor:
     """A vocabulary-parallel lookup as transformers' wrapper computes it (each rank looks up the ids of its rows, in
     the module's own forward with its local table, zeros for the others, and the ranks sum), without the DTensor
-    dispatch, the sum through :func:`all_reduce_sum` (peer_sum's early launch on GPUs). Under autograd, or for a
-    DTensor input, transformers' wrapper runs."""
+    dispatch, the sum through :func:`all_reduce_sum` (peer_sum's early launch on GPUs). An id outside the vocabulary
+    is on no rank's rows: its vector is zeros (no check on the device, which would wait for the GPU). Under
+    autograd, or for a DTensor input, transformers' wrapper runs."""
     if torch.is_grad_enabled() or type(ids) is not torch.Tensor:
         return vars(self)[TP_FORWARD](ids)
-    first, rows = vars(self)[VOCAB_SHARD]
+    first, rows = vars(self)[ROW_SHARD]
     local_ids = ids - first
     outside = (local_ids < 0) | (local_ids >= rows)
-    with _local_parameters(self):
-        out = type(self).forward(self, local_ids.masked_fill(outside, 0))
+    # padding_idx only shapes gradients (none here), and a global one may lie past the local table, which F.embedding
+    # refuses
+    padding_idx, self.padding_idx = self.padding_idx, None
+    try:
+        with _local_parameters(self):
+            out = type(self).forward(self, local_ids.masked_fill(outside, 0))
+    finally:
+        self.padding_idx = padding_idx
     return all_reduce_sum(out.masked_fill(outside.unsqueeze(-1), 0), self.weight.device_mesh.get_group())
 
 
@@ -383,6 +416,7 @@ def sharded_embedding_forward(self, ids: torch.Tensor) -> torch.Tensor:
 # symmetric memory cannot be set up on every rank, takes NCCL's. Off: end to end it gained nothing (31B cut to 12
 # layers, two H200, batch 1: 1.48x one GPU against NCCL's 1.46x; docs/perf_log.md, session 46): its kernels take no
 # programmatic dependent launch either, and wait on a barrier each call.
+# peer_sum (below, on by default) takes every sum this could: it runs only with HF_SPECDEC_TP_PEER_SUM=0.
 SYMM_ALL_REDUCE = os.environ.get("HF_SPECDEC_TP_SYMM_ALL_REDUCE", "0") == "1"
 SYMM_MAX_BYTES = 1 << 20
 SYMM_DTYPES = (torch.bfloat16, torch.float32)
@@ -397,6 +431,7 @@ _SYMM_BUFFERS: dict = {}  # (group name, device, dtype) -> the rank's symmetric 
 # batch 4 1.661x against 1.577x (docs/perf_log.md, session 47); every rank's first eligible sum asks the others
 # whether all want it and could set it up (one small all-reduce, whatever the setting), else all take NCCL's.
 PEER_SUM = os.environ.get("HF_SPECDEC_TP_PEER_SUM", "1") == "1"
+PEER_SUM_ASKED = "HF_SPECDEC_TP_PEER_SUM" in os.environ  # warned where set and unavailable (else NCCL's, quietly)
 PEER_SUM_SLOT_BYTES = 1 << 20
 _PEER_STATES: dict = {}  # (group name, device) -> _PeerState, or None where symmetric memory failed on some rank
 
@@ -427,21 +462,21 @@ class _PeerState:
         return self.views[dtype]
 
 
-def _peer_sum_state(out: torch.Tensor, group) -> _PeerState | None:
-    """The group's peer_sum state where ``out``'s sum takes peer_sum, else None. Every rank asks (whatever its own
-    setting): the ranks agree once per group whether peer_sum runs, and which sums take it depends only on what is
-    summed, the same on every rank."""
-    if (out.is_cuda and out.dtype in peer_sum_kernel.SUM_DTYPES and out.is_contiguous()
-            and out.numel() * out.element_size() <= PEER_SUM_SLOT_BYTES):
-        return _peer_state(group, out.device)
+def _peer_sum_state(device: torch.device, dtype: torch.dtype, numel: int, group) -> _PeerState | None:
+    """The group's peer_sum state where a sum of ``numel`` contiguous values of ``dtype`` on ``device`` takes peer_sum,
+    else None. Every rank asks (whatever its own setting): the ranks agree once per group whether peer_sum runs, and
+    which sums take it depends only on what is summed, the same on every rank."""
+    if (device.type == "cuda" and dtype in peer_sum_kernel.SUM_DTYPES
+            and numel * torch.empty((), dtype=dtype).element_size() <= PEER_SUM_SLOT_BYTES):
+        return _peer_state(group, device)
     return None
 
 
 def all_reduce_sum(out: torch.Tensor, group) -> torch.Tensor:
     """``out`` summed over ``group`` (in place through NCCL or :data:`PEER_SUM`'s launch, or a new tensor from the
     symmetric-memory one-shot all-reduce: see SYMM_ALL_REDUCE)."""
-    if out.is_cuda:
-        state = _peer_sum_state(out, group)
+    if out.is_cuda and out.is_contiguous():
+        state = _peer_sum_state(out.device, out.dtype, out.numel(), group)
         if state is not None:
             data, rel = state.data_as(out.dtype)
             state.calls += 1
@@ -534,7 +569,7 @@ def _peer_state(group, device: torch.device) -> _PeerState | None:
             buffers = (symm_mem, data, flags)
         except Exception as failure:  # noqa: BLE001 - any failure: this rank says so, and the group keeps NCCL's
             error = failure
-    buffers = _agreed(buffers, error, group, device, warn=PEER_SUM)
+    buffers = _agreed(buffers, error, group, device, warn=PEER_SUM and PEER_SUM_ASKED)
     if buffers is not None:
         symm_mem, data, flags = buffers
         try:
@@ -547,7 +582,7 @@ def _peer_state(group, device: torch.device) -> _PeerState | None:
             state = _PeerState(data, flags, [p - data_ptrs[rank] for p in data_ptrs], flag_rel, counts, rank, world)
         except Exception as failure:  # noqa: BLE001 - as above
             error = failure
-        state = _agreed(state, error, group, device)
+        state = _agreed(state, error, group, device, warn=PEER_SUM and PEER_SUM_ASKED)
     _PEER_STATES[key] = state
     return state
 
@@ -569,6 +604,8 @@ def install_sharded_linear(module: torch.nn.Module) -> bool:
     if kind is None:
         return False
     vars(module)[SHARD_KIND] = kind
+    if kind == GATHER:
+        vars(module)[ROW_SHARD] = row_shard(module.weight)
     vars(module)[TP_FORWARD] = module.forward
     module.forward = types.MethodType(sharded_linear_forward, module)
     if kind == COLUMN:
@@ -581,7 +618,7 @@ def remove_sharded_forward(module: torch.nn.Module) -> None:
     :func:`install_sharded_embedding` did not run)."""
     if TP_FORWARD in vars(module):
         module.forward = vars(module).pop(TP_FORWARD)
-        for key in (SHARD_KIND, LOCAL_WEIGHT, VOCAB_SHARD):
+        for key in (SHARD_KIND, LOCAL_WEIGHT, ROW_SHARD):
             vars(module).pop(key, None)
 
 

@@ -54,10 +54,10 @@ class _ScaledEmbedding(torch.nn.Embedding):
         return super().forward(ids) * 3.0
 
 
-def _vocab_parallel(mesh, rows: int = 13, seed: int = 5) -> torch.nn.Embedding:
+def _vocab_parallel(mesh, rows: int = 13, seed: int = 5, padding_idx: int | None = None) -> torch.nn.Embedding:
     """A 13-row table split by rows over ``mesh`` by transformers' "embedding_rowwise" style."""
     torch.manual_seed(seed)
-    return _apply_style(_ScaledEmbedding(rows, 8), mesh, "embedding_rowwise")
+    return _apply_style(_ScaledEmbedding(rows, 8, padding_idx=padding_idx), mesh, "embedding_rowwise")
 
 
 @pytest.mark.parametrize("style, kind", [("colwise", distributed.COLUMN), ("rowwise", distributed.ROW),
@@ -84,9 +84,8 @@ def test_the_installed_forward_computes_transformers_output_and_sums_row_paralle
     reduced = []
     real_all_reduce = dist.all_reduce
     monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: reduced.append(t.shape) or real_all_reduce(t, **kw))
-    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    real_all_gather = getattr(dist, gather)
-    monkeypatch.setattr(dist, gather,
+    real_all_gather = distributed._all_gather_flat
+    monkeypatch.setattr(distributed, "_all_gather_flat",
                         lambda out, t, **kw: reduced.append(("gather", out.shape)) or real_all_gather(out, t, **kw))
     with torch.no_grad():
         torch.testing.assert_close(linear(x), expected, rtol=0, atol=0)
@@ -116,18 +115,30 @@ def test_a_vocabulary_parallel_embedding_looks_up_its_rows_and_sums_them(mesh, m
     assert reduced == [torch.Size([2, 3, 8])]
     assert type(embedding.weight).__name__ == "DTensor"  # the local table only while the lookup runs
     distributed.remove_sharded_forward(embedding)
-    assert embedding.forward is wrapper and distributed.VOCAB_SHARD not in vars(embedding)
+    assert embedding.forward is wrapper and distributed.ROW_SHARD not in vars(embedding)
 
 
 def test_embeddings_split_otherwise_keep_transformers_forward(mesh):
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
     torch.manual_seed(0)
-    by_columns = _apply_style(torch.nn.Embedding(13, 8), mesh, "embedding_colwise") if "embedding_colwise" in (
-        __import__("transformers.distributed.tensor_parallel", fromlist=["x"]).ALL_PARALLEL_STYLES) else None
+    # split by columns: transformers 5.24's embedding style, 5.17's column-parallel one on an embedding
+    by_columns = _apply_style(torch.nn.Embedding(13, 8), mesh,
+                              "embedding_colwise" if "embedding_colwise" in ALL_PARALLEL_STYLES else "colwise")
     renormed = _apply_style(torch.nn.Embedding(13, 8, max_norm=1.0), mesh, "embedding_rowwise")
     for embedding in (by_columns, renormed, torch.nn.Embedding(13, 8)):
-        if embedding is not None:
-            assert distributed.vocab_parallel_embedding(embedding) is None
-            assert not distributed.install_sharded_embedding(embedding)
+        assert distributed.vocab_parallel_embedding(embedding) is None
+        assert not distributed.install_sharded_embedding(embedding)
+
+
+@pytest.mark.parametrize("total, ranks", [(13, 2), (10, 4), (9, 4), (262144, 8), (5, 1)])
+def test_row_shards_follow_torchs_split(total, ranks):
+    """Each rank's (rows, first row) under Shard(0): the rows torch.chunk gives each rank, back to back."""
+    chunks = torch.arange(total).chunk(ranks)
+    for rank in range(ranks):
+        rows, first = distributed._shard_size_and_offset(total, ranks, rank)
+        expected = chunks[rank] if rank < len(chunks) else torch.arange(0)
+        assert rows == len(expected) and (rows == 0 or first == int(expected[0]))
 
 
 def test_a_replaced_parameter_is_read_again(mesh):
@@ -214,13 +225,17 @@ def _two_ranks(rank: int, port: int) -> None:
             full[out] = torch.nn.Linear(16, out, bias=False)
         torch.manual_seed(5)
         full["embedding"] = _ScaledEmbedding(13, 8)
-        embedding = _vocab_parallel(mesh)
+        # padding rows (they shape gradients only) past a rank's local table, and inside one
+        embeddings = [_vocab_parallel(mesh), _vocab_parallel(mesh, padding_idx=10),
+                      _vocab_parallel(mesh, padding_idx=2)]
         torch.manual_seed(4)
         x = torch.randn(3, 16)
         assert distributed.stack_column_shards(q, k) and all(distributed.install_sharded_linear(m) for m in (q, k, o))
         assert all(distributed.install_sharded_linear(head) for head in heads.values())
-        assert distributed.install_sharded_embedding(embedding)
+        assert all(distributed.install_sharded_embedding(embedding) for embedding in embeddings)
         assert stacked_weight(q, k) is not None
+        # a table of fewer rows than ranks leaves a rank without rows: every rank keeps transformers' forward
+        assert distributed.local_linear_kind(_sharded(mesh, "colwise_gather_output", out=1)) is None
         outputs, inputs = slice(6 * rank, 6 * rank + 6), slice(8 * rank, 8 * rank + 8)  # this rank's shares
         ids = torch.tensor([[0, 6, 7, 12], [3, 9, 9, 1]])  # rows of both shards
         with torch.no_grad():
@@ -230,7 +245,13 @@ def _two_ranks(rank: int, port: int) -> None:
             torch.testing.assert_close(o(x[:, inputs]), full["o"](x))  # the two ranks' partial sums added
             for out, head in heads.items():
                 torch.testing.assert_close(head(x), full[out](x))
-            torch.testing.assert_close(embedding(ids), full["embedding"](ids), rtol=0, atol=0)
+            for embedding in embeddings:
+                torch.testing.assert_close(embedding(ids), full["embedding"](ids), rtol=0, atol=0)
+                assert embedding.padding_idx in (None, 10, 2)  # as it was
+            # the logits summed in zeros (as peer_sum does on GPUs) rather than all-gathered: the same values
+            distributed._peer_sum_state = lambda *args: object()
+            for out, head in heads.items():
+                torch.testing.assert_close(head(x), full[out](x))
     finally:
         dist.destroy_process_group()
 

@@ -102,7 +102,8 @@ def sharded_projections(model) -> dict[str, int]:
             stacked += all(distributed.TP_FORWARD in vars(m) for m in linears) and stacked_weight(*linears) is not None
     return dict(forwards=sum(distributed.TP_FORWARD in vars(m) for m in model.modules()), stacked=stacked,
                 gathers=sum(vars(m).get(distributed.SHARD_KIND) == distributed.GATHER for m in model.modules()),
-                embeddings=sum(distributed.VOCAB_SHARD in vars(m) for m in model.modules()),
+                embeddings=sum(isinstance(m, torch.nn.Embedding) and distributed.ROW_SHARD in vars(m)
+                               for m in model.modules()),
                 symmetric=sum(buffer is not None for buffer in distributed._SYMM_BUFFERS.values()),
                 peer=sum(state is not None and state.calls > 0 for state in distributed._PEER_STATES.values()))
 
