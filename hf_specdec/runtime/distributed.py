@@ -372,17 +372,22 @@ def vocab_parallel_embedding(module: torch.nn.Module) -> tuple[int, int] | None:
 def install_sharded_embedding(module: torch.nn.Module) -> bool:
     """Give an embedding :func:`vocab_parallel_embedding` accepts :func:`sharded_embedding_forward` (instance-scoped;
     undone by :func:`remove_sharded_forward`); returns whether it has it now."""
-    import types
-
     if TP_FORWARD in vars(module):
         return True
     shard = vocab_parallel_embedding(module)
     if shard is None:
         return False
     vars(module)[ROW_SHARD] = shard
-    vars(module)[TP_FORWARD] = module.forward
-    module.forward = types.MethodType(sharded_embedding_forward, module)
+    _replace_forward(module, sharded_embedding_forward)
     return True
+
+
+def _replace_forward(module: torch.nn.Module, forward) -> None:
+    """Give ``module`` ``forward`` (instance-scoped), keeping transformers' wrapper (:data:`TP_FORWARD`)."""
+    import types
+
+    vars(module)[TP_FORWARD] = module.forward
+    module.forward = types.MethodType(forward, module)
 
 
 def sharded_embedding_forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -596,8 +601,6 @@ def install_sharded_linear(module: torch.nn.Module) -> bool:
     by :func:`remove_sharded_forward`); returns whether it has it now. A column-parallel one is also marked as one
     whose local shard stacked projections read (``stacked_linear.LOCAL_WEIGHT``): q/k/v or gate/up shards stacked by
     :func:`stack_column_shards` run as one GEMM."""
-    import types
-
     if TP_FORWARD in vars(module):
         return True
     kind = local_linear_kind(module)
@@ -606,8 +609,7 @@ def install_sharded_linear(module: torch.nn.Module) -> bool:
     vars(module)[SHARD_KIND] = kind
     if kind == GATHER:
         vars(module)[ROW_SHARD] = row_shard(module.weight)
-    vars(module)[TP_FORWARD] = module.forward
-    module.forward = types.MethodType(sharded_linear_forward, module)
+    _replace_forward(module, sharded_linear_forward)
     if kind == COLUMN:
         vars(module)[LOCAL_WEIGHT] = True
     return True
