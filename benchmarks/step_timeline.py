@@ -38,7 +38,10 @@ def timeline(events: list[dict], skip: int = 4) -> dict:
     ``first_layer_us`` and ``layer_us`` (median over the steps of the time to the first :data:`LAYER_MARKER` and of
     each layer's span), ``peer_copies`` (device-to-device copies between GPUs a step), ``kernels`` ({device:
     kernels a step}), ``busy_us`` (median time a step during which some kernel or copy runs on the device of the
-    markers) and ``top`` ({kernel name: median microseconds a step on that device}, the TOP longest). Steps are the
+    markers) and ``top`` ({kernel name: median microseconds a step that its kernels add to the busy time on that
+    device}, the TOP largest: each kernel is charged for the part of its span past every kernel that started before
+    it; with programmatic dependent launch a kernel's span includes its wait for the one before, so the spans
+    themselves overlap and would charge a kernel for its predecessor's time). Steps are the
     intervals between markers; the last marker (the call's end) closes none."""
     device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
                     key=lambda e: e["ts"])
@@ -54,10 +57,10 @@ def timeline(events: list[dict], skip: int = 4) -> dict:
         covered, reach = 0.0, begin
         for e in (e for e in inside if e["pid"] == home):  # sorted by start: the union of their intervals
             stop = min(e["ts"] + e["dur"], end)
-            covered += max(0.0, stop - max(e["ts"], reach))
+            added = max(0.0, stop - max(e["ts"], reach))
+            covered += added
             reach = max(reach, stop)
-            name = e["name"][:60]
-            names.setdefault(name, [0.0] * len(steps))[index] += e["dur"]
+            names.setdefault(e["name"][:60], [0.0] * len(steps))[index] += added
         busy.append(covered)
         marks = [e["ts"] for e in inside if e["name"].startswith(LAYER_MARKER)]
         if marks:

@@ -554,15 +554,16 @@ def test_step_timeline_reads_steps_layers_and_copies_from_the_kernels_timeline()
     for step in range(9):
         t = 1000.0 * step + (3.0 if step % 2 else 0.0)  # steps of 997 / 1003 us
         events += [kernel(STEP_MARKER, t), kernel(LAYER_MARKER, t + 60), kernel("gemm", t + 70),
-                   kernel("gemm", t + 70.5),  # overlaps the one before: counted once in the busy time
+                   kernel("norm", t + 70.5),  # launched early, overlapping the gemm: it adds 0.5 us
                    kernel(LAYER_MARKER, t + 320, pid=1), kernel("Memcpy PtoP (Device -> Device)", t + 310, 0,
                                                                 "gpu_memcpy"), kernel(LAYER_MARKER, t + 600, pid=1)]
     figures = timeline(events, skip=2)
     assert figures["step_us"] == 1000.0  # the median of 1003, 997, ... (the steps after the two skipped)
     assert figures["first_layer_us"] == 60.0 and figures["layer_us"] == [260.0, 280.0]
     assert figures["peer_copies"] == 1 and figures["kernels"] == {0: 4.0, 1: 2.0}
-    # on the markers' device: the marker, the first layer's kernel, the two gemms (1.5 us together) and the copy
-    assert figures["busy_us"] == 4.5 and figures["top"] == {"gemm": 2.0, STEP_MARKER: 1.0, LAYER_MARKER: 1.0,
-                                                           "Memcpy PtoP (Device -> Device)": 1.0}
+    # on the markers' device: the marker, the first layer's kernel, the gemm, the norm (0.5 us past the gemm's end)
+    # and the copy; each kernel charged for what it adds to the busy time, not for its whole span
+    assert figures["busy_us"] == 4.5 and figures["top"] == {"gemm": 1.0, STEP_MARKER: 1.0, LAYER_MARKER: 1.0,
+                                                           "norm": 0.5, "Memcpy PtoP (Device -> Device)": 1.0}
     with pytest.raises(ValueError, match="generate more tokens"):
         timeline(events[:12], skip=2)
