@@ -3,7 +3,7 @@
 # with every result under one folder (few files: a machine that sends results back may cap their number).
 #
 #   bash benchmarks/gpu_session.sh OUT_DIR COMMIT \
-#       [tests|quick|full-depth|moe-decode|moe-spec|fp8|tp|tp-tests|device-map|all]
+#       [tests|quick|full-depth|moe-decode|moe-spec|fp8|tp|tp-tests|device-map|timeline|all]
 #
 #   tests       pytest of the Triton kernels, CUDA graphs and the Gemma 4 / DFlash / Step 3.5 models on the GPU
 #   quick       python -m benchmarks.run_all --quick --skip soak (~7 min on an H100)
@@ -23,6 +23,8 @@
 #   device-map  (two GPUs) the device_map tests (every mode, guards, the once-per-forward moves), then the 31B shape
 #               at 12 layers split by a balanced device map against one GPU, batch 1 and 4, plain and MTP, and the
 #               step's device time from the kernels' timeline (benchmarks/step_timeline.py) (~7 min)
+#   timeline    one GPU: the step's kernel timeline of the E2B and E4B shapes at full depth, batch 1 (what each
+#               kernel adds to the step; benchmarks/step_timeline.py) (~3 min)
 #   all         tests, then quick (default)
 #
 # COMMIT tags the records (a copied checkout may carry a stale git HEAD). Records go to OUT_DIR/results/*.jsonl
@@ -151,6 +153,16 @@ run_device_map() {
   return $rc
 }
 
+run_timeline() {
+  local rc=0 shape
+  for shape in gemma4-e2b gemma4-e4b; do
+    timeout -k 10 120 python -m benchmarks.step_timeline --shape "$shape" --layers 0 --gpus 0 --new-tokens 40 \
+      >"$out/step_timeline_$shape.log" 2>&1 || rc=1
+    grep -A14 -E "^one GPU|Error" "$out/step_timeline_$shape.log"
+  done
+  return $rc
+}
+
 case "$what" in
   moe-decode) run_moe_decode || status=1 ;;
   moe-spec) run_moe_spec || status=1 ;;
@@ -161,6 +173,7 @@ case "$what" in
   tp) run_tp || status=1 ;;
   tp-tests) run_tp_tests || status=1 ;;
   device-map) run_device_map || status=1 ;;
+  timeline) run_timeline || status=1 ;;
   all) run_tests || status=1; run_quick || status=1 ;;
   *) echo "unknown part '$what': tests, quick, full-depth, moe-decode, moe-spec, fp8, tp, tp-tests, device-map or all" >&2
      exit 2 ;;
