@@ -472,7 +472,7 @@ def _peer_sum_state(device: torch.device, dtype: torch.dtype, numel: int, group)
     else None. Every rank asks (whatever its own setting): the ranks agree once per group whether peer_sum runs, and
     which sums take it depends only on what is summed, the same on every rank."""
     if (device.type == "cuda" and dtype in peer_sum_kernel.SUM_DTYPES
-            and numel * torch.empty((), dtype=dtype).element_size() <= PEER_SUM_SLOT_BYTES):
+            and numel * dtype.itemsize <= PEER_SUM_SLOT_BYTES):
         return _peer_state(group, device)
     return None
 
