@@ -23,8 +23,8 @@
 #   device-map  (two GPUs) the device_map tests (every mode, guards, the once-per-forward moves), then the 31B shape
 #               at 12 layers split by a balanced device map against one GPU, batch 1 and 4, plain and MTP, and the
 #               step's device time from the kernels' timeline (benchmarks/step_timeline.py) (~7 min)
-#   timeline    one GPU: the step's kernel timeline of the E2B and E4B shapes at full depth, batch 1 (what each
-#               kernel adds to the step; benchmarks/step_timeline.py) (~3 min)
+#   timeline    one GPU: the step's kernel timeline of the E2B, E4B and 26B-A4B shapes at full depth, batch 1 (what
+#               each kernel adds to the step, and layer 5's kernels one by one; benchmarks/step_timeline.py) (~5 min)
 #   all         tests, then quick (default)
 #
 # COMMIT tags the records (a copied checkout may carry a stale git HEAD). Records go to OUT_DIR/results/*.jsonl
@@ -155,10 +155,10 @@ run_device_map() {
 
 run_timeline() {
   local rc=0 shape
-  for shape in gemma4-e2b gemma4-e4b; do
-    timeout -k 10 120 python -m benchmarks.step_timeline --shape "$shape" --layers 0 --gpus 0 --new-tokens 40 \
-      >"$out/step_timeline_$shape.log" 2>&1 || rc=1
-    grep -A14 -E "^one GPU|Error" "$out/step_timeline_$shape.log"
+  for shape in gemma4-e2b gemma4-e4b gemma4-26b-a4b; do
+    timeout -k 10 150 python -m benchmarks.step_timeline --shape "$shape" --layers 0 --gpus 0 --new-tokens 40 \
+      --detail-layer 5 >"$out/step_timeline_$shape.log" 2>&1 || rc=1
+    grep -A60 -E "^one GPU|Error" "$out/step_timeline_$shape.log"
   done
   return $rc
 }

@@ -32,7 +32,7 @@ DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 TOP = 12  # kernels named in a step's breakdown
 
 
-def timeline(events: list[dict], skip: int = 4) -> dict:
+def timeline(events: list[dict], skip: int = 4, detail_layer: int | None = None) -> dict:
     """Per-step figures from Chrome-trace events (``ph`` "X", ``cat``, ``name``, ``ts``, ``dur``, ``pid`` (the
     device)): ``step_us`` (median distance between consecutive :data:`STEP_MARKER` starts, after ``skip`` steps),
     ``first_layer_us`` and ``layer_us`` (median over the steps of the time to the first :data:`LAYER_MARKER` and of
@@ -41,8 +41,11 @@ def timeline(events: list[dict], skip: int = 4) -> dict:
     markers) and ``top`` ({kernel name: median microseconds a step that its kernels add to the busy time on that
     device}, the TOP largest: each kernel is charged for the part of its span past every kernel that started before
     it; with programmatic dependent launch a kernel's span includes its wait for the one before, so the spans
-    themselves overlap and would charge a kernel for its predecessor's time). Steps are the
-    intervals between markers; the last marker (the call's end) closes none."""
+    themselves overlap and would charge a kernel for its predecessor's time). With ``detail_layer`` L, also
+    ``layer_kernels``: the kernels of layer L (from its :data:`LAYER_MARKER` to the next) on the markers' device in
+    the step whose span of that layer is the median, each as (name, start after the layer's start, duration, the
+    microseconds it adds to the busy time). Steps are the intervals between markers; the last marker (the call's
+    end) closes none."""
     device = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
                     key=lambda e: e["ts"])
     starts = [e["ts"] for e in device if e["name"].startswith(STEP_MARKER)]
@@ -51,27 +54,34 @@ def timeline(events: list[dict], skip: int = 4) -> dict:
                          "generate more tokens")
     steps = list(zip(starts[skip:-1], starts[skip + 1:]))
     home = next(e["pid"] for e in device if e["name"].startswith(STEP_MARKER))
-    firsts, layers, copies, kernels, busy, names = [], [], [], {}, [], {}
+    firsts, layers, copies, kernels, busy, names, details = [], [], [], {}, [], {}, []
     for index, (begin, end) in enumerate(steps):
         inside = [e for e in device if begin <= e["ts"] < end]
-        covered, reach = 0.0, begin
+        covered, reach, charged = 0.0, begin, []
         for e in (e for e in inside if e["pid"] == home):  # sorted by start: the union of their intervals
             stop = min(e["ts"] + e["dur"], end)
             added = max(0.0, stop - max(e["ts"], reach))
             covered += added
             reach = max(reach, stop)
             names.setdefault(e["name"][:60], [0.0] * len(steps))[index] += added
+            charged.append((e, added))
         busy.append(covered)
         marks = [e["ts"] for e in inside if e["name"].startswith(LAYER_MARKER)]
         if marks:
             firsts.append(marks[0] - begin)
             layers.append([b - a for a, b in zip(marks, marks[1:])])
+        if detail_layer is not None and detail_layer + 1 < len(marks):
+            lo, hi = marks[detail_layer], marks[detail_layer + 1]
+            details.append((hi - lo, [(e["name"][:60], e["ts"] - lo, e["dur"], added)
+                                      for e, added in charged if lo <= e["ts"] < hi]))
         copies.append(sum("PtoP" in e["name"] for e in inside))
         for e in inside:
             if e.get("cat") == "kernel":
                 kernels[e["pid"]] = kernels.get(e["pid"], 0) + 1
     width = min((len(spans) for spans in layers), default=0)
-    return dict(step_us=statistics.median(b - a for a, b in steps),
+    details.sort(key=lambda detail: detail[0])
+    return dict(layer_kernels=details[len(details) // 2][1] if details else [],
+                step_us=statistics.median(b - a for a, b in steps),
                 first_layer_us=statistics.median(firsts) if firsts else None,
                 layer_us=[statistics.median(spans[i] for spans in layers) for i in range(width)],
                 peer_copies=statistics.median(copies),
@@ -107,6 +117,10 @@ def _show(name: str, figures: dict, one: dict | None) -> None:
           f"{ {d: round(k, 1) for d, k in figures['kernels'].items()} }; busy {figures['busy_us']:.0f} us a step")
     for kernel, us in figures["top"].items():
         print(f"    {us:8.1f} us  {kernel}")
+    if figures["layer_kernels"]:
+        print("  one layer's kernels (start after the layer's start, duration, what each adds to the busy time):")
+    for kernel, start, duration, added in figures["layer_kernels"]:
+        print(f"    {start:7.1f} {duration:7.1f} {added:7.1f} us  {kernel}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placement", choices=("device_map", "tp"), default="device_map")
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--trace-dir", default=None, help="write each profile's Chrome trace here (gzip)")
+    parser.add_argument("--detail-layer", type=int, default=None,
+                        help="also list this layer's kernels (0-based) in one step, each with what it adds")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("step_timeline reads the GPUs' kernel timeline: it needs CUDA")
@@ -135,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return os.path.join(args.trace_dir, f"trace_{tag}.json") if args.trace_dir else None
 
     hf_specdec.enable(target)
-    one = timeline(_profile(target, ids, args.new_tokens, trace("one_gpu")))
+    one = timeline(_profile(target, ids, args.new_tokens, trace("one_gpu")), detail_layer=args.detail_layer)
     _show("one GPU", one, None)
     if args.gpus >= 2 and args.placement == "tp":
         hf_specdec.disable(target)

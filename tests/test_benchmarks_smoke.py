@@ -568,5 +568,9 @@ def test_step_timeline_reads_steps_layers_and_copies_from_the_kernels_timeline()
     # and the copy; each kernel charged for what it adds to the busy time, not for its whole span
     assert figures["busy_us"] == 4.5 and figures["top"] == {"gemm": 1.0, STEP_MARKER: 1.0, LAYER_MARKER: 1.0,
                                                            "norm": 0.5, "Memcpy PtoP (Device -> Device)": 1.0}
+    assert figures["layer_kernels"] == []
+    detail = timeline(events, skip=2, detail_layer=0)["layer_kernels"]  # the first layer's kernels on device 0
+    assert detail == [(LAYER_MARKER, 0.0, 1.0, 1.0), ("gemm", 10.0, 1.0, 1.0), ("norm", 10.5, 1.0, 0.5),
+                      ("Memcpy PtoP (Device -> Device)", 250.0, 1.0, 1.0)]
     with pytest.raises(ValueError, match="generate more tokens"):
         timeline(events[:12], skip=2)
