@@ -3,6 +3,7 @@ or tensor parallelism.
 
     PYTHONPATH=. python -m benchmarks.step_timeline [--shape gemma4-31b] [--layers 12] [--batch 1] [--gpus 2]
                                                    [--placement device_map|tp] [--new-tokens 33] [--trace-dir DIR]
+                                                   [--weights bf16|fp8|nf4|int4] [--detail-layer L]
 
 Tokens/s of a split model against one GPU moves with the host between processes (the one-GPU 31B/L12 row read
 255-289 tok/s over three calls of one commit); the kernels' own timeline does not. This builds a random-weight
@@ -25,6 +26,8 @@ import os
 import statistics
 
 import torch
+
+from benchmarks.shapes import WEIGHTS
 
 STEP_MARKER = "_forward_meta_kernel"  # the first kernel of every hf_specdec forward whose metadata the GPU builds
 LAYER_MARKER = "_qkv_norm_rope_kernel"  # once per Gemma 4 attention layer
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="gemma4-31b", help="a Gemma 4 shape of benchmarks/shapes.py")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--weights", choices=WEIGHTS, default="bf16", help="the target's weights (one GPU only)")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--gpus", type=int, default=2, help="GPUs of the split (0: one GPU only)")
     parser.add_argument("--placement", choices=("device_map", "tp"), default="device_map")
@@ -142,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.multi_gpu import _dispatch_balanced
     from benchmarks.shapes import random_prompt, target_for
 
-    target = target_for(args.shape, args.layers, "cuda:0", torch.bfloat16)
+    if args.weights != "bf16" and args.gpus >= 2:
+        raise SystemExit("--weights other than bf16 is read on one GPU only (--gpus 0)")
+    target = target_for(args.shape, args.layers, "cuda:0", torch.bfloat16, args.weights)
     target.generation_config.eos_token_id = None
     target.generation_config.pad_token_id = 0
     ids = random_prompt(args.batch, args.prompt, target.config.vocab_size, "cuda:0")
