@@ -24,12 +24,14 @@ import torch.nn.functional as F
 from hf_specdec.kernels.skinny_gemm import launch_plan, skinny_matmul, split_k_for
 
 # (N, K): the stacked q/k/v (sliding layer: 16 q heads + 8 k + 8 v heads of 256), o, the dense MLP's stacked
-# gate/up and its down, the router; E4B and E2B sliding-layer q/k/v and MLP shapes
+# gate/up and its down, the router; E4B and E2B sliding-layer q/k/v and MLP shapes, and their LM heads
 SHAPES = {
     "26b-qkv": (8192, 2816), "26b-o": (2816, 4096), "26b-gate-up": (4224, 2816), "26b-down": (2816, 2112),
     "26b-router": (128, 2816),
     "e4b-qkv": (3072, 2560), "e4b-o": (2560, 2048), "e4b-gate-up": (20480, 2560), "e4b-down": (2560, 10240),
     "e2b-qkv": (2560, 1536), "e2b-o": (1536, 2048), "e2b-gate-up": (12288, 1536), "e2b-down": (1536, 6144),
+    # Gemma 4's LM head (the tied embedding, 262,144 rows) at E2B's and E4B's hidden sizes
+    "e2b-lm-head": (262144, 1536), "e4b-lm-head": (262144, 2560),
     # the 31B's o and down, then one rank's shards of its sliding layers under tensor parallelism over 2 GPUs
     # (q/k/v and gate/up column-parallel, alone and stacked; o and down row-parallel)
     "31b-o": (5376, 8192), "31b-down": (5376, 21504),

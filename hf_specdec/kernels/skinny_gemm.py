@@ -103,6 +103,19 @@ def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return summed
 
 
+# Wide weights of a short K (E2B's and E4B's gate/up, K 1536 and 2560) stream 128-deep K tiles in programs small
+# enough that several stay resident on an SM: 32-column programs of 4 stages (4 an SM by shared memory) until the
+# 64-column ones of 3 stages fill two programs an SM (SHORT_K_WIDE_PROGRAMS), then those. The 256-deep 64-column
+# config left E2B's [12288, 1536] in 1.45 waves of one program an SM. H200, graph-timed, one row
+# (benchmarks/results/gemm_short_k_h200.log): [12288, 1536] 14.63 -> 11.41 us, [20480, 2560] 32.47 -> 27.96.
+# SHORT_K_TILES = False (read per call: release captured graphs first) keeps the general configs, e.g. to compare.
+SHORT_K_TILES = True
+SHORT_K = 2560
+SHORT_K_NARROW = (32, 128, 4, 4)
+SHORT_K_WIDE = (64, 128, 4, 3)
+SHORT_K_WIDE_PROGRAMS = 2 * 132
+
+
 def config_for(n: int, k: int, rows: int = 1, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a ``[n, k]`` weight, from the H100 sweeps of the perf log
     (graph-timed): up to 16 rows, ~1 program per 64 columns keeps 84+ programs streaming on narrow outputs, and LM
@@ -114,6 +127,9 @@ def config_for(n: int, k: int, rows: int = 1, element_size: int = 2) -> tuple[in
         block_n, block_k, warps, stages = SPLIT_CONFIG
     elif rows > MAX_ROWS:
         block_n, block_k, warps, stages = 32, 256, 4, 4
+    elif SHORT_K_TILES and k <= SHORT_K and 4096 <= n < 65536:
+        block_n, block_k, warps, stages = (SHORT_K_WIDE if _cdiv(n, SHORT_K_WIDE[0]) >= SHORT_K_WIDE_PROGRAMS
+                                           else SHORT_K_NARROW)
     elif n >= 65536 or n < 4096:
         block_n, block_k, warps, stages = 32, 512, 4, 4
     elif n >= 32768:  # e.g. a stacked gate/up: one more stage in flight
