@@ -103,15 +103,18 @@ def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return summed
 
 
-# Wide weights of a short K (E2B's and E4B's gate/up and LM heads, K 1536 and 2560) stream 128-deep K tiles in
-# programs small enough that several stay resident on an SM: 32-column programs of 4 stages (4 an SM by shared
-# memory) until the 64-column ones of 3 stages fill two programs an SM (SHORT_K_WIDE_PROGRAMS), then those. The
-# 256-deep 64-column config left E2B's [12288, 1536] in 1.45 waves of one program an SM. H200, graph-timed, one row
-# (benchmarks/results/gemm_short_k_h200.log): [12288, 1536] 14.63 -> 11.41 us, [20480, 2560] 32.47 -> 27.96, the
-# LM heads [262144, 1536] 221.2 -> 180.5 and [262144, 2560] 319.9 -> 294.5 (were 512-deep 32-column programs);
-# decode (ab_decode, in turn): E2B batch 1 1.036x, batch 8 1.021x; E4B 1.052x / 1.040x (the LM heads not yet).
-# SHORT_K_TILES = False (read per call: release captured graphs first) keeps the general configs, e.g. to compare.
+# Wide weights of a short K (E2B's and E4B's gate/up, K 1536 and 2560) stream 128-deep K tiles in programs small
+# enough that several stay resident on an SM: 32-column programs of 4 stages (4 an SM by shared memory) until the
+# 64-column ones of 3 stages fill two programs an SM (SHORT_K_WIDE_PROGRAMS), then those. The 256-deep 64-column
+# config left E2B's [12288, 1536] in 1.45 waves of one program an SM. H200, graph-timed, one row
+# (benchmarks/results/gemm_short_k_h200.log): [12288, 1536] 14.63 -> 11.41 us, [20480, 2560] 32.47 -> 27.96; decode
+# (ab_decode, in turn): E2B batch 1 1.036x, batch 8 1.021x; E4B 1.052x / 1.040x. LM heads (LM_HEAD_TILES) stream
+# 256-deep tiles instead of 512-deep: Gemma 4's [262144, K] at K = 1536 / 2560 / 2816 / 5376 221.2 -> 181.1,
+# 319.9 -> 295.5, 367.0 -> 332.4 and 629.7 -> 624.8 us (same log). Either switch False (read per call: release
+# captured graphs first) keeps the general configs, e.g. to compare.
 SHORT_K_TILES = True
+LM_HEAD_TILES = True
+LM_HEAD_CONFIG = (32, 256, 4, 4)
 SHORT_K = 2560
 SHORT_K_NARROW = (32, 128, 4, 4)
 SHORT_K_WIDE = (64, 128, 4, 3)
@@ -129,6 +132,8 @@ def config_for(n: int, k: int, rows: int = 1, element_size: int = 2) -> tuple[in
         block_n, block_k, warps, stages = SPLIT_CONFIG
     elif rows > MAX_ROWS:
         block_n, block_k, warps, stages = 32, 256, 4, 4
+    elif LM_HEAD_TILES and n >= 65536:
+        block_n, block_k, warps, stages = LM_HEAD_CONFIG
     elif SHORT_K_TILES and k <= SHORT_K and n >= 4096:
         block_n, block_k, warps, stages = (SHORT_K_WIDE if _cdiv(n, SHORT_K_WIDE[0]) >= SHORT_K_WIDE_PROGRAMS
                                            else SHORT_K_NARROW)

@@ -221,10 +221,11 @@ def test_triton_fp32_rows_matmul(triton_device, rows, n, k, config):
 
 
 def test_short_k_weights_take_128_deep_tiles_in_programs_that_stay_resident(monkeypatch):
-    """Wide weights of a short K (LM heads too) stream 128-deep tiles: 32-column programs until 64-column ones make
-    two an SM, the same config at every decode row count; longer K and narrow weights keep their configs; the
-    switch off gives the general config back."""
-    from hf_specdec.kernels.skinny_gemm import SHORT_K, SHORT_K_NARROW, SHORT_K_WIDE, SHORT_K_WIDE_PROGRAMS
+    """Wide weights of a short K stream 128-deep tiles: 32-column programs until 64-column ones make two an SM, the
+    same config at every decode row count; LM heads stream 256-deep tiles; longer K and narrow weights keep their
+    configs; the switches off give the general configs back."""
+    from hf_specdec.kernels.skinny_gemm import (LM_HEAD_CONFIG, SHORT_K, SHORT_K_NARROW, SHORT_K_WIDE,
+                                                SHORT_K_WIDE_PROGRAMS)
 
     assert {config_for(12288, 1536, rows) for rows in range(1, MAX_ROWS + 1)} == {SHORT_K_NARROW}  # E2B gate/up
     assert config_for(20480, 2560) == SHORT_K_WIDE  # E4B gate/up
@@ -232,8 +233,10 @@ def test_short_k_weights_take_128_deep_tiles_in_programs_that_stay_resident(monk
     assert config_for(SHORT_K_WIDE[0] * (SHORT_K_WIDE_PROGRAMS - 1), SHORT_K) == SHORT_K_NARROW
     general = config_for(8192, 2816)  # the 26B-A4B's q/k/v: K past SHORT_K
     assert general not in (SHORT_K_NARROW, SHORT_K_WIDE) and general[1] == 256
-    assert config_for(262144, 1536) == SHORT_K_WIDE  # E2B's LM head
-    assert config_for(262144, 5376)[1] == 512 and config_for(2560, 1536)[1] == 512  # the 31B's LM head, E2B's q/k/v
+    assert config_for(2560, 1536)[1] == 512  # E2B's q/k/v: narrow
+    assert {config_for(262144, k) for k in (1536, 2816, 5376)} == {LM_HEAD_CONFIG}  # LM heads, whatever their K
     assert config_for(12288, 1536, MAX_ROWS + 1) == (32, 256, 4, 4)  # verify rows past 16 keep theirs
     monkeypatch.setattr(skinny_gemm, "SHORT_K_TILES", False)
+    monkeypatch.setattr(skinny_gemm, "LM_HEAD_TILES", False)
     assert config_for(12288, 1536) == config_for(8192, 2816) == general
+    assert config_for(262144, 1536) == (32, 512, 4, 4)
