@@ -117,3 +117,76 @@ def test_triton_head_gate_mul(triton_device, dtype):
     torch.testing.assert_close(got.float().cpu(), expected.float(), **tol)
     with pytest.raises(ValueError, match="gate must be x's shape"):
         head_gate_mul(x, gate[..., :5])
+
+
+def _split_gate(device):
+    """fp16 rows, a bias-free [64, 1024] gate projection whose product splits K (2 column blocks of 8 K tiles: 2
+    parts), and the per-layer input it multiplies."""
+    from hf_specdec.kernels.skinny_gemm import split_k_for
+
+    gen = torch.Generator().manual_seed(5)
+    gate = torch.nn.Linear(1024, 64, bias=False).half().requires_grad_(False)  # as in generate: nothing to track
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(64, 1024, generator=gen) * 0.05)
+    assert split_k_for(64, 1024) == 2
+    x = torch.randn(3, 1, 1024, generator=gen).half()
+    up = torch.randn(3, 1, 64, generator=gen).half()
+    return gate.to(device), x.to(device), up.to(device)
+
+
+def test_triton_gelu_tanh_mul_parts_gives_the_bits_of_the_gemms_sum_launch(triton_device):
+    """The activation that sums a split GEMM's partials as it reads them gives the bits of the GEMM's own sum
+    launch followed by the activation; a weight that does not split K has no partials."""
+    from hf_specdec.kernels.gelu_mul import gelu_tanh_mul_parts
+    from hf_specdec.kernels.skinny_gemm import skinny_linear, skinny_linear_parts
+
+    gate, x, up = _split_gate(triton_device)
+    parts = skinny_linear_parts(x, gate.weight)
+    assert parts.shape == (2, 3, 1, 64) and parts.dtype == torch.float32
+    summed = skinny_linear(x, gate.weight)
+    assert torch.equal((parts[0] + parts[1]).half(), summed)
+    assert torch.equal(gelu_tanh_mul_parts(parts, up), gelu_tanh_mul(summed, up))
+    assert skinny_linear_parts(x[..., :256], gate.weight[:, :256].contiguous()) is None  # 2 K tiles: no split
+
+
+def test_triton_per_layer_gate_hands_its_partials_to_the_activation(triton_device, monkeypatch):
+    """Gemma 4's per-layer-input gate (E2B, E4B) runs its split GEMM without the sum launch, its activation summing
+    the parts, with the bits of the two launches; PARTS_INTO_ACTIVATION = False keeps the sum launch, and a hooked
+    projection runs its own forward."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from hf_specdec.kernels import skinny_gemm
+    from hf_specdec.models.gemma4 import fusion
+
+    gate, x, up = _split_gate(triton_device)
+    gate.forward = partial(skinny_gemm.linear_forward, gate)  # as enable swaps it in
+    layer = SimpleNamespace(per_layer_input_gate=gate)
+    sums = []
+    monkeypatch.setattr(skinny_gemm, "sum_splits", lambda parts, dtype: sums.append(1) or parts.sum(0).to(dtype))
+    got = fusion._per_layer_gate(layer, x, up)
+    assert sums == []
+    monkeypatch.setattr(fusion, "PARTS_INTO_ACTIVATION", False)
+    expected = fusion._per_layer_gate(layer, x, up)
+    assert sums == [1] and torch.equal(got, expected)
+    monkeypatch.setattr(fusion, "PARTS_INTO_ACTIVATION", True)
+    calls = []
+    handle = gate.register_forward_hook(lambda *args: calls.append(1))
+    assert torch.equal(fusion._per_layer_gate(layer, x, up), expected) and calls == [1] and sums == [1, 1]
+    handle.remove()
+
+
+def test_gelu_tanh_mul_parts_reference_and_bad_parts():
+    """Off the kernels the parts are summed in order by torch; parts of another shape or dtype name the fix."""
+    from hf_specdec.kernels.gelu_mul import gelu_tanh_mul_parts
+
+    gen = torch.Generator().manual_seed(7)
+    parts, up = torch.randn(3, 2, 40, generator=gen), torch.randn(2, 40, generator=gen).bfloat16()
+    total = parts[0].clone()
+    total += parts[1]
+    total += parts[2]
+    assert torch.equal(gelu_tanh_mul_parts(parts, up), gelu_tanh_mul_reference(total.bfloat16(), up))
+    with pytest.raises(ValueError, match=r"gate_parts must be \[parts, \*up.shape\] fp32"):
+        gelu_tanh_mul_parts(parts.half(), up)
+    with pytest.raises(ValueError, match="gate_parts must be"):
+        gelu_tanh_mul_parts(parts[:, :1], up)
