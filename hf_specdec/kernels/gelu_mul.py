@@ -20,13 +20,11 @@ _BLOCK = 1024
 
 @triton.jit
 def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, limit, q_ptr, qs_ptr, groups,
-                      parts, stride_part,
                       BLOCK: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, K_BETA: tl.constexpr,
                       K_KAPPA: tl.constexpr, GROUP: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr,
-                      PARTS: tl.constexpr, PDL: tl.constexpr):
+                      PDL: tl.constexpr):
     # program (row, c): values c * BLOCK ... of the row (CODES: as a [BLOCK // GROUP, GROUP] tile, with their e4m3
-    # codes and scales per group, for the W8A8 product that reads them). PARTS: the gate is ``parts`` fp32 split-K
-    # partials, stride_part apart, summed in order and rounded to the output dtype as the GEMM's sum launch would
+    # codes and scales per group, for the W8A8 product that reads them)
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     if CODES:
@@ -37,10 +35,6 @@ def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, 
     mask = cols < width
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    if PARTS:
-        for p in range(1, parts):
-            x += tl.load(gate_ptr + p * stride_part + row * stride_gate + cols, mask=mask, other=0.0)
-        x = x.to(dtype).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     y = gated_activation(x, up, limit, dtype, ACTIVATION, CLAMP, False, K_BETA, K_KAPPA).to(dtype)
     tl.store(out_ptr + row * width + cols, y, mask=mask)
@@ -56,36 +50,6 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, quantize_group: int | No
     (``fp8_w8a8.attach_row_codes``; the torch path attaches none)."""
     check_quantize_group(quantize_group, _BLOCK)
     return _gated_mul(gate, up, silu=False, limit=None, quantize_group=quantize_group)
-
-
-def gelu_tanh_mul_parts(gate_parts: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh_mul(gate, up)`` where ``gate`` comes as the split-K partials of its GEMM
-    (:func:`~hf_specdec.kernels.skinny_gemm.skinny_linear_parts`: [parts, *up.shape] fp32): the kernel sums them in
-    order and rounds the sum to up's dtype, as the GEMM's own sum launch would, so the output has the bits of
-    ``gelu_tanh_mul(sum_of_parts.to(up.dtype), up)`` with one launch fewer."""
-    check(gate_parts.dim() == up.dim() + 1 and gate_parts.shape[1:] == up.shape and gate_parts.dtype == torch.float32
-          and gate_parts.shape[0] >= 1, f"gate_parts must be [parts, *up.shape] fp32 for up {tuple(up.shape)}, got "
-          f"{tuple(gate_parts.shape)} {gate_parts.dtype}")
-    if not use_triton(up) or up.numel() == 0:
-        return gelu_tanh_mul_reference(_sum_parts(gate_parts, up.dtype), up)
-    width = up.shape[-1]
-    parts = gate_parts.reshape(gate_parts.shape[0], -1, width)
-    up2 = _rows(up, width)
-    out = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    codes = row_code_args(out.view(-1, width), None)
-    _gated_mul_kernel[(up2.shape[0], triton.cdiv(width, _BLOCK))](
-        parts, up2, out, width, parts.stride(1), up2.stride(0), 0.0, *codes, parts.shape[0], parts.stride(0),
-        BLOCK=_BLOCK, ACTIVATION="gelu_tanh", CLAMP=False, **GELU_TANH_CONSTANTS, GROUP=_BLOCK, CODES=False,
-        EMULATE=codes_emulated(up.device), PARTS=True, num_warps=4, **pdl_args(out))
-    return out
-
-
-def _sum_parts(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Split-K partials summed in order in fp32, rounded to ``dtype`` (the GEMM's sum launch, in torch)."""
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return total.to(dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
@@ -106,10 +70,10 @@ def _gated_mul(gate: torch.Tensor, up: torch.Tensor, silu: bool, limit: float | 
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     codes = row_code_args(out.view(-1, width), quantize_group)
     _gated_mul_kernel[(gate2.shape[0], triton.cdiv(width, _BLOCK))](
-        gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), *codes, 1, 0, BLOCK=_BLOCK,
+        gate2, up2, out, width, gate2.stride(0), up2.stride(0), float(limit or 0.0), *codes, BLOCK=_BLOCK,
         ACTIVATION="silu" if silu else "gelu_tanh", CLAMP=limit is not None, **GELU_TANH_CONSTANTS,
         GROUP=quantize_group or _BLOCK, CODES=quantize_group is not None, EMULATE=codes_emulated(gate.device),
-        PARTS=False, num_warps=4, **pdl_args(out))
+        num_warps=4, **pdl_args(out))
     return attach_row_codes(out, quantize_group, *codes[:2])
 
 

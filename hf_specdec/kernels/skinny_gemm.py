@@ -298,38 +298,15 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
                          f"rows, got {tuple(x.shape)} and {tuple(weight.shape)} (strides {weight.stride()})")
     if x.stride(-1) != 1:
         x = x.contiguous()
+    (block_n, block_k, warps, stages), split, k_per_split = launch_plan(n, k, rows, x.element_size(), config, split_k)
     out_dtype = out_dtype or x.dtype
-    out = _launch(x, weight, launch_plan(n, k, rows, x.element_size(), config, split_k), out_dtype)
-    return out[0] if out.shape[0] == 1 else sum_splits(out, out_dtype)
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, plan, out_dtype: torch.dtype) -> torch.Tensor:
-    """The GEMM's launch for checked [rows, K] ``x`` by ``plan`` (:func:`launch_plan`): [parts, rows, N], the one
-    part in ``out_dtype``, several as fp32 partials (to be summed in order)."""
-    (block_n, block_k, warps, stages), split, k_per_split = plan
-    rows, k = x.shape
-    n = weight.shape[0]
     out = torch.empty(split, rows, n, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(1), k_per_split, out.stride(0),
         BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: no tf32 rounding
         **pdl_args(x))
-    return out
-
-
-def skinny_linear_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """The unsummed split-K partials of ``skinny_linear(x, weight)``: [parts, *x.shape[:-1], N] fp32, which summed
-    in order and rounded to x's dtype give its bits, for a consumer kernel that sums them as it reads them (one
-    launch fewer than the sum's); None where the kernel would not split K for this weight (or not run)."""
-    if not skinny_eligible(x, weight):
-        return None
-    rows = x.reshape(-1, x.shape[-1])
-    plan = launch_plan(weight.shape[0], weight.shape[1], rows.shape[0], rows.element_size())
-    if plan[1] == 1:
-        return None
-    return _launch(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, plan, torch.float32).view(
-        plan[1], *x.shape[:-1], weight.shape[0])
+    return out[0] if split == 1 else sum_splits(out, out_dtype)
 
 
 def launch_plan(n: int, k: int, rows: int, element_size: int = 2, config: tuple[int, int, int, int] | None = None,

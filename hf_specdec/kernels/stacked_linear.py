@@ -26,7 +26,7 @@ import torch.nn as nn
 from ._dispatch import runs_own_forward
 from .fp8_gemm import FP8_DTYPE
 from .fp8_w8a8 import fine_grained_fp8_linear
-from .skinny_gemm import skinny_linear, skinny_linear_parts
+from .skinny_gemm import skinny_linear
 
 
 # A projection whose ``weight`` is a DTensor and whose output is ``x @ W.T`` for W its local shard (a column-parallel
@@ -143,16 +143,6 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Ten
     if fp8 is not None and fp8[0].device == x.device:  # the layers' own product (dynamic activations: stacked_fp8)
         return fine_grained_fp8_linear(x, *fp8).split([linear.weight.shape[0] for linear in linears], dim=-1)
     return tuple(linear(x) for linear in linears)
-
-
-def linear_parts(x: torch.Tensor, linear: nn.Module) -> torch.Tensor | None:
-    """``linear(x)`` as its GEMM's unsummed split-K partials (:func:`skinny_linear_parts`, for a kernel that sums
-    them as it reads them) where ``linear`` is a plain bias-free projection (or names its :data:`LOCAL_WEIGHT`) on
-    x's device whose product splits K; otherwise None (call ``linear(x)``)."""
-    weights = _operands((linear,))
-    if weights is None or weights[0].device != x.device:
-        return None
-    return skinny_linear_parts(x, weights[0])
 
 
 def _stackable_fp8(module, first) -> bool:

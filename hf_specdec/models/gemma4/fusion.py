@@ -32,10 +32,10 @@ from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad, other_hooks, runs_own_forward, write_count
 from hf_specdec.kernels.fp8_w8a8 import reshape_with_codes
 from hf_specdec.kernels.fused_moe import softmax_topk_route
-from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, gelu_tanh_mul_parts, is_gelu_tanh
+from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, is_gelu_tanh
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
 from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add, rms_norm
-from hf_specdec.kernels.stacked_linear import linear_parts, stacked_projections
+from hf_specdec.kernels.stacked_linear import stacked_projections
 
 
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -144,24 +144,13 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
         hidden_states, normed = norm_add(self.mlp(mlp_in), hidden_states, post.weight, post.eps, scale=scale,
                                          **({} if per_layer else dict(last, next_quantize_group=group)))
     if per_layer:
-        gated = _per_layer_gate(self, hidden_states, per_layer_input)
+        gated = gelu_tanh_mul(self.per_layer_input_gate(hidden_states), per_layer_input)
         post = self.post_per_layer_input_norm
         hidden_states, normed = norm_add(self.per_layer_projection(gated), hidden_states, post.weight, post.eps,
                                          scale=self.layer_scalar, **dict(last, next_quantize_group=group))
     if normed is not None:
         setattr(hidden_states, _NORMED, (following, write_count(hidden_states), normed))
     return hidden_states
-
-
-def _per_layer_gate(self, hidden_states, per_layer_input):
-    """gelu(per_layer_input_gate(h)) * per_layer_input. The gate's GEMM splits K (its 256 outputs are few column
-    blocks): where it is a plain projection, the activation's launch sums its partials as it reads them
-    (:func:`gelu_tanh_mul_parts`, the bits of the GEMM's own sum launch) and that launch is gone
-    (PARTS_INTO_ACTIVATION)."""
-    parts = linear_parts(hidden_states, self.per_layer_input_gate) if PARTS_INTO_ACTIVATION else None
-    if parts is None:
-        return gelu_tanh_mul(self.per_layer_input_gate(hidden_states), per_layer_input)
-    return gelu_tanh_mul_parts(parts, per_layer_input)
 
 
 def _input_norm(self, hidden_states):
@@ -194,9 +183,6 @@ def _input_group(self, hidden_states):
 # norm's weight on the output's device. CROSS_LAYER_SEAMS = False (set at run time, with the graphs captured before
 # released) keeps the norms' own launches, e.g. to compare the two.
 CROSS_LAYER_SEAMS = True
-# The per-layer input's gate (E2B, E4B) hands its GEMM's split-K partials to the activation's launch, which sums them
-# (_per_layer_gate); False (set at run time, with the graphs captured before released) keeps the sum's own launch.
-PARTS_INTO_ACTIVATION = True
 _FOLLOWING: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _NORMED = "_hf_specdec_normed"  # on a layer's output: (the norm, the output's version, that norm's output)
 
