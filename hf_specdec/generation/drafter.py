@@ -64,6 +64,9 @@ class Drafter:
     # :meth:`propose_ahead` are queued ahead: a None from it (or a round without drafts) makes the loop wait for the
     # round in flight and commit it before the next one
     runs_ahead: bool = False
+    # whether greedy rounds of eager forwards on the CPU (where nothing overlaps the host) may draft after the round's
+    # commit, by :meth:`propose` at the next step, instead of by :meth:`propose_ahead` before the round is read back
+    drafts_after_commit: bool = True
 
     def draft_cost(self, k: int) -> float:
         """The cost of drafting k tokens, in target decode steps (for choosing k per round). Default: k draft

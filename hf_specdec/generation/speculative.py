@@ -53,6 +53,14 @@ RUN_AHEAD_DEVICES = ("cuda",) if os.environ.get("HF_SPECDEC_RUN_AHEAD", "1") != 
 # running ahead, the next round's drafts inside the verify forward where the drafter offers it
 # (``Drafter.drafts_in_verify``); HF_SPECDEC_DRAFTS_IN_VERIFY=0 (read at import) keeps them a call of their own
 DRAFTS_IN_VERIFY = os.environ.get("HF_SPECDEC_DRAFTS_IN_VERIFY", "1") != "0"
+# Greedy rounds of eager forwards on the CPU draft after the round's commit, not before its read-back: nothing runs
+# beside the host there, and the rows that stopped are gone by then (their drafts are not made). False drafts
+# before the read-back as on a GPU (set at run time; the tests of drafting ahead run it on the CPU so).
+CPU_DRAFTS_AFTER_COMMIT = True
+# Greedy rounds of eager forwards (a drafter whose k may change between rounds) draft no more than the running rows can
+# still take before their max length: a round emits at most k + 1 tokens a row. False drafts k every round (set at run
+# time; tests that compare such rounds with rounds run ahead, which keep k, turn it off).
+CAPS_K = True
 
 
 @dataclass
@@ -188,8 +196,15 @@ class SpeculativeLoop:
         # graphs a stopped row stays (its drafts and verify slots are padding of the bucket). So do the rows of a
         # call that draws random numbers: a draw over fewer rows takes other numbers, and a seed gives the same
         # tokens with and without graphs
-        self.drops_rows = (self.drafter.drops_rows and self.runner.graphs is None and not self.config.do_sample
-                           and not self.acceptance.draws_random and not queues)
+        eager_greedy = (self.runner.graphs is None and not self.config.do_sample and not self.acceptance.draws_random
+                        and not queues)
+        self.drops_rows = self.drafter.drops_rows and eager_greedy
+        # greedy rounds of eager forwards also draft no more than the rows can still take (a round emits at most k + 1
+        # tokens a row: a longer block is drafted and verified for nothing), and on the CPU, where nothing overlaps
+        # the host, draft after the round's commit (rows that stopped are gone by then) instead of before it
+        self.caps_k = eager_greedy and self.drafter.adaptive_k and CAPS_K
+        self.drafts_after_commit = (eager_greedy and input_ids.device.type == "cpu" and CPU_DRAFTS_AFTER_COMMIT
+                                    and self.drafter.drafts_after_commit)
         try:
             with self.drafter.capture(self.model) as self.captured:
                 # graphs captured while other hooks recorded into another kind of holder are not replayed here
@@ -251,6 +266,8 @@ class SpeculativeLoop:
                                  LazyPrefixes(self.row_ids, self.rows), ranks=self.ranks)
         # 1. draft (unless the previous step queued this round's drafts before its host sync); under tensor
         #    parallelism every rank verifies rank 0's drafts (in place: a drafter that keeps them sees the same)
+        if self.caps_k and self.ahead is None:
+            self.drafter.num_speculative_tokens = self._capped_k()
         if self.ahead is not None:
             proposal = self.ahead
         elif self.drafter.num_speculative_tokens == 0:  # "auto" chose a round without drafts
@@ -316,7 +333,7 @@ class SpeculativeLoop:
         if self.adaptive_k is not None:
             self.drafter.num_speculative_tokens = self.adaptive_k.k
         more = not all(len(row) + 1 >= self.stopper.max_length for row, run in zip(self.rows, self.running) if run)
-        if self.drafter.num_speculative_tokens and more:
+        if self.drafter.num_speculative_tokens and more and not self.drafts_after_commit:
             if in_verify is not None:  # drafted with the verify (at the k of when it was queued)
                 self.ahead = DraftProposal(drafted_ahead, None)
             else:
@@ -399,6 +416,12 @@ class SpeculativeLoop:
         if self.adaptive_k is not None:
             self.adaptive_k.shrink(len(keep))
         return take_rows(next_token, keep)
+
+    def _capped_k(self) -> int:
+        """The drafter's k for this round, at most one less than the most tokens a running row can still take
+        before its max length (0: the round verifies its last token alone)."""
+        room = max(self.stopper.max_length - len(row) for row, run in zip(self.rows, self.running) if run)
+        return max(0, min(self.drafter.num_speculative_tokens, room - 1))
 
     def _no_drafts(self, last_tokens: torch.Tensor) -> DraftProposal:
         """A round with no drafts: the verify is a plain decoding step (sampled: its draw from the target's
