@@ -186,16 +186,19 @@ class DFlashDraftRunner(Drafter):
         with self.cache.forward_with(block_meta):
             return self._greedy_block(last_tokens, block_meta)
 
-    def _block_logits(self, last_tokens, meta) -> torch.Tensor:
-        """The drafts' logits [batch, k, vocab] of one block forward (its K/V stored in the block's slots)."""
+    def _block_logits(self, last_tokens, meta, greedy: bool = False) -> torch.Tensor:
+        """The drafts' logits [batch, k, vocab] of one block forward (its K/V stored in the block's slots); with
+        ``greedy``, logits of the same argmax (:meth:`DFlashDrafter.greedy_logits`)."""
         ids = self.drafter.block_input_ids(last_tokens, self.num_speculative_tokens)
         with loaded_weights(self.target.get_input_embeddings()):  # an offloaded table is read directly
             embeds = self.drafter.embed_block(self.target, ids).to(meta.position_ids.device)
         hidden = self.drafter(embeds, meta.position_ids, PagedDFlashContext(self.cache, meta))
+        if greedy:
+            return self.drafter.greedy_logits(self.target, hidden)
         return self.drafter.draft_logits(self.target, hidden)
 
     def _greedy_block(self, last_tokens, meta) -> torch.Tensor:
-        return argmax(self._block_logits(last_tokens, meta))  # [batch, k]
+        return argmax(self._block_logits(last_tokens, meta, greedy=True))  # [batch, k]
 
     def commit(self, context, captured, num_accepted, kept):
         if self._ahead:  # propose_ahead stored every verified position: keep the target's committed tokens

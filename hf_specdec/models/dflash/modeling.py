@@ -291,6 +291,14 @@ class DFlashDrafter(PreTrainedModel):
         softcap = self.settings.final_logit_softcapping or target_final_softcap(target)
         return head_logits(target, hidden[:, 1:], multiplier=self.settings.output_multiplier, softcap=softcap)
 
+    def greedy_logits(self, target: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits whose argmax is :meth:`draft_logits`'s, for greedy drafts: the LM head's alone where the multiplier
+        is positive (it and the soft-cap keep the order; they only cost a pass over [batch, block_len - 1, vocab],
+        and their rounding could only tie two logits the raw ones rank), else :meth:`draft_logits`."""
+        if self.settings.output_multiplier > 0:
+            return head_logits(target, hidden[:, 1:])
+        return self.draft_logits(target, hidden)
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         kwargs["key_mapping"] = {**CHECKPOINT_KEY_MAPPING, **(kwargs.get("key_mapping") or {})}

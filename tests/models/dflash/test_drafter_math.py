@@ -143,3 +143,18 @@ def test_draft_logits_use_the_drafter_head_settings_else_the_targets_softcap(tar
     torch.testing.assert_close(plain.draft_logits(target, hidden), 30 * torch.tanh(lm / 30))  # Gemma 4's cap
     tuned = random_drafter(target, output_multiplier=0.5, final_logit_softcapping=20.0)
     torch.testing.assert_close(tuned.draft_logits(target, hidden), 20 * torch.tanh(0.5 * lm / 20))
+
+
+@torch.no_grad()
+def test_greedy_drafts_take_the_raw_head_whose_argmax_is_the_capped_logits(target):
+    """Greedy drafts skip the multiplier and the soft-cap where they keep the order (a positive multiplier): the
+    argmax of the raw head is the capped logits'; a negative multiplier reverses the order and keeps them."""
+    hidden = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(3))
+    lm = target.get_output_embeddings()(hidden[:, 1:])
+    tuned = random_drafter(target, output_multiplier=0.5, final_logit_softcapping=20.0)
+    for drafter in (random_drafter(target), tuned):
+        greedy = drafter.greedy_logits(target, hidden)
+        assert torch.equal(greedy, lm)
+        assert torch.equal(greedy.argmax(-1), drafter.draft_logits(target, hidden).argmax(-1))
+    flipped = random_drafter(target, output_multiplier=-1.0)
+    assert torch.equal(flipped.greedy_logits(target, hidden), flipped.draft_logits(target, hidden))
