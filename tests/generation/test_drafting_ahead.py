@@ -8,7 +8,7 @@ import torch
 
 import hf_specdec
 from hf_specdec.assets import held_out_snippets
-from hf_specdec.generation import acceptance, speculative
+from hf_specdec.generation import acceptance
 from hf_specdec.generation.speculative import SpeculativeLoop
 from hf_specdec.models.dflash import DFlashDraftRunner
 from hf_specdec.models.gemma4 import Gemma4MTPDraftRunner
@@ -17,14 +17,8 @@ from tests import bundled
 
 RUNNERS = {"gemma_mtp": Gemma4MTPDraftRunner, "gemma_dflash": DFlashDraftRunner, "step_mtp": Step3p5MTPDraftRunner}
 
-
-@pytest.fixture(autouse=True)
-def drafts_ahead_on_the_cpu(monkeypatch):
-    """These compare rounds drafted ahead (before the read-back) with rounds drafted after the commit, round by round:
-    on the CPU the loop drafts after the commit, and caps k near the rows' max length where it does not run ahead, by
-    default; here the CPU drafts ahead as a GPU does, every round at the call's k."""
-    monkeypatch.setattr(speculative, "CPU_DRAFTS_AFTER_COMMIT", False)
-    monkeypatch.setattr(speculative, "CAPS_K", False)
+# rounds drafted ahead are compared with rounds drafted after the commit, round by round
+pytestmark = pytest.mark.usefixtures("cpu_drafts_ahead")
 
 
 def _batch():

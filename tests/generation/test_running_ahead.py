@@ -17,14 +17,8 @@ from tests.generation.test_streaming_and_stopping import Recorder, stop_strings_
 
 NEW_TOKENS = 40
 
-
-@pytest.fixture(autouse=True)
-def drafts_ahead_on_the_cpu(monkeypatch):
-    """These compare rounds drafted ahead (before the read-back) with rounds drafted after the commit, round by round:
-    on the CPU the loop drafts after the commit, and caps k near the rows' max length where it does not run ahead, by
-    default; here the CPU drafts ahead as a GPU does, every round at the call's k."""
-    monkeypatch.setattr(speculative, "CPU_DRAFTS_AFTER_COMMIT", False)
-    monkeypatch.setattr(speculative, "CAPS_K", False)
+# rounds drafted ahead are compared with rounds drafted after the commit, round by round
+pytestmark = pytest.mark.usefixtures("cpu_drafts_ahead")
 
 
 @pytest.fixture
