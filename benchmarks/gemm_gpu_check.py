@@ -39,7 +39,7 @@ SHAPES = {
     "31b-tp2-gate": (10752, 5376), "31b-tp2-gate-up": (21504, 5376), "31b-tp2-down": (5376, 10752),
 }
 CONFIGS = [(16, 256, 2, 4), (16, 512, 4, 4), (32, 128, 4, 4), (32, 128, 4, 6), (32, 256, 4, 4), (32, 512, 4, 4),
-           (32, 512, 8, 3), (64, 128, 4, 4), (64, 256, 4, 4), (64, 256, 8, 4)]
+           (32, 512, 8, 3), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 4, 4), (64, 256, 8, 4)]
 REPLAYS = 50
 COPY_BYTES = 256 << 20
 
@@ -72,7 +72,7 @@ def main() -> int:
     parser.add_argument("--split", nargs="+", type=int, default=None,
                         help="K parts to run every config at (default: the launcher's choice per config)")
     parser.add_argument("--configs", nargs="+", default=None, metavar="N,K,WARPS,STAGES",
-                        help="tile configs to run (default: a list of 10)")
+                        help="tile configs to run (default: a list of 11)")
     parser.add_argument("--replays", type=int, default=REPLAYS)
     parser.add_argument("--copy-mb", type=int, default=COPY_BYTES >> 20,
                         help="MB of weight copies per case (past the L2 cache)")

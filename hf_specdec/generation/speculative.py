@@ -57,9 +57,10 @@ DRAFTS_IN_VERIFY = os.environ.get("HF_SPECDEC_DRAFTS_IN_VERIFY", "1") != "0"
 # beside the host there, and the rows that stopped are gone by then (their drafts are not made). False drafts
 # before the read-back as on a GPU (set at run time; the tests of drafting ahead run it on the CPU so).
 CPU_DRAFTS_AFTER_COMMIT = True
-# Greedy rounds of eager forwards (a drafter whose k may change between rounds) draft no more than the running rows can
-# still take before their max length: a round emits at most k + 1 tokens a row. False drafts k every round (set at run
-# time; tests that compare such rounds with rounds run ahead, which keep k, turn it off).
+# Greedy rounds of eager forwards drafted after the commit of the round before (a drafter whose k may change between
+# rounds) draft no more than the running rows can still take before their max length: a round emits at most k + 1
+# tokens a row. False drafts k every round (set at run time; tests that compare such rounds with rounds run ahead,
+# which keep k, turn it off).
 CAPS_K = True
 
 
@@ -199,10 +200,12 @@ class SpeculativeLoop:
         eager_greedy = (self.runner.graphs is None and not self.config.do_sample and not self.acceptance.draws_random
                         and not queues)
         self.drops_rows = self.drafter.drops_rows and eager_greedy
-        # greedy rounds of eager forwards also draft no more than the rows can still take (a round emits at most k + 1
-        # tokens a row: a longer block is drafted and verified for nothing), and on the CPU, where nothing overlaps
-        # the host, draft after the round's commit (rows that stopped are gone by then) instead of before it
-        self.caps_k = eager_greedy and self.drafter.adaptive_k and CAPS_K
+        # greedy rounds of eager forwards drafted after the commit also draft no more than the rows can still take (a
+        # round emits at most k + 1 tokens a row: a longer block is drafted and verified for nothing; not where "auto"
+        # k would raise it again for a drafter whose k may not rise within a call), and on the CPU, where nothing
+        # overlaps the host, rounds are drafted after the commit (rows that stopped are gone by then), not before it
+        self.caps_k = (eager_greedy and self.drafter.adaptive_k and CAPS_K
+                       and (self.drafter.k_grows or self.adaptive_k is None))
         self.drafts_after_commit = (eager_greedy and input_ids.device.type == "cpu" and CPU_DRAFTS_AFTER_COMMIT
                                     and self.drafter.drafts_after_commit)
         try:
@@ -328,7 +331,8 @@ class SpeculativeLoop:
         if self.pending is not None:  # running ahead: the round before this one, while the device runs this one
             self._finish(self.pending, in_flight=verified)
         # 5. the next round's drafts, queued before the host waits (they depend on device tensors only), unless
-        #    every running row is about to reach its max length (a row that stops now wastes its drafts)
+        #    every running row is about to reach its max length (a row that stops now wastes its drafts) or the
+        #    rounds are drafted after the commit (the CPU: the next step drafts them)
         self.ahead = None
         if self.adaptive_k is not None:
             self.drafter.num_speculative_tokens = self.adaptive_k.k

@@ -123,8 +123,9 @@ SHORT_K_WIDE_PROGRAMS = 2 * 132
 
 def config_for(n: int, k: int, rows: int = 1, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a ``[n, k]`` weight, from the H100 sweeps of the perf log
-    (graph-timed): up to 16 rows, ~1 program per 64 columns keeps 84+ programs streaming on narrow outputs, and LM
-    heads and narrow outputs (< 4096 columns) stream longer K tiles in 32-column programs; 17-32 rows stream
+    (graph-timed): up to 16 rows, ~1 program per 64 columns keeps 84+ programs streaming on narrow outputs, and
+    narrow outputs (< 4096 columns) stream 512-deep K tiles in 32-column programs; LM heads (:data:`LM_HEAD_CONFIG`)
+    and wide weights of a short K (:data:`SHORT_K`) take the H200 sweeps' configs (above); 17-32 rows stream
     256-deep K tiles in 32-column programs (within 1-3% of cuBLAS on the E4B shapes, session 11). A weight that
     splits K (:func:`split_k_for`) takes :data:`SPLIT_CONFIG` at every row count, so that a row's parts and tiles
     never depend on the batch. Stages are capped so that tiles of ``element_size`` bytes fit in shared memory."""

@@ -58,3 +58,18 @@ def test_cpu_rounds_draft_after_the_commit_and_no_more_than_the_rows_can_take(na
         out_before, rounds_before, ahead_before = _rounds(monkeypatch, name, ids, mask)
     assert torch.equal(out_before, expected)
     assert all(round_k == k for _, round_k in rounds_before) and ahead_before > 0
+
+
+@pytest.mark.parametrize("name", ["step_mtp", "gemma_mtp", "gemma_dflash"])
+@pytest.mark.parametrize("k", ["fixed", "auto"])
+@pytest.mark.parametrize("new_tokens", [2, 3, 4])
+def test_calls_shorter_than_a_round_are_plain_greedy(name, k, new_tokens):
+    """Calls of a few tokens, whose first rounds already have less room than k + 1 tokens: every mode, fixed and
+    "auto" k, gives plain greedy's tokens (under "auto", Step 3.5 MTP, whose k may not rise within a call, keeps its
+    rounds uncapped: "auto" would raise k again after a capped round)."""
+    model, extra, reference = bundled.mode(name)
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    if k == "auto":
+        extra = {**extra, "num_speculative_tokens": "auto"}
+    assert torch.equal(model.generate(ids, **kwargs, **extra), reference.generate(ids, **kwargs))

@@ -57,7 +57,8 @@ class Step3p5MTPDraftRunner(Drafter):
 
     spec_mode = "mtp"
     drops_rows = True  # its per-row state: its layers' caches and the round tensors below
-    # its commit of a round after which "auto" k fell takes the round drafted ahead (:meth:`propose_ahead`)
+    # its commit of a round after which "auto" k fell takes the round drafted ahead (:meth:`propose_ahead`): drafted
+    # after the commit, a round whose k fell rolls back layers that did not run (tests/generation/test_adaptive_k.py)
     drafts_after_commit = False
     # "auto" k: a round of k drafts runs MTP layers 0..k-1; a layer left out stops seeing the new positions, so k
     # may fall within a request but not rise again (the next request starts with every layer)
