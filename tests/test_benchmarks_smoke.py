@@ -510,6 +510,7 @@ def test_profile_spec_host_rounds_profiles_the_rounds_only(capsys):
     assert "(prefill)" not in listing  # speculative.SpeculativeLoop.prefill runs outside the rounds
 
 
+@pytest.mark.usefixtures("cpu_drafts_ahead")  # the call that waits drafts its rounds as the one run ahead
 def test_synthetic_acceptance_runs_ahead_with_its_decision_inside_the_verify(monkeypatch):
     """The synthetic acceptance takes its decision with the verify forward (inside its graph on the GPU) and lets a
     greedy call run ahead, as users' greedy calls do: same tokens and rounds as its decision taken after the forward

@@ -57,6 +57,7 @@ def test_plain_decoding_broadcasts_each_sampled_token(do_sample):
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.usefixtures("cpu_drafts_ahead")  # every round broadcasts the call's k drafts
 def test_speculative_rounds_broadcast_the_drafts_and_random_decisions(do_sample, monkeypatch):
     from hf_specdec.generation.speculative import SpeculativeLoop
 

@@ -156,6 +156,7 @@ def test_conditional_generation_targets_work_plain_and_with_mtp(tmp_path):
     assert torch.equal(model.generate(ids, assistant_model=assistant, num_speculative_tokens=3, **kwargs), expected)
 
 
+@pytest.mark.usefixtures("cpu_drafts_ahead")  # rounds of k draft steps, drafted before the read-back
 def test_hooks_on_assistant_layers_see_every_draft_step():
     """Drafting folds each assistant block's input norm into the previous block's last seam, which calls the
     blocks' fused forward directly; a block with a hook (e.g. accelerate's offloading) is called as a module
