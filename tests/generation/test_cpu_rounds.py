@@ -30,12 +30,12 @@ def _rounds(monkeypatch, name, ids, mask):
         ks.append(verified.k)
         return finish(self, verified, in_flight)
 
-    monkeypatch.setattr(SpeculativeLoop, "step", spy_step)
-    monkeypatch.setattr(SpeculativeLoop, "_finish", spy_finish)
-    monkeypatch.setattr(RUNNERS[name], "propose_ahead",
-                        lambda self, *args: ahead.append(1) or propose_ahead(self, *args))
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, **extra)
+    with monkeypatch.context() as patch:  # the spies go with the call
+        patch.setattr(SpeculativeLoop, "step", spy_step)
+        patch.setattr(SpeculativeLoop, "_finish", spy_finish)
+        patch.setattr(RUNNERS[name], "propose_ahead", lambda self, *args: ahead.append(1) or propose_ahead(self, *args))
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, **extra)
     return out, list(zip(rooms, ks)), len(ahead)
 
 

@@ -240,3 +240,20 @@ def test_short_k_weights_take_128_deep_tiles_in_programs_that_stay_resident(monk
     monkeypatch.setattr(skinny_gemm, "LM_HEAD_TILES", False)
     assert config_for(12288, 1536) == config_for(8192, 2816) == general
     assert config_for(262144, 1536) == (32, 512, 4, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the shapes that take these configs are too large for "
+                    "Triton's interpreter")
+@pytest.mark.parametrize("n,k", [(12288, 1536), (20480, 2560), (65536, 1536)])  # narrow and wide short K, an LM head
+def test_short_k_and_lm_head_configs_match_torch_and_keep_rows_batch_invariant(n, k):
+    """The default launch at the shapes that take the short-K and LM-head configs: torch's product within bf16
+    rounding, and each row's bits whatever rows come with it (1-16)."""
+    assert config_for(n, k) in (skinny_gemm.SHORT_K_NARROW, skinny_gemm.SHORT_K_WIDE, skinny_gemm.LM_HEAD_CONFIG)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(MAX_ROWS, k, generator=gen).to(torch.bfloat16).cuda()
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16).cuda()
+    full = skinny_matmul(x, w)
+    torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
+    for r in (0, 7, MAX_ROWS - 1):
+        assert torch.equal(skinny_matmul(x[r:r + 1], w), full[r:r + 1])
+    assert torch.equal(skinny_matmul(x[:5], w), full[:5])
