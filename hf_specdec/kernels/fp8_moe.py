@@ -61,9 +61,6 @@ from .fp8_w8a8 import (
     group_for,
     quantize_rows,
     row_codes,
-    slab,
-    slab_groups,
-    step_scale,
 )
 from .fused_moe import (
     MAX_EXPERTS,
@@ -226,7 +223,7 @@ def _w8a8_gate_up_kernel(
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr,
     EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, SLAB: tl.constexpr = 0,
+    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (block, BLOCK_N columns of I): the block's token codes [BLOCK_M, H] (gathered by token)
     times the expert's gate and up tiles, the weights as the MMA's rows, one group of K per step, each partial
@@ -248,27 +245,17 @@ def _w8a8_gate_up_kernel(
     su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    qs_slab = 0.0
-    sg_slab = 0.0
-    su_slab = 0.0
-    if SLAB > 0:  # the scales of every step (fp8_w8a8.step_scale)
-        qs_slab = slab(qs_rows, stride_qs_group, GROUP_K, 0, hidden, row_ok, GROUP_K, SLAB, False)
-        if SCALE_PER_K:
-            sg_slab = slab(sg_cols, stride_sk, scale_bk, 0, hidden, col_ok, GROUP_K, SLAB, SCALE_E8M0)
-            su_slab = slab(su_cols, stride_sk, scale_bk, 0, hidden, col_ok, GROUP_K, SLAB, SCALE_E8M0)
     for k0 in range(0, hidden, GROUP_K):
         g, q = load_k_tile(g_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
         ks = k0 + tl.arange(0, GROUP_K)
         u = tl.load(u_rows + ks[None, :], mask=col_ok[:, None] & (ks < hidden)[None, :], other=0.0,
                     eviction_policy="evict_first")  # the same tile of the up half (the codes loaded once)
-        qs = step_scale(qs_slab, qs_rows, stride_qs_group, GROUP_K, k0, 0, row_ok, GROUP_K, SLAB, False)[None, :]
+        qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
         part_g = e4m3_dot(g, q, EMULATE, IMPRECISE_ACC) * qs
         part_u = e4m3_dot(u, q, EMULATE, IMPRECISE_ACC) * qs
         if SCALE_PER_K:  # the group lies inside one block of weight scales
-            part_g = part_g * step_scale(sg_slab, sg_cols, stride_sk, scale_bk, k0, 0, col_ok, GROUP_K, SLAB,
-                                         SCALE_E8M0)[:, None]
-            part_u = part_u * step_scale(su_slab, su_cols, stride_sk, scale_bk, k0, 0, col_ok, GROUP_K, SLAB,
-                                         SCALE_E8M0)[:, None]
+            part_g = part_g * load_scale(sg_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
+            part_u = part_u * load_scale(su_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
         acc_g += part_g
         acc_u += part_u
     if not SCALE_PER_K:  # one scale per column (or per tensor): on the finished sums
@@ -287,7 +274,7 @@ def _w8a8_down_kernel(
     s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    ONE_TOKEN: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, SLAB: tl.constexpr = 0,
+    ONE_TOKEN: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (block, BLOCK_N columns of H): the block's intermediate codes times the expert's down tiles
     as in the gate/up kernel, rounded to DTYPE, times each pair's routing weight, written fp32 to row ``pair``."""
@@ -303,19 +290,12 @@ def _w8a8_down_kernel(
     w_rows = wd_ptr + expert * stride_de + cols.to(tl.int64)[:, None] * stride_dn
     s_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    cs_slab = 0.0
-    s_slab = 0.0
-    if SLAB > 0:
-        cs_slab = slab(cs_rows, stride_cs_group, GROUP_K, 0, inter_size, row_ok, GROUP_K, SLAB, False)
-        if SCALE_PER_K:
-            s_slab = slab(s_cols, stride_sk, scale_bk, 0, inter_size, col_ok, GROUP_K, SLAB, SCALE_E8M0)
     for k0 in range(0, inter_size, GROUP_K):
         w, c = load_k_tile(w_rows, c_rows, k0, inter_size, col_ok, row_ok, GROUP_K)
-        cs = step_scale(cs_slab, cs_rows, stride_cs_group, GROUP_K, k0, 0, row_ok, GROUP_K, SLAB, False)
-        part = e4m3_dot(w, c, EMULATE, IMPRECISE_ACC) * cs[None, :]
+        cs = tl.load(cs_rows + (k0 // GROUP_K) * stride_cs_group, mask=row_ok, other=1.0)[None, :]
+        part = e4m3_dot(w, c, EMULATE, IMPRECISE_ACC) * cs
         if SCALE_PER_K:
-            part = part * step_scale(s_slab, s_cols, stride_sk, scale_bk, k0, 0, col_ok, GROUP_K, SLAB,
-                                     SCALE_E8M0)[:, None]
+            part = part * load_scale(s_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
         acc += part
     if not SCALE_PER_K:
         acc = acc * load_scale(s_cols, col_ok, SCALE_E8M0)[:, None]
@@ -357,7 +337,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(0), gate_up.stride(1), grid_scale, *grid_scale.stride(),
         bn, bk, inter, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_N=block_n, GROUP_K=step,
         SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, **common,
-        SLAB=slab_groups(hidden, step), **pdl_args(intermediate))
+        **pdl_args(intermediate))
     # down: the intermediate rows' codes, then the kernel (rows of blocks past the real count hold no values and are
     # never read; quantizing them costs a few rows' work)
     bn, bk = expert_scale_blocks(down_scale, block_size, *down.shape[1:])
@@ -372,7 +352,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
         pairs, experts, hidden, inter, scales.stride(0), 0 if per_row else 1, down.stride(0), down.stride(1),
         grid_scale, *grid_scale.stride(), bn, bk, DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16,
         BLOCK_N=block_n, GROUP_K=step, SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages,
-        SLAB=slab_groups(inter, step), **common, **pdl_args(parts))
+        **common, **pdl_args(parts))
     return sum_parts(parts, tokens, top_k, x.dtype, emulate_bf16)
 
 

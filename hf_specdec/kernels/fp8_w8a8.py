@@ -43,10 +43,6 @@ W8A8 = True
 # its sums drift from exact fp32 sums: on an H200 the test shapes' largest errors fell from ~0.1 to ~0.01-0.04 of
 # outputs of magnitude ~10-30 with 32, at no measurable cost (``w8a8_check_h200.log``, "fast acc")
 MAX_IMPRECISE_ACC = 32
-# True: the W8A8 loops read every step's scales from registers loaded before the loop (scale_slabs), where they span
-# at most MAX_SLAB_GROUPS groups; read at each call (an A/B knob, with the CUDA graphs captured before it released)
-SCALE_SLABS = True
-MAX_SLAB_GROUPS = 32
 MIN_GROUP = 32  # an e4m3 x e4m3 dot's smallest K (and one MMA instruction's)
 QUANTIZE_VALUES = 1024  # activation values per program of the quantizing launch
 ROW_BLOCK = 1024  # values per step of a row's amax (per-row scales)
@@ -78,33 +74,6 @@ def e4m3_dot(w, q, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
     if EMULATE:
         return tl.dot(w.to(tl.float32), tl.trans(q), input_precision="ieee")
     return tl.dot(w, tl.trans(q), max_num_imprecise_acc=IMPRECISE_ACC)
-
-
-@triton.jit
-def slab(ptrs, stride, per, k_lo, k_hi, ok, GROUP_K: tl.constexpr, GROUPS: tl.constexpr, E8M0: tl.constexpr):
-    """The scales of a W8A8 loop's ``GROUPS`` steps of ``GROUP_K`` from ``k_lo``, [n, GROUPS] fp32: step k's at
-    ``ptrs + (k // per) * stride`` (``ptrs``: [n] pointers; ones past ``k_hi`` and where not ``ok``)."""
-    ks = k_lo + tl.arange(0, GROUPS) * GROUP_K
-    return load_scale(ptrs[:, None] + (ks // per)[None, :] * stride, ok[:, None] & (ks < k_hi)[None, :], E8M0)
-
-
-@triton.jit
-def step_scale(slab, ptrs, stride, per, k0, k_lo, ok, GROUP_K: tl.constexpr, SLAB: tl.constexpr,
-               E8M0: tl.constexpr):
-    """The scales ([n] fp32) of the step at ``k0``: the slab's column (SLAB > 0: the slab's width; exact, the other
-    columns add zeros) or loaded in this step. Triton pipelines a loop's tile loads but not these small ones: a load
-    in the step that uses it stalls the step on a round trip to memory, so the W8A8 loops load every step's scales
-    before the loop (:func:`slab`) where they span at most :data:`MAX_SLAB_GROUPS` steps."""
-    if SLAB > 0:
-        return tl.sum(tl.where(tl.arange(0, SLAB)[None, :] == (k0 - k_lo) // GROUP_K, slab, 0.0), axis=1)
-    return load_scale(ptrs + (k0 // per) * stride, ok, E8M0)
-
-
-def slab_groups(k: int, group: int) -> int:
-    """The width of a W8A8 loop's slabs of scales (:func:`slab`) over ``k`` values of K in groups of ``group``: a power
-    of two, or 0 (each step loads its own) where they would take too many registers or :data:`SCALE_SLABS` is off."""
-    groups = triton.next_power_of_2(max(1, -(-k // group)))
-    return groups if SCALE_SLABS and groups <= MAX_SLAB_GROUPS else 0
 
 
 @triton.jit
@@ -166,8 +135,7 @@ def store_row_codes(y, row, ks, g, q_ptr, qs_ptr, dim, groups, EMULATE: tl.const
 def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_ym, stride_sn, stride_sk,
                  scale_bn, scale_bk, k_per_split, stride_split, stride_qs_row, stride_qs_group,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr,
-                 SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
-                 SLAB: tl.constexpr = 0):
+                 SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr):
     # the weights are the MMA's rows: [BLOCK_N, GROUP_K] x [GROUP_K, 16 rows] (Hopper's warpgroup MMA reads both
     # e4m3 tiles from shared memory), one group of K per step; each partial times its rows' and its weight block's
     # scales
@@ -183,19 +151,12 @@ def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    qs_slab = 0.0
-    s_slab = 0.0
-    if SLAB > 0:  # the scales of every step (step_scale)
-        qs_slab = slab(qs_rows, stride_qs_group, GROUP_K, k_lo, k_hi, row_ok, GROUP_K, SLAB, False)
-        if SCALE_PER_K:
-            s_slab = slab(s_rows, stride_sk, scale_bk, k_lo, k_hi, col_ok, GROUP_K, SLAB, SCALE_E8M0)
     for k0 in range(k_lo, k_hi, GROUP_K):
         w, q = load_k_tile(w_rows, q_rows, k0, K, col_ok, row_ok, GROUP_K)
-        qs = step_scale(qs_slab, qs_rows, stride_qs_group, GROUP_K, k0, k_lo, row_ok, GROUP_K, SLAB, False)
+        qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)
         part = e4m3_dot(w, q, EMULATE, IMPRECISE_ACC) * qs[None, :]
         if SCALE_PER_K:  # the group lies inside one block of weight scales
-            part = part * step_scale(s_slab, s_rows, stride_sk, scale_bk, k0, k_lo, col_ok, GROUP_K, SLAB,
-                                     SCALE_E8M0)[:, None]
+            part = part * load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
         acc += part
     if not SCALE_PER_K:
         acc = acc * load_scale(s_rows, col_ok, SCALE_E8M0)[:, None]
@@ -280,8 +241,7 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
         out.stride(1), grid.stride(0), grid.stride(1), bn, bk, k_per_split, out.stride(0), scales.stride(0),
         0 if per_row else 1,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, GROUP_K=group, SCALE_PER_K=scale_per_k, SCALE_E8M0=e8m0,
-        EMULATE=emulate, IMPRECISE_ACC=MAX_IMPRECISE_ACC, SLAB=slab_groups(k_per_split, group), num_warps=warps,
-        num_stages=stages, **pdl_args(out))
+        EMULATE=emulate, IMPRECISE_ACC=MAX_IMPRECISE_ACC, num_warps=warps, num_stages=stages, **pdl_args(out))
     if split == 1:
         return out[0].to(x.dtype)
     return sum_splits(out, torch.float32 if emulate else x.dtype).to(x.dtype)
