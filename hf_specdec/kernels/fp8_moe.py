@@ -37,7 +37,6 @@ than tanh-GELU or SiLU) or whose weights it does not take keep the per-pair path
 import torch
 import torch.nn.functional as F
 
-from . import fp8_w8a8
 from ._dispatch import check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
 from .activations import ACTIVATIONS, GELU_TANH_CONSTANTS, gated_activation, round_to
 from .fp8_gemm import (
@@ -60,7 +59,6 @@ from .fp8_w8a8 import (
     dequantized_activations,
     e4m3_dot,
     group_for,
-    group_scales,
     quantize_rows,
     row_codes,
 )
@@ -225,7 +223,7 @@ def _w8a8_gate_up_kernel(
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr,
     EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
+    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (block, BLOCK_N columns of I): the block's token codes [BLOCK_M, H] (gathered by token)
     times the expert's gate and up tiles, the weights as the MMA's rows, one group of K per step, each partial
@@ -247,30 +245,19 @@ def _w8a8_gate_up_kernel(
     su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    qs, sg = group_scales(qs_rows, stride_qs_group, sg_cols, stride_sk, scale_bk, 0, hidden, row_ok, col_ok, GROUP_K,
-                          SCALE_PER_K, SCALE_E8M0)
-    qs_u, su = group_scales(qs_rows, stride_qs_group, su_cols, stride_sk, scale_bk, 0, hidden, row_ok, col_ok,
-                            GROUP_K, SCALE_PER_K, SCALE_E8M0)
     for k0 in range(0, hidden, GROUP_K):
         g, q = load_k_tile(g_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
         ks = k0 + tl.arange(0, GROUP_K)
         u = tl.load(u_rows + ks[None, :], mask=col_ok[:, None] & (ks < hidden)[None, :], other=0.0,
                     eviction_policy="evict_first")  # the same tile of the up half (the codes loaded once)
-        k_next = k0 + GROUP_K if AHEAD else k0  # AHEAD: the next group's scales (fp8_w8a8.group_scales)
-        qs_next, sg_next = group_scales(qs_rows, stride_qs_group, sg_cols, stride_sk, scale_bk, k_next, hidden,
-                                        row_ok, col_ok, GROUP_K, SCALE_PER_K, SCALE_E8M0)
-        qs_u, su_next = group_scales(qs_rows, stride_qs_group, su_cols, stride_sk, scale_bk, k_next, hidden, row_ok,
-                                     col_ok, GROUP_K, SCALE_PER_K, SCALE_E8M0)
-        if not AHEAD:
-            qs, sg, su = qs_next, sg_next, su_next
-        part_g = e4m3_dot(g, q, EMULATE, IMPRECISE_ACC) * qs[None, :]
-        part_u = e4m3_dot(u, q, EMULATE, IMPRECISE_ACC) * qs[None, :]
+        qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
+        part_g = e4m3_dot(g, q, EMULATE, IMPRECISE_ACC) * qs
+        part_u = e4m3_dot(u, q, EMULATE, IMPRECISE_ACC) * qs
         if SCALE_PER_K:  # the group lies inside one block of weight scales
-            part_g = part_g * sg[:, None]
-            part_u = part_u * su[:, None]
+            part_g = part_g * load_scale(sg_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
+            part_u = part_u * load_scale(su_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
         acc_g += part_g
         acc_u += part_u
-        qs, sg, su = qs_next, sg_next, su_next
     if not SCALE_PER_K:  # one scale per column (or per tensor): on the finished sums
         acc_g = acc_g * load_scale(sg_cols, col_ok, SCALE_E8M0)[:, None]
         acc_u = acc_u * load_scale(su_cols, col_ok, SCALE_E8M0)[:, None]
@@ -287,7 +274,7 @@ def _w8a8_down_kernel(
     s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    ONE_TOKEN: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
+    ONE_TOKEN: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (block, BLOCK_N columns of H): the block's intermediate codes times the expert's down tiles
     as in the gate/up kernel, rounded to DTYPE, times each pair's routing weight, written fp32 to row ``pair``."""
@@ -303,20 +290,13 @@ def _w8a8_down_kernel(
     w_rows = wd_ptr + expert * stride_de + cols.to(tl.int64)[:, None] * stride_dn
     s_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    cs, s = group_scales(cs_rows, stride_cs_group, s_cols, stride_sk, scale_bk, 0, inter_size, row_ok, col_ok,
-                         GROUP_K, SCALE_PER_K, SCALE_E8M0)
     for k0 in range(0, inter_size, GROUP_K):
         w, c = load_k_tile(w_rows, c_rows, k0, inter_size, col_ok, row_ok, GROUP_K)
-        k_next = k0 + GROUP_K if AHEAD else k0
-        cs_next, s_next = group_scales(cs_rows, stride_cs_group, s_cols, stride_sk, scale_bk, k_next, inter_size,
-                                       row_ok, col_ok, GROUP_K, SCALE_PER_K, SCALE_E8M0)
-        if not AHEAD:
-            cs, s = cs_next, s_next
-        part = e4m3_dot(w, c, EMULATE, IMPRECISE_ACC) * cs[None, :]
+        cs = tl.load(cs_rows + (k0 // GROUP_K) * stride_cs_group, mask=row_ok, other=1.0)[None, :]
+        part = e4m3_dot(w, c, EMULATE, IMPRECISE_ACC) * cs
         if SCALE_PER_K:
-            part = part * s[:, None]
+            part = part * load_scale(s_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
         acc += part
-        cs, s = cs_next, s_next
     if not SCALE_PER_K:
         acc = acc * load_scale(s_cols, col_ok, SCALE_E8M0)[:, None]
     # the projection's output in the activations' dtype, then .float() * the routing weight
@@ -342,7 +322,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     emulate = interpreting(_w8a8_gate_up_kernel)
     emulate_bf16 = emulate and x.dtype == torch.bfloat16
     common = dict(BLOCK_M=config.block_m, EMULATE=emulate, EMULATE_BF16=emulate_bf16, ONE_TOKEN=one_token,
-                  IMPRECISE_ACC=MAX_IMPRECISE_ACC, AHEAD=fp8_w8a8.SCALES_AHEAD)
+                  IMPRECISE_ACC=MAX_IMPRECISE_ACC)
     # gate/up: the token rows' codes, then the kernel
     bn, bk = expert_scale_blocks(gate_up_scale, block_size, *gate_up.shape[1:])
     per_row, step = _activation_group(gate_up_scale, bk)

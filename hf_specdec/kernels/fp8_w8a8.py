@@ -43,9 +43,6 @@ W8A8 = True
 # its sums drift from exact fp32 sums: on an H200 the test shapes' largest errors fell from ~0.1 to ~0.01-0.04 of
 # outputs of magnitude ~10-30 with 32, at no measurable cost (``w8a8_check_h200.log``, "fast acc")
 MAX_IMPRECISE_ACC = 32
-# True: the W8A8 loops load each group's scales a step ahead of their use (group_scales); read at each call (an A/B
-# knob, with the CUDA graphs captured before it released)
-SCALES_AHEAD = True
 MIN_GROUP = 32  # an e4m3 x e4m3 dot's smallest K (and one MMA instruction's)
 QUANTIZE_VALUES = 1024  # activation values per program of the quantizing launch
 ROW_BLOCK = 1024  # values per step of a row's amax (per-row scales)
@@ -77,22 +74,6 @@ def e4m3_dot(w, q, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
     if EMULATE:
         return tl.dot(w.to(tl.float32), tl.trans(q), input_precision="ieee")
     return tl.dot(w, tl.trans(q), max_num_imprecise_acc=IMPRECISE_ACC)
-
-
-@triton.jit
-def group_scales(qs_rows, stride_qs_group, s_cols, stride_sk, scale_bk, k0, k_end, row_ok, col_ok,
-                 GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr):
-    """(the rows' scales [BLOCK_M], the columns' weight scales [BLOCK_N]) of the K group at ``k0``: ones from
-    ``k_end`` on, and for the weight where its scales are not per K block (they go on the finished sums). The W8A8
-    loops load them a step ahead of their use (:data:`SCALES_AHEAD`): Triton pipelines a loop's tile loads, not these
-    small ones."""
-    qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok & (tl.where(row_ok, k0, k0) < k_end),
-                 other=1.0)
-    if SCALE_PER_K:
-        s = load_scale(s_cols + (k0 // scale_bk) * stride_sk, col_ok & (tl.where(col_ok, k0, k0) < k_end), SCALE_E8M0)
-    else:
-        s = tl.where(col_ok, 1.0, 1.0)
-    return qs, s
 
 
 @triton.jit
@@ -154,8 +135,7 @@ def store_row_codes(y, row, ks, g, q_ptr, qs_ptr, dim, groups, EMULATE: tl.const
 def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_ym, stride_sn, stride_sk,
                  scale_bn, scale_bk, k_per_split, stride_split, stride_qs_row, stride_qs_group,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr,
-                 SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
-                 AHEAD: tl.constexpr = True):
+                 SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr):
     # the weights are the MMA's rows: [BLOCK_N, GROUP_K] x [GROUP_K, 16 rows] (Hopper's warpgroup MMA reads both
     # e4m3 tiles from shared memory), one group of K per step; each partial times its rows' and its weight block's
     # scales
@@ -171,20 +151,13 @@ def _w8a8_kernel(q_ptr, w_ptr, s_ptr, qs_ptr, y_ptr, M, N, K, stride_wn, stride_
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    qs, s = group_scales(qs_rows, stride_qs_group, s_rows, stride_sk, scale_bk, k_lo, k_hi, row_ok, col_ok, GROUP_K,
-                         SCALE_PER_K, SCALE_E8M0)
     for k0 in range(k_lo, k_hi, GROUP_K):
         w, q = load_k_tile(w_rows, q_rows, k0, K, col_ok, row_ok, GROUP_K)
-        k_next = k0 + GROUP_K if AHEAD else k0  # AHEAD: the next group's scales, used in the next step
-        qs_next, s_next = group_scales(qs_rows, stride_qs_group, s_rows, stride_sk, scale_bk, k_next, k_hi, row_ok,
-                                       col_ok, GROUP_K, SCALE_PER_K, SCALE_E8M0)
-        if not AHEAD:
-            qs, s = qs_next, s_next
+        qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)
         part = e4m3_dot(w, q, EMULATE, IMPRECISE_ACC) * qs[None, :]
         if SCALE_PER_K:  # the group lies inside one block of weight scales
-            part = part * s[:, None]
+            part = part * load_scale(s_rows + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
         acc += part
-        qs, s = qs_next, s_next
     if not SCALE_PER_K:
         acc = acc * load_scale(s_rows, col_ok, SCALE_E8M0)[:, None]
     out = (y_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows.to(tl.int64)[None, :] * stride_ym
@@ -268,8 +241,7 @@ def w8a8_matmul(x: torch.Tensor,  # [rows, K] bf16 / fp16
         out.stride(1), grid.stride(0), grid.stride(1), bn, bk, k_per_split, out.stride(0), scales.stride(0),
         0 if per_row else 1,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, GROUP_K=group, SCALE_PER_K=scale_per_k, SCALE_E8M0=e8m0,
-        EMULATE=emulate, IMPRECISE_ACC=MAX_IMPRECISE_ACC, AHEAD=SCALES_AHEAD, num_warps=warps, num_stages=stages,
-        **pdl_args(out))
+        EMULATE=emulate, IMPRECISE_ACC=MAX_IMPRECISE_ACC, num_warps=warps, num_stages=stages, **pdl_args(out))
     if split == 1:
         return out[0].to(x.dtype)
     return sum_splits(out, torch.float32 if emulate else x.dtype).to(x.dtype)

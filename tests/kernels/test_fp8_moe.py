@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_specdec.generation.quantization import fp8_quantize_model
-from hf_specdec.kernels import fp8_moe, fp8_w8a8
+from hf_specdec.kernels import fp8_moe
 from hf_specdec.kernels.fp8_gemm import E8M0_DTYPE, dequantize_fp8, quantize_fp8
 from hf_specdec.kernels.fp8_w8a8 import w8a8_linear_reference
 from hf_specdec.kernels.fp8_moe import (
@@ -274,17 +274,6 @@ def test_triton_fused_moe_w8a8_token_alone_gives_the_same_bits(triton_device):
         alone = fused_moe_fp8(x[t:t + 1], *rest, index[t:t + 1], weights[t:t + 1], activation="gelu_tanh",
                               block_size=(16, 32), w8a8=True)
         assert torch.equal(alone[0], together[t])
-
-
-@pytest.mark.parametrize("block_size", [(32, 64), None])
-def test_triton_fused_moe_w8a8_scales_loaded_ahead_give_the_same_bits(triton_device, monkeypatch, block_size):
-    """The expert kernels' scales loaded a step ahead of their use or in the step that uses them: the same bits."""
-    args = make_fp8_moe(5, 8, 2, hidden=320, inter=200, block_size=block_size, seed=9, device=triton_device)
-    results = []
-    for ahead in (False, True):
-        monkeypatch.setattr(fp8_w8a8, "SCALES_AHEAD", ahead)
-        results.append(fused_moe_fp8(*args, activation="gelu_tanh", block_size=block_size, w8a8=True))
-    assert torch.equal(results[0], results[1])
 
 
 def test_triton_w8a8_needs_groups_of_32(triton_device):

@@ -125,21 +125,6 @@ def test_triton_w8a8_split_k(triton_device, split_k):
     torch.testing.assert_close(got.float().cpu(), expected, **_tolerance(torch.bfloat16, triton_device, expected))
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("block_size", [(32, 128), (32, 64), "channel"])
-def test_triton_w8a8_scales_loaded_ahead_give_the_same_bits(triton_device, monkeypatch, block_size, split_k):
-    """Each group's scales loaded a step ahead of their use or in the step that uses them: the same bits (block
-    scales per K group, groups of 64, per-channel scales on the finished sums; split-K parts ending mid-row)."""
-    weight, scale = make_fp8(48, 640, block_size, seed=8, device=triton_device)
-    x = _rows(3, 640, torch.bfloat16, triton_device, seed=8)
-    blocks = None if block_size == "channel" else block_size
-    results = []
-    for ahead in (False, True):
-        monkeypatch.setattr(fp8_w8a8, "SCALES_AHEAD", ahead)
-        results.append(w8a8_matmul(x, weight, scale, blocks, config=SMALL, split_k=split_k))
-    assert torch.equal(results[0], results[1])
-
-
 def test_triton_fp8_linear_forward_takes_the_kernel(triton_device, monkeypatch):
     if triton_device == "cpu":  # the interpreter: the kernels on CPU tensors, as on a GPU with FP8 tensor cores
         monkeypatch.setattr(fp8_w8a8, "activations_quantized", lambda x: True)
