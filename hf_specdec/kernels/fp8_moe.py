@@ -82,8 +82,11 @@ FP16_DOTS = True  # bf16 token rows multiply the gate/up weights as fp16 where e
 # of the activations' scales); 16-row blocks at every width, as the weight-only FP8 kernels. The best of 24 configs
 # per kernel at the 26B-A4B experts, 1 + 4 tokens graph-timed on an H200 (`moe_gpu_check --weights w8a8 --sweep`,
 # benchmarks/results/moe_w8a8_sweep_h200.log): 101.7 us against 110.9 for (32, 128, 4, 4) / (64, 128, 4, 4)
-# K groups a step of the W8A8 gate/up loop (1 or 2: two groups' tiles in each stage of the pipeline, half the
-# steps); read at each call (an A/B knob, with the CUDA graphs captured before it released)
+# K groups a step of the W8A8 gate/up loop for a forward of one token (1 or 2: two groups' tiles in each stage of the
+# pipeline, half the steps; the same sums in the same order). One 26B-A4B expert layer graph-timed on an H200
+# (benchmarks/results/step_groups_kernel_ab_h200.log): 1 token 30.7 -> 29.3 us, but 4 tokens 68.5 -> 72.3 and 8
+# 107.0 -> 109.3, so forwards of more tokens keep one. Read at each call (an A/B knob, with the CUDA graphs captured
+# before it released)
 W8A8_STEP_GROUPS = 2
 W8A8_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 2, 4), down=(64, GROUP, 4, 4))
 # False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
@@ -361,7 +364,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(0), gate_up.stride(1), grid_scale, *grid_scale.stride(),
         bn, bk, inter, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_N=block_n, GROUP_K=step,
         SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, **common,
-        STEP_GROUPS=W8A8_STEP_GROUPS, **pdl_args(intermediate))
+        STEP_GROUPS=W8A8_STEP_GROUPS if one_token else 1, **pdl_args(intermediate))
     # down: the intermediate rows' codes, then the kernel (rows of blocks past the real count hold no values and are
     # never read; quantizing them costs a few rows' work)
     bn, bk = expert_scale_blocks(down_scale, block_size, *down.shape[1:])
