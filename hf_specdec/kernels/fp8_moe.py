@@ -82,12 +82,6 @@ FP16_DOTS = True  # bf16 token rows multiply the gate/up weights as fp16 where e
 # of the activations' scales); 16-row blocks at every width, as the weight-only FP8 kernels. The best of 24 configs
 # per kernel at the 26B-A4B experts, 1 + 4 tokens graph-timed on an H200 (`moe_gpu_check --weights w8a8 --sweep`,
 # benchmarks/results/moe_w8a8_sweep_h200.log): 101.7 us against 110.9 for (32, 128, 4, 4) / (64, 128, 4, 4)
-# K groups a step of the W8A8 gate/up loop for a forward of one token (1 or 2: two groups' tiles in each stage of the
-# pipeline, half the steps; the same sums in the same order). One 26B-A4B expert layer graph-timed on an H200
-# (benchmarks/results/step_groups_kernel_ab_h200.log): 1 token 30.7 -> 29.3 us, but 4 tokens 68.5 -> 72.3 and 8
-# 107.0 -> 109.3, so forwards of more tokens keep one. Read at each call (an A/B knob, with the CUDA graphs captured
-# before it released)
-W8A8_STEP_GROUPS = 2
 W8A8_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 2, 4), down=(64, GROUP, 4, 4))
 # False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
 # with the CUDA graphs captured before it released)
@@ -222,27 +216,6 @@ def fused_moe_fp8_reference(hidden_states, gate_up, gate_up_scale, down, down_sc
 
 
 @triton.jit
-def _w8a8_gate_up_group(q_rows, qs_rows, g_rows, u_rows, sg_cols, su_cols, k0, hidden, row_ok, col_ok,
-                        stride_qs_group, stride_sk, scale_bk, GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr,
-                        SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, IMPRECISE_ACC: tl.constexpr):
-    """The gate's and the up's fp32 partials [BLOCK_N, BLOCK_M] of the K group at ``k0`` (zeros from ``hidden`` on),
-    each times its rows' and (SCALE_PER_K) its weight block's scales."""
-    g, q = load_k_tile(g_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
-    ks = k0 + tl.arange(0, GROUP_K)
-    u = tl.load(u_rows + ks[None, :], mask=col_ok[:, None] & (ks < hidden)[None, :], other=0.0,
-                eviction_policy="evict_first")  # the same tile of the up half (the codes loaded once)
-    in_k = tl.where(row_ok, k0, k0) < hidden
-    qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok & in_k, other=1.0)[None, :]
-    part_g = e4m3_dot(g, q, EMULATE, IMPRECISE_ACC) * qs
-    part_u = e4m3_dot(u, q, EMULATE, IMPRECISE_ACC) * qs
-    if SCALE_PER_K:  # the group lies inside one block of weight scales
-        cols_in_k = col_ok & (tl.where(col_ok, k0, k0) < hidden)
-        part_g = part_g * load_scale(sg_cols + (k0 // scale_bk) * stride_sk, cols_in_k, SCALE_E8M0)[:, None]
-        part_u = part_u * load_scale(su_cols + (k0 // scale_bk) * stride_sk, cols_in_k, SCALE_E8M0)[:, None]
-    return part_g, part_u
-
-
-@triton.jit
 def _w8a8_gate_up_kernel(
     q_ptr, qs_ptr, wg_ptr, wu_ptr, inter_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
     num_pairs, num_experts, top_k, hidden, inter_size, limit, stride_qs_row, stride_qs_group,
@@ -250,7 +223,7 @@ def _w8a8_gate_up_kernel(
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr,
     EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, STEP_GROUPS: tl.constexpr = 1,
+    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (block, BLOCK_N columns of I): the block's token codes [BLOCK_M, H] (gathered by token)
     times the expert's gate and up tiles, the weights as the MMA's rows, one group of K per step, each partial
@@ -272,19 +245,19 @@ def _w8a8_gate_up_kernel(
     su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, hidden, GROUP_K * STEP_GROUPS):
-        part_g, part_u = _w8a8_gate_up_group(q_rows, qs_rows, g_rows, u_rows, sg_cols, su_cols, k0, hidden, row_ok,
-                                             col_ok, stride_qs_group, stride_sk, scale_bk, GROUP_K, SCALE_PER_K,
-                                             SCALE_E8M0, EMULATE, IMPRECISE_ACC)
-        if STEP_GROUPS == 2:  # the next group in the same step (its tiles in the same stage of the pipeline)
-            part_g2, part_u2 = _w8a8_gate_up_group(q_rows, qs_rows, g_rows, u_rows, sg_cols, su_cols, k0 + GROUP_K,
-                                                   hidden, row_ok, col_ok, stride_qs_group, stride_sk, scale_bk,
-                                                   GROUP_K, SCALE_PER_K, SCALE_E8M0, EMULATE, IMPRECISE_ACC)
+    for k0 in range(0, hidden, GROUP_K):
+        g, q = load_k_tile(g_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
+        ks = k0 + tl.arange(0, GROUP_K)
+        u = tl.load(u_rows + ks[None, :], mask=col_ok[:, None] & (ks < hidden)[None, :], other=0.0,
+                    eviction_policy="evict_first")  # the same tile of the up half (the codes loaded once)
+        qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
+        part_g = e4m3_dot(g, q, EMULATE, IMPRECISE_ACC) * qs
+        part_u = e4m3_dot(u, q, EMULATE, IMPRECISE_ACC) * qs
+        if SCALE_PER_K:  # the group lies inside one block of weight scales
+            part_g = part_g * load_scale(sg_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
+            part_u = part_u * load_scale(su_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
         acc_g += part_g
         acc_u += part_u
-        if STEP_GROUPS == 2:  # in K order, as one group a step
-            acc_g += part_g2
-            acc_u += part_u2
     if not SCALE_PER_K:  # one scale per column (or per tensor): on the finished sums
         acc_g = acc_g * load_scale(sg_cols, col_ok, SCALE_E8M0)[:, None]
         acc_u = acc_u * load_scale(su_cols, col_ok, SCALE_E8M0)[:, None]
@@ -364,7 +337,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(0), gate_up.stride(1), grid_scale, *grid_scale.stride(),
         bn, bk, inter, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_N=block_n, GROUP_K=step,
         SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, **common,
-        STEP_GROUPS=W8A8_STEP_GROUPS if one_token else 1, **pdl_args(intermediate))
+        **pdl_args(intermediate))
     # down: the intermediate rows' codes, then the kernel (rows of blocks past the real count hold no values and are
     # never read; quantizing them costs a few rows' work)
     bn, bk = expert_scale_blocks(down_scale, block_size, *down.shape[1:])

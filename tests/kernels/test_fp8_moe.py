@@ -276,23 +276,6 @@ def test_triton_fused_moe_w8a8_token_alone_gives_the_same_bits(triton_device):
         assert torch.equal(alone[0], together[t])
 
 
-@pytest.mark.parametrize("block_size", [(32, 64), None])
-def test_triton_fused_moe_w8a8_two_groups_a_step_give_the_same_bits(triton_device, monkeypatch, block_size):
-    """The W8A8 gate/up loop over one K group a step or two (an odd count of groups: the last step's second one past
-    K): the same bits. Two a step are for forwards of one token; a forward of several tokens gives each token what a
-    forward of that token alone gives."""
-    x, *rest = make_fp8_moe(3, 8, 2, hidden=320, inter=200, block_size=block_size, seed=9, device=triton_device)
-    index, weights = rest[-2], rest[-1]
-    results = []
-    for groups in (1, 2):
-        monkeypatch.setattr(fp8_moe, "W8A8_STEP_GROUPS", groups)
-        results.append(fused_moe_fp8(x[1:2], *rest[:-2], index[1:2], weights[1:2], activation="gelu_tanh",
-                                     block_size=block_size, w8a8=True))
-    assert torch.equal(results[0], results[1])
-    together = fused_moe_fp8(x, *rest, activation="gelu_tanh", block_size=block_size, w8a8=True)
-    assert torch.equal(together[1:2], results[1])
-
-
 def test_triton_w8a8_needs_groups_of_32(triton_device):
     """Groups of 16 values (a 16-wide K block) are below an e4m3 dot's smallest K: the reference, not a launch
     (where the weight-only kernels run)."""
