@@ -83,6 +83,12 @@ FP16_DOTS = True  # bf16 token rows multiply the gate/up weights as fp16 where e
 # per kernel at the 26B-A4B experts, 1 + 4 tokens graph-timed on an H200 (`moe_gpu_check --weights w8a8 --sweep`,
 # benchmarks/results/moe_w8a8_sweep_h200.log): 101.7 us against 110.9 for (32, 128, 4, 4) / (64, 128, 4, 4)
 W8A8_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 2, 4), down=(64, GROUP, 4, 4))
+# True: the W8A8 gate/up kernel multiplies one [64, K] tile a step, its 32 gate rows over its 32 up rows (the
+# stacked weight's rows c and I + c), on Hopper's warpgroup MMA reading both e4m3 tiles from shared memory (4 warps);
+# False: two [32, K] tiles, converted to fp16 for the warp-level MMA (2 warps, ~3x the instructions a step). Read at
+# each call (an A/B knob, with the CUDA graphs captured before it released)
+W8A8_STACKED_GATE_UP = True
+W8A8_STACKED_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 4, 4), down=(64, GROUP, 4, 4))
 # False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
 # with the CUDA graphs captured before it released)
 W8A8_EXPERTS = True
@@ -223,7 +229,7 @@ def _w8a8_gate_up_kernel(
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr,
     EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, STACKED: tl.constexpr = False,
 ):
     """One program per (block, BLOCK_N columns of I): the block's token codes [BLOCK_M, H] (gathered by token)
     times the expert's gate and up tiles, the weights as the MMA's rows, one group of K per step, each partial
@@ -243,24 +249,43 @@ def _w8a8_gate_up_kernel(
     u_rows = wu_ptr + expert * stride_ue + cols.to(tl.int64)[:, None] * stride_un
     sg_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn
     su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, hidden, GROUP_K):
-        g, q = load_k_tile(g_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
-        ks = k0 + tl.arange(0, GROUP_K)
-        u = tl.load(u_rows + ks[None, :], mask=col_ok[:, None] & (ks < hidden)[None, :], other=0.0,
-                    eviction_policy="evict_first")  # the same tile of the up half (the codes loaded once)
-        qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
-        part_g = e4m3_dot(g, q, EMULATE, IMPRECISE_ACC) * qs
-        part_u = e4m3_dot(u, q, EMULATE, IMPRECISE_ACC) * qs
-        if SCALE_PER_K:  # the group lies inside one block of weight scales
-            part_g = part_g * load_scale(sg_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
-            part_u = part_u * load_scale(su_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
-        acc_g += part_g
-        acc_u += part_u
-    if not SCALE_PER_K:  # one scale per column (or per tensor): on the finished sums
-        acc_g = acc_g * load_scale(sg_cols, col_ok, SCALE_E8M0)[:, None]
-        acc_u = acc_u * load_scale(su_cols, col_ok, SCALE_E8M0)[:, None]
+    if STACKED:  # one [2 * BLOCK_N, GROUP_K] tile a step: the gate's rows, then the up's (one warpgroup MMA)
+        half = tl.arange(0, 2 * BLOCK_N) // BLOCK_N
+        c2 = tl.program_id(1) * BLOCK_N + tl.arange(0, 2 * BLOCK_N) % BLOCK_N
+        c2_ok = c2 < inter_size
+        stacked_row = (c2 + half * up_row0).to(tl.int64)  # the row of the stacked [E, 2I, H] weight
+        w2_rows = wg_ptr + expert * stride_ge + stacked_row[:, None] * stride_gn
+        s2_cols = s_ptr + expert * stride_se + (stacked_row // scale_bn) * stride_sn
+        acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, hidden, GROUP_K):
+            w, q = load_k_tile(w2_rows, q_rows, k0, hidden, c2_ok, row_ok, GROUP_K)
+            qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
+            part = e4m3_dot(w, q, EMULATE, IMPRECISE_ACC) * qs
+            if SCALE_PER_K:  # the group lies inside one block of weight scales
+                part = part * load_scale(s2_cols + (k0 // scale_bk) * stride_sk, c2_ok, SCALE_E8M0)[:, None]
+            acc += part
+        if not SCALE_PER_K:  # one scale per row (or per tensor): on the finished sums
+            acc = acc * load_scale(s2_cols, c2_ok, SCALE_E8M0)[:, None]
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N, BLOCK_M]), (1, 2, 0)))
+    else:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, hidden, GROUP_K):
+            g, q = load_k_tile(g_rows, q_rows, k0, hidden, col_ok, row_ok, GROUP_K)
+            ks = k0 + tl.arange(0, GROUP_K)
+            u = tl.load(u_rows + ks[None, :], mask=col_ok[:, None] & (ks < hidden)[None, :], other=0.0,
+                        eviction_policy="evict_first")  # the same tile of the up half (the codes loaded once)
+            qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
+            part_g = e4m3_dot(g, q, EMULATE, IMPRECISE_ACC) * qs
+            part_u = e4m3_dot(u, q, EMULATE, IMPRECISE_ACC) * qs
+            if SCALE_PER_K:  # the group lies inside one block of weight scales
+                part_g = part_g * load_scale(sg_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
+                part_u = part_u * load_scale(su_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
+            acc_g += part_g
+            acc_u += part_u
+        if not SCALE_PER_K:  # one scale per column (or per tensor): on the finished sums
+            acc_g = acc_g * load_scale(sg_cols, col_ok, SCALE_E8M0)[:, None]
+            acc_u = acc_u * load_scale(su_cols, col_ok, SCALE_E8M0)[:, None]
     dtype: tl.constexpr = inter_ptr.dtype.element_ty
     h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, dtype,
                          ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
@@ -313,7 +338,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     that row alone and each (token, expert) pair is a column of its own in the MMAs, so a token's output does not
     depend on the other tokens of its forward."""
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
-    config = config or W8A8_CONFIG
+    config = config or (W8A8_STACKED_CONFIG if W8A8_STACKED_GATE_UP else W8A8_CONFIG)
     tokens, hidden = x.shape
     experts, inter = down.shape[0], down.shape[2]
     top_k = top_k_index.shape[1]
@@ -337,7 +362,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(0), gate_up.stride(1), grid_scale, *grid_scale.stride(),
         bn, bk, inter, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_N=block_n, GROUP_K=step,
         SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, **common,
-        **pdl_args(intermediate))
+        STACKED=W8A8_STACKED_GATE_UP, **pdl_args(intermediate))
     # down: the intermediate rows' codes, then the kernel (rows of blocks past the real count hold no values and are
     # never read; quantizing them costs a few rows' work)
     bn, bk = expert_scale_blocks(down_scale, block_size, *down.shape[1:])

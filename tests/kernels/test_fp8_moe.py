@@ -276,6 +276,20 @@ def test_triton_fused_moe_w8a8_token_alone_gives_the_same_bits(triton_device):
         assert torch.equal(alone[0], together[t])
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("block_size", [(32, 64), (16, 32), None])
+def test_triton_fused_moe_w8a8_gate_up_stacked_or_apart(triton_device, monkeypatch, block_size, stacked):
+    """The gate/up kernel's two ways (one tile of the gate's rows over the up's, or two tiles) against the W8A8
+    reference: block scales whose rows straddle the seam between the halves, a column block past the intermediate
+    size (inter 40 in blocks of 32), per-row activations."""
+    monkeypatch.setattr(fp8_moe, "W8A8_STACKED_GATE_UP", stacked)
+    args = make_fp8_moe(5, 8, 2, hidden=320, inter=40, block_size=block_size, seed=10, device=triton_device)
+    got = fused_moe_fp8(*args, activation="gelu_tanh", block_size=block_size, w8a8=True)
+    expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=block_size,
+                                       w8a8=True)
+    assert_w8a8_close(got, expected, torch.bfloat16)
+
+
 def test_triton_w8a8_needs_groups_of_32(triton_device):
     """Groups of 16 values (a 16-wide K block) are below an e4m3 dot's smallest K: the reference, not a launch
     (where the weight-only kernels run)."""
