@@ -59,16 +59,18 @@ def assert_w8a8_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
     neighbouring value of the dtype, and where that sits at an e4m3 rounding boundary its code moves by one e4m3 step
     (1/8 to 1/16 of the value): a few outputs move by up to ~2% of the outputs' scale. So: nearly every output within
     the dtype's tolerance, and none off by more than 5% of the largest (a wrong scale or row moves most of them).
-    In the interpreter (CPU tensors) the kernels multiply in exact fp32: every output within the dtype's
-    tolerance."""
+    The gate/up's warpgroup MMA (``W8A8_STACKED_GATE_UP``, 4 warps) adds its products with Hopper's FP8 accumulation
+    (``fp8_w8a8.MAX_IMPRECISE_ACC``), which moves more of those codes: 5-7% of the outputs on these shapes on an
+    H200, against under 5% with the warp-level MMA's fp32 sums, so 90% there. In the interpreter (CPU tensors) the
+    kernels multiply in exact fp32: every output within the dtype's tolerance."""
     if got.device.type == "cpu":
         torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
         return
     got, expected = got.float().cpu(), expected.float()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * expected.abs().max().item())
     tolerance = TOLERANCE[dtype]
     close = (got - expected).abs() <= tolerance["atol"] + tolerance["rtol"] * expected.abs()
-    assert close.float().mean() >= 0.95, f"{(~close).sum().item()} of {close.numel()} outputs off"
-    torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * expected.abs().max().item())
+    assert close.float().mean() >= 0.90, f"{(~close).sum().item()} of {close.numel()} outputs off"
 
 
 def dequantized(weight, scale, block_size):
