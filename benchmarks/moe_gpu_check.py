@@ -41,7 +41,7 @@ import torch
 from benchmarks.shapes import STEP3P5
 from hf_specdec.kernels import fused_moe as fm
 from hf_specdec.kernels.fp8_gemm import quantize_fp8
-from hf_specdec.kernels.fp8_moe import W8A8_CONFIG, fused_moe_fp8, fused_moe_fp8_reference
+from hf_specdec.kernels.fp8_moe import fused_moe_fp8, fused_moe_fp8_reference, w8a8_config
 
 SHAPES = {
     "gemma4-26b-a4b": dict(experts=128, top_k=8, hidden=2816, inter=704, activation="gelu_tanh", limit=None,
@@ -133,7 +133,7 @@ class Layer:
         return (fm.fused_moe_reference if self.weights == "bf16" else fused_moe_fp8_reference)(*args, **kwargs)
 
     def default_config(self, tokens: int) -> fm.MoeConfig:
-        return W8A8_CONFIG if self.weights == "w8a8" else fm.config_for(tokens, fp8=self.weights == "fp8")
+        return w8a8_config() if self.weights == "w8a8" else fm.config_for(tokens, fp8=self.weights == "fp8")
 
     def expert_bytes(self, distinct: float) -> float:
         return distinct * 3 * self.shape["inter"] * self.shape["hidden"] * (2 if self.weights == "bf16" else 1)

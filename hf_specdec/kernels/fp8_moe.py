@@ -22,11 +22,13 @@ each expert's projections with its ``fp8_linear``, which quantizes the rows (per
 block, ``amax / 448``; per row without K blocks) and multiplies e4m3 by e4m3. The W8A8 kernels do the same with the
 grouping above: the token rows quantized once for all experts (``fp8_w8a8.quantize_rows``), the gate/up and down
 kernels multiplying e4m3 codes by e4m3 weights on the FP8 tensor cores (the weights as the MMA's rows, one group of
-K per step, each partial times its rows' and its weight block's scales, as ``fp8_w8a8``'s GEMM), the intermediate
-rows quantized by a launch of their own between the two. No weight is converted. ``FP8Experts`` take them where
-``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8 tensor cores) and the activations are dynamic
-(:func:`experts_w8a8`); elsewhere the weight-only kernels above. The reference (``w8a8=True``) quantizes and
-dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``) before the products.
+K per step, each partial times its rows' and its weight block's scales, as ``fp8_w8a8``'s GEMM; the gate/up stacks a
+program's 32 gate rows over its 32 up rows into one 64-row tile, which Hopper's warpgroup MMA reads from shared
+memory), the intermediate rows quantized by a launch of their own between the two. No weight is converted.
+``FP8Experts`` take them where ``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8 tensor cores)
+and the activations are dynamic (:func:`experts_w8a8`); elsewhere the weight-only kernels above. The reference
+(``w8a8=True``) quantizes and dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``) before the
+products.
 
 ``FP8Experts`` modules whose gate this does not compute (a soft-capped or clamped SwiGLU, an activation other
 than tanh-GELU or SiLU) or whose weights it does not take keep the per-pair path
@@ -84,11 +86,22 @@ FP16_DOTS = True  # bf16 token rows multiply the gate/up weights as fp16 where e
 # benchmarks/results/moe_w8a8_sweep_h200.log): 101.7 us against 110.9 for (32, 128, 4, 4) / (64, 128, 4, 4)
 W8A8_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 2, 4), down=(64, GROUP, 4, 4))
 # True: the W8A8 gate/up kernel multiplies one [64, K] tile a step, its 32 gate rows over its 32 up rows (the
-# stacked weight's rows c and I + c), on Hopper's warpgroup MMA reading both e4m3 tiles from shared memory (4 warps);
-# False: two [32, K] tiles, converted to fp16 for the warp-level MMA (2 warps, ~3x the instructions a step). Read at
-# each call (an A/B knob, with the CUDA graphs captured before it released)
+# stacked weight's rows c and I + c), on Hopper's warpgroup MMA reading both e4m3 tiles from shared memory (4 warps,
+# ~200 PTX instructions a K step); False: two [32, K] tiles converted to fp16 for the warp-level MMA (2 warps, ~900).
+# At one token the expert layer is bound by its kernels' instructions, not its weight bytes (it takes as long with
+# the weight tiles masked off: benchmarks/results/moe_w8a8_diag_h200.log). One 26B-A4B expert layer graph-timed on an
+# H200 (stacked_gate_up_kernel_ab_h200.log): 1 / 4 / 8 tokens 30.8 -> 29.9, 68.9 -> 65.3, 107.4 -> 104.6 us; FP8
+# decode A/B (stacked_gate_up_ab_h200.log) batch 1 1.053x, batch 8 1.017x. Its sums take Hopper's FP8 accumulation
+# (fp8_w8a8.MAX_IMPRECISE_ACC): the same largest error against the reference, a few more outputs one e4m3 step off
+# (stacked_gate_up_errors_h200.log). Read at each call (an A/B knob, with the CUDA graphs captured before it released)
 W8A8_STACKED_GATE_UP = True
 W8A8_STACKED_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 4, 4), down=(64, GROUP, 4, 4))
+
+
+def w8a8_config() -> MoeConfig:
+    """The W8A8 expert kernels' default tiles: :data:`W8A8_STACKED_CONFIG` where the gate/up stacks its tiles
+    (:data:`W8A8_STACKED_GATE_UP`), else :data:`W8A8_CONFIG`."""
+    return W8A8_STACKED_CONFIG if W8A8_STACKED_GATE_UP else W8A8_CONFIG
 # False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
 # with the CUDA graphs captured before it released)
 W8A8_EXPERTS = True
@@ -338,7 +351,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     that row alone and each (token, expert) pair is a column of its own in the MMAs, so a token's output does not
     depend on the other tokens of its forward."""
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
-    config = config or (W8A8_STACKED_CONFIG if W8A8_STACKED_GATE_UP else W8A8_CONFIG)
+    config = config or w8a8_config()
     tokens, hidden = x.shape
     experts, inter = down.shape[0], down.shape[2]
     top_k = top_k_index.shape[1]
