@@ -22,19 +22,21 @@ each expert's projections with its ``fp8_linear``, which quantizes the rows (per
 block, ``amax / 448``; per row without K blocks) and multiplies e4m3 by e4m3. The W8A8 kernels do the same with the
 grouping above: the token rows quantized once for all experts (``fp8_w8a8.quantize_rows``), the gate/up and down
 kernels multiplying e4m3 codes by e4m3 weights on the FP8 tensor cores (the weights as the MMA's rows, one group of
-K per step, each partial times its rows' and its weight block's scales, as ``fp8_w8a8``'s GEMM; the gate/up stacks a
-program's 32 gate rows over its 32 up rows into one 64-row tile, which Hopper's warpgroup MMA reads from shared
-memory), the intermediate rows quantized by a launch of their own between the two. No weight is converted.
-``FP8Experts`` take them where ``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8 tensor cores)
-and the activations are dynamic (:func:`experts_w8a8`); elsewhere the weight-only kernels above. The reference
-(``w8a8=True``) quantizes and dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``) before the
-products.
+K per step, each partial times its rows' and its weight block's scales, as ``fp8_w8a8``'s GEMM; with the default
+tiles the gate/up stacks a program's 32 gate rows over its 32 up rows into one 64-row tile, which Hopper's warpgroup
+MMA reads from shared memory), the intermediate rows quantized by a launch of their own between the two. No weight
+is converted. ``FP8Experts`` take them where ``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8
+tensor cores) and the activations are dynamic (:func:`experts_w8a8`); elsewhere the weight-only kernels above. The
+reference (``w8a8=True``) quantizes and dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``)
+before the products.
 
 ``FP8Experts`` modules whose gate this does not compute (a soft-capped or clamped SwiGLU, an activation other
 than tanh-GELU or SiLU) or whose weights it does not take keep the per-pair path
 (:func:`.fp8_gemm.fp8_expert_linear`: one matrix-vector product per (token, expert) pair, the module's own
 ``_apply_gate``), as do CPU tensors and autograd.
 """
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +83,9 @@ from .skinny_gemm import load_k_tile
 
 FP16_DOTS = True  # bf16 token rows multiply the gate/up weights as fp16 where e4m3 loads natively (False: as bf16)
 # W8A8 expert kernels: (BLOCK_N, -, num_warps, num_stages) of the gate/up and down kernels (the K step is one group
-# of the activations' scales); 16-row blocks at every width, as the weight-only FP8 kernels. The best of 24 configs
-# per kernel at the 26B-A4B experts, 1 + 4 tokens graph-timed on an H200 (`moe_gpu_check --weights w8a8 --sweep`,
+# of the activations' scales); 16-row blocks at every width, as the weight-only FP8 kernels. W8A8_CONFIG: the tiles
+# of the gate/up in two tiles (W8A8_STACKED_GATE_UP = False), the best of 24 configs per kernel at the 26B-A4B
+# experts, 1 + 4 tokens graph-timed on an H200 (`moe_gpu_check --weights w8a8 --sweep`, before the stacked gate/up:
 # benchmarks/results/moe_w8a8_sweep_h200.log): 101.7 us against 110.9 for (32, 128, 4, 4) / (64, 128, 4, 4)
 W8A8_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 2, 4), down=(64, GROUP, 4, 4))
 # True: the W8A8 gate/up kernel multiplies one [64, K] tile a step, its 32 gate rows over its 32 up rows (the
@@ -95,16 +98,18 @@ W8A8_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 2, 4), down=(64, GROUP, 
 # (fp8_w8a8.MAX_IMPRECISE_ACC): the same largest error against the reference, a few more outputs one e4m3 step off
 # (stacked_gate_up_errors_h200.log). Read at each call (an A/B knob, with the CUDA graphs captured before it released)
 W8A8_STACKED_GATE_UP = True
-W8A8_STACKED_CONFIG = MoeConfig(block_m=16, gate_up=(32, GROUP, 4, 4), down=(64, GROUP, 4, 4))
+# the stacked gate/up's tiles: 4 warps for the warpgroup MMA (2 warps, or 16-wide tiles, fall back to the warp-level
+# MMA); its stages and the down kernel's tiles are W8A8_CONFIG's, not swept again
+W8A8_STACKED_CONFIG = dataclasses.replace(W8A8_CONFIG, gate_up=(32, GROUP, 4, 4))
+# False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
+# with the CUDA graphs captured before it released)
+W8A8_EXPERTS = True
 
 
 def w8a8_config() -> MoeConfig:
     """The W8A8 expert kernels' default tiles: :data:`W8A8_STACKED_CONFIG` where the gate/up stacks its tiles
     (:data:`W8A8_STACKED_GATE_UP`), else :data:`W8A8_CONFIG`."""
     return W8A8_STACKED_CONFIG if W8A8_STACKED_GATE_UP else W8A8_CONFIG
-# False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
-# with the CUDA graphs captured before it released)
-W8A8_EXPERTS = True
 
 
 def fused_moe_fp8(hidden_states: torch.Tensor,  # [tokens, hidden] bf16 / fp16
@@ -258,11 +263,8 @@ def _w8a8_gate_up_kernel(
                                                                 ONE_TOKEN)
     q_rows = q_ptr + token[:, None] * hidden
     qs_rows = qs_ptr + token * stride_qs_row
-    g_rows = wg_ptr + expert * stride_ge + cols.to(tl.int64)[:, None] * stride_gn
-    u_rows = wu_ptr + expert * stride_ue + cols.to(tl.int64)[:, None] * stride_un
-    sg_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn
-    su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
-    if STACKED:  # one [2 * BLOCK_N, GROUP_K] tile a step: the gate's rows, then the up's (one warpgroup MMA)
+    if STACKED:  # one [2 * BLOCK_N, GROUP_K] tile a step: the gate's rows, then the up's (the warpgroup MMA with
+        # the default tiles: 4 warps, BLOCK_N 32)
         half = tl.arange(0, 2 * BLOCK_N) // BLOCK_N
         c2 = tl.program_id(1) * BLOCK_N + tl.arange(0, 2 * BLOCK_N) % BLOCK_N
         c2_ok = c2 < inter_size
@@ -281,6 +283,10 @@ def _w8a8_gate_up_kernel(
             acc = acc * load_scale(s2_cols, c2_ok, SCALE_E8M0)[:, None]
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N, BLOCK_M]), (1, 2, 0)))
     else:
+        g_rows = wg_ptr + expert * stride_ge + cols.to(tl.int64)[:, None] * stride_gn
+        u_rows = wu_ptr + expert * stride_ue + cols.to(tl.int64)[:, None] * stride_un
+        sg_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn
+        su_cols = s_ptr + expert * stride_se + ((up_row0 + cols) // scale_bn).to(tl.int64) * stride_sn
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, hidden, GROUP_K):
