@@ -53,16 +53,18 @@ def make_fp8_moe(tokens, experts, top_k, hidden=32, inter=24, block_size=(16, 16
     return tuple(t.to(device) for t in (x.to(dtype), gate_up, gate_up_scale, down, down_scale, index, weights))
 
 
-def assert_w8a8_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+def assert_w8a8_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                      default_tiles: bool = False) -> None:
     """W8A8 kernels against the W8A8 reference. The kernels' gate/up sums differ from the reference's in the last
     bits (summation order; on Hopper the FP8 MMA's own accumulation), so an intermediate value can round to the
     neighbouring value of the dtype, and where that sits at an e4m3 rounding boundary its code moves by one e4m3 step
-    (1/8 to 1/16 of the value): a few outputs move by up to ~2% of the outputs' scale. So: nearly every output within
-    the dtype's tolerance, and none off by more than 5% of the largest (a wrong scale or row moves most of them).
-    The gate/up's warpgroup MMA (``W8A8_STACKED_GATE_UP``, 4 warps) adds its products with Hopper's FP8 accumulation
-    (``fp8_w8a8.MAX_IMPRECISE_ACC``), which moves more of those codes: 5-7% of the outputs on these shapes on an
-    H200, against under 5% with the warp-level MMA's fp32 sums, so 90% there. In the interpreter (CPU tensors) the
-    kernels multiply in exact fp32: every output within the dtype's tolerance."""
+    (1/8 to 1/16 of the value): a few outputs move by up to ~2% of the outputs' scale. So: none off by more than 5% of
+    the largest (a wrong scale or row moves most of them), and nearly every output within the dtype's tolerance: 95%,
+    or 90% where the call ran the default tiles (``default_tiles``) with the stacked gate/up
+    (``fp8_moe.W8A8_STACKED_GATE_UP``): its warpgroup MMA adds its products with Hopper's FP8 accumulation
+    (``fp8_w8a8.MAX_IMPRECISE_ACC``), which moves more of those codes (5.6-7.2% of the outputs on these shapes on an
+    H200, against under 5% with the warp-level MMA's fp32 sums of the other tiles). In the interpreter (CPU tensors)
+    the kernels multiply in exact fp32: every output within the dtype's tolerance."""
     if got.device.type == "cpu":
         torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
         return
@@ -70,7 +72,8 @@ def assert_w8a8_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dt
     torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * expected.abs().max().item())
     tolerance = TOLERANCE[dtype]
     close = (got - expected).abs() <= tolerance["atol"] + tolerance["rtol"] * expected.abs()
-    assert close.float().mean() >= 0.90, f"{(~close).sum().item()} of {close.numel()} outputs off"
+    least = 0.90 if default_tiles and fp8_moe.W8A8_STACKED_GATE_UP else 0.95
+    assert close.float().mean() >= least, f"{(~close).sum().item()} of {close.numel()} outputs off"
 
 
 def dequantized(weight, scale, block_size):
@@ -253,7 +256,7 @@ def test_triton_fused_moe_w8a8(triton_device, dtype, block_size, scale_dtype, to
     assert_w8a8_close(got, expected, dtype)
     if tokens == 5:  # the default tiles
         assert_w8a8_close(fused_moe_fp8(*args, activation=activation, block_size=block_size, w8a8=True), expected,
-                          dtype)
+                          dtype, default_tiles=True)
 
 
 @pytest.mark.parametrize("block_size", [None, (32, 256)])
@@ -265,7 +268,7 @@ def test_triton_fused_moe_w8a8_wide_k(triton_device, block_size):
     got = fused_moe_fp8(*args, activation="silu", block_size=block_size, w8a8=True)
     expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="silu", block_size=block_size,
                                        w8a8=True)
-    assert_w8a8_close(got, expected, torch.bfloat16)
+    assert_w8a8_close(got, expected, torch.bfloat16, default_tiles=True)
 
 
 def test_triton_fused_moe_w8a8_token_alone_gives_the_same_bits(triton_device):
@@ -289,7 +292,7 @@ def test_triton_fused_moe_w8a8_gate_up_stacked_or_apart(triton_device, monkeypat
     got = fused_moe_fp8(*args, activation="gelu_tanh", block_size=block_size, w8a8=True)
     expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=block_size,
                                        w8a8=True)
-    assert_w8a8_close(got, expected, torch.bfloat16)
+    assert_w8a8_close(got, expected, torch.bfloat16, default_tiles=True)
 
 
 def test_triton_w8a8_needs_groups_of_32(triton_device):
@@ -319,7 +322,7 @@ def test_triton_fp8_experts_forward_quantizes_rows_where_transformers_does(trito
     assert launched == ["fused_moe_w8a8_kernels" if w8a8 else "_kernels"]
     expected = fused_moe_fp8_reference(*args, activation="gelu_tanh", block_size=(16, 32), w8a8=w8a8)
     if w8a8:
-        assert_w8a8_close(got, expected, torch.bfloat16)
+        assert_w8a8_close(got, expected, torch.bfloat16, default_tiles=True)
     else:
         torch.testing.assert_close(got.float().cpu(), expected.float(), **TOLERANCE[torch.bfloat16])
 
@@ -342,7 +345,7 @@ def test_fused_moe_fp8_captures_in_a_cuda_graph():
         reference = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=(128, 128),
                                             w8a8=w8a8)
         if w8a8:
-            assert_w8a8_close(got, reference, torch.bfloat16)
+            assert_w8a8_close(got, reference, torch.bfloat16, default_tiles=True)
         else:
             torch.testing.assert_close(got.float().cpu(), reference.float(), **TOLERANCE[torch.bfloat16])
 
