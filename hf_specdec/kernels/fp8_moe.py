@@ -25,10 +25,10 @@ kernels multiplying e4m3 codes by e4m3 weights on the FP8 tensor cores (the weig
 K per step, each partial times its rows' and its weight block's scales, as ``fp8_w8a8``'s GEMM; with the default
 tiles the gate/up stacks a program's 32 gate rows over its 32 up rows into one 64-row tile, which Hopper's warpgroup
 MMA reads from shared memory), the intermediate rows quantized by the down kernel itself, a group a K step (a
-launch of their own between the two where a scale covers a whole row). No weight is converted. ``FP8Experts`` take them where ``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8
-tensor cores) and the activations are dynamic (:func:`experts_w8a8`); elsewhere the weight-only kernels above. The
-reference (``w8a8=True``) quantizes and dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``)
-before the products.
+launch of their own between the two where a scale covers a whole row). No weight is converted. ``FP8Experts`` take
+them where ``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8 tensor cores) and the activations
+are dynamic (:func:`experts_w8a8`); elsewhere the weight-only kernels above. The reference (``w8a8=True``)
+quantizes and dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``) before the products.
 
 ``FP8Experts`` modules whose gate this does not compute (a soft-capped or clamped SwiGLU, an activation other
 than tanh-GELU or SiLU) or whose weights it does not take keep the per-pair path
@@ -369,9 +369,9 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     """W8A8 experts for arguments already checked and found eligible (``fused_moe_fp8(..., w8a8=True)``): the
     token rows quantized once for every expert (``fp8_w8a8.quantize_rows``, one launch, or none where the kernel that
     computed them attached their codes), the gate/up kernel, the down kernel (quantizing the intermediate rows
-    group by group, :data:`W8A8_DOWN_QUANTIZES`; else one launch before it), the top-k sum. A row's codes and scales depend on
-    that row alone and each (token, expert) pair is a column of its own in the MMAs, so a token's output does not
-    depend on the other tokens of its forward."""
+    group by group, :data:`W8A8_DOWN_QUANTIZES`; else one launch before it), the top-k sum. A row's codes and scales
+    depend on that row alone and each (token, expert) pair is a column of its own in the MMAs, so a token's output
+    does not depend on the other tokens of its forward."""
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
     config = config or w8a8_config()
     tokens, hidden = x.shape
