@@ -24,11 +24,11 @@ grouping above: the token rows quantized once for all experts (``fp8_w8a8.quanti
 kernels multiplying e4m3 codes by e4m3 weights on the FP8 tensor cores (the weights as the MMA's rows, one group of
 K per step, each partial times its rows' and its weight block's scales, as ``fp8_w8a8``'s GEMM; with the default
 tiles the gate/up stacks a program's 32 gate rows over its 32 up rows into one 64-row tile, which Hopper's warpgroup
-MMA reads from shared memory), the intermediate rows quantized by the down kernel itself, a group a K step (a
-launch of their own between the two where a scale covers a whole row). No weight is converted. ``FP8Experts`` take
-them where ``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8 tensor cores) and the activations
-are dynamic (:func:`experts_w8a8`); elsewhere the weight-only kernels above. The reference (``w8a8=True``)
-quantizes and dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``) before the products.
+MMA reads from shared memory), the intermediate rows quantized by a launch of their own between the two. No weight
+is converted. ``FP8Experts`` take them where ``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8
+tensor cores) and the activations are dynamic (:func:`experts_w8a8`); elsewhere the weight-only kernels above. The
+reference (``w8a8=True``) quantizes and dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``)
+before the products.
 
 ``FP8Experts`` modules whose gate this does not compute (a soft-capped or clamped SwiGLU, an activation other
 than tanh-GELU or SiLU) or whose weights it does not take keep the per-pair path
@@ -65,7 +65,6 @@ from .fp8_w8a8 import (
     group_for,
     quantize_rows,
     row_codes,
-    to_e4m3,
 )
 from .fused_moe import (
     MAX_EXPERTS,
@@ -102,10 +101,6 @@ W8A8_STACKED_GATE_UP = True
 # the stacked gate/up's tiles: 4 warps for the warpgroup MMA (2 warps, or 16-wide tiles, fall back to the warp-level
 # MMA); its stages and the down kernel's tiles are W8A8_CONFIG's, not swept again
 W8A8_STACKED_CONFIG = dataclasses.replace(W8A8_CONFIG, gate_up=(32, GROUP, 4, 4))
-# True: the W8A8 down kernel quantizes the intermediate rows itself, a group a K step (the codes quantize_rows would
-# make, in registers), where the activations' scales are per group; False: a launch of its own between the kernels
-# (read at each call: an A/B knob, with the CUDA graphs captured before it released)
-W8A8_DOWN_QUANTIZES = True
 # False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
 # with the CUDA graphs captured before it released)
 W8A8_EXPERTS = True
@@ -323,13 +318,10 @@ def _w8a8_down_kernel(
     s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    ONE_TOKEN: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, QUANTIZE: tl.constexpr = False,
+    ONE_TOKEN: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (block, BLOCK_N columns of H): the block's intermediate codes times the expert's down tiles
-    as in the gate/up kernel, rounded to DTYPE, times each pair's routing weight, written fp32 to row ``pair``.
-    QUANTIZE: ``c_ptr`` holds the intermediate rows themselves (the activations' dtype), and each step makes its
-    group's codes and scales as ``quantize_rows`` does (``amax / 448`` per row and group, 1 for an all-zero group;
-    ``cs_ptr`` is not read): the same codes, without a launch of their own between the two kernels."""
+    as in the gate/up kernel, rounded to DTYPE, times each pair's routing weight, written fp32 to row ``pair``."""
     pdl_wait(PDL)
     block = tl.program_id(0)
     if not ONE_TOKEN:
@@ -344,14 +336,7 @@ def _w8a8_down_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, inter_size, GROUP_K):
         w, c = load_k_tile(w_rows, c_rows, k0, inter_size, col_ok, row_ok, GROUP_K)
-        if QUANTIZE:  # (zeros past the row's end and on padding rows, as the quantize kernel loads them)
-            cf = c.to(tl.float32)
-            amax = tl.max(tl.abs(cf), axis=1)
-            cs = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
-            c = to_e4m3(cf, cs[:, None], EMULATE)
-            cs = cs[None, :]
-        else:
-            cs = tl.load(cs_rows + (k0 // GROUP_K) * stride_cs_group, mask=row_ok, other=1.0)[None, :]
+        cs = tl.load(cs_rows + (k0 // GROUP_K) * stride_cs_group, mask=row_ok, other=1.0)[None, :]
         part = e4m3_dot(w, c, EMULATE, IMPRECISE_ACC) * cs
         if SCALE_PER_K:
             part = part * load_scale(s_cols + (k0 // scale_bk) * stride_sk, col_ok, SCALE_E8M0)[:, None]
@@ -367,11 +352,10 @@ def _w8a8_down_kernel(
 def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_scale, top_k_index, top_k_weights,
                            activation, block_size, limit=None, config=None) -> torch.Tensor:
     """W8A8 experts for arguments already checked and found eligible (``fused_moe_fp8(..., w8a8=True)``): the
-    token rows quantized once for every expert (``fp8_w8a8.quantize_rows``, one launch, or none where the kernel that
-    computed them attached their codes), the gate/up kernel, the down kernel (quantizing the intermediate rows
-    group by group, :data:`W8A8_DOWN_QUANTIZES`; else one launch before it), the top-k sum. A row's codes and scales
-    depend on that row alone and each (token, expert) pair is a column of its own in the MMAs, so a token's output
-    does not depend on the other tokens of its forward."""
+    token rows quantized once for every expert (``fp8_w8a8.quantize_rows``, one launch), the gate/up kernel, the
+    intermediate rows quantized (one launch), the down kernel, the top-k sum. A row's codes and scales depend on
+    that row alone and each (token, expert) pair is a column of its own in the MMAs, so a token's output does not
+    depend on the other tokens of its forward."""
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
     config = config or w8a8_config()
     tokens, hidden = x.shape
@@ -402,20 +386,17 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     # never read; quantizing them costs a few rows' work)
     bn, bk = expert_scale_blocks(down_scale, block_size, *down.shape[1:])
     per_row, step = _activation_group(down_scale, bk)
-    in_kernel = W8A8_DOWN_QUANTIZES and not per_row  # (a scale per whole row needs the row's amax first)
-    codes, scales = ((intermediate, intermediate) if in_kernel
-                     else quantize_rows(intermediate, step, per_row=per_row, emulate=emulate))
+    codes, scales = quantize_rows(intermediate, step, per_row=per_row, emulate=emulate)
     parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     block_n, _, warps, stages = config.down
     e8m0 = down_scale.dtype == E8M0_DTYPE
     grid_scale = down_scale.view(torch.uint8) if e8m0 else down_scale
     _w8a8_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         codes, scales, down, parts, top_k_weights.reshape(-1).float(), row_pair, block_expert, num_blocks,
-        pairs, experts, hidden, inter, 0 if in_kernel else scales.stride(0), 0 if per_row else 1, down.stride(0),
-        down.stride(1),
+        pairs, experts, hidden, inter, scales.stride(0), 0 if per_row else 1, down.stride(0), down.stride(1),
         grid_scale, *grid_scale.stride(), bn, bk, DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16,
         BLOCK_N=block_n, GROUP_K=step, SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages,
-        QUANTIZE=in_kernel, **common, **pdl_args(parts))
+        **common, **pdl_args(parts))
     return sum_parts(parts, tokens, top_k, x.dtype, emulate_bf16)
 
 

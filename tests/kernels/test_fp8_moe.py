@@ -9,7 +9,7 @@ import torch
 from hf_specdec.generation.quantization import fp8_quantize_model
 from hf_specdec.kernels import fp8_moe
 from hf_specdec.kernels.fp8_gemm import E8M0_DTYPE, dequantize_fp8, quantize_fp8
-from hf_specdec.kernels.fp8_w8a8 import quantize_rows, w8a8_linear_reference
+from hf_specdec.kernels.fp8_w8a8 import w8a8_linear_reference
 from hf_specdec.kernels.fp8_moe import (
     fp8_experts_forward,
     fused_moe_fp8,
@@ -293,32 +293,6 @@ def test_triton_fused_moe_w8a8_gate_up_stacked_or_apart(triton_device, monkeypat
     expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=block_size,
                                        w8a8=True)
     assert_w8a8_close(got, expected, torch.bfloat16, default_tiles=True)
-
-
-@pytest.mark.parametrize("tokens", [1, 5])
-@pytest.mark.parametrize("block_size", [(32, 64), (16, 32), None])
-def test_triton_fused_moe_w8a8_down_quantizes_or_apart(triton_device, monkeypatch, block_size, tokens):
-    """The intermediate rows quantized inside the down kernel, a group a step, give the bits of the launch of their
-    own before it (the same codes and scales): several groups and a partial last one (inter 200), padding rows of
-    a block, per-row activations (None: a scale per whole row, which keeps the launch)."""
-    args = make_fp8_moe(tokens, 8, 2, hidden=64, inter=200, block_size=block_size, seed=11, device=triton_device)
-    quantized = []
-
-    def counting(x, *rest, **kwargs):
-        quantized.append(x.shape)
-        return quantize_rows(x, *rest, **kwargs)
-
-    monkeypatch.setattr(fp8_moe, "quantize_rows", counting)
-    got = {}
-    for fused in (False, True):
-        monkeypatch.setattr(fp8_moe, "W8A8_DOWN_QUANTIZES", fused)
-        quantized.clear()
-        got[fused] = fused_moe_fp8(*args, activation="gelu_tanh", block_size=block_size, w8a8=True)
-        assert len(quantized) == (1 if fused and block_size is not None else 2)  # the token rows (+ the intermediate)
-    assert torch.equal(got[True], got[False])
-    expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=block_size,
-                                       w8a8=True)
-    assert_w8a8_close(got[True], expected, torch.bfloat16, default_tiles=True)
 
 
 def test_triton_w8a8_needs_groups_of_32(triton_device):
