@@ -266,7 +266,8 @@ def _w8a8_gate_up_kernel(
     q_ptr, qs_ptr, wg_ptr, wu_ptr, inter_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
     num_pairs, num_experts, top_k, hidden, inter_size, limit, stride_qs_row, stride_qs_group,
     stride_ge, stride_gn, stride_ue, stride_un, s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, up_row0,
-    parts_ptr, num_rows, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    parts_ptr, num_rows, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr,
     EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
     IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, STACKED: tl.constexpr = False, SPLITS: tl.constexpr = 1,
@@ -469,7 +470,8 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     _w8a8_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         codes, scales, down, parts, top_k_weights.reshape(-1).float(), row_pair, block_expert, num_blocks,
         pairs, experts, hidden, inter, scales.stride(0), 0 if per_row else 1, down.stride(0), down.stride(1),
-        grid_scale, *grid_scale.stride(), bn, bk, DTYPE=dtype, BLOCK_N=block_n, GROUP_K=step, SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages,
+        grid_scale, *grid_scale.stride(), bn, bk, DTYPE=dtype, BLOCK_N=block_n, GROUP_K=step, SCALE_PER_K=not per_row,
+        SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages,
         **common, **pdl_args(parts))
     return sum_parts(parts, tokens, top_k, x.dtype, emulate_bf16)
 
