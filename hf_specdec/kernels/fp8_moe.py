@@ -24,8 +24,7 @@ grouping above: the token rows quantized once for all experts (``fp8_w8a8.quanti
 kernels multiplying e4m3 codes by e4m3 weights on the FP8 tensor cores (the weights as the MMA's rows, one group of
 K per step, each partial times its rows' and its weight block's scales, as ``fp8_w8a8``'s GEMM; with the default
 tiles the gate/up stacks a program's 32 gate rows over its 32 up rows into one 64-row tile, which Hopper's warpgroup
-MMA reads from shared memory, in two splits of K whose partial sums the launch that quantizes the intermediate rows
-adds, before the activation), the intermediate rows quantized by a launch of their own between the two. No weight
+MMA reads from shared memory), the intermediate rows quantized by a launch of their own between the two. No weight
 is converted. ``FP8Experts`` take them where ``fp8_w8a8.activations_quantized`` (bf16 / fp16 rows on a GPU with FP8
 tensor cores) and the activations are dynamic (:func:`experts_w8a8`); elsewhere the weight-only kernels above. The
 reference (``w8a8=True``) quantizes and dequantizes each projection's rows (``fp8_w8a8.dequantized_activations``)
@@ -42,8 +41,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import (check, check_same_device, interpreting, needs_grad, next_power_of_2, pdl_args, pdl_wait, tl,
-                        triton, use_triton)
+from ._dispatch import check, check_same_device, interpreting, needs_grad, pdl_args, pdl_wait, tl, triton, use_triton
 from .activations import ACTIVATIONS, GELU_TANH_CONSTANTS, gated_activation, round_to
 from .fp8_gemm import (
     ACTIVATION_DTYPES,
@@ -61,14 +59,12 @@ from .fp8_w8a8 import (
     GROUP,
     MAX_IMPRECISE_ACC,
     MIN_GROUP,
-    QUANTIZE_VALUES,
     activations_quantized,
     dequantized_activations,
     e4m3_dot,
     group_for,
     quantize_rows,
     row_codes,
-    store_row_codes,
 )
 from .fused_moe import (
     MAX_EXPERTS,
@@ -105,27 +101,9 @@ W8A8_STACKED_GATE_UP = True
 # the stacked gate/up's tiles: 4 warps for the warpgroup MMA (2 warps, or 16-wide tiles, fall back to the warp-level
 # MMA); its stages and the down kernel's tiles are W8A8_CONFIG's, not swept again
 W8A8_STACKED_CONFIG = dataclasses.replace(W8A8_CONFIG, gate_up=(32, GROUP, 4, 4))
-# Splits of K for the stacked W8A8 gate/up: each program sums its share of K's groups and writes fp32 partials, and the
-# launch that quantized the intermediate rows adds them in split order, applies the activation and makes the codes
-# (_w8a8_gate_up_finish_kernel). At one token the gate/up's ~22 K steps a program, not its bytes, set its time
-# (benchmarks/results/gate_up_diag_profiled_h200.log: 11.8 us, 9.1 with no weight byte read, 8.8 in two splits).
-# Forwards of more than W8A8_SPLIT_MAX_PAIRS pairs (prefills: the partials take 8 bytes a pair and intermediate
-# value) keep one. Read at each call (an A/B knob, with the CUDA graphs captured before it released)
-W8A8_GATE_UP_SPLITS = 2
-W8A8_SPLIT_MAX_PAIRS = 4096
 # False: FP8Experts keep the weight-only kernels where their rows would be quantized (read at each call: an A/B knob,
 # with the CUDA graphs captured before it released)
 W8A8_EXPERTS = True
-
-
-def gate_up_splits(pairs: int, down_per_row: bool) -> int:
-    """Splits of K for the W8A8 gate/up of a forward of ``pairs`` (token, expert) pairs: :data:`W8A8_GATE_UP_SPLITS`
-    for the stacked tile where the intermediate rows are quantized per group (the launch that adds the splits makes
-    their codes) and the forward has at most :data:`W8A8_SPLIT_MAX_PAIRS` pairs, else 1. Every decode and verify
-    forward up to that size splits alike, so a token's sums do not depend on its forward's other tokens."""
-    if W8A8_GATE_UP_SPLITS > 1 and W8A8_STACKED_GATE_UP and not down_per_row and pairs <= W8A8_SPLIT_MAX_PAIRS:
-        return W8A8_GATE_UP_SPLITS
-    return 1
 
 
 def w8a8_config() -> MoeConfig:
@@ -266,18 +244,15 @@ def _w8a8_gate_up_kernel(
     q_ptr, qs_ptr, wg_ptr, wu_ptr, inter_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
     num_pairs, num_experts, top_k, hidden, inter_size, limit, stride_qs_row, stride_qs_group,
     stride_ge, stride_gn, stride_ue, stride_un, s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, up_row0,
-    parts_ptr, num_rows, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr,
     EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, STACKED: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+    IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, STACKED: tl.constexpr = False,
 ):
     """One program per (block, BLOCK_N columns of I): the block's token codes [BLOCK_M, H] (gathered by token)
     times the expert's gate and up tiles, the weights as the MMA's rows, one group of K per step, each partial
     times its rows' and its weight block's scales; then the activation, written [BLOCK_M, BLOCK_N] in the
-    activations' dtype (padding rows: zeros). SPLITS > 1 (the stacked tile only): program_id(2) takes the
-    split's share of K (whole groups) and writes its fp32 sums to ``parts_ptr`` [SPLITS, num_rows, 2I] (the gate's
-    at columns c, the up's at I + c) for :func:`_w8a8_gate_up_finish_kernel`."""
+    activations' dtype (padding rows: zeros)."""
     pdl_wait(PDL)
     block = tl.program_id(0)
     if not ONE_TOKEN:
@@ -297,9 +272,7 @@ def _w8a8_gate_up_kernel(
         w2_rows = wg_ptr + expert * stride_ge + stacked_row[:, None] * stride_gn
         s2_cols = s_ptr + expert * stride_se + (stacked_row // scale_bn) * stride_sn
         acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
-        k_per = tl.cdiv(hidden, GROUP_K * SPLITS) * GROUP_K  # whole groups a split (SPLITS = 1: all of K)
-        k_lo = tl.program_id(2) * k_per
-        for k0 in range(k_lo, tl.minimum(k_lo + k_per, hidden), GROUP_K):
+        for k0 in range(0, hidden, GROUP_K):
             w, q = load_k_tile(w2_rows, q_rows, k0, hidden, c2_ok, row_ok, GROUP_K)
             qs = tl.load(qs_rows + (k0 // GROUP_K) * stride_qs_group, mask=row_ok, other=1.0)[None, :]
             part = e4m3_dot(w, q, EMULATE, IMPRECISE_ACC) * qs
@@ -308,10 +281,6 @@ def _w8a8_gate_up_kernel(
             acc += part
         if not SCALE_PER_K:  # one scale per row (or per tensor): on the finished sums
             acc = acc * load_scale(s2_cols, c2_ok, SCALE_E8M0)[:, None]
-        if SPLITS > 1:  # this split's sums, for the launch that adds the splits in order
-            part_rows = (tl.program_id(2) * num_rows + rows).to(tl.int64) * (2 * inter_size)
-            tl.store(parts_ptr + part_rows[None, :] + stacked_row[:, None], acc, mask=c2_ok[:, None])
-            return
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_N, BLOCK_M]), (1, 2, 0)))
     else:
         g_rows = wg_ptr + expert * stride_ge + cols.to(tl.int64)[:, None] * stride_gn
@@ -340,32 +309,6 @@ def _w8a8_gate_up_kernel(
     h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, dtype,
                          ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
     tl.store(inter_ptr + rows[None, :] * inter_size + cols[:, None], h, mask=col_ok[:, None])
-
-
-@triton.jit
-def _w8a8_gate_up_finish_kernel(parts_ptr, q_ptr, qs_ptr, num_rows, inter_size, groups, limit, DTYPE: tl.constexpr,
-                                SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
-                                ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, EMULATE: tl.constexpr,
-                                EMULATE_BF16: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
-                                PDL: tl.constexpr):
-    """Row ``program_id(0)`` of the intermediate, groups ``program_id(1) * GROUPS_PER_PROGRAM ...``: the gate/up
-    kernel's SPLITS partial sums added in split order (fp32), rounded to DTYPE, the activation as the unsplit
-    kernel computes it, then the rows' e4m3 codes and scales per group as ``quantize_rows`` makes them from the
-    stored activations (``fp8_w8a8.store_row_codes``): the down kernel's input, in the launch that quantized it."""
-    pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
-    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    ok = cols < inter_size
-    acc_g = tl.zeros([GROUPS_PER_PROGRAM, GROUP], dtype=tl.float32)
-    acc_u = tl.zeros([GROUPS_PER_PROGRAM, GROUP], dtype=tl.float32)
-    for split in tl.static_range(SPLITS):
-        base = parts_ptr + (split * num_rows + row) * (2 * inter_size)
-        acc_g += tl.load(base + cols, mask=ok, other=0.0)
-        acc_u += tl.load(base + inter_size + cols, mask=ok, other=0.0)
-    h = gated_activation(round_to(acc_g, DTYPE, EMULATE_BF16), round_to(acc_u, DTYPE, EMULATE_BF16), limit, DTYPE,
-                         ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
-    store_row_codes(h, row, cols, g, q_ptr, qs_ptr, inter_size, groups, EMULATE)
 
 
 @triton.jit
@@ -410,8 +353,7 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
                            activation, block_size, limit=None, config=None) -> torch.Tensor:
     """W8A8 experts for arguments already checked and found eligible (``fused_moe_fp8(..., w8a8=True)``): the
     token rows quantized once for every expert (``fp8_w8a8.quantize_rows``, one launch), the gate/up kernel, the
-    intermediate rows quantized (one launch; with splits of K, :func:`gate_up_splits`, the launch that adds the
-    splits' sums and applies the activation), the down kernel, the top-k sum. A row's codes and scales depend on
+    intermediate rows quantized (one launch), the down kernel, the top-k sum. A row's codes and scales depend on
     that row alone and each (token, expert) pair is a column of its own in the MMAs, so a token's output does not
     depend on the other tokens of its forward."""
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
@@ -425,44 +367,26 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     emulate_bf16 = emulate and x.dtype == torch.bfloat16
     common = dict(BLOCK_M=config.block_m, EMULATE=emulate, EMULATE_BF16=emulate_bf16, ONE_TOKEN=one_token,
                   IMPRECISE_ACC=MAX_IMPRECISE_ACC)
-    down_blocks = expert_scale_blocks(down_scale, block_size, *down.shape[1:])
-    down_per_row, down_step = _activation_group(down_scale, down_blocks[1])
-    splits = gate_up_splits(pairs, down_per_row)
-    rows = max_blocks * config.block_m
-    dtype = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
-    # gate/up: the token rows' codes, then the kernel (its activations, or with splits of K its fp32 partial sums)
+    # gate/up: the token rows' codes, then the kernel
     bn, bk = expert_scale_blocks(gate_up_scale, block_size, *gate_up.shape[1:])
     per_row, step = _activation_group(gate_up_scale, bk)
     codes, scales = quantize_rows(x, step, per_row=per_row, emulate=emulate, attached=row_codes(hidden_states))
-    if splits > 1:
-        intermediate = torch.empty(splits, rows, 2 * inter, dtype=torch.float32, device=x.device)
-    else:
-        intermediate = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    intermediate = torch.empty(max_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     block_n, _, warps, stages = config.gate_up
     e8m0 = gate_up_scale.dtype == E8M0_DTYPE
     grid_scale = gate_up_scale.view(torch.uint8) if e8m0 else gate_up_scale
-    _w8a8_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n), splits)](
+    _w8a8_gate_up_kernel[(max_blocks, triton.cdiv(inter, block_n))](
         codes, scales, gate_up, gate_up[:, inter:], intermediate, row_pair, block_expert, num_blocks,
         pairs, experts, top_k, hidden, inter, float(limit or 0.0), scales.stride(0), 0 if per_row else 1,
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(0), gate_up.stride(1), grid_scale, *grid_scale.stride(),
-        bn, bk, inter, intermediate, rows, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_N=block_n,
-        GROUP_K=step, SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, **GELU_TANH_CONSTANTS, num_warps=warps,
-        num_stages=stages, **common, STACKED=W8A8_STACKED_GATE_UP, SPLITS=splits, **pdl_args(intermediate))
-    # down: the intermediate rows' codes (rows of blocks past the real count hold no values and are never read;
-    # quantizing them costs a few rows' work), then the kernel
-    if splits > 1:  # the splits added, the activation and its codes in the launch that would quantize it
-        groups = triton.cdiv(inter, down_step)
-        per_program = max(1, min(next_power_of_2(groups), QUANTIZE_VALUES // down_step))
-        codes = torch.empty(rows, inter, dtype=torch.float32 if emulate else FP8_DTYPE, device=x.device)
-        scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-        _w8a8_gate_up_finish_kernel[(rows, triton.cdiv(groups, per_program))](
-            intermediate, codes, scales, rows, inter, groups, float(limit or 0.0), DTYPE=dtype, SPLITS=splits,
-            GROUP=down_step, GROUPS_PER_PROGRAM=per_program, ACTIVATION=activation, HAS_LIMIT=limit is not None,
-            EMULATE=emulate, EMULATE_BF16=emulate_bf16, **GELU_TANH_CONSTANTS, num_warps=4, **pdl_args(codes))
-    else:
-        codes, scales = quantize_rows(intermediate, down_step, per_row=down_per_row, emulate=emulate)
-    bn, bk = down_blocks
-    per_row, step = down_per_row, down_step
+        bn, bk, inter, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_N=block_n, GROUP_K=step,
+        SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, **common,
+        STACKED=W8A8_STACKED_GATE_UP, **pdl_args(intermediate))
+    # down: the intermediate rows' codes, then the kernel (rows of blocks past the real count hold no values and are
+    # never read; quantizing them costs a few rows' work)
+    bn, bk = expert_scale_blocks(down_scale, block_size, *down.shape[1:])
+    per_row, step = _activation_group(down_scale, bk)
+    codes, scales = quantize_rows(intermediate, step, per_row=per_row, emulate=emulate)
     parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     block_n, _, warps, stages = config.down
     e8m0 = down_scale.dtype == E8M0_DTYPE
@@ -470,8 +394,8 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     _w8a8_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         codes, scales, down, parts, top_k_weights.reshape(-1).float(), row_pair, block_expert, num_blocks,
         pairs, experts, hidden, inter, scales.stride(0), 0 if per_row else 1, down.stride(0), down.stride(1),
-        grid_scale, *grid_scale.stride(), bn, bk, DTYPE=dtype, BLOCK_N=block_n, GROUP_K=step, SCALE_PER_K=not per_row,
-        SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages,
+        grid_scale, *grid_scale.stride(), bn, bk, DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16,
+        BLOCK_N=block_n, GROUP_K=step, SCALE_PER_K=not per_row, SCALE_E8M0=e8m0, num_warps=warps, num_stages=stages,
         **common, **pdl_args(parts))
     return sum_parts(parts, tokens, top_k, x.dtype, emulate_bf16)
 

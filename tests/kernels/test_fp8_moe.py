@@ -9,7 +9,7 @@ import torch
 from hf_specdec.generation.quantization import fp8_quantize_model
 from hf_specdec.kernels import fp8_moe
 from hf_specdec.kernels.fp8_gemm import E8M0_DTYPE, dequantize_fp8, quantize_fp8
-from hf_specdec.kernels.fp8_w8a8 import quantize_rows, w8a8_linear_reference
+from hf_specdec.kernels.fp8_w8a8 import w8a8_linear_reference
 from hf_specdec.kernels.fp8_moe import (
     fp8_experts_forward,
     fused_moe_fp8,
@@ -293,58 +293,6 @@ def test_triton_fused_moe_w8a8_gate_up_stacked_or_apart(triton_device, monkeypat
     expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=block_size,
                                        w8a8=True)
     assert_w8a8_close(got, expected, torch.bfloat16, default_tiles=True)
-
-
-@pytest.mark.parametrize("splits", [1, 2, 3])
-@pytest.mark.parametrize("tokens,block_size", [(1, (32, 64)), (5, (16, 32)), (5, None), (40, (16, 32))])
-def test_triton_fused_moe_w8a8_gate_up_splits(triton_device, monkeypatch, tokens, block_size, splits):
-    """The stacked gate/up in splits of K (fp32 partials added in order by the launch that quantizes the intermediate
-    rows) against the W8A8 reference: one token, a verify's few, a prefill over several blocks of an expert, a split
-    with no group of K (three splits of hidden 64 in groups of 32), a column block past the intermediate size (inter
-    72 in blocks of 32, two or three groups of the down projection's K); per-row activations (None) keep one split
-    and the quantizing launch."""
-    monkeypatch.setattr(fp8_moe, "W8A8_GATE_UP_SPLITS", splits)
-    args = make_fp8_moe(tokens, 8, 2, hidden=64, inter=72, block_size=block_size, seed=12, device=triton_device)
-    quantized, finished = [], []
-    monkeypatch.setattr(fp8_moe, "quantize_rows", lambda x, *a, **k: quantized.append(x.shape) or quantize_rows(x, *a,
-                                                                                                                 **k))
-    finish = fp8_moe._w8a8_gate_up_finish_kernel
-    monkeypatch.setattr(fp8_moe, "_w8a8_gate_up_finish_kernel", _Spy(finish, finished))
-    got = fused_moe_fp8(*args, activation="gelu_tanh", block_size=block_size, w8a8=True)
-    split = splits > 1 and block_size is not None
-    assert (len(quantized), len(finished)) == ((1, 1) if split else (2, 0))
-    expected = fused_moe_fp8_reference(*(t.cpu() for t in args), activation="gelu_tanh", block_size=block_size,
-                                       w8a8=True)
-    assert_w8a8_close(got, expected, torch.bfloat16, default_tiles=True)
-
-
-def test_triton_fused_moe_w8a8_prefill_past_the_split_bound(triton_device, monkeypatch):
-    """A forward of more pairs than ``W8A8_SPLIT_MAX_PAIRS`` keeps one split (the partials' memory): the reference's
-    values, and a token's bits within forwards up to the bound still alike (the bound is a forward's pair count)."""
-    monkeypatch.setattr(fp8_moe, "W8A8_SPLIT_MAX_PAIRS", 4)
-    x, *rest, index, weights = make_fp8_moe(6, 8, 2, hidden=64, inter=72, block_size=(16, 32), seed=13,
-                                            device=triton_device)
-    assert fp8_moe.gate_up_splits(12, False) == 1 and fp8_moe.gate_up_splits(4, False) == fp8_moe.W8A8_GATE_UP_SPLITS
-    got = fused_moe_fp8(x, *rest, index, weights, activation="gelu_tanh", block_size=(16, 32), w8a8=True)
-    expected = fused_moe_fp8_reference(*(t.cpu() for t in (x, *rest, index, weights)), activation="gelu_tanh",
-                                       block_size=(16, 32), w8a8=True)
-    assert_w8a8_close(got, expected, torch.bfloat16, default_tiles=True)
-    pair = fused_moe_fp8(x[:2], *rest, index[:2], weights[:2], activation="gelu_tanh", block_size=(16, 32), w8a8=True)
-    for t in (0, 1):
-        alone = fused_moe_fp8(x[t:t + 1], *rest, index[t:t + 1], weights[t:t + 1], activation="gelu_tanh",
-                              block_size=(16, 32), w8a8=True)
-        assert torch.equal(alone[0], pair[t])
-
-
-class _Spy:
-    """A Triton kernel whose launches (``kernel[grid](...)``) are counted into ``calls``."""
-
-    def __init__(self, kernel, calls):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(grid)
-        return self.kernel[grid]
 
 
 def test_triton_w8a8_needs_groups_of_32(triton_device):
