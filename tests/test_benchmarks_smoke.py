@@ -458,6 +458,48 @@ def test_ab_decode_times_each_value_in_turn_and_restores_the_attribute(capsys, c
             ab.main(["--set", bad, "--device", "cpu"])
 
 
+def test_moe_kernel_ab_times_each_value_in_turn_and_restores_the_attribute(capsys, monkeypatch):
+    """``benchmarks.moe_kernel_ab``: per token count and round, each value in turn, its output compared with the first
+    value's, the attribute set back afterwards; without a GPU it refuses, naming what it needs. The layer and its
+    graph timing stand in for the GPU's (the bench's own plumbing is what runs)."""
+    import benchmarks.moe_kernel_ab as ab
+    from hf_specdec.kernels import fp8_moe
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        ab.main(["--set", "hf_specdec.kernels.fp8_moe.W8A8_STACKED_GATE_UP=False,True"])
+    seen = []
+
+    class Layer:  # output 1 + the setting: the second value's differs from the first's by 1
+        def __init__(self, name, weights):
+            assert (name, weights) == ("gemma4-26b-a4b", "w8a8")
+
+        def inputs(self, tokens):
+            return [torch.zeros(tokens, 4), torch.zeros(tokens, 2, dtype=torch.long), torch.ones(tokens, 2)]
+
+        def call(self, args):
+            seen.append(fp8_moe.W8A8_STACKED_GATE_UP)
+            return args[0] + 1.0 + float(fp8_moe.W8A8_STACKED_GATE_UP)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    monkeypatch.setattr(ab, "Layer", Layer)
+    monkeypatch.setattr(ab, "graph_time", lambda layer, args, fn: (fn(), ([3.0, 1.0, 2.0], [2]))[1])
+    before = fp8_moe.W8A8_STACKED_GATE_UP
+    assert ab.main(["--set", "hf_specdec.kernels.fp8_moe.W8A8_STACKED_GATE_UP=False,True", "--tokens", "1", "4",
+                    "--rounds", "2"]) == 0
+    assert fp8_moe.W8A8_STACKED_GATE_UP == before
+    assert seen == [False, False, True, True] * 4  # each timing: one call for the output, one under the timer
+    lines = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in lines if line.startswith('{"tokens"')]
+    assert [(r["tokens"], r["value"], r["round"]) for r in rows] == [
+        (t, v, r) for t in (1, 4) for r in (0, 1) for v in ("False", "True")]
+    assert all(r["median_us"] == 2.0 for r in rows)
+    assert [r["max_abs_diff_from_first"] for r in rows] == [0.0, 1.0] * 4
+    with pytest.raises(SystemExit, match="MODULE.ATTRIBUTE=V1,V2"):
+        ab.main(["--set", "W8A8_STACKED_GATE_UP=False,True"])
+
+
 def test_ab_spec_times_each_mode_under_each_value_in_turn(capsys, monkeypatch, clock_of_the_work):
     """``benchmarks.ab_spec``: per round, each value in turn, plain and every fixed-k mode of the member with the
     graphs released between values, the tokens compared with the first value's, the attribute set back afterwards."""
