@@ -64,6 +64,37 @@ def store_kv(
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
 
+def store_kv_layers(
+    keys: torch.Tensor,  # [layers, num_tokens, num_kv_heads, head_dim]
+    values: torch.Tensor,  # [layers, num_tokens, num_kv_heads, head_dim]
+    k_storage: torch.Tensor,  # [layers, num_blocks, block_size, num_kv_heads, head_dim]: one KV group's layers
+    v_storage: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]; < 0 => skip
+) -> None:
+    """:func:`store_kv` of every layer of one KV group at the same slots: layer i's keys and values into
+    ``k_storage[i]`` and ``v_storage[i]``. On the CPU one ``index_copy_`` per storage for all the layers (a group's
+    pages are slices of one storage); elsewhere :func:`store_kv` layer by layer."""
+    check(keys.shape == values.shape and keys.dim() == 4 and k_storage.dim() == 5
+          and keys.shape[0] == k_storage.shape[0] and keys.shape[2:] == k_storage.shape[3:]
+          and v_storage.shape == k_storage.shape and slot_mapping.shape == (keys.shape[1],),
+          f"store_kv_layers takes keys/values [layers, tokens, kv_heads, head_dim] for storage [layers, blocks, "
+          f"block_size, kv_heads, head_dim] and slots [tokens], got {tuple(keys.shape)}, {tuple(values.shape)}, "
+          f"{tuple(k_storage.shape)} and {tuple(slot_mapping.shape)}")
+    if keys.shape[1] == 0:
+        return
+    if keys.device.type != "cpu" or use_triton(keys):
+        for i in range(keys.shape[0]):
+            store_kv(keys[i], values[i], k_storage[i], v_storage[i], slot_mapping, validate=False)
+        return
+    layers, _, num_kv_heads, head_dim = keys.shape
+    if bool((slot_mapping < 0).any()):
+        keep = (slot_mapping >= 0).nonzero().squeeze(1)
+        keys, values, slot_mapping = keys.index_select(1, keep), values.index_select(1, keep), slot_mapping[keep]
+    slots = slot_mapping.long()
+    k_storage.view(layers, -1, num_kv_heads, head_dim).index_copy_(1, slots, keys.to(k_storage.dtype))
+    v_storage.view(layers, -1, num_kv_heads, head_dim).index_copy_(1, slots, values.to(v_storage.dtype))
+
+
 def _store_kv_cpu(key, value, k_cache, v_cache, slot_mapping) -> None:
     """The CPU path: one ``index_copy_`` per cache, the padding filtered only when a slot is < 0 (a decode or
     verify forward has none; the reference's boolean indexing costs ~5x more per call)."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_specdec.kernels import store_kv, store_kv_reference, use_triton
+from hf_specdec.kernels.store_kv import store_kv_layers
 
 
 @dataclass
@@ -74,6 +75,37 @@ def test_cpu_path_writes_slots_and_skips_padding(monkeypatch, padding, key_dtype
     k_expected, v_expected = case.expected_buffers()
     store_kv(*case.args())
     assert_stored(case, k_expected, v_expected)
+
+
+@pytest.mark.parametrize("padding", [True, False])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_layers_writes_each_layer_as_store_kv(monkeypatch, padding, cache_dtype):
+    """Several layers of one KV group at once (``store_kv_layers``: one write per storage on the CPU, layer by layer
+    elsewhere): each layer's storage holds what ``store_kv`` of that layer writes, padding slots skipped, every other
+    entry (the guard blocks, the other layers' slots) untouched."""
+    monkeypatch.delenv("HF_SPECDEC_FORCE_TRITON", raising=False)
+    cases = [make_store_case(seed=10 + i, cache_dtype=cache_dtype) for i in range(3)]
+    slots = cases[0].slot_mapping
+    if not padding:
+        free = [slot for slot in range(24) if slot not in slots.tolist()][:2]
+        slots[slots < 0] = torch.tensor(free, dtype=slots.dtype)
+    k_storage = torch.stack([c.k_buffer for c in cases])  # [layers, blocks + guards, block_size, heads, dim]
+    v_storage = torch.stack([c.v_buffer for c in cases])
+    expected = []
+    for c in cases:
+        c.slot_mapping = slots
+        expected.append(c.expected_buffers())
+    store_kv_layers(torch.stack([c.key for c in cases]), torch.stack([c.value for c in cases]), k_storage[:, 1:-1],
+                    v_storage[:, 1:-1], slots)
+    for i, (k_expected, v_expected) in enumerate(expected):
+        torch.testing.assert_close(k_storage[i], k_expected, rtol=0, atol=0)
+        torch.testing.assert_close(v_storage[i], v_expected, rtol=0, atol=0)
+
+
+def test_store_kv_layers_names_the_shapes_it_takes():
+    case = make_store_case()
+    with pytest.raises(ValueError, match=r"store_kv_layers takes keys/values \[layers, tokens"):
+        store_kv_layers(case.key, case.value, case.k_buffer[None], case.v_buffer[None], case.slot_mapping)
 
 
 @pytest.mark.parametrize("head_dim,key_dtype,cache_dtype,slot_dtype", [

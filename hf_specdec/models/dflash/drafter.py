@@ -41,6 +41,7 @@ from hf_specdec.generation.drafter import Drafter, DraftProposal
 from hf_specdec.generation.fusion import fuse_drafter, gpu_of_weights
 from hf_specdec.kernels import paged_attention, store_kv
 from hf_specdec.kernels.argmax import argmax
+from hf_specdec.kernels.store_kv import store_kv_layers
 from hf_specdec.runtime.placement import execution_device, input_device, loaded_weights, place_drafter
 
 from .modeling import DFlashDrafter
@@ -217,6 +218,9 @@ class DFlashDraftRunner(Drafter):
             raise RuntimeError(f"DFlash context lengths {self.cache.seq_lens} drifted from the target's "
                                f"{context.committed_lens}; commit must follow the target cache's commit.")
 
+    def _one_group(self) -> int | None:
+        return _layers_group(self.layout, len(self.drafter.layers))
+
     def keep_rows(self, rows):
         self.cache.keep_rows(rows)
 
@@ -233,11 +237,32 @@ class DFlashDraftRunner(Drafter):
 
     def _store_context(self, *hidden_and_meta) -> None:
         *hidden, meta = hidden_and_meta
+        group = self._one_group()
+        if group is not None and self.drafter.stacks_context(hidden[0]):
+            # eager torch ops (the CPU): the kept tokens only (a verify's rejected drafts have no slot), every
+            # layer's K/V from one GEMM, stored with one write per storage
+            slots = meta.slot_mapping[group]
+            kept = (slots >= 0).nonzero().squeeze(1)
+            features = self.drafter.context_features([h.flatten(0, 1).index_select(0, kept)[None] for h in hidden])
+            keys, values = self.drafter.context_kv_stacked(features,
+                                                           meta.position_ids.flatten().index_select(0, kept)[None])
+            store_kv_layers(keys.flatten(1, 2), values.flatten(1, 2), self.cache.k_storage[group],
+                            self.cache.v_storage[group], slots.index_select(0, kept))
+            return
         features = self.drafter.context_features(hidden)
         for layer_idx, (keys, values) in enumerate(self.drafter.context_kv_all_layers(features, meta.position_ids)):
             k_cache, v_cache = self.cache.layer_storage(layer_idx)
             store_kv(keys.flatten(0, 1), values.flatten(0, 1), k_cache, v_cache,
                      meta.slot_mapping[self.layout.layer_slot[layer_idx][0]], validate=False)
+
+
+def _layers_group(layout: KVLayout, layers: int) -> int | None:
+    """The KV group whose storage holds draft layers 0 .. layers-1 in order (its slot i: layer i), or None."""
+    slots = [layout.layer_slot[i] for i in range(layers)]
+    group = slots[0][0]
+    if slots != [(group, i) for i in range(layers)] or len(layout.groups[group].layers) != layers:
+        return None
+    return group
 
 
 def _check_num_speculative_tokens(drafter: DFlashDrafter, requested: int | None) -> int:

@@ -142,6 +142,33 @@ def test_drafter_context_after_a_partial_rejection_equals_a_fresh_run(name, bloc
     assert torch.equal(with_rejection["drafts"], fresh["drafts"])
 
 
+@pytest.mark.parametrize("name,block_size", [("llama", 5), ("mistral", 4)])
+def test_stacked_context_append_writes_the_layers_own_context(name, block_size, monkeypatch):
+    """On the CPU the context of draft layers in one KV group is appended by one GEMM over their stacked k/v weights
+    and one write per storage, for the kept tokens only (a verify's rejected drafts have no slot): after a prefill
+    and a verify that rejects drafts, the context pages, their starts and the next drafts are those of the layer by
+    layer append (which also computes the rejected tokens' K/V)."""
+    _, target, drafter = trained_pair(name, block_size)
+    assert len(DFlashDraftRunner(target, drafter).layout.groups) == 1
+    lens, verify = [21, 7], torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    ids, _ = left_padded_batch(lens, seed=3)
+    config = hf_specdec.CacheConfig(block_size=2)
+    stacked_calls = []
+    stacked = DFlashDrafter.context_kv_stacked
+    monkeypatch.setattr(DFlashDrafter, "context_kv_stacked",
+                        lambda self, *a: stacked_calls.append(a[0].shape) or stacked(self, *a))
+    ours = run_drafter(target, drafter, ids, lens, config, verify=verify, kept=[4, 2])
+    assert len(stacked_calls) == 2 and stacked_calls[1][:2] == (1, 4 + 2)  # the verify's kept tokens only
+    monkeypatch.setattr(DFlashDrafter, "stacks_context", lambda self, x: False)
+    per_layer = run_drafter(target, drafter, ids, lens, config, verify=verify, kept=[4, 2])
+    assert len(stacked_calls) == 2
+    assert ours["lens"] == per_layer["lens"] and ours["starts"] == per_layer["starts"]
+    for (k1, v1), (k2, v2) in zip(ours["kv"], per_layer["kv"]):
+        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours["drafts"], per_layer["drafts"])
+
+
 def run_drafter(target, drafter, ids, lens, cache_config, verify=None, kept=None) -> dict:
     """Prefill `ids` through the paged runner with the drafter capturing; optionally one verify forward of
     `verify` [batch, q] keeping `kept[b]` tokens per row; then the drafter's context and its next drafts."""
