@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--k", type=int, default=None,
+                        help="drafts a round (default 7; --bundled step3p5: its checkpoint's MTP layers)")
     parser.add_argument("--alpha", type=float, default=0.8)
     parser.add_argument("--rows", type=int, default=22)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--shape smoke-31b)")
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also profile the host's work inside the loop's rounds only (cProfile around "
                              "SpeculativeLoop.step, prefill and call setup left out) over this many calls")
     args = parser.parse_args(argv)
+    if args.k is None and args.bundled != "step3p5":
+        args.k = 7
     import hf_specdec
 
     target, ids, extra, inner = (_bundled if args.bundled else _synthetic)(args)
@@ -121,6 +124,7 @@ def _bundled(args):
     ids = AutoTokenizer.from_pretrained(asset_path(name))([text] * args.batch, return_tensors="pt").input_ids
     ids = ids[:, -args.prompt:].to(args.device)
     if args.bundled == "step3p5":
+        args.k = args.k or target.num_mtp_layers  # one draft per MTP layer at most
         extra = dict(spec_mode="mtp", num_speculative_tokens=args.k)
     else:
         path = asset_path("tiny-gemma4-assistant" if args.bundled == "mtp" else "tiny-gemma4-dflash")

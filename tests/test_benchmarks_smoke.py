@@ -552,6 +552,18 @@ def test_profile_spec_host_rounds_profiles_the_rounds_only(capsys):
     assert "(prefill)" not in listing  # speculative.SpeculativeLoop.prefill runs outside the rounds
 
 
+def test_profile_spec_step3p5_defaults_to_its_mtp_layers(capsys):
+    """``profile_spec --bundled step3p5`` without ``--k`` drafts one token per MTP layer of the checkpoint (the
+    default of 7 is more than it has)."""
+    import benchmarks.profile_spec as profile_spec
+
+    if "tiny-step3p5" not in available_assets():
+        pytest.skip("the bundled tiny Step 3.5 is not installed")
+    assert profile_spec.main(["--bundled", "step3p5", "--device", "cpu", "--batch", "1", "--new-tokens", "4",
+                              "--rows", "5"]) == 0
+    assert capsys.readouterr().out.startswith("batch 1, k 3, step3p5")
+
+
 @pytest.mark.usefixtures("cpu_drafts_ahead")  # the call that waits drafts its rounds as the one run ahead
 def test_synthetic_acceptance_runs_ahead_with_its_decision_inside_the_verify(monkeypatch):
     """The synthetic acceptance takes its decision with the verify forward (inside its graph on the GPU) and lets a
