@@ -1,13 +1,13 @@
 """One expert layer graph-timed under two or more settings of a module attribute, in one process, in turn.
 
-    python -m benchmarks.moe_kernel_ab --set hf_specdec.kernels.fp8_moe.W8A8_DOWN_QUANTIZES=False,True
+    python -m benchmarks.moe_kernel_ab --set hf_specdec.kernels.fp8_moe.W8A8_STACKED_GATE_UP=False,True
                                        [--layer gemma4-26b-a4b] [--weights w8a8] [--tokens 1 4 8] [--rounds 3]
 
 The kernel-level companion of ``benchmarks.ab_decode``: the layer of ``benchmarks.moe_gpu_check`` (``--layer``,
 ``--weights`` as there) with its default tiles, captured in a CUDA graph per value and replayed on fresh routings
 (``moe_gpu_check.graph_time``); every round times each value in turn, and the table gives the best of the rounds'
-medians per value, with the largest difference of each value's output from the first value's (0: the same bits).
-Prints one JSON line per measurement; nothing is appended to ``benchmarks/results``: keep the printout as a log.
+medians per value, with the largest difference over the rounds of each value's output from the first value's (0: the
+same bits). Prints one JSON line per measurement; nothing is appended to ``benchmarks/results``: keep the printout as a log.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
                     median = statistics.median(times)
                     key = (tokens, repr(value))
                     best[key] = min(best.get(key, float("inf")), median)
-                    differs[key] = (outputs[repr(value)] - outputs[repr(values[0])]).abs().max().item()
+                    diff = (outputs[repr(value)] - outputs[repr(values[0])]).abs().max().item()
+                    differs[key] = max(differs.get(key, 0.0), diff)
                     print(json.dumps(dict(tokens=tokens, value=repr(value), round=round_, median_us=round(median, 2),
-                                          max_abs_diff_from_first=differs[key])), flush=True)
+                                          max_abs_diff_from_first=diff)), flush=True)
     finally:
         setattr(module, attribute, original)
     print(f"\n{'tokens':>6}  " + "".join(f"{repr(v):>26}" for v in values))

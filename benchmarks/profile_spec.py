@@ -124,7 +124,8 @@ def _bundled(args):
     ids = AutoTokenizer.from_pretrained(asset_path(name))([text] * args.batch, return_tensors="pt").input_ids
     ids = ids[:, -args.prompt:].to(args.device)
     if args.bundled == "step3p5":
-        args.k = args.k or target.num_mtp_layers  # one draft per MTP layer at most
+        if args.k is None:
+            args.k = target.num_mtp_layers  # one draft per MTP layer at most
         extra = dict(spec_mode="mtp", num_speculative_tokens=args.k)
     else:
         path = asset_path("tiny-gemma4-assistant" if args.bundled == "mtp" else "tiny-gemma4-dflash")

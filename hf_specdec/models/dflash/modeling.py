@@ -245,61 +245,6 @@ class DFlashDrafter(PreTrainedModel):
         rope = self.rotary_emb(features, position_ids)
         return [layer.self_attn.key_value(features, rope) for layer in self.layers]
 
-    def context_kv_stacked(
-        self,
-        features: torch.Tensor,  # [batch, n, hidden]
-        position_ids: torch.Tensor,  # [batch, n]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # keys, values: [layers, batch, n, kv_heads, head_dim]
-        """:meth:`context_kv_all_layers` as two tensors, by one GEMM over every draft layer's k/v weights (stacked
-        once, a copy kept until a weight changes), one ``k_norm`` and one rotary for all the layers: Qwen3's ops
-        elementwise, each layer's own weights. Where the layers' own modules run as eager torch ops (the CPU: the
-        kernels do not run) for layers alike (heads, head_dim, eps; no bias, hooks or autograd); else None. On the
-        CPU a context append is then ~25 ops instead of ~20 a layer."""
-        weights = self._stacked_context_weights(features)
-        if weights is None:
-            return None
-        weight, norm_weight, eps = weights
-        features = features.to(weight.dtype)
-        attention = self.layers[0].self_attn
-        batch, n = features.shape[:2]
-        cos, sin = self.rotary_emb(features, position_ids)
-        kv = nn.functional.linear(features, weight).view(batch, n, len(self.layers), 2, attention.num_kv_heads,
-                                                         attention.head_dim)
-        keys, values = kv[:, :, :, 0], kv[:, :, :, 1]  # [batch, n, layers, kv_heads, head_dim]
-        normed = keys.to(torch.float32)  # Qwen3RMSNorm's arithmetic
-        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
-        keys = norm_weight[:, None, :] * normed.to(keys.dtype)
-        keys = keys * cos[:, :, None, None] + rotate_half(keys) * sin[:, :, None, None]  # apply_rope
-        return keys.permute(2, 0, 1, 3, 4), values.permute(2, 0, 1, 3, 4)
-
-    def stacks_context(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`context_kv_stacked` applies to context computed from ``x`` (the target's hidden states, or
-        the features)."""
-        return self._stacked_context_weights(x) is not None
-
-    def _stacked_context_weights(self, x: torch.Tensor):
-        """(the layers' k_proj and v_proj weights stacked [layers * 2 * kv_heads * head_dim, hidden], their k_norm
-        weights [layers, head_dim], eps) for :meth:`context_kv_stacked`, or None where it does not apply."""
-        attentions = [layer.self_attn for layer in self.layers]
-        first = attentions[0]
-        modules = [m for a in attentions for m in (a.k_proj, a.v_proj, a.k_norm)]
-        params = [p for m in modules for p in m.parameters(recurse=False)]
-        if (use_triton(x) or needs_grad(x) or (torch.is_grad_enabled() and any(p.requires_grad for p in params))
-                or any(other_hooks(m, pre=False) or other_hooks(m, pre=True) for m in modules)
-                or any(p.dtype != self.fc.weight.dtype or p.device != x.device for p in params)
-                or any(a.k_proj.bias is not None or a.v_proj.bias is not None for a in attentions)
-                or any((a.num_kv_heads, a.head_dim, a.k_norm.variance_epsilon)
-                       != (first.num_kv_heads, first.head_dim, first.k_norm.variance_epsilon) for a in attentions)):
-            return None
-        key = tuple((id(p), p._version) for p in params)
-        kept = getattr(self, "_context_stack", None)
-        if kept is None or kept[0] != key:
-            with torch.no_grad():
-                weight = torch.cat([w for a in attentions for w in (a.k_proj.weight, a.v_proj.weight)])
-                norm_weight = torch.stack([a.k_norm.weight for a in attentions])
-            kept = self._context_stack = (key, (weight, norm_weight, first.k_norm.variance_epsilon))
-        return kept[1]
-
     def draft_block(
         self,
         block_embeds: torch.Tensor,  # [batch, block_len, hidden]: `embed_block(...)`

@@ -115,32 +115,6 @@ def test_rows_of_a_padded_batch_match_single_rows(target, drafter):
         torch.testing.assert_close(batched[b:b + 1], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_stacked_context_kv_is_each_layers_context_kv(target):
-    """``context_kv_stacked``: every draft layer's context K/V (one GEMM over the stacked k/v weights, one k_norm and
-    rotary) equal to each layer's ``context_kv``; a weight changed in place is taken up (the stack is rebuilt); None
-    where the layers' own ops must run: autograd, a hook on a projection, or a layer unlike the others."""
-    drafter = random_drafter(target, block_size=4, num_hidden_layers=3)
-    features = torch.randn(2, 5, drafter.config.hidden_size)
-    positions = torch.arange(10).view(2, 5) + 3
-    with torch.no_grad():
-        for step in range(2):
-            keys, values = drafter.context_kv_stacked(features, positions)
-            for i in range(3):
-                k, v = drafter.context_kv(i, features, positions)
-                torch.testing.assert_close(keys[i], k, rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(values[i], v, rtol=1e-6, atol=1e-6)
-            drafter.layers[1].self_attn.k_proj.weight.mul_(-0.5)  # in place: the next call must see it
-            drafter.layers[2].self_attn.k_norm.weight.add_(0.25)
-    assert drafter.context_kv_stacked(features, positions) is None  # grad enabled and parameters requiring it
-    with torch.no_grad():
-        handle = drafter.layers[0].self_attn.v_proj.register_forward_hook(lambda *a: None)
-        assert drafter.context_kv_stacked(features, positions) is None
-        handle.remove()
-        assert drafter.context_kv_stacked(features, positions) is not None
-        drafter.layers[2].self_attn.k_norm.variance_epsilon = 1e-3
-        assert not drafter.stacks_context(features)
-
-
 def test_block_attention_mask_in_positions():
     positions, valid = torch.tensor([[0, 1, 2, 3, 0]]), torch.tensor([[True, True, True, True, False]])
     start = torch.tensor([4])

@@ -142,31 +142,39 @@ def test_drafter_context_after_a_partial_rejection_equals_a_fresh_run(name, bloc
     assert torch.equal(with_rejection["drafts"], fresh["drafts"])
 
 
-@pytest.mark.parametrize("name,block_size", [("llama", 5), ("mistral", 4)])
-def test_stacked_context_append_writes_the_layers_own_context(name, block_size, monkeypatch):
-    """On the CPU the context of draft layers in one KV group is appended by one GEMM over their stacked k/v weights
-    and one write per storage, for the kept tokens only (a verify's rejected drafts have no slot): after a prefill
-    and a verify that rejects drafts, the context pages, their starts and the next drafts are those of the layer by
-    layer append (which also computes the rejected tokens' K/V)."""
+@pytest.mark.parametrize("name,block_size,groups", [("llama", 5, 1), ("mistral", 4, 1), ("gemma4_31b", 4, 2)])
+def test_cpu_context_append_takes_the_kept_tokens(name, block_size, groups, monkeypatch):
+    """On the CPU the drafter's context append computes the features and K/V of the kept tokens only (a verify's
+    rejected drafts have no slot) and writes draft layers of one KV group with one write per storage: after a prefill
+    and a verify that rejects drafts, the context pages, their starts and the next drafts are those of the append
+    over every token of the forward, layer by layer (sliding and full draft layers: two groups)."""
+    from hf_specdec.kernels import store_kv
+
     _, target, drafter = trained_pair(name, block_size)
-    assert len(DFlashDraftRunner(target, drafter).layout.groups) == 1
+    assert len(DFlashDraftRunner(target, drafter).layout.groups) == groups
     lens, verify = [21, 7], torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(1))
     ids, _ = left_padded_batch(lens, seed=3)
     config = hf_specdec.CacheConfig(block_size=2)
-    stacked_calls = []
-    stacked = DFlashDrafter.context_kv_stacked
-    monkeypatch.setattr(DFlashDrafter, "context_kv_stacked",
-                        lambda self, *a: stacked_calls.append(a[0].shape) or stacked(self, *a))
+    tokens = []
+    features = DFlashDrafter.context_features
+    monkeypatch.setattr(DFlashDrafter, "context_features",
+                        lambda self, hidden: tokens.append(hidden[0].shape[:2]) or features(self, hidden))
     ours = run_drafter(target, drafter, ids, lens, config, verify=verify, kept=[4, 2])
-    assert len(stacked_calls) == 2 and stacked_calls[1][:2] == (1, 4 + 2)  # the verify's kept tokens only
-    monkeypatch.setattr(DFlashDrafter, "stacks_context", lambda self, x: False)
-    per_layer = run_drafter(target, drafter, ids, lens, config, verify=verify, kept=[4, 2])
-    assert len(stacked_calls) == 2
-    assert ours["lens"] == per_layer["lens"] and ours["starts"] == per_layer["starts"]
-    for (k1, v1), (k2, v2) in zip(ours["kv"], per_layer["kv"]):
+    assert tokens == [(1, 21 + 7), (1, 4 + 2)]  # the prompts' tokens, then the verify's kept ones
+
+    def every_token(self, hidden, meta):
+        context = features(self.drafter, hidden)
+        for layer, (keys, values) in enumerate(self.drafter.context_kv_all_layers(context, meta.position_ids)):
+            store_kv(keys.flatten(0, 1), values.flatten(0, 1), *self.cache.layer_storage(layer),
+                     meta.slot_mapping[self.layout.layer_slot[layer][0]])
+
+    monkeypatch.setattr(DFlashDraftRunner, "_store_kept_context", every_token)
+    reference = run_drafter(target, drafter, ids, lens, config, verify=verify, kept=[4, 2])
+    assert ours["lens"] == reference["lens"] and ours["starts"] == reference["starts"]
+    for (k1, v1), (k2, v2) in zip(ours["kv"], reference["kv"]):
         torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
-    assert torch.equal(ours["drafts"], per_layer["drafts"])
+    assert torch.equal(ours["drafts"], reference["drafts"])
 
 
 def run_drafter(target, drafter, ids, lens, cache_config, verify=None, kept=None) -> dict:
