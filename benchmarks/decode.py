@@ -32,6 +32,7 @@ import torch
 import hf_specdec
 from benchmarks.common import bench_main, copy_bandwidth_gb_s, decode_rate, first_mismatch, free_device_memory
 from benchmarks.shapes import WEIGHTS, floor_tokens_per_s, random_prompt, shape_name, target_for
+from hf_specdec.compat import cache_argument
 
 NAME = "decode"
 BACKENDS = ("hf_dynamic", "hf_static_compile", "hf_specdec")
@@ -170,7 +171,7 @@ def measure_hf_static_compile(model, ids, args) -> dict:
 
     def generate(n):
         cache.reset()
-        return model.generate(**_generate_kwargs(ids, n, past_key_values=cache))
+        return model.generate(**_generate_kwargs(ids, n, **{cache_argument(model): cache}))
 
     result = decode_rate(generate, ids.shape[0], args.new_tokens, repeats=args.repeats)
     result["extra"] = {"compiled": model.device.type == "cuda"}

@@ -185,8 +185,8 @@ def test_plain_forwards_are_unchanged_by_enable():
     ids, mask = left_padded_batch([9, 6])
     torch.testing.assert_close(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
     cache_ref, cache_ours = DynamicCache(config=ref.config), DynamicCache(config=ours.config)
-    a = ref(ids, attention_mask=mask, past_key_values=cache_ref, use_cache=True).logits
-    b = ours(ids, attention_mask=mask, past_key_values=cache_ours, use_cache=True).logits
+    a = ref(ids, attention_mask=mask, **{cache_argument(ref): cache_ref}, use_cache=True).logits
+    b = ours(ids, attention_mask=mask, **{cache_argument(ref): cache_ours}, use_cache=True).logits
     torch.testing.assert_close(a, b)
     hf_specdec.disable(ours)
     assert "generate" not in vars(ours) and ours.config._attn_implementation == ref.config._attn_implementation

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from hf_specdec.compat import cache_argument
+
 
 @dataclass
 class ReferenceResult:
@@ -160,8 +162,8 @@ def reference_dflash_generate(target, drafter, input_ids, max_new_tokens, num_sp
     target_cache = DynamicCache()
     # 1. prefill: first token, and the context features of every prompt token
     n = input_ids.shape[1]
-    output = target(input_ids, position_ids=torch.arange(n)[None], past_key_values=target_cache, use_cache=True,
-                    output_hidden_states=True)
+    output = target(input_ids, position_ids=torch.arange(n)[None], **{cache_argument(target): target_cache},
+                    use_cache=True, output_hidden_states=True)
     result = ReferenceResult(tokens=input_ids[0].tolist() + [int(output.logits[0, -1].argmax())])
     context, start = features(output, layer_ids), n
     while not done(result.tokens, n, max_new_tokens, eos_token_id):
@@ -172,8 +174,8 @@ def reference_dflash_generate(target, drafter, input_ids, max_new_tokens, num_sp
         ref.crop(start)
         block[0, 1:] = draft_logits(target, config, hidden)[0].argmax(-1)
         # 3. verify [token at start, drafts] in one target forward; accept the longest matching prefix
-        output = target(block, position_ids=torch.arange(start, start + k + 1)[None], past_key_values=target_cache,
-                        use_cache=True, output_hidden_states=True)
+        output = target(block, position_ids=torch.arange(start, start + k + 1)[None],
+                        **{cache_argument(target): target_cache}, use_cache=True, output_hidden_states=True)
         posterior = output.logits[0].argmax(-1)
         accepted = int((block[0, 1:] == posterior[:-1]).long().cumprod(0).sum())
         result.acceptance.append(accepted)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from hf_specdec.compat import cache_argument
 from hf_specdec.models.dflash import DenseDFlashContext, capture_hidden_states, check_compatible
 from tests.models.dflash.helpers import (
     F,
@@ -56,7 +57,7 @@ def dense_api_generate(target, drafter, input_ids, max_new_tokens, num_speculati
     cache = DynamicCache()  # config-less, as in the reference loop
     k, start = num_speculative_tokens, input_ids.shape[1]
     with capture_hidden_states(target, drafter.target_layer_ids) as captured:
-        logits = target(input_ids, past_key_values=cache).logits
+        logits = target(input_ids, **{cache_argument(target): cache}).logits
         tokens, acceptance = input_ids[0].tolist() + [int(logits[0, -1].argmax())], []
         kv = context_kv(drafter, captured, torch.arange(start), start)
         while not done(tokens, input_ids.shape[1], max_new_tokens, eos_token_id):
@@ -64,7 +65,7 @@ def dense_api_generate(target, drafter, input_ids, max_new_tokens, num_speculati
             positions = torch.arange(start, start + k + 1)[None]
             hidden = drafter.draft_block(drafter.embed_block(target, block), positions, DenseDFlashContext(kv))
             verify = torch.cat([block[:, :1], drafter.draft_logits(target, hidden).argmax(-1)], dim=1)
-            posterior = target(verify, position_ids=positions, past_key_values=cache).logits[0].argmax(-1)
+            posterior = target(verify, position_ids=positions, **{cache_argument(target): cache}).logits[0].argmax(-1)
             accepted = int((verify[0, 1:] == posterior[:-1]).long().cumprod(0).sum())
             acceptance.append(accepted)
             emit(tokens, verify[0, 1:accepted + 1].tolist() + [int(posterior[accepted])], input_ids.shape[1],

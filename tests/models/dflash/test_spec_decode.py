@@ -7,6 +7,8 @@ full, partial and zero acceptance and every test exercises rollback. Prompts and
 targets' sliding window (8) and the Gemma drafters' own (6).
 """
 
+import functools
+
 import pytest
 import torch
 from transformers import LogitsProcessorList
@@ -336,6 +338,7 @@ def test_the_target_gets_an_integer_logits_to_keep_with_kv_shared_layers_capture
     _, target, drafter = trained_pair("gemma4_e2b", 8)
     seen, forward = [], target.forward
 
+    @functools.wraps(forward)  # its signature: the cache goes by the name the forward takes
     def recording_forward(*args, **kwargs):  # what the forward gets after every pre-hook ran
         seen.append(type(kwargs.get("logits_to_keep")))
         return forward(*args, **kwargs)

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 from transformers import DynamicCache
 
+from hf_specdec.compat import cache_argument
 from hf_specdec.models.dflash import (
     capture_hidden_states,
     check_compatible,
@@ -38,15 +39,17 @@ def test_hooks_reproduce_output_hidden_states(target):
     ids, mask = left_padded_batch([11, 7])
     cache = DynamicCache()  # config-less: every layer keeps all K/V, so crop works on 5.17 too
     with torch.no_grad(), capture_hidden_states(target, layer_ids) as captured:
-        expected = target(ids, attention_mask=mask, past_key_values=cache, output_hidden_states=True).hidden_states
+        expected = target(ids, attention_mask=mask, **{cache_argument(target): cache},
+                          output_hidden_states=True).hidden_states
         assert all(torch.equal(got, expected[i + 1]) for i, got in zip(layer_ids, captured))
         step = torch.tensor([[5, 6, 7], [8, 9, 10]])
         mask = torch.cat([mask, torch.ones_like(step)], dim=1)
-        target(step, attention_mask=mask, past_key_values=cache)  # no output_hidden_states: hooks alone
+        target(step, attention_mask=mask, **{cache_argument(target): cache})  # no output_hidden_states: hooks alone
         hooked = list(captured)
     cache.crop(-3)
     with torch.no_grad():
-        expected = target(step, attention_mask=mask, past_key_values=cache, output_hidden_states=True).hidden_states
+        expected = target(step, attention_mask=mask, **{cache_argument(target): cache},
+                          output_hidden_states=True).hidden_states
     for i, got in zip(layer_ids, hooked):
         assert got.shape == (2, 3, target.config.get_text_config().hidden_size)
         torch.testing.assert_close(got, expected[i + 1], rtol=0, atol=1e-6)

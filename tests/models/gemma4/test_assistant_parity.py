@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from hf_specdec.compat import cache_argument
 from hf_specdec.models.gemma4 import (
     CandidateLogits,
     DenseTargetKVSource,
@@ -99,7 +100,7 @@ def test_draft_round_after_prefill_matches_transformers(pair, target):
     hf, ours = pair
     prompt = torch.randint(3, 96, (1, 2 * target.config.sliding_window + 5), generator=torch.Generator().manual_seed(2))
     cache = DynamicCache()
-    out = target(prompt, past_key_values=cache, output_hidden_states=True, return_shared_kv_states=True)
+    out = target(prompt, **{cache_argument(target): cache}, output_hidden_states=True, return_shared_kv_states=True)
     source = DenseTargetKVSource.from_cache(cache, target.config)
     for layer_type, (keys, values) in (out.shared_kv_states or {}).items():  # empty for 31B-style in 5.2x
         assert torch.equal(source.kv[layer_type][0], keys) and torch.equal(source.kv[layer_type][1], values)

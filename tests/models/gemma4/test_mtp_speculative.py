@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import hf_specdec
+from hf_specdec.compat import cache_argument
 from hf_specdec.runtime import ModelRunner
 from hf_specdec.models.gemma4 import DenseTargetKVSource, Gemma4MTPAssistant, Gemma4MTPDraftRunner, PagedTargetKVSource
 from tests.distribution import assert_follows, second_token_marginal, second_tokens_of_sampled_mtp
@@ -91,7 +92,7 @@ def gemma4_target_cache(target, ids):
     hf_specdec.disable(target)
     try:
         cache = DynamicCache()  # no config: every layer keeps its full length (no sliding cropping)
-        target(ids, past_key_values=cache, use_cache=True)
+        target(ids, **{cache_argument(target): cache}, use_cache=True)
     finally:
         hf_specdec.enable(target)
     return cache
