@@ -7,7 +7,8 @@ The kernel-level companion of ``benchmarks.ab_decode``: the layer of ``benchmark
 ``--weights`` as there) with its default tiles, captured in a CUDA graph per value and replayed on fresh routings
 (``moe_gpu_check.graph_time``); every round times each value in turn, and the table gives the best of the rounds'
 medians per value, with the largest difference over the rounds of each value's output from the first value's (0: the
-same bits). Prints one JSON line per measurement; nothing is appended to ``benchmarks/results``: keep the printout as a log.
+same bits). Prints one JSON line per measurement; nothing is appended to ``benchmarks/results``: keep the printout
+as a log.
 """
 
 from __future__ import annotations

@@ -237,32 +237,25 @@ class DFlashDraftRunner(Drafter):
 
     def _store_context(self, *hidden_and_meta) -> None:
         *hidden, meta = hidden_and_meta
-        if hidden[0].device.type == "cpu":
-            self._store_kept_context(hidden, meta)
-            return
+        positions, slots = meta.position_ids, meta.slot_mapping
+        eager = hidden[0].device.type == "cpu"
+        if eager:  # the kept tokens only (a verify's rejected drafts have no slot: their K/V would be dropped)
+            kept = torch.stack([s >= 0 for s in slots]).any(0).nonzero().squeeze(1)  # a slot in some group
+            hidden = [h.flatten(0, 1).index_select(0, kept)[None] for h in hidden]
+            positions = positions.flatten().index_select(0, kept)[None]
+            slots = [s.index_select(0, kept) for s in slots]
         features = self.drafter.context_features(hidden)
-        for layer_idx, (keys, values) in enumerate(self.drafter.context_kv_all_layers(features, meta.position_ids)):
-            k_cache, v_cache = self.cache.layer_storage(layer_idx)
-            store_kv(keys.flatten(0, 1), values.flatten(0, 1), k_cache, v_cache,
-                     meta.slot_mapping[self.layout.layer_slot[layer_idx][0]], validate=False)
-
-    def _store_kept_context(self, hidden: list[torch.Tensor], meta: ForwardMeta) -> None:
-        """The context append of eager forwards (the CPU): the kept tokens only (a verify's rejected drafts have no
-        slot: their features and K/V would be computed and dropped), through the layers' own modules; one write per
-        storage where the draft layers share one KV group (``store_kv_layers``)."""
+        layers = self.drafter.context_kv_all_layers(features, positions)
         group = self._one_group()
-        kept = torch.stack([s >= 0 for s in meta.slot_mapping]).any(0).nonzero().squeeze(1)  # a slot in some group
-        features = self.drafter.context_features([h.flatten(0, 1).index_select(0, kept)[None] for h in hidden])
-        layers = self.drafter.context_kv_all_layers(features, meta.position_ids.flatten().index_select(0, kept)[None])
-        if group is not None:
-            store_kv_layers(torch.stack([k[0] for k, _ in layers]), torch.stack([v[0] for _, v in layers]),
-                            self.cache.k_storage[group], self.cache.v_storage[group],
-                            meta.slot_mapping[group].index_select(0, kept))
+        if eager and group is not None:  # the layers' pages are slices of one storage: one write for all
+            store_kv_layers(torch.stack([k.flatten(0, 1) for k, _ in layers]),
+                            torch.stack([v.flatten(0, 1) for _, v in layers]),
+                            self.cache.k_storage[group], self.cache.v_storage[group], slots[group])
             return
         for layer_idx, (keys, values) in enumerate(layers):
             k_cache, v_cache = self.cache.layer_storage(layer_idx)
-            layer_slots = meta.slot_mapping[self.layout.layer_slot[layer_idx][0]].index_select(0, kept)
-            store_kv(keys[0], values[0], k_cache, v_cache, layer_slots, validate=False)
+            store_kv(keys.flatten(0, 1), values.flatten(0, 1), k_cache, v_cache,
+                     slots[self.layout.layer_slot[layer_idx][0]], validate=False)
 
 
 def _layers_group(layout: KVLayout, layers: int) -> int | None:

@@ -164,13 +164,14 @@ def test_cpu_context_append_takes_the_kept_tokens(name, block_size, groups, monk
     ours = run_drafter(target, drafter, ids, lens, config, verify=verify, kept=[4, 2])
     assert tokens == [(1, 21 + 7), (1, 4 + 2)]  # the prompts' tokens, then the verify's kept ones
 
-    def every_token(self, hidden, meta):
+    def every_token(self, *hidden_and_meta):
+        *hidden, meta = hidden_and_meta
         context = features(self.drafter, hidden)
         for layer, (keys, values) in enumerate(self.drafter.context_kv_all_layers(context, meta.position_ids)):
             store_kv(keys.flatten(0, 1), values.flatten(0, 1), *self.cache.layer_storage(layer),
                      meta.slot_mapping[self.layout.layer_slot[layer][0]])
 
-    monkeypatch.setattr(DFlashDraftRunner, "_store_kept_context", every_token)
+    monkeypatch.setattr(DFlashDraftRunner, "_store_context", every_token)
     reference = run_drafter(target, drafter, ids, lens, config, verify=verify, kept=[4, 2])
     assert ours["lens"] == reference["lens"] and ours["starts"] == reference["starts"]
     for (k1, v1), (k2, v2) in zip(ours["kv"], reference["kv"]):
