@@ -20,3 +20,14 @@ def cpu_drafts_ahead(monkeypatch):
 
     monkeypatch.setattr(speculative, "CPU_DRAFTS_AFTER_COMMIT", False)
     monkeypatch.setattr(speculative, "CAPS_K", False)
+
+
+@pytest.fixture(autouse=True)
+def _speculative_calls_stay_speculative(monkeypatch):
+    """"auto" may run a whole call as plain decoding where its timings say no k pays (on the GPU only: on a card
+    the tiny models' rounds lose to plain decoding). Tests whose subject is the speculative loop must see it run,
+    whatever earlier tests timed on the same model; the tests of that choice put the device back
+    (tests/generation/test_plain_calls.py)."""
+    from hf_specdec.generation import adaptive_k
+
+    monkeypatch.setattr(adaptive_k, "PLAIN_CALL_DEVICES", ())

@@ -47,6 +47,18 @@ runs plain rounds (each call starts with drafts again), and the loop queues each
 before, as plain decoding does. There 0 is the sweep's last probe, once every k with drafts is timed (the rest of that
 call runs without drafts); until then its cost is read off the curve of the timed k, extended below the lowest. On the
 GPU that extension misjudges a plain round: a round carries fixed host work that a round running ahead hides.
+
+Whole calls of plain decoding (:func:`plain_call`, on the GPU: ``PLAIN_CALL_DEVICES``). On a small model the host sets
+the pace, and the loop's rounds, even without drafts, cost more than plain decoding's steps, which run ahead of the
+host from CUDA graphs with no per-round bookkeeping (the bundled tiny models on an H200: DFlash's and Step 3.5 MTP's
+rounds at 0.55-0.65x plain decoding's tokens per second). So a call may run as plain decoding (``paged_decode``: the
+same tokens), where plain decoding's steps, timed at this batch size in such calls, commit more tokens per second
+than the best k is expected to. Plain decoding is timed by running it for one call, once the timed rounds promise
+less than :data:`PROBE_PLAIN_BELOW` over the loop's rounds without drafts (a plain step costs no more than those, so
+where drafting gains more that call would be wasted; where it gains less, one call at plain speed is the price).
+While plain decoding pays, one call in :data:`EXPLORE_CALLS` (doubling up to its second value while drafting still
+does not pay) drafts again, so that the acceptance is measured anew; a call of one new token has nothing to draft and
+always runs plainly. Such a call's stats keep its mode and k, with no draft and a tau of 1.
 """
 
 from __future__ import annotations
@@ -67,6 +79,18 @@ PRIOR_TRIALS = 4.0  # pseudo-trials of the prior rate at the first draft positio
 PSEUDO_TRIALS = 2.0  # pseudo-trials, at each later position, of the rate of the position before it
 MAX_RATE = 0.999  # an acceptance rate is never taken as certain
 EXPLORE_EVERY = 8  # after this many rounds without drafts in a row, one round with drafts measures the acceptance
+# whole calls of plain decoding where no k pays (:func:`plain_call`): on these devices only (tests add "cpu"). On the
+# CPU a round without drafts is already a plain step (eager forwards either way); on the GPU plain decoding runs
+# ahead of the host with graphs and no per-round bookkeeping, which the loop's rounds cannot match on a small model
+PLAIN_CALL_DEVICES = ("cuda",)
+# a call times plain decoding once the best k, against the loop's own rounds without drafts (the cheaper of their
+# time and the timed curve extended to k = 0), promises less than this gain: those rounds cost at least a plain step,
+# and up to ~4x one where the host sets the pace (the tiny family on an H200: 460-1150 us against 268-324), so
+# only a larger gain is sure to beat plain decoding (a 31B target at an acceptance of 0.8 gains ~3.5x)
+PROBE_PLAIN_BELOW = 4.0
+# calls of plain decoding before one speculative call measures the acceptance again: doubling while drafting still
+# does not pay, back to the first once it does
+EXPLORE_CALLS = (4, 64)
 
 
 class RoundCosts:
@@ -78,6 +102,17 @@ class RoundCosts:
         self.acceptance: AcceptanceRates | None = None  # the per-position acceptance measured so far
         self.last_k: int | None = None  # the k the last round ran: the next call starts there
         self.calls = 0  # calls that ran rounds with these timings (the second one on times every candidate k)
+        # plain decoding's steps at this batch size, timed in the calls that "auto" ran as plain decoding
+        self.plain_seconds: collections.deque = collections.deque(maxlen=KEEP)
+        self.plain_median: float | None = None
+        self.plain_streak = 0  # plain calls since the last speculative one
+        self.explore_every = EXPLORE_CALLS[0]  # plain calls before the next speculative one
+
+    def add_plain(self, seconds: float) -> None:
+        """One timed step of plain decoding (of this batch size)."""
+        self.plain_seconds.append(seconds)
+        if len(self.plain_seconds) >= MIN_TIMED:
+            self.plain_median = statistics.median(self.plain_seconds)
 
     def add(self, k: int, seconds: float) -> None:
         """One timed round of ``k`` drafts (only its k's median is recomputed: this runs every round)."""
@@ -110,6 +145,35 @@ def cost_on(points: list[tuple[int, float]], k: int) -> float:
     i = next((i for i in range(1, len(points) - 1) if k <= points[i][0]), len(points) - 1)
     (k0, t0), (k1, t1) = points[i - 1], points[i]
     return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+
+
+def plain_call(costs: RoundCosts, k_max: int, new_tokens: int) -> bool:
+    """Whether an "auto" call of ``new_tokens`` per row should run as plain decoding: where no k with drafts is
+    expected to commit more tokens per second than plain decoding's steps, timed at this batch size, do (by
+    :data:`SWITCH_GAIN`). A call of one new token has no round to draft for. Until plain decoding is timed, a call
+    runs it to time it once the timed rounds promise less than :data:`PROBE_PLAIN_BELOW` over the loop's rounds
+    without drafts (a plain step costs no more than those: timed, or the timed curve extended to k = 0). A
+    speculative call must have measured the acceptance first; while plain decoding pays, one call in
+    :data:`EXPLORE_CALLS` (doubling) drafts again to measure it anew, so a text that became easier to draft is
+    noticed."""
+    if new_tokens <= 1:
+        return True
+    curve = costs.curve()
+    if costs.acceptance is None or costs.calls == 0 or curve is None:
+        return False
+    rates = costs.acceptance.rates(k_max)
+    best = max(expected_tokens(rates, k) / cost_on(curve, k) for k in candidate_ks(k_max))  # tokens per second
+    if costs.plain_median is None:
+        without_drafts = min(costs.medians.get(0, float("inf")), cost_on(curve, 0))
+        return best * without_drafts < PROBE_PLAIN_BELOW
+    if best * costs.plain_median > SWITCH_GAIN:  # drafting pays
+        costs.plain_streak, costs.explore_every = 0, EXPLORE_CALLS[0]
+        return False
+    costs.plain_streak += 1
+    if costs.plain_streak > costs.explore_every:
+        costs.plain_streak, costs.explore_every = 0, min(2 * costs.explore_every, EXPLORE_CALLS[1])
+        return False
+    return True
 
 
 def costs_for(kept: dict, key) -> RoundCosts:

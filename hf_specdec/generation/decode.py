@@ -14,6 +14,8 @@ queued ahead is discarded (the tokens are the same; it costs one step per call).
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -25,10 +27,13 @@ from hf_specdec.runtime import Readback, exhausted, real_token_counts
 
 
 def paged_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                 streamer=None, **model_kwargs):
-    """Decode ``input_ids`` [batch, prompt_len] (left-padded) token by token; returns what ``_sample`` returns."""
+                 streamer=None, *, stats: SpecStats | None = None, step_times=None, **model_kwargs):
+    """Decode ``input_ids`` [batch, prompt_len] (left-padded) token by token; returns what ``_sample`` returns.
+    ``stats``: the call's counters to fill (a speculative call that "auto" ran as plain decoding reports its mode);
+    ``step_times``: called with the seconds of each steady step (from the third on: the first ones may capture
+    graphs), between consecutive read-backs on the device clock on CUDA, else the host's."""
     state = model._hf_specdec
-    stats = SpecStats()
+    stats = SpecStats() if stats is None else stats
     prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
     batch = input_ids.shape[0]
     has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
@@ -50,6 +55,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
         unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
         active = batch
         readback = Readback(input_ids.device)
+        timer = _StepTimer(readback, step_times) if step_times is not None else None
         while True:
             # 2. pick the next token of each row from the processed scores (or the forward picked it)
             if select is not None:
@@ -68,7 +74,8 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
                 logits_out.append(logits)
             # 3. stop check, read back after the next forward is queued (the one host sync of the step)
             unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-            pending = readback.start(unfinished.sum(), next_tokens if streamer is not None else None)
+            pending = readback.start(unfinished.sum(), next_tokens if streamer is not None else None,
+                                     timed=timer is not None)
             at_max = input_ids.shape[1] >= generation_config.max_length
             exhausted_by = None
             if not at_max:
@@ -81,6 +88,8 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
                 if exhausted_by is None:
                     runner.commit(lens)
             count, streamed = readback.wait(pending)
+            if timer is not None:
+                timer.waited(pending)
             if streamer is not None:
                 streamer.put(streamed.clone())  # (the read-back's pinned buffer is reused)
             stats.record_step([1] * active)
@@ -103,3 +112,23 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             logits=tuple(logits_out) if keep_logits else None,
         )
     return input_ids
+
+
+class _StepTimer:
+    """Times a decoding loop's steps between consecutive read-backs: on the device clock where there is one (the
+    host runs a step ahead, so its own clock would time the step it queued), else between the host's waits."""
+
+    SKIP = 2  # steps left untimed at the start of a call (a graph captured for the bucket, the first replays)
+
+    def __init__(self, readback: Readback, record):
+        self.readback, self.record = readback, record
+        self.last = None  # the last read-back waited for, and when the host got it
+        self.steps = 0
+
+    def waited(self, pending) -> None:
+        now = time.perf_counter()
+        if self.last is not None and self.steps >= self.SKIP:
+            seconds = self.readback.seconds_between(self.last[0], pending)
+            self.record(now - self.last[1] if seconds is None else seconds)
+        self.last = (pending, now)
+        self.steps += 1

@@ -37,7 +37,9 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
+from hf_specdec.generation import adaptive_k
 from hf_specdec.generation.adaptive_k import AdaptiveK, costs_for
+from hf_specdec.generation.decode import paged_decode
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector, DraftsInVerify, take_rows
 from hf_specdec.generation import sampling
 from hf_specdec.generation.sampling import PositionScorer, reads_scores, same_on_every_rank, select_tokens
@@ -105,14 +107,32 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
                        streamer=None, *, drafter: Drafter, acceptance: Acceptance | None = None, adaptive: bool = False,
                        draft_model: torch.nn.Module | None = None, **model_kwargs):
     """Speculative decoding of ``input_ids`` [batch, prompt_len] (left-padded) with ``drafter``; ``adaptive``: k
-    chosen per round (up to the drafter's k) where the drafter allows it; ``draft_model``: the model whose attention
-    writes the drafter's own caches (its assistant, or the target)."""
+    chosen per round (up to the drafter's k) where the drafter allows it, and the whole call decoded plainly where no
+    k pays for its drafting (:func:`adaptive_k.plain_call`; the output is the same); ``draft_model``: the model whose
+    attention writes the drafter's own caches (its assistant, or the target)."""
+    costs = _auto_costs(model, drafter, draft_model, input_ids.shape[0]) if adaptive and drafter.adaptive_k else None
+    if (costs is not None and input_ids.device.type in adaptive_k.PLAIN_CALL_DEVICES
+            and adaptive_k.plain_call(costs, drafter.num_speculative_tokens,
+                                      generation_config.max_length - input_ids.shape[1])):
+        stats = SpecStats(spec_mode=drafter.spec_mode, num_speculative_tokens=drafter.num_speculative_tokens)
+        return paged_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                            streamer, stats=stats, step_times=costs.add_plain, **model_kwargs)
     loop = SpeculativeLoop(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
                            streamer, acceptance or acceptance_for(generation_config.do_sample), adaptive, draft_model)
     sequences = loop.run(input_ids, model_kwargs)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def _auto_costs(model, drafter: Drafter, draft_model, batch: int):
+    """The round timings "auto" keeps for ``model``, ``drafter``'s kind, its draft model and ``batch`` rows; None under
+    tensor parallelism, where every rank must choose the same k (the acceptance alone decides there, with the prior
+    cost model)."""
+    state = model._hf_specdec
+    if state.ranks is not None:
+        return None
+    return costs_for(state.round_costs, (type(drafter).__qualname__, id(draft_model or model), batch))
 
 
 class SpeculativeLoop:
@@ -125,10 +145,7 @@ class SpeculativeLoop:
         self.k = drafter.num_speculative_tokens  # the most drafts a round may have: caches are sized for them
         self.adaptive_k = None
         if adaptive and drafter.adaptive_k:
-            # round timings are kept per model, drafter and batch size; under tensor parallelism every rank must
-            # choose the same k, so the acceptance alone decides there (the prior cost model)
-            costs = None if state.ranks is not None else costs_for(
-                state.round_costs, (type(drafter).__qualname__, id(draft_model or model), input_ids.shape[0]))
+            costs = _auto_costs(model, drafter, draft_model, input_ids.shape[0])
             # k = 0 is a candidate too: a round without drafts, a plain step of this loop whose commit still lets the
             # drafter catch up, for where no k pays for its drafting (where k may rise again, a round with drafts
             # now and then measures the acceptance; where it may not, the rest of the call runs plain rounds)

@@ -1,0 +1,123 @@
+"""num_speculative_tokens="auto" runs a whole call as plain decoding where no k pays for its drafting (on the GPU by
+default; these tests put the CPU in ``PLAIN_CALL_DEVICES``): the choice, its probe and its exploration, and the
+calls it runs so (lossless, timed, reporting their mode)."""
+
+import functools
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec.generation import adaptive_k, decode
+from hf_specdec.generation.adaptive_k import (EXPLORE_CALLS, MIN_TIMED, PROBE_PLAIN_BELOW, AcceptanceRates,
+                                              RoundCosts, candidate_ks, plain_call)
+from tests import bundled
+from tests.generation.test_adaptive_k import GREEDY, fixed_round_times
+
+
+def _costs(alpha: float, seconds_of, k_max: int = 3, without_drafts: float | None = None) -> RoundCosts:
+    """Costs after one speculative call: the candidates timed at ``seconds_of(k)``, an acceptance of ``alpha`` at
+    every position (many rows), and the loop's rounds without drafts at ``without_drafts`` if given."""
+    costs = RoundCosts()
+    for k in candidate_ks(k_max) + ([0] if without_drafts is not None else []):
+        for _ in range(MIN_TIMED):
+            costs.add(k, without_drafts if k == 0 else seconds_of(k))
+    costs.acceptance = AcceptanceRates(k_max)
+    costs.acceptance.reached = [1e4] * k_max  # many rows reached each position, a share alpha accepted it
+    costs.acceptance.passed = [1e4 * alpha] * k_max
+    costs.calls = 1
+    return costs
+
+
+def _time_plain(costs: RoundCosts, seconds: float) -> None:
+    for _ in range(MIN_TIMED):
+        costs.add_plain(seconds)
+
+
+def test_a_call_decodes_plainly_only_where_plain_steps_beat_every_k_and_drafts_again_now_and_then():
+    """Rounds of ~4 ms at an acceptance of 0.3 against plain steps of 1 ms: plain decoding pays, so calls run it,
+    but for one speculative call after EXPLORE_CALLS[0] plain ones, then after twice as many while drafting still
+    loses; once drafting pays again (the acceptance came back) every call drafts and the count starts over."""
+    costs = _costs(0.3, lambda k: 4e-3 + 1e-4 * k)
+    _time_plain(costs, 1e-3)
+    calls = [plain_call(costs, 3, 64) for _ in range(EXPLORE_CALLS[0] + 1 + 2 * EXPLORE_CALLS[0] + 1)]
+    first = EXPLORE_CALLS[0]
+    assert calls[:first] == [True] * first and calls[first] is False, calls
+    assert calls[first + 1:-1] == [True] * (2 * first) and calls[-1] is False, calls
+    costs.acceptance = _costs(0.95, lambda k: 1.0).acceptance  # the text became easy to draft: ~4 tokens a round
+    _time_plain(costs, 1e-3)
+    costs.plain_seconds.clear()
+    _time_plain(costs, 2e-3)  # and plain steps are timed slower: 2 ms against ~1.1 ms a token drafted
+    assert [plain_call(costs, 3, 64) for _ in range(3)] == [False] * 3
+    assert costs.plain_streak == 0 and costs.explore_every == EXPLORE_CALLS[0]
+
+
+def test_plain_decoding_is_timed_once_the_rounds_promise_little_over_rounds_without_drafts():
+    """Before plain decoding is timed: a call runs it (to time it) where the best k's tokens per second, against the
+    loop's rounds without drafts (or the timed curve extended to k = 0), gain less than PROBE_PLAIN_BELOW; not
+    before a speculative call measured the acceptance, and not where drafting gains more."""
+    assert not plain_call(RoundCosts(), 3, 64)  # nothing measured yet: the first call drafts
+    losing = _costs(0.5, lambda k: 2e-3 + 5e-4 * k, without_drafts=1.5e-3)
+    assert plain_call(losing, 3, 64)
+    extended = _costs(0.5, lambda k: 2e-3 + 5e-4 * k)  # k = 0 extrapolated: 2 ms
+    assert plain_call(extended, 3, 64)
+    paying = _costs(0.95, lambda k: 1e-3 + 2e-5 * k, k_max=7, without_drafts=1.1e-3)  # 1 ms at k = 0 extended
+    best = max(adaptive_k.expected_tokens(paying.acceptance.rates(7), k) / adaptive_k.cost_on(paying.curve(), k)
+               for k in candidate_ks(7))
+    assert best * 1e-3 > PROBE_PLAIN_BELOW and not plain_call(paying, 7, 64)
+    assert plain_call(RoundCosts(), 3, 1) and plain_call(paying, 7, 1)  # one new token: no round to draft for
+    assert paying.plain_streak == 0  # and such calls do not count towards the next speculative one
+
+
+def test_the_plain_loop_times_its_steady_steps(monkeypatch):
+    """paged_decode's step timer: every step after the first SKIP, between consecutive read-backs (the host's clock off
+    CUDA); the tokens are plain decoding's."""
+    from hf_specdec.generation import generate as generate_module
+
+    model, _, _ = bundled.mode("gemma_mtp")
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, **GREEDY)
+    expected = model.generate(ids, **kwargs)
+    seconds = []
+    monkeypatch.setattr(generate_module, "paged_decode",
+                        functools.partial(decode.paged_decode, step_times=seconds.append))
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    assert len(seconds) == 12 - decode._StepTimer.SKIP and all(s > 0 for s in seconds), seconds
+
+
+@pytest.mark.parametrize("mode", bundled.SPEC_MODES)
+def test_auto_calls_whose_drafts_never_pay_decode_plainly_with_the_same_tokens(mode, monkeypatch):
+    """Every mode, drafts never accepted: the first "auto" call drafts (k falls), the next ones time the candidates,
+    then a call times plain decoding and later calls run it (no draft, one target forward a token), reporting their
+    mode; after EXPLORE_CALLS[0] more of them one call drafts again. Every call gives plain greedy's tokens. Rounds are
+    timed by a fixed model (a draft a tenth of a 1 ms round) and plain steps at 0.5 ms."""
+    from hf_specdec.generation.acceptance import GreedyAcceptance
+
+    monkeypatch.setattr(adaptive_k, "PLAIN_CALL_DEVICES", ("cpu",))
+    model, extra, _ = bundled.mode(mode)
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, **GREEDY)
+    expected = model.generate(ids, **kwargs)
+    fixed_round_times(monkeypatch, model)
+    monkeypatch.setattr(RoundCosts, "add_plain", lambda self, seconds, add=RoundCosts.add_plain: add(self, 5e-4))
+
+    class RejectAll(GreedyAcceptance):
+        def __call__(self, draft_tokens, draft_probs, scores):
+            num_accepted, _ = super().__call__(draft_tokens, draft_probs, scores)
+            return num_accepted * 0, scores.argmax(dim=-1)[:, 0]
+
+    drafted = []
+    for _ in range(6 + EXPLORE_CALLS[0] + 1):
+        got = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"}, acceptance=RejectAll())
+        assert torch.equal(got, expected)
+        stats = hf_specdec.last_generation_stats(model)
+        assert stats.spec_mode == ("mtp" if mode != "gemma_dflash" else "dflash")
+        drafted.append(stats.num_draft_tokens > 0)
+        if not drafted[-1]:
+            assert stats.num_target_forwards == 24 and stats.mean_accepted_length == 1.0
+    costs = next(iter(model._hf_specdec.round_costs.values()))
+    assert costs.plain_median == 5e-4
+    first_plain = drafted.index(False)
+    assert all(drafted[:first_plain]) and first_plain <= 5, drafted
+    explore = first_plain + 1 + EXPLORE_CALLS[0]  # the call that timed plain decoding, then EXPLORE_CALLS[0] more
+    assert not any(drafted[first_plain:explore]) and drafted[explore], drafted
