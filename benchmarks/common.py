@@ -212,7 +212,7 @@ class Progress:
             self.bar = None
 
 
-AUTO_WARMUPS = 3  # warm-up calls of a num_speculative_tokens="auto" row (module docstring of e2e_synthetic)
+AUTO_WARMUPS = 5  # warm-up calls of a num_speculative_tokens="auto" row (module docstring of e2e_synthetic)
 
 
 def k_value(text: str):

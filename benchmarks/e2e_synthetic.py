@@ -11,9 +11,10 @@ throughput at a given tau (expected tau = sum_{i<=k} alpha^i), as vLLM's synthet
 Beside them: ``hf_dynamic`` (transformers ``generate``) and ``hf_specdec`` plain on the same shape.
 tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)). ``vs_floor_tau`` =
 tokens/s / (tau * floor tokens/s), the fraction of the ideal "tau tokens per bandwidth-bound step".
-``--k auto`` rows get three warm-up calls instead of one: the controller times its rounds there (a new k also
-captures its graphs, 50-300 ms each on a 12-layer 31B cut), as a user's first calls of a model at a batch size
-would; later calls start from those timings and that acceptance.
+``--k auto`` rows get five warm-up calls instead of one: the controller times its rounds there (a new k also
+captures its graphs, 50-300 ms each on a 12-layer 31B cut), and on the GPU, where no k gains much, plain decoding in
+one call, as a user's first calls of a model at a batch size would; later calls start from those timings and that
+acceptance.
 
 ``--weights fp8`` (``nf4``, ``int4``) quantizes the target first (benchmarks/shapes.py); the drafters stay in the
 bench dtype (a bf16 assistant beside an FP8 target, as it is loaded in practice) and the floors count the stored

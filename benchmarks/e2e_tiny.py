@@ -5,9 +5,10 @@
 Prompts are the bundled held-out snippets (code no member was trained on). Rows per family member
 (float32): transformers ``generate`` (hf_dynamic), hf_specdec plain, and every bundled drafter (tiny Gemma 4:
 the MTP assistant at several k and DFlash when bundled; tiny Step 3.5: its own MTP layers, k = 1..3; each mode also
-with ``num_speculative_tokens="auto"``, k chosen per round; those rows get three warm-up calls instead of one: the
-controller times its rounds there, as a user's first calls of a model at a batch size would, and later calls
-start from those timings).
+with ``num_speculative_tokens="auto"``, k chosen per round; those rows get five warm-up calls instead of one: the
+controller times its rounds there and, on the GPU where no k gains much, plain decoding in one call, as a user's
+first calls of a model at a batch size would, and later calls start from those timings; a row whose later calls
+decode plainly, where no k beat plain decoding, shows a tau of 1).
 Greedy, no early stop at EOS (every row decodes the full length); every hf_specdec row is checked token for
 token against transformers. tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)), the
 median of ``--repeats`` timed pairs (a call lasts tens of milliseconds: single pairs of the same row moved by
