@@ -56,9 +56,11 @@ same tokens), where plain decoding's steps, timed at this batch size in such cal
 than the best k is expected to. Plain decoding is timed by running it for one call, once the timed rounds promise
 less than :data:`PROBE_PLAIN_BELOW` over the loop's rounds without drafts (a plain step costs no more than those, so
 where drafting gains more that call would be wasted; where it gains less, one call at plain speed is the price).
-While plain decoding pays, one call in :data:`EXPLORE_CALLS` (doubling up to its second value while drafting still
-does not pay) drafts again, so that the acceptance is measured anew; a call of one new token has nothing to draft and
-always runs plainly. Such a call's stats keep its mode and k, with no draft and a tau of 1.
+Either mode's timings go stale while the other runs (the acceptance moves with the text, a lent machine's speed
+between calls), so one call in :data:`EXPLORE_CALLS` (doubling up to its second value while the same mode keeps
+winning) runs the losing one again, unless drafting wins by :data:`PROBE_PLAIN_BELOW` or more; a call of one new
+token has nothing to draft and always runs plainly. Such a call's stats keep its mode and k, with no draft and a tau
+of 1.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ PLAIN_CALL_DEVICES = ("cuda",)
 # and up to ~4x one where the host sets the pace (the tiny family on an H200: 460-1150 us against 268-324), so
 # only a larger gain is sure to beat plain decoding (a 31B target at an acceptance of 0.8 gains ~3.5x)
 PROBE_PLAIN_BELOW = 4.0
-# calls of plain decoding before one speculative call measures the acceptance again: doubling while drafting still
-# does not pay, back to the first once it does
+# calls in the mode that wins (plain decoding or drafting) before one call in the other times it again: doubling
+# while the same mode keeps winning, back to the first once the other wins
 EXPLORE_CALLS = (4, 64)
 
 
@@ -105,8 +107,9 @@ class RoundCosts:
         # plain decoding's steps at this batch size, timed in the calls that "auto" ran as plain decoding
         self.plain_seconds: collections.deque = collections.deque(maxlen=KEEP)
         self.plain_median: float | None = None
-        self.plain_streak = 0  # plain calls since the last speculative one
-        self.explore_every = EXPLORE_CALLS[0]  # plain calls before the next speculative one
+        self.plain_won = False  # whether plain decoding won the last choice between the two
+        self.streak = 0  # calls in the winning mode since the other one last ran
+        self.explore_every = EXPLORE_CALLS[0]  # calls in the winning mode before the other one runs again
 
     def add_plain(self, seconds: float) -> None:
         """One timed step of plain decoding (of this batch size)."""
@@ -153,9 +156,10 @@ def plain_call(costs: RoundCosts, k_max: int, new_tokens: int) -> bool:
     :data:`SWITCH_GAIN`). A call of one new token has no round to draft for. Until plain decoding is timed, a call
     runs it to time it once the timed rounds promise less than :data:`PROBE_PLAIN_BELOW` over the loop's rounds
     without drafts (a plain step costs no more than those: timed, or the timed curve extended to k = 0). A
-    speculative call must have measured the acceptance first; while plain decoding pays, one call in
-    :data:`EXPLORE_CALLS` (doubling) drafts again to measure it anew, so a text that became easier to draft is
-    noticed."""
+    speculative call must have measured the acceptance first. Either mode's timings go stale while the other runs,
+    and a lent machine's speed moves between calls: one call in :data:`EXPLORE_CALLS` (doubling while the same mode
+    keeps winning) runs the losing mode again, where the gain of the winner is under :data:`PROBE_PLAIN_BELOW` (a
+    text that became easier to draft is noticed)."""
     if new_tokens <= 1:
         return True
     curve = costs.curve()
@@ -166,14 +170,17 @@ def plain_call(costs: RoundCosts, k_max: int, new_tokens: int) -> bool:
     if costs.plain_median is None:
         without_drafts = min(costs.medians.get(0, float("inf")), cost_on(curve, 0))
         return best * without_drafts < PROBE_PLAIN_BELOW
-    if best * costs.plain_median > SWITCH_GAIN:  # drafting pays
-        costs.plain_streak, costs.explore_every = 0, EXPLORE_CALLS[0]
+    gain = best * costs.plain_median
+    plain = gain <= SWITCH_GAIN
+    if plain != costs.plain_won:  # the other mode wins now: its count starts over
+        costs.plain_won, costs.streak, costs.explore_every = plain, 0, EXPLORE_CALLS[0]
+    if not plain and gain >= PROBE_PLAIN_BELOW:  # drafting wins by more than the timings' noise could hide
         return False
-    costs.plain_streak += 1
-    if costs.plain_streak > costs.explore_every:
-        costs.plain_streak, costs.explore_every = 0, min(2 * costs.explore_every, EXPLORE_CALLS[1])
-        return False
-    return True
+    costs.streak += 1
+    if costs.streak > costs.explore_every:  # the losing mode, once, to time it again
+        costs.streak, costs.explore_every = 0, min(2 * costs.explore_every, EXPLORE_CALLS[1])
+        return not plain
+    return plain
 
 
 def costs_for(kept: dict, key) -> RoundCosts:

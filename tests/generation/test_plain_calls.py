@@ -34,22 +34,30 @@ def _time_plain(costs: RoundCosts, seconds: float) -> None:
         costs.add_plain(seconds)
 
 
-def test_a_call_decodes_plainly_only_where_plain_steps_beat_every_k_and_drafts_again_now_and_then():
+def test_a_call_decodes_plainly_only_where_plain_steps_beat_every_k_and_the_losing_mode_runs_now_and_then():
     """Rounds of ~4 ms at an acceptance of 0.3 against plain steps of 1 ms: plain decoding pays, so calls run it,
     but for one speculative call after EXPLORE_CALLS[0] plain ones, then after twice as many while drafting still
-    loses; once drafting pays again (the acceptance came back) every call drafts and the count starts over."""
+    loses. Once drafting pays again (the acceptance came back) calls draft, and where its gain is under
+    PROBE_PLAIN_BELOW one call in EXPLORE_CALLS[0] times plain decoding again (the counts start over); where drafting
+    gains more than that, every call drafts."""
     costs = _costs(0.3, lambda k: 4e-3 + 1e-4 * k)
     _time_plain(costs, 1e-3)
-    calls = [plain_call(costs, 3, 64) for _ in range(EXPLORE_CALLS[0] + 1 + 2 * EXPLORE_CALLS[0] + 1)]
     first = EXPLORE_CALLS[0]
+    calls = [plain_call(costs, 3, 64) for _ in range(first + 1 + 2 * first + 1)]
     assert calls[:first] == [True] * first and calls[first] is False, calls
     assert calls[first + 1:-1] == [True] * (2 * first) and calls[-1] is False, calls
-    costs.acceptance = _costs(0.95, lambda k: 1.0).acceptance  # the text became easy to draft: ~4 tokens a round
-    _time_plain(costs, 1e-3)
+    assert costs.plain_won and costs.explore_every == 4 * first
+    costs.acceptance = _costs(0.95, lambda k: 1.0).acceptance  # the text became easy to draft: ~3.7 tokens a round
     costs.plain_seconds.clear()
-    _time_plain(costs, 2e-3)  # and plain steps are timed slower: 2 ms against ~1.1 ms a token drafted
-    assert [plain_call(costs, 3, 64) for _ in range(3)] == [False] * 3
-    assert costs.plain_streak == 0 and costs.explore_every == EXPLORE_CALLS[0]
+    _time_plain(costs, 2e-3)  # and plain steps were timed slower: 2 ms against ~1.2 ms a token drafted (1.7x)
+    calls = [plain_call(costs, 3, 64) for _ in range(first + 1 + 2 * first + 1)]
+    assert calls[:first] == [False] * first and calls[first] is True, calls
+    assert calls[first + 1:-1] == [False] * (2 * first) and calls[-1] is True, calls
+    assert not costs.plain_won
+    _time_plain(costs, 1e-2)  # plain steps of 10 ms: drafting gains > PROBE_PLAIN_BELOW, plain never runs again
+    costs.plain_seconds.clear()
+    _time_plain(costs, 1e-2)
+    assert not any(plain_call(costs, 3, 64) for _ in range(8 * first))
 
 
 def test_plain_decoding_is_timed_once_the_rounds_promise_little_over_rounds_without_drafts():
@@ -66,7 +74,7 @@ def test_plain_decoding_is_timed_once_the_rounds_promise_little_over_rounds_with
                for k in candidate_ks(7))
     assert best * 1e-3 > PROBE_PLAIN_BELOW and not plain_call(paying, 7, 64)
     assert plain_call(RoundCosts(), 3, 1) and plain_call(paying, 7, 1)  # one new token: no round to draft for
-    assert paying.plain_streak == 0  # and such calls do not count towards the next speculative one
+    assert paying.streak == 0  # and such calls do not count towards the next run of the other mode
 
 
 def test_the_plain_loop_times_its_steady_steps(monkeypatch):
