@@ -216,6 +216,8 @@ def test_troubleshooting_speed_numbers_agree_with_the_records():
         f"MTP with k=2 gives {tiny('tiny-gemma4', 'hf_specdec_mtp', 2):.2f}× plain hf_specdec and k=4 "
         f"{tiny('tiny-gemma4', 'hf_specdec_mtp', 4):.2f}×, DFlash (k=7) {tiny('tiny-gemma4', 'hf_specdec_dflash', 7):.2f}× and "
         f"Step 3.5 MTP (k=3) {tiny('tiny-step3p5', 'hf_specdec_mtp', 3, step_plain):.2f}×",
+        f"DFlash with \"auto\" gives {tiny('tiny-gemma4', 'hf_specdec_dflash', 'auto'):.2f}× plain and Step 3.5 MTP "
+        f"{tiny('tiny-step3p5', 'hf_specdec_mtp', 'auto', step_plain):.2f}×",
         "MTP with k=3 gave {:.2f}× plain, k=7 {:.2f}× and DFlash k=7 {:.2f}×".format(*batch32),
     ]
     for claim in claims:
