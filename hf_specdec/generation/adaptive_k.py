@@ -53,14 +53,15 @@ the pace, and the loop's rounds, even without drafts, cost more than plain decod
 host from CUDA graphs with no per-round bookkeeping (the bundled tiny models on an H200: DFlash's and Step 3.5 MTP's
 rounds at 0.55-0.65x plain decoding's tokens per second). So a call may run as plain decoding (``paged_decode``: the
 same tokens), where plain decoding's steps, timed at this batch size in such calls, commit more tokens per second
-than the best k is expected to. Plain decoding is timed by running it for one call, once the timed rounds promise
-less than :data:`PROBE_PLAIN_BELOW` over the loop's rounds without drafts (a plain step costs no more than those, so
-where drafting gains more that call would be wasted; where it gains less, one call at plain speed is the price).
-Either mode's timings go stale while the other runs (the acceptance moves with the text, a lent machine's speed
-between calls), so one call in :data:`EXPLORE_CALLS` (doubling up to its second value while the same mode keeps
-winning) runs the losing one again, unless drafting wins by :data:`PROBE_PLAIN_BELOW` or more; a call of one new
-token has nothing to draft and always runs plainly. Such a call's stats keep its mode and k, with no draft and a tau
-of 1.
+than the best timed k is expected to. Plain decoding is timed by running it, once the timed rounds promise less than
+:data:`PROBE_PLAIN_BELOW` over the cheapest timed round (a plain step costs no more than a round, so where drafting
+gains more that call would be wasted; where it gains less, one call at plain speed is the price); it takes a call of
+more than ``decode.UNTIMED_STEPS`` + :data:`MIN_TIMED` new tokens (shorter ones run plainly until one comes). Either
+mode's timings go stale while the other runs (the acceptance moves with the text, a lent machine's speed between
+calls), so after :data:`EXPLORE_CALLS` calls in the winning mode (doubling up to its second value while the same mode
+keeps winning) one call runs the losing one again, unless drafting wins by :data:`PROBE_PLAIN_BELOW` or more; a
+call of one new token has nothing to draft and always runs plainly. Such a call's stats keep its mode and k, with no
+draft and a tau of 1.
 """
 
 from __future__ import annotations
@@ -85,10 +86,10 @@ EXPLORE_EVERY = 8  # after this many rounds without drafts in a row, one round w
 # CPU a round without drafts is already a plain step (eager forwards either way); on the GPU plain decoding runs
 # ahead of the host with graphs and no per-round bookkeeping, which the loop's rounds cannot match on a small model
 PLAIN_CALL_DEVICES = ("cuda",)
-# a call times plain decoding once the best k, against the loop's own rounds without drafts (the cheaper of their
-# time and the timed curve extended to k = 0), promises less than this gain: those rounds cost at least a plain step,
-# and up to ~4x one where the host sets the pace (the tiny family on an H200: 460-1150 us against 268-324), so
-# only a larger gain is sure to beat plain decoding (a 31B target at an acceptance of 0.8 gains ~3.5x)
+# a call times plain decoding once the best timed k, against the cheapest timed round (often one without drafts),
+# promises less than this gain: such a round costs at least a plain step, and up to ~4x one where the host sets the
+# pace (the tiny family on an H200: 356-1150 us against 210-324), so only a larger gain is sure to beat plain
+# decoding (a 31B target at an acceptance of 0.8 gains ~3.5x)
 PROBE_PLAIN_BELOW = 4.0
 # calls in the mode that wins (plain decoding or drafting) before one call in the other times it again: doubling
 # while the same mode keeps winning, back to the first once the other wins
@@ -151,25 +152,25 @@ def cost_on(points: list[tuple[int, float]], k: int) -> float:
 
 
 def plain_call(costs: RoundCosts, k_max: int, new_tokens: int) -> bool:
-    """Whether an "auto" call of ``new_tokens`` per row should run as plain decoding: where no k with drafts is
-    expected to commit more tokens per second than plain decoding's steps, timed at this batch size, do (by
+    """Whether an "auto" call of ``new_tokens`` per row should run as plain decoding: where no timed k with drafts
+    is expected to commit more tokens per second than plain decoding's steps, timed at this batch size, do (by
     :data:`SWITCH_GAIN`). A call of one new token has no round to draft for. Until plain decoding is timed, a call
-    runs it to time it once the timed rounds promise less than :data:`PROBE_PLAIN_BELOW` over the loop's rounds
-    without drafts (a plain step costs no more than those: timed, or the timed curve extended to k = 0). A
-    speculative call must have measured the acceptance first. Either mode's timings go stale while the other runs,
-    and a lent machine's speed moves between calls: one call in :data:`EXPLORE_CALLS` (doubling while the same mode
-    keeps winning) runs the losing mode again, where the gain of the winner is under :data:`PROBE_PLAIN_BELOW` (a
-    text that became easier to draft is noticed)."""
+    runs it to time it once the timed k promise less than :data:`PROBE_PLAIN_BELOW` over the cheapest timed round (a
+    plain step costs no more than that); a speculative call must have measured the acceptance and timed a k first.
+    Either mode's timings go stale while the other runs (a text becomes easier to draft, a lent machine's speed moves
+    between calls): after :data:`EXPLORE_CALLS` calls in the winning mode (doubling while the same mode keeps
+    winning) one runs the losing mode again, unless drafting wins by :data:`PROBE_PLAIN_BELOW` or more."""
     if new_tokens <= 1:
         return True
     curve = costs.curve()
-    if costs.acceptance is None or costs.calls == 0 or curve is None:
+    timed = [(k, seconds) for k, seconds in curve or () if 1 <= k <= k_max]
+    if costs.acceptance is None or costs.calls == 0 or not timed:
         return False
     rates = costs.acceptance.rates(k_max)
-    best = max(expected_tokens(rates, k) / cost_on(curve, k) for k in candidate_ks(k_max))  # tokens per second
+    best = max(expected_tokens(rates, k) / seconds for k, seconds in timed)  # tokens per second of a timed k
     if costs.plain_median is None:
-        without_drafts = min(costs.medians.get(0, float("inf")), cost_on(curve, 0))
-        return best * without_drafts < PROBE_PLAIN_BELOW
+        # a plain step costs no more than the cheapest timed round (one without drafts, where it was timed)
+        return best * min(costs.medians.values()) < PROBE_PLAIN_BELOW
     gain = best * costs.plain_median
     plain = gain <= SWITCH_GAIN
     if plain != costs.plain_won:  # the other mode wins now: its count starts over

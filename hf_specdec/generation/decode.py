@@ -14,8 +14,6 @@ queued ahead is discarded (the tokens are the same; it costs one step per call).
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -23,15 +21,17 @@ from hf_specdec.generation import sampling
 from hf_specdec.generation.sampling import GREEDY_NEXT, mask_finished, reads_scores, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
-from hf_specdec.runtime import Readback, exhausted, real_token_counts
+from hf_specdec.runtime import Readback, ReadbackClock, exhausted, real_token_counts
+
+UNTIMED_STEPS = 2  # steps a call's step_times leaves out (a graph captured for the bucket, the first replays)
 
 
 def paged_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                  streamer=None, *, stats: SpecStats | None = None, step_times=None, **model_kwargs):
     """Decode ``input_ids`` [batch, prompt_len] (left-padded) token by token; returns what ``_sample`` returns.
     ``stats``: the call's counters to fill (a speculative call that "auto" ran as plain decoding reports its mode);
-    ``step_times``: called with the seconds of each steady step (from the third on: the first ones may capture
-    graphs), between consecutive read-backs on the device clock on CUDA, else the host's."""
+    ``step_times``: called with the seconds of each steady step (all but the first :data:`UNTIMED_STEPS`, which may
+    capture graphs), between consecutive read-backs (:class:`ReadbackClock`)."""
     state = model._hf_specdec
     stats = SpecStats() if stats is None else stats
     prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
@@ -55,7 +55,8 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
         unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
         active = batch
         readback = Readback(input_ids.device)
-        timer = _StepTimer(readback, step_times) if step_times is not None else None
+        clock = ReadbackClock(readback) if step_times is not None else None
+        steps = 0  # read-backs waited for
         while True:
             # 2. pick the next token of each row from the processed scores (or the forward picked it)
             if select is not None:
@@ -75,7 +76,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             # 3. stop check, read back after the next forward is queued (the one host sync of the step)
             unfinished = unfinished & ~stopping_criteria(input_ids, scores)
             pending = readback.start(unfinished.sum(), next_tokens if streamer is not None else None,
-                                     timed=timer is not None)
+                                     timed=clock is not None)
             at_max = input_ids.shape[1] >= generation_config.max_length
             exhausted_by = None
             if not at_max:
@@ -88,8 +89,11 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
                 if exhausted_by is None:
                     runner.commit(lens)
             count, streamed = readback.wait(pending)
-            if timer is not None:
-                timer.waited(pending)
+            if clock is not None:
+                seconds = clock.since_last(pending)
+                if steps >= UNTIMED_STEPS:
+                    step_times(seconds)
+            steps += 1
             if streamer is not None:
                 streamer.put(streamed.clone())  # (the read-back's pinned buffer is reused)
             stats.record_step([1] * active)
@@ -112,23 +116,3 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
             logits=tuple(logits_out) if keep_logits else None,
         )
     return input_ids
-
-
-class _StepTimer:
-    """Times a decoding loop's steps between consecutive read-backs: on the device clock where there is one (the
-    host runs a step ahead, so its own clock would time the step it queued), else between the host's waits."""
-
-    SKIP = 2  # steps left untimed at the start of a call (a graph captured for the bucket, the first replays)
-
-    def __init__(self, readback: Readback, record):
-        self.readback, self.record = readback, record
-        self.last = None  # the last read-back waited for, and when the host got it
-        self.steps = 0
-
-    def waited(self, pending) -> None:
-        now = time.perf_counter()
-        if self.last is not None and self.steps >= self.SKIP:
-            seconds = self.readback.seconds_between(self.last[0], pending)
-            self.record(now - self.last[1] if seconds is None else seconds)
-        self.last = (pending, now)
-        self.steps += 1

@@ -28,7 +28,6 @@ distribution (rejection sampling), whatever the drafter proposes.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,7 +45,7 @@ from hf_specdec.generation.sampling import PositionScorer, reads_scores, same_on
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
 from hf_specdec.cache.paged_cache import to_device_async
-from hf_specdec.runtime import Readback, Select, exhausted, real_token_counts
+from hf_specdec.runtime import Readback, ReadbackClock, Select, exhausted, real_token_counts
 
 # where a call may run one round ahead: on the GPU the host's work of a round overlaps the device's next one; on the
 # CPU the two are one thread and nothing overlaps (tests add "cpu" to run that path there). HF_SPECDEC_RUN_AHEAD=0
@@ -111,14 +110,17 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     k pays for its drafting (:func:`adaptive_k.plain_call`; the output is the same); ``draft_model``: the model whose
     attention writes the drafter's own caches (its assistant, or the target)."""
     costs = _auto_costs(model, drafter, draft_model, input_ids.shape[0]) if adaptive and drafter.adaptive_k else None
+    # (a benchmark's acceptance that is not lossless commits other tokens than plain decoding: its calls stay rounds)
     if (costs is not None and input_ids.device.type in adaptive_k.PLAIN_CALL_DEVICES
+            and (acceptance is None or acceptance.lossless)
             and adaptive_k.plain_call(costs, drafter.num_speculative_tokens,
                                       generation_config.max_length - input_ids.shape[1])):
         stats = SpecStats(spec_mode=drafter.spec_mode, num_speculative_tokens=drafter.num_speculative_tokens)
         return paged_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
                             streamer, stats=stats, step_times=costs.add_plain, **model_kwargs)
     loop = SpeculativeLoop(model, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                           streamer, acceptance or acceptance_for(generation_config.do_sample), adaptive, draft_model)
+                           streamer, acceptance or acceptance_for(generation_config.do_sample), adaptive, draft_model,
+                           costs=costs)
     sequences = loop.run(input_ids, model_kwargs)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
@@ -139,23 +141,20 @@ class SpeculativeLoop:
     """One speculative ``generate`` call: the request's state lives here, a step is :meth:`step`."""
 
     def __init__(self, model, drafter: Drafter, input_ids, logits_processor, stopping_criteria, generation_config,
-                 streamer, acceptance: Acceptance, adaptive: bool = False, draft_model: torch.nn.Module | None = None):
+                 streamer, acceptance: Acceptance, adaptive: bool = False, draft_model: torch.nn.Module | None = None,
+                 costs=None):
+        """``costs``: where k is chosen per round (``adaptive``), its timings for this model, drafter and batch size
+        (:func:`_auto_costs`; None under tensor parallelism, where the prior cost model decides)."""
         state = model._hf_specdec
         self.model, self.drafter, self.acceptance, self.streamer = model, drafter, acceptance, streamer
         self.k = drafter.num_speculative_tokens  # the most drafts a round may have: caches are sized for them
         self.adaptive_k = None
         if adaptive and drafter.adaptive_k:
-            costs = _auto_costs(model, drafter, draft_model, input_ids.shape[0])
             # k = 0 is a candidate too: a round without drafts, a plain step of this loop whose commit still lets the
             # drafter catch up, for where no k pays for its drafting (where k may rise again, a round with drafts
             # now and then measures the acceptance; where it may not, the rest of the call runs plain rounds)
             self.adaptive_k = AdaptiveK(self.k, drafter.draft_cost, input_ids.shape[0], costs=costs,
                                         grows=drafter.k_grows, plain=True)
-        # rounds are timed between consecutive rounds' read-backs: on the device clock where there is one (a round
-        # queued ahead runs while the host is held up elsewhere, so the host's clock would time it short), else
-        # between the host's waits
-        self.synced_at = 0.0  # when the host last waited for the device
-        self.last_read = None  # the last round's read-back
         self.config = generation_config
         self.logits_processor = logits_processor
         self.scorer = PositionScorer(logits_processor)
@@ -179,6 +178,7 @@ class SpeculativeLoop:
         self.order, self.left = list(range(batch)), {}
         self.drops_rows = False  # whether stopped rows leave the batch (decided in run, once the runner started)
         self.readback = Readback(input_ids.device)
+        self.clock = ReadbackClock(self.readback)  # rounds timed between consecutive rounds' read-backs
         self.vocab_size = model.config.get_text_config().vocab_size
         self.context = self.captured = None
         self.ahead: DraftProposal | None = None  # this round's drafts, queued by the last step
@@ -267,7 +267,7 @@ class SpeculativeLoop:
         next_tokens = select_tokens(scores, self.config.do_sample, self.ranks)
         emitted = self._emit(next_tokens.tolist(), [[]] * len(self.rows), scores[:, None])
         self.stats.record_step(emitted)
-        self.synced_at = time.perf_counter()
+        self.clock.mark()
         return next_tokens
 
     def step(self, last_tokens: torch.Tensor) -> torch.Tensor:
@@ -391,13 +391,9 @@ class SpeculativeLoop:
             raise RuntimeError(f"the device placed a round at {first}, the host's bookkeeping at {verified.first}.")
         k = verified.k
         if self.adaptive_k is not None:
-            synced, self.synced_at = self.synced_at, time.perf_counter()
-            between = None if self.last_read is None else self.readback.seconds_between(self.last_read,
-                                                                                       verified.pending)
-            self.last_read = verified.pending
             ahead_k = in_flight.k if in_flight is not None else (
                 None if self.ahead is None else self.ahead.tokens.shape[1])
-            self.adaptive_k.observe(k, self.synced_at - synced if between is None else between, ahead_k)
+            self.adaptive_k.observe(k, self.clock.since_last(verified.pending), ahead_k)
         was_running = list(self.running)
         chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(self.rows))]
         emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks], verified.scores)

@@ -7,9 +7,9 @@ from hf_specdec.runtime.cuda_graphs import GraphStore, cuda_graphs_wanted
 from hf_specdec.runtime.distributed import RankGroup, tensor_parallel_group
 from hf_specdec.runtime.drafter_graphs import DrafterGraphs
 from hf_specdec.runtime.model_runner import ModelRunner, Select, check_mask_shape, exhausted, real_token_counts
-from hf_specdec.runtime.readback import Readback
+from hf_specdec.runtime.readback import Readback, ReadbackClock
 
 __all__ = [
-    "DrafterGraphs", "GraphStore", "ModelRunner", "RankGroup", "Readback", "RequestContext", "Select",
+    "DrafterGraphs", "GraphStore", "ModelRunner", "RankGroup", "Readback", "ReadbackClock", "RequestContext", "Select",
     "check_mask_shape", "cuda_graphs_wanted", "exhausted", "real_token_counts", "tensor_parallel_group",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -52,3 +54,26 @@ class Readback:
         host, event = pending
         event.synchronize()
         return host
+
+
+class ReadbackClock:
+    """Seconds between consecutive read-backs a loop waited for, each one its step or round: on the device clock
+    where both were timed on CUDA (a step queued ahead runs while the host is held up elsewhere, so the host's clock
+    would time it short), else the host's between its waits (or since :meth:`mark`, for the first one)."""
+
+    def __init__(self, readback: Readback):
+        self.readback = readback
+        self.last = None  # the last read-back given to since_last
+        self.marked = time.perf_counter()
+
+    def mark(self) -> None:
+        """The host's clock starts here for the next read-back (one without an earlier one to time from)."""
+        self.marked = time.perf_counter()
+
+    def since_last(self, pending) -> float:
+        """Seconds from the last read-back given here to ``pending``, which the host has just waited for."""
+        now = time.perf_counter()
+        between = None if self.last is None else self.readback.seconds_between(self.last, pending)
+        seconds = now - self.marked if between is None else between
+        self.last, self.marked = pending, now
+        return seconds

@@ -54,27 +54,36 @@ def test_a_call_decodes_plainly_only_where_plain_steps_beat_every_k_and_the_losi
     assert calls[:first] == [False] * first and calls[first] is True, calls
     assert calls[first + 1:-1] == [False] * (2 * first) and calls[-1] is True, calls
     assert not costs.plain_won
-    _time_plain(costs, 1e-2)  # plain steps of 10 ms: drafting gains > PROBE_PLAIN_BELOW, plain never runs again
     costs.plain_seconds.clear()
-    _time_plain(costs, 1e-2)
+    _time_plain(costs, 1e-2)  # plain steps of 10 ms: drafting gains > PROBE_PLAIN_BELOW, plain never runs again
     assert not any(plain_call(costs, 3, 64) for _ in range(8 * first))
 
 
-def test_plain_decoding_is_timed_once_the_rounds_promise_little_over_rounds_without_drafts():
-    """Before plain decoding is timed: a call runs it (to time it) where the best k's tokens per second, against the
-    loop's rounds without drafts (or the timed curve extended to k = 0), gain less than PROBE_PLAIN_BELOW; not
-    before a speculative call measured the acceptance, and not where drafting gains more."""
+def test_plain_decoding_is_timed_once_the_rounds_promise_little_over_the_cheapest_round():
+    """Before plain decoding is timed: a call runs it (to time it) where the best timed k's tokens per second, against
+    the cheapest timed round (one without drafts where it was timed: a plain step costs no more), gain less than
+    PROBE_PLAIN_BELOW; not before a speculative call measured the acceptance and timed a k, and not where drafting
+    gains more. Only timed k count: the curve extended below its lowest timed k can reach negative costs."""
     assert not plain_call(RoundCosts(), 3, 64)  # nothing measured yet: the first call drafts
     losing = _costs(0.5, lambda k: 2e-3 + 5e-4 * k, without_drafts=1.5e-3)
     assert plain_call(losing, 3, 64)
-    extended = _costs(0.5, lambda k: 2e-3 + 5e-4 * k)  # k = 0 extrapolated: 2 ms
-    assert plain_call(extended, 3, 64)
-    paying = _costs(0.95, lambda k: 1e-3 + 2e-5 * k, k_max=7, without_drafts=1.1e-3)  # 1 ms at k = 0 extended
-    best = max(adaptive_k.expected_tokens(paying.acceptance.rates(7), k) / adaptive_k.cost_on(paying.curve(), k)
-               for k in candidate_ks(7))
-    assert best * 1e-3 > PROBE_PLAIN_BELOW and not plain_call(paying, 7, 64)
+    no_plain_round = _costs(0.5, lambda k: 2e-3 + 5e-4 * k)  # the cheapest round drafts one: 2.5 ms, 1.5x
+    assert plain_call(no_plain_round, 3, 64)
+    paying = _costs(0.95, lambda k: 1e-3 + 2e-5 * k, k_max=7, without_drafts=1.1e-3)
+    best = max(adaptive_k.expected_tokens(paying.acceptance.rates(7), k) / seconds
+               for k, seconds in paying.curve() if k)
+    assert best * min(paying.medians.values()) > PROBE_PLAIN_BELOW and not plain_call(paying, 7, 64)
     assert plain_call(RoundCosts(), 3, 1) and plain_call(paying, 7, 1)  # one new token: no round to draft for
-    assert paying.streak == 0  # and such calls do not count towards the next run of the other mode
+    steep = RoundCosts()  # k = 2 and 3 timed only (a Step 3.5 call's sweep going down): the line through them
+    for _ in range(MIN_TIMED):  # reaches -1.4 ms at k = 0
+        steep.add(2, 1e-3)
+        steep.add(3, 2.2e-3)
+    steep.acceptance, steep.calls = _costs(0.9, lambda k: 1.0).acceptance, 1
+    tau2 = adaptive_k.expected_tokens(steep.acceptance.rates(3), 2)
+    assert tau2 / 1e-3 * 1e-3 < PROBE_PLAIN_BELOW and plain_call(steep, 3, 64)  # gain ~2.7 over k = 2's 1 ms
+    _time_plain(steep, 0.5e-3)  # timed: k = 2 gains 1.36x over plain steps of 0.5 ms, under PROBE_PLAIN_BELOW
+    assert not plain_call(steep, 3, 64) and steep.streak == 1
+    assert plain_call(steep, 3, 1) and steep.streak == 1  # a call of one new token does not count
 
 
 def test_the_plain_loop_times_its_steady_steps(monkeypatch):
@@ -90,7 +99,7 @@ def test_the_plain_loop_times_its_steady_steps(monkeypatch):
     monkeypatch.setattr(generate_module, "paged_decode",
                         functools.partial(decode.paged_decode, step_times=seconds.append))
     assert torch.equal(model.generate(ids, **kwargs), expected)
-    assert len(seconds) == 12 - decode._StepTimer.SKIP and all(s > 0 for s in seconds), seconds
+    assert len(seconds) == 12 - decode.UNTIMED_STEPS and all(s > 0 for s in seconds), seconds
 
 
 @pytest.mark.parametrize("mode", bundled.SPEC_MODES)
@@ -129,3 +138,53 @@ def test_auto_calls_whose_drafts_never_pay_decode_plainly_with_the_same_tokens(m
     assert all(drafted[:first_plain]) and first_plain <= 5, drafted
     explore = first_plain + 1 + EXPLORE_CALLS[0]  # the call that timed plain decoding, then EXPLORE_CALLS[0] more
     assert not any(drafted[first_plain:explore]) and drafted[explore], drafted
+
+
+@pytest.mark.parametrize("case", ["eos_and_pad", "return_dict", "streamer", "stop_strings", "one_token"])
+def test_a_call_auto_runs_as_plain_decoding_is_plain_decoding_of_the_call(case, monkeypatch):
+    """What "auto" hands to plain decoding is the whole call: EOS with padding, return_dict_in_generate, a streamer
+    and stop strings give what plain generate gives; the stats keep the mode, with no draft."""
+    from transformers import AutoTokenizer
+    from transformers.generation.streamers import BaseStreamer
+
+    from hf_specdec.assets import asset_path
+    from hf_specdec.generation import speculative
+
+    monkeypatch.setattr(adaptive_k, "PLAIN_CALL_DEVICES", ("cpu",))
+    monkeypatch.setattr(speculative.adaptive_k, "plain_call", lambda costs, k_max, new_tokens: True)
+    model, extra, _ = bundled.mode("gemma_dflash")
+    ids, mask = bundled.batch(1 if case == "streamer" else 3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=1 if case == "one_token" else 20, do_sample=False)
+    if case == "eos_and_pad":
+        plain = model.generate(ids, **kwargs, eos_token_id=None, pad_token_id=0)
+        kwargs.update(eos_token_id=int(plain[0, ids.shape[1] + 3]), pad_token_id=0)  # row 0 stops at its 4th token
+    elif case == "return_dict":
+        kwargs.update(return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    elif case == "stop_strings":
+        kwargs.update(stop_strings=["\n"], tokenizer=AutoTokenizer.from_pretrained(asset_path("tiny-gemma4")),
+                      eos_token_id=None, pad_token_id=0)
+    else:
+        kwargs.update(eos_token_id=None, pad_token_id=0)
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens += value.reshape(-1).tolist()
+
+        def end(self):
+            pass
+
+    streams = [Collect(), Collect()] if case == "streamer" else [None, None]
+    expected = model.generate(ids, **kwargs, streamer=streams[0])
+    got = model.generate(ids, **kwargs, **{**extra, "num_speculative_tokens": "auto"}, streamer=streams[1])
+    stats = hf_specdec.last_generation_stats(model)
+    if case == "return_dict":
+        expected, got = expected.sequences, got.sequences
+    assert torch.equal(got, expected)
+    assert stats.spec_mode == "dflash" and stats.num_draft_tokens == 0 and stats.mean_accepted_length == 1.0
+    if case == "streamer":
+        assert streams[1].tokens == streams[0].tokens and len(streams[1].tokens) == ids.shape[1] + 20
+    if case == "eos_and_pad":
+        assert (got[0, ids.shape[1] + 4:] == 0).all()
