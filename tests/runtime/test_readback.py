@@ -55,7 +55,8 @@ def test_on_cuda_the_clock_times_the_device_between_timed_read_backs():
     first = readback.start(torch.zeros(2, device="cuda"), timed=True)
     torch.cuda._sleep(10 ** 7)  # ~5 ms or more
     second = readback.start(torch.ones(2, device="cuda"), timed=True)
-    clock.since_last(readback.wait(first))
+    readback.wait(first)
+    clock.since_last(first)
     host = readback.wait(second)
     seconds = clock.since_last(second)
     assert (host[0] == 1).all() and 1e-3 < seconds < 1.0
