@@ -75,12 +75,14 @@ def test_plain_decoding_is_timed_once_the_rounds_promise_little_over_the_cheapes
     assert best * min(paying.medians.values()) > PROBE_PLAIN_BELOW and not plain_call(paying, 7, 64)
     assert plain_call(RoundCosts(), 3, 1) and plain_call(paying, 7, 1)  # one new token: no round to draft for
     steep = RoundCosts()  # k = 2 and 3 timed only (a Step 3.5 call's sweep going down): the line through them
-    for _ in range(MIN_TIMED):  # reaches -1.4 ms at k = 0
+    for _ in range(MIN_TIMED):  # puts k = 1 at 0.05 ms, a round that was never run
         steep.add(2, 1e-3)
-        steep.add(3, 2.2e-3)
+        steep.add(3, 1.95e-3)
     steep.acceptance, steep.calls = _costs(0.9, lambda k: 1.0).acceptance, 1
-    tau2 = adaptive_k.expected_tokens(steep.acceptance.rates(3), 2)
-    assert tau2 / 1e-3 * 1e-3 < PROBE_PLAIN_BELOW and plain_call(steep, 3, 64)  # gain ~2.7 over k = 2's 1 ms
+    assert adaptive_k.cost_on(steep.curve(), 1) < 1e-4
+    rates = steep.acceptance.rates(3)
+    gain = max(adaptive_k.expected_tokens(rates, k) / seconds for k, seconds in steep.curve()) * 1e-3
+    assert 2.5 < gain < PROBE_PLAIN_BELOW and plain_call(steep, 3, 64)  # k = 2's ~2.7 tokens a ms: probe plain
     _time_plain(steep, 0.5e-3)  # timed: k = 2 gains 1.36x over plain steps of 0.5 ms, under PROBE_PLAIN_BELOW
     assert not plain_call(steep, 3, 64) and steep.streak == 1
     assert plain_call(steep, 3, 1) and steep.streak == 1  # a call of one new token does not count
