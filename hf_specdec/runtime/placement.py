@@ -19,6 +19,7 @@ Refused, naming the fix: a drafter whose weights are on the meta device, offload
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import warnings
 import weakref
@@ -41,7 +42,7 @@ def execution_device(module: torch.nn.Module) -> torch.device | None:
     device = _hook_device(module)
     if device is not None:
         return device
-    for tensor in (*module.parameters(), *module.buffers()):
+    for tensor in itertools.chain(module.parameters(), module.buffers()):  # lazily: the first one usually answers
         if tensor.device.type != "meta":
             return tensor.device
     for sub in module.modules():
@@ -276,21 +277,28 @@ def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:
     """``layer_idx`` -> execution device of the first module carrying that ``layer_idx`` (a decoder layer or its
     attention: accelerate places whole layers, so both run on one device)."""
     devices: dict[int, torch.device] = {}
-    for name, module in model.named_modules():
-        if _in_encoder_tower(name):  # a vision / audio encoder numbers its own layers from 0 too
+    # the modules in named_modules' order (each once), without descending into a vision / audio encoder, which
+    # numbers its own layers from 0 too (a walk of every module's name costs ~1 ms a call on a small model's CPU)
+    seen, stack = set(), [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
             continue
+        seen.add(id(module))
         idx = getattr(module, "layer_idx", None)
         if isinstance(idx, int) and idx not in devices:
             device = execution_device(module)
             if device is not None:
                 devices[idx] = device
+        stack.extend(child for name, child in reversed(module._modules.items())
+                     if child is not None and not _is_encoder_tower(name))
     return devices
 
 
-def _in_encoder_tower(name: str) -> bool:
-    """Whether the module at ``name`` belongs to a multimodal model's vision or audio encoder (not the decoder whose
-    layers own the KV pages)."""
-    return any(part.startswith(("vision", "audio", "embed_vision", "embed_audio")) for part in name.split("."))
+def _is_encoder_tower(name: str) -> bool:
+    """Whether a submodule called ``name`` is (the root of) a multimodal model's vision or audio encoder, not the
+    decoder whose layers own the KV pages."""
+    return name.startswith(("vision", "audio", "embed_vision", "embed_audio"))
 
 
 @contextlib.contextmanager
