@@ -23,16 +23,27 @@ from hf_specdec.generation.drafter import Drafter, DraftProposal
 
 
 class FixedDrafter(Drafter):
+    """Proposes each row's last token k times at no cost. ``ahead`` (default): its greedy rounds run one round ahead
+    of the host where the loop allows it (on the GPU), as the bundled drafters' greedy rounds do
+    (:attr:`Drafter.runs_ahead`: the next round is queued before the host reads the last one, so the host's emission
+    and commit overlap the device), and a step is timed as their verify steps run; False: every round waits for the
+    host to read the round before (the loop's work between two verifies is then on the device's critical path)."""
+
     spec_mode = "mtp"
 
-    def __init__(self, num_speculative_tokens: int):
+    def __init__(self, num_speculative_tokens: int, ahead: bool = True):
         self.num_speculative_tokens = num_speculative_tokens
+        self.runs_ahead = ahead
 
     def begin(self, context, captured):
         pass
 
     def propose(self, last_tokens, context, selector) -> DraftProposal:
         return DraftProposal(last_tokens[:, None].expand(-1, self.num_speculative_tokens).contiguous(), None)
+
+    def propose_ahead(self, next_tokens, num_accepted, context, captured, selector) -> DraftProposal:
+        # a row that keeps running commits up to next_tokens, its last token after the commit: propose's drafts
+        return self.propose(next_tokens, context, selector)
 
     def commit(self, context, captured, num_accepted, kept):
         pass

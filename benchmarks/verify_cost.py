@@ -1,7 +1,8 @@
 """verify_cost: time of one hf_specdec verify step (k+1 tokens per row) / one plain decode step.
 
     python -m benchmarks.verify_cost [--shape gemma4-31b | gemma4-26b-a4b | step3p5] [--layers N] [--k 1 3 7 15]
-                                     [--batch 1 8] [--repeats 3] [--weights bf16 | fp8 | nf4 | int4] [--quick | --smoke]
+                                     [--batch 1 8] [--repeats 3] [--weights bf16 | fp8 | nf4 | int4] [--no-ahead]
+                                     [--quick | --smoke]
 
 Method: both steps are timed through ``generate`` as users run it, so the loop's own work per step (and
 CUDA graphs, when the loop uses them) is included. The verify step runs with ``FixedDrafter``
@@ -10,6 +11,9 @@ one verify forward of k+1 tokens per row plus acceptance, commit and emission. T
 hf_specdec's plain loop. Each step time comes from two calls, N and 1 new tokens, and
 SpecStats.num_target_forwards: (t(N) - t(1)) / (forwards(N) - forwards(1)), so prefill cancels out; the
 median of ``--repeats`` such pairs (single pairs of 24 steps read k=7 at 1.39x and k=15 at 1.07x in one run).
+On the GPU the verify rounds run one round ahead of the host, as the bundled drafters' greedy rounds do and as
+the plain decode steps they are compared with do (``ahead: true`` in the records); ``--no-ahead`` times rounds
+that each wait for the host to read the round before (the method of the records without the field).
 ``ratio`` = verify step / decode step. (Random weights: drafts are rejected, so tokens/s of the verify rows
 is that of a step that commits one token, not a speculative speed.) ``--weights fp8`` (``nf4``, ``int4``) quantizes the
 target first (benchmarks/shapes.py); each row also gives the bytes a decode step streams (``weight_gb``).
@@ -38,6 +42,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="median of this many timed (1, N) pairs")
+    parser.add_argument("--no-ahead", dest="ahead", action="store_false",
+                        help="verify rounds wait for the host to read the round before (by default they run one "
+                             "round ahead on the GPU, as the bundled drafters' greedy rounds do)")
     parser.add_argument("--weights", choices=WEIGHTS, default="bf16",
                         help="the target's weights: dense in the bench dtype, quantized to FP8 (128 x 128 blocks), "
                              "or to 4 bits (bitsandbytes NF4, torchao int4)")
@@ -57,8 +64,9 @@ def run(args, progress) -> list[dict]:
                          tokens_per_s=decode["tokens_per_s"]))
         progress.step(f"b{batch} decode")
         for k in args.k:
-            verify = _step(model, ids, args.new_tokens, args.repeats, dict(assistant_model=FixedDrafter(k)))
-            rows.append(dict(common, backend="hf_specdec_verify", k=k, step_ms=verify["step_ms"],
+            verify = _step(model, ids, args.new_tokens, args.repeats,
+                           dict(assistant_model=FixedDrafter(k, ahead=args.ahead)))
+            rows.append(dict(common, backend="hf_specdec_verify", k=k, ahead=args.ahead, step_ms=verify["step_ms"],
                              ratio_to_decode=verify["step_ms"] / decode["step_ms"], tokens_per_s=verify["tokens_per_s"]))
             progress.step(f"b{batch} k{k}")
     del model

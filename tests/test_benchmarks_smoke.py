@@ -629,3 +629,28 @@ def test_step_timeline_reads_steps_layers_and_copies_from_the_kernels_timeline()
                       ("Memcpy PtoP (Device -> Device)", 250.0, 1.0, 1.0)]
     with pytest.raises(ValueError, match="generate more tokens"):
         timeline(events[:12], skip=2)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_fixed_drafter_runs_ahead_as_the_bundled_drafters_do(ahead, monkeypatch):
+    """verify_cost's drafter: where the loop runs greedy rounds ahead (the GPU; here the CPU, let in), its rounds are
+    queued before the host reads the round before, as the bundled drafters' are (``ahead``), or each waits for it
+    (``ahead=False``, ``--no-ahead``); either way the call gives plain greedy decoding's tokens."""
+    import hf_specdec
+    from benchmarks.drafters import FixedDrafter
+    from hf_specdec.generation import speculative
+    from tests import bundled
+
+    model, _, reference = bundled.mode("plain")
+    ids, mask = bundled.batch(3)
+    queued = []
+    finish = speculative.SpeculativeLoop._finish
+    monkeypatch.setattr(speculative.SpeculativeLoop, "_finish",
+                        lambda self, verified, in_flight=None: (queued.append(in_flight is not None),
+                                                                finish(self, verified, in_flight))[1])
+    monkeypatch.setattr(speculative, "RUN_AHEAD_DEVICES", ("cuda", "cpu"))
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(ids, assistant_model=FixedDrafter(3, ahead=ahead), **kwargs)
+    assert torch.equal(out, reference.generate(ids, **kwargs))
+    forwards = hf_specdec.last_generation_stats(model).num_target_forwards
+    assert (sum(queued) >= forwards - 3 > 0) if ahead else (sum(queued) == 0 and forwards > 3)
