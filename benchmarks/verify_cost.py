@@ -67,7 +67,8 @@ def run(args, progress) -> list[dict]:
             verify = _step(model, ids, args.new_tokens, args.repeats,
                            dict(assistant_model=FixedDrafter(k, ahead=args.ahead)))
             rows.append(dict(common, backend="hf_specdec_verify", k=k, ahead=args.ahead, step_ms=verify["step_ms"],
-                             ratio_to_decode=verify["step_ms"] / decode["step_ms"], tokens_per_s=verify["tokens_per_s"]))
+                             ratio_to_decode=verify["step_ms"] / decode["step_ms"],
+                             tokens_per_s=verify["tokens_per_s"]))
             progress.step(f"b{batch} k{k}")
     del model
     free_device_memory()
