@@ -278,7 +278,8 @@ def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:
     attention: accelerate places whole layers, so both run on one device)."""
     devices: dict[int, torch.device] = {}
     # the modules in named_modules' order (each once), without descending into a vision / audio encoder, which
-    # numbers its own layers from 0 too (a walk of every module's name costs ~1 ms a call on a small model's CPU)
+    # numbers its own layers from 0 too (a walk of every module's name costs ~1 ms a call on a small model's CPU); a
+    # module shared by an encoder and the decoder counts where the decoder holds it
     seen, stack = set(), [model]
     while stack:
         module = stack.pop()

@@ -35,6 +35,20 @@ def test_layer_devices_reads_each_layer_idx_once():
     assert layer_devices(layers) == {0: torch.device("cuda:0"), 1: torch.device("cuda:0"), 2: torch.device("cuda:1")}
 
 
+def test_layer_devices_take_the_first_module_of_a_layer_idx_in_module_order():
+    """A decoder layer and its attention carry the same layer_idx: the one met first in ``named_modules`` order (the
+    layer, before its submodules; an earlier sibling before a later one) gives the device."""
+    layer = torch.nn.Module()
+    layer.self_attn = _hooked(torch.nn.Linear(2, 2), "cuda:1")
+    layer.self_attn.layer_idx = 0
+    _hooked(layer, "cuda:0").layer_idx = 0
+    first, second = _hooked(torch.nn.Linear(2, 2), "cuda:2"), _hooked(torch.nn.Linear(2, 2), "cuda:3")
+    first.layer_idx = second.layer_idx = 1
+    model = torch.nn.ModuleList([layer, first, second])
+    assert layer_devices(model) == {0: torch.device("cuda:0"), 1: torch.device("cuda:2")}
+    assert list(layer_devices(model)) == [0, 1]
+
+
 def _layout() -> KVLayout:
     # layers 0, 2 sliding; 1, 3 full; layer 4 shares layer 2's pages (a KV-shared layer)
     specs = [(2, 8, 4), (1, 16, None), (2, 8, 4), (1, 16, None), (2, 8, 4)]
@@ -113,12 +127,21 @@ def test_layer_devices_skip_an_encoder_towers_own_layer_numbers():
             self.vision_tower = Tower()
             self.language_model = Tower()
 
-    model = Model()
-    devices = {id(m): torch.device("meta") for m in model.vision_tower.modules()}
+    class Outer(torch.nn.Module):  # towers one level down, as in Gemma 4's ``model.vision_tower``, and audio ones
+        def __init__(self):
+            super().__init__()
+            self.model = Model()
+            self.model.audio_tower, self.model.embed_audio, self.model.embed_vision = Tower(), Tower(), Tower()
+
+    model, outer = Model(), Outer()
+    towers = (model.vision_tower, outer.model.vision_tower, outer.model.audio_tower, outer.model.embed_audio,
+              outer.model.embed_vision)
+    devices = {id(m): torch.device("meta") for tower in towers for m in tower.modules()}
     original = placement.execution_device
     try:
         placement.execution_device = lambda module: devices.get(id(module), torch.device("cpu"))
         assert placement.layer_devices(model) == {0: torch.device("cpu"), 1: torch.device("cpu")}
+        assert placement.layer_devices(outer) == {0: torch.device("cpu"), 1: torch.device("cpu")}
     finally:
         placement.execution_device = original
 
