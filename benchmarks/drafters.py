@@ -41,9 +41,10 @@ class FixedDrafter(Drafter):
     def propose(self, last_tokens, context, selector) -> DraftProposal:
         return DraftProposal(last_tokens[:, None].expand(-1, self.num_speculative_tokens).contiguous(), None)
 
-    def propose_ahead(self, next_tokens, num_accepted, context, captured, selector) -> DraftProposal:
-        # a row that keeps running commits up to next_tokens, its last token after the commit: propose's drafts
-        return self.propose(next_tokens, context, selector)
+    def propose_ahead(self, next_tokens, num_accepted, context, captured, selector) -> DraftProposal | None:
+        # a row that keeps running commits up to next_tokens, its last token after the commit: propose's drafts.
+        # Not ahead: None, so that every round drafts by propose after the commit (the method before ``ahead``)
+        return self.propose(next_tokens, context, selector) if self.runs_ahead else None
 
     def commit(self, context, captured, num_accepted, kept):
         pass

@@ -27,7 +27,7 @@ from benchmarks.drafters import FixedDrafter
 from benchmarks.shapes import WEIGHTS, random_prompt, shape_name, streamed_bytes_per_step, target_for
 
 NAME = "verify_cost"
-COLUMNS = ["model_shape", "weights", "backend", "batch", "k", "step_ms", "ratio_to_decode", "tokens_per_s"]
+COLUMNS = ["model_shape", "weights", "backend", "batch", "k", "ahead", "step_ms", "ratio_to_decode", "tokens_per_s"]
 PRESETS = {
     "smoke": dict(shape="smoke-31b", k=[1, 3], batch=[1, 2], prompt=12, new_tokens=6, repeats=1),
     "quick": dict(layers=12, prompt=256, new_tokens=64, k=[1, 3, 7, 15], repeats=3),

@@ -631,11 +631,11 @@ def test_step_timeline_reads_steps_layers_and_copies_from_the_kernels_timeline()
         timeline(events[:12], skip=2)
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_fixed_drafter_runs_ahead_as_the_bundled_drafters_do(ahead, monkeypatch):
-    """verify_cost's drafter: where the loop runs greedy rounds ahead (the GPU; here the CPU, let in), its rounds are
-    queued before the host reads the round before, as the bundled drafters' are (``ahead``), or each waits for it
-    (``ahead=False``, ``--no-ahead``); either way the call gives plain greedy decoding's tokens."""
+def test_fixed_drafter_runs_ahead_as_the_bundled_drafters_do(monkeypatch):
+    """verify_cost's drafter: where the loop runs greedy rounds ahead (the GPU; here the CPU, let in, drafting before
+    the read-back as on the GPU), its rounds are queued before the host reads the round before, as the bundled
+    drafters' are (``ahead``), or each waits for it and drafts after the commit (``ahead=False``, ``--no-ahead``).
+    Either way the call gives plain greedy decoding's tokens, and its rounds accept the same drafts."""
     import hf_specdec
     from benchmarks.drafters import FixedDrafter
     from hf_specdec.generation import speculative
@@ -643,14 +643,29 @@ def test_fixed_drafter_runs_ahead_as_the_bundled_drafters_do(ahead, monkeypatch)
 
     model, _, reference = bundled.mode("plain")
     ids, mask = bundled.batch(3)
-    queued = []
+    queued, drafted_ahead = [], []
     finish = speculative.SpeculativeLoop._finish
     monkeypatch.setattr(speculative.SpeculativeLoop, "_finish",
                         lambda self, verified, in_flight=None: (queued.append(in_flight is not None),
                                                                 finish(self, verified, in_flight))[1])
+    propose_ahead = FixedDrafter.propose_ahead
+    monkeypatch.setattr(FixedDrafter, "propose_ahead",
+                        lambda self, *args: drafted_ahead.append(propose_ahead(self, *args)) or drafted_ahead[-1])
     monkeypatch.setattr(speculative, "RUN_AHEAD_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(speculative, "CPU_DRAFTS_AFTER_COMMIT", False)
     kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = model.generate(ids, assistant_model=FixedDrafter(3, ahead=ahead), **kwargs)
-    assert torch.equal(out, reference.generate(ids, **kwargs))
-    forwards = hf_specdec.last_generation_stats(model).num_target_forwards
-    assert (sum(queued) >= forwards - 3 > 0) if ahead else (sum(queued) == 0 and forwards > 3)
+    expected = reference.generate(ids, **kwargs)
+    runs = {}
+    for ahead in (True, False):
+        queued.clear()
+        drafted_ahead.clear()
+        out = model.generate(ids, assistant_model=FixedDrafter(3, ahead=ahead), **kwargs)
+        assert torch.equal(out, expected)
+        stats = hf_specdec.last_generation_stats(model)
+        runs[ahead] = (stats.num_target_forwards, list(stats.acceptance_histogram), sum(queued),
+                       [d is not None for d in drafted_ahead])
+    (forwards, histogram, queued_ahead, made), (forwards_waiting, histogram_waiting, queued_waiting, made_waiting) = (
+        runs[True], runs[False])
+    assert (forwards, histogram) == (forwards_waiting, histogram_waiting) and 0 < sum(histogram[1:])
+    assert queued_ahead >= forwards - 3 > 0 and all(made) and len(made) >= forwards - 3
+    assert queued_waiting == 0 and made_waiting and not any(made_waiting)
