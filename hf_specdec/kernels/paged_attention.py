@@ -327,6 +327,11 @@ def paged_attention(
         return out
     if use_triton(q):
         run = _paged_attention_triton
+    elif q.device.type == "cpu" and q.shape[1] > 1 and causal and paged_attention_prompt(
+            q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, scale=scale, sliding_window=sliding_window,
+            out=out):
+        # a prompt's forward on CPU (every row's keys are its own queries'): causal attention without a mask
+        return out
     elif q.device.type == "cpu" and q.shape[0] == 1 and paged_attention_rows(
             q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, scale=scale, sliding_window=sliding_window,
             causal=causal, out=out):
@@ -578,6 +583,96 @@ def _extend_with_slots(slots: array, table: list[int], block_size: int, lo: int,
 def _int64_tensor(values: array) -> torch.Tensor:
     """A CPU int64 tensor over an ``array("q")`` (no per-element conversion, as ``torch.tensor(list)`` does)."""
     return torch.frombuffer(values, dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
+
+
+# Query positions per SDPA call of a prompt's sliding-window layer on CPU (:func:`paged_attention_prompt`): each chunk
+# attends over its own keys and the window before it, not over the whole prompt
+PROMPT_CHUNK = 256
+
+
+def paged_attention_prompt(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale, sliding_window,
+                           out) -> bool:
+    """The CPU path of a prompt's causal forward: where every row's keys are exactly its own valid queries' (nothing
+    cached before the forward: key positions 0 .. n - 1 for the row's n valid queries, left-padded), each row
+    attends with SDPA's causal form (no mask: the CPU kernel skips the key blocks above the diagonal), and a sliding
+    window's layer in chunks of :data:`PROMPT_CHUNK` queries over their keys and the window before them (a band,
+    not the whole square under a mask). Padding query slots output 0. Writes ``out`` and returns True, or returns
+    False (nothing written) for any other forward."""
+    plan = _prompt_plan(block_tables, kv_lens, q_pos0, q_lens, q.shape[1], k_cache.shape[1])
+    if plan is None:
+        return False
+    slots, rows = plan
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    keys_from, values_from = (cache.view(-1, num_kv_heads, head_dim) for cache in (k_cache, v_cache))
+    if slots is not None:
+        keys_from, values_from = keys_from.index_select(0, slots), values_from.index_select(0, slots)
+    window = sliding_window if sliding_window is not None else q_len
+    for b, (first, count) in enumerate(rows):
+        pad = q_len - count
+        if pad:
+            out[b, :pad].zero_()
+        if not count:
+            continue
+        # [1, heads, n, D] views of the row's queries (its valid slots) and keys: 4D, as the fused kernel takes them
+        queries = q[b, pad:].transpose(0, 1)[None]
+        shape, strides = (1, num_kv_heads, count, head_dim), (count * num_kv_heads * head_dim, head_dim,
+                                                              num_kv_heads * head_dim, 1)
+        offset = first * num_kv_heads * head_dim
+        keys = keys_from.as_strided(shape, strides, keys_from.storage_offset() + offset)
+        values = values_from.as_strided(shape, strides, values_from.storage_offset() + offset)
+        if q.dtype != torch.float32:
+            queries, keys, values = queries.float(), keys.float(), values.float()
+        target = out[b, pad:]
+        if count <= window:  # every query sees all keys up to its own
+            result = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
+                                                    enable_gqa=True)
+            target.copy_(result[0].transpose(0, 1))
+            continue
+        for start in range(0, count, PROMPT_CHUNK):
+            stop = min(count, start + PROMPT_CHUNK)
+            lo = max(0, start - window + 1)  # the earliest key the chunk's first query sees
+            key_pos = torch.arange(lo, stop)[None, :]
+            pos = torch.arange(start, stop)[:, None]
+            band = (key_pos <= pos) & (key_pos > pos - window)
+            result = F.scaled_dot_product_attention(queries[:, :, start:stop], keys[:, :, lo:stop],
+                                                    values[:, :, lo:stop], attn_mask=band, scale=scale,
+                                                    enable_gqa=True)
+            target[start:stop].copy_(result[0].transpose(0, 1))
+    return True
+
+
+def _prompt_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size):
+    """(slots, rows) for :func:`paged_attention_prompt`, or None where it does not apply: per row (its first key in
+    the cache, or in the gathered keys; its number of keys), ``slots`` None when every row's keys lie in consecutive
+    slots, else every row's key slots one after the other."""
+    return _cached_plan(_build_prompt_plan, block_tables, kv_lens, q_pos0, q_lens, q_len, block_size)
+
+
+def _build_prompt_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size):
+    rows, consecutive = [], True
+    tables = block_tables.tolist()
+    counts = q_lens.tolist()
+    for table, kv_len, pos0, count in zip(tables, kv_lens.tolist(), q_pos0.tolist(), counts):
+        # the row's valid queries sit at positions 0 .. count - 1 and its keys are exactly theirs
+        if kv_len != count or pos0 + q_len - count != 0:
+            return None
+        if not count:
+            rows.append((0, 0))
+            continue
+        blocks = table[:(count - 1) // block_size + 1]
+        if len(blocks) != (count - 1) // block_size + 1 or min(blocks) < 0:
+            return None  # a key without a block: left to the reference's checks
+        consecutive &= all(b == blocks[0] + i for i, b in enumerate(blocks))
+        rows.append((blocks[0] * block_size, count))
+    if consecutive:
+        return None, rows
+    slots, starts = array("q"), []
+    for table, count in zip(tables, counts):  # every row's keys, one row after the other
+        starts.append(len(slots))
+        if count:
+            _extend_with_slots(slots, table, block_size, 0, count)
+    return _int64_tensor(slots), [(start, count) for start, (_, count) in zip(starts, rows)]
 
 
 def paged_attention_rows(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale, sliding_window,

@@ -240,6 +240,49 @@ def test_cpu_rows_path_declines_and_writes_nothing(q_lens, q_pos0, sliding_windo
     assert out.isnan().all()
 
 
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("q_lens,q_len,sliding_window,chunk", [
+    ([13], 13, None, 256),  # one row: causal, no mask
+    ([13, 6, 9], 13, None, 256),  # left-padded rows
+    ([13, 6, 9], 13, 20, 256),  # a window longer than the prompt: plain causal
+    ([13, 6, 9], 13, 4, 256),  # a window inside the prompt: one band of keys
+    ([13, 6, 9], 13, 4, 3),  # in chunks of 3 queries over their keys and the window before them
+    ([17, 1], 17, 5, 4),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prompt_path_matches_dense_and_reference(consecutive, q_lens, q_len, sliding_window, chunk, dtype,
+                                                     monkeypatch):
+    """A prompt's causal forward on CPU (every row's keys are its own valid queries', positions from 0): causal SDPA
+    per row, a window's layer in bands of chunks; padding slots output exactly 0."""
+    monkeypatch.setattr(pa, "PROMPT_CHUNK", chunk)
+    case = make_case(q_lens, q_len, q_lens=q_lens, q_pos0=[n - q_len for n in q_lens], num_heads=8, dtype=dtype,
+                     sliding_window=sliding_window, poison=NAN_BLOCK, seed=len(q_lens) + q_len)
+    if consecutive:
+        case = with_consecutive_blocks(case)
+    out = torch.full_like(case.q, math.nan)
+    assert pa.paged_attention_prompt(*case.args(), scale=0.3, sliding_window=sliding_window, out=out)
+    assert_matches_dense(case, out, scale=0.3, sliding_window=sliding_window)
+    for b, n in enumerate(q_lens):
+        assert (out[b, :q_len - n] == 0).all()
+    reference = paged_attention_reference(*case.args(), scale=0.3, sliding_window=sliding_window)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, reference, atol=tol, rtol=tol)
+    dispatched = paged_attention(*case.args(), scale=0.3, sliding_window=sliding_window)
+    torch.testing.assert_close(dispatched, out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kv_lens,q_lens,q_len,q_pos0", [
+    ([9, 17], [5, 5], 5, None),  # a verify: keys cached before its queries
+    ([5, 12], [5, 5], 5, [0, 0]),  # a row with more keys than queries
+    ([5, 3], [5, 3], 5, [0, 0]),  # a padded row whose first valid query is not at position 0
+])
+def test_cpu_prompt_path_declines_and_writes_nothing(kv_lens, q_lens, q_len, q_pos0):
+    case = make_case(kv_lens, q_len, q_lens=q_lens, q_pos0=q_pos0, seed=5)
+    out = torch.full_like(case.q, math.nan)
+    assert not pa.paged_attention_prompt(*case.args(), scale=0.3, sliding_window=None, out=out)
+    assert out.isnan().all()
+
+
 def test_the_cpu_plan_from_host_lists_is_the_tensor_plan():
     """The reference's plan (slots, visibility, which queries see a key) built from host lists on the CPU equals
     the one built by tensor ops, over random lengths, offsets, windows, padded and empty rows, released blocks and
