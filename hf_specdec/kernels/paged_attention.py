@@ -602,11 +602,8 @@ def paged_attention_prompt(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q
     if plan is None:
         return False
     slots, rows = plan
-    batch, q_len, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    keys_from, values_from = (cache.view(-1, num_kv_heads, head_dim) for cache in (k_cache, v_cache))
-    if slots is not None:
-        keys_from, values_from = keys_from.index_select(0, slots), values_from.index_select(0, slots)
+    q_len = q.shape[1]
+    keys_from, values_from = _keys_of_rows(k_cache, v_cache, slots)
     window = sliding_window if sliding_window is not None else q_len
     for b, (first, count) in enumerate(rows):
         pad = q_len - count
@@ -614,13 +611,8 @@ def paged_attention_prompt(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q
             out[b, :pad].zero_()
         if not count:
             continue
-        # [1, heads, n, D] views of the row's queries (its valid slots) and keys: 4D, as the fused kernel takes them
-        queries = q[b, pad:].transpose(0, 1)[None]
-        shape, strides = (1, num_kv_heads, count, head_dim), (count * num_kv_heads * head_dim, head_dim,
-                                                              num_kv_heads * head_dim, 1)
-        offset = first * num_kv_heads * head_dim
-        keys = keys_from.as_strided(shape, strides, keys_from.storage_offset() + offset)
-        values = values_from.as_strided(shape, strides, values_from.storage_offset() + offset)
+        queries = q[b, pad:].transpose(0, 1)[None]  # [1, heads, n, D]: the row's valid slots
+        keys, values = _row_views(keys_from, first, count), _row_views(values_from, first, count)
         if q.dtype != torch.float32:
             queries, keys, values = queries.float(), keys.float(), values.float()
         target = out[b, pad:]
@@ -632,14 +624,21 @@ def paged_attention_prompt(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q
         for start in range(0, count, PROMPT_CHUNK):
             stop = min(count, start + PROMPT_CHUNK)
             lo = max(0, start - window + 1)  # the earliest key the chunk's first query sees
-            key_pos = torch.arange(lo, stop)[None, :]
-            pos = torch.arange(start, stop)[:, None]
-            band = (key_pos <= pos) & (key_pos > pos - window)
             result = F.scaled_dot_product_attention(queries[:, :, start:stop], keys[:, :, lo:stop],
-                                                    values[:, :, lo:stop], attn_mask=band, scale=scale,
-                                                    enable_gqa=True)
+                                                    values[:, :, lo:stop], attn_mask=_band(start, stop, window),
+                                                    scale=scale, enable_gqa=True)
             target[start:stop].copy_(result[0].transpose(0, 1))
     return True
+
+
+@functools.lru_cache(maxsize=256)
+def _band(start: int, stop: int, window: int) -> torch.Tensor:
+    """Which keys [max(0, start - window + 1), stop) the queries at positions [start, stop) see under a causal window
+    of ``window`` keys ([queries, keys] bool; built once for every row and layer of a prompt that has this chunk)."""
+    with torch.inference_mode(False):  # kept for later calls: a plain tensor, whatever mode built it
+        key_pos = torch.arange(max(0, start - window + 1), stop)[None, :]
+        pos = torch.arange(start, stop)[:, None]
+        return (key_pos <= pos) & (key_pos > pos - window)
 
 
 def _prompt_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size):
@@ -650,29 +649,66 @@ def _prompt_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size):
 
 
 def _build_prompt_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size):
-    rows, consecutive = [], True
+    rows, consecutive, ranges = [], True, []
     tables = block_tables.tolist()
-    counts = q_lens.tolist()
-    for table, kv_len, pos0, count in zip(tables, kv_lens.tolist(), q_pos0.tolist(), counts):
+    for table, kv_len, pos0, count in zip(tables, kv_lens.tolist(), q_pos0.tolist(), q_lens.tolist()):
         # the row's valid queries sit at positions 0 .. count - 1 and its keys are exactly theirs
         if kv_len != count or pos0 + q_len - count != 0:
             return None
+        ranges.append((0, count))
         if not count:
             rows.append((0, 0))
             continue
-        blocks = table[:(count - 1) // block_size + 1]
-        if len(blocks) != (count - 1) // block_size + 1 or min(blocks) < 0:
+        pages = _row_pages(table, block_size, 0, count)
+        if pages is None:
             return None  # a key without a block: left to the reference's checks
-        consecutive &= all(b == blocks[0] + i for i, b in enumerate(blocks))
-        rows.append((blocks[0] * block_size, count))
+        first, row_consecutive = pages
+        consecutive &= row_consecutive
+        rows.append((first, count))
+    return _gathered(rows, consecutive, tables, ranges, block_size)
+
+
+def _row_pages(table: list[int], block_size: int, lo: int, hi: int) -> tuple[int, bool] | None:
+    """(the cache slot of key ``lo``, whether the blocks of keys [lo, hi) are consecutive in the cache) of a row with
+    block table ``table``, or None where one of those keys has no block."""
+    blocks = table[lo // block_size:(hi - 1) // block_size + 1]
+    if len(blocks) != (hi - 1) // block_size - lo // block_size + 1 or min(blocks) < 0:
+        return None
+    return blocks[0] * block_size + lo % block_size, all(b == blocks[0] + i for i, b in enumerate(blocks))
+
+
+def _gathered(rows: list[tuple], consecutive: bool, tables: list[list[int]], ranges: list[tuple[int, int]],
+              block_size: int):
+    """A CPU plan's (slots, rows): where every row's keys lie in consecutive slots, no slots and each row's first key
+    in the cache; otherwise every row's key slots one row after the other (``ranges``: its keys [lo, hi)), gathered
+    once per layer, and each row's first key among them. A row entry is (first key, *the rest as given)."""
     if consecutive:
         return None, rows
     slots, starts = array("q"), []
-    for table, count in zip(tables, counts):  # every row's keys, one row after the other
+    for table, (lo, hi) in zip(tables, ranges):
         starts.append(len(slots))
-        if count:
-            _extend_with_slots(slots, table, block_size, 0, count)
-    return _int64_tensor(slots), [(start, count) for start, (_, count) in zip(starts, rows)]
+        if hi > lo:
+            _extend_with_slots(slots, table, block_size, lo, hi)
+    return _int64_tensor(slots), [(start, *rest) for start, (_, *rest) in zip(starts, rows)]
+
+
+def _keys_of_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor | None):
+    """The [slots, kv heads, D] keys and values a CPU plan's rows index: the caches themselves, or their ``slots``
+    gathered."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    keys, values = (cache.view(-1, num_kv_heads, head_dim) for cache in (k_cache, v_cache))
+    if slots is None:
+        return keys, values
+    return keys.index_select(0, slots), values.index_select(0, slots)
+
+
+def _row_views(source: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Keys (or values) ``first .. first + count - 1`` of ``source`` [slots, kv heads, D] as a [1, kv heads, count, D]
+    view: 4D, as the CPU's fused SDPA kernel takes them (3D inputs run the ~3x slower math path)."""
+    _, num_kv_heads, head_dim = source.shape
+    return source.as_strided((1, num_kv_heads, count, head_dim),
+                             (count * num_kv_heads * head_dim, head_dim, num_kv_heads * head_dim, 1),
+                             source.storage_offset() + first * num_kv_heads * head_dim)
 
 
 def paged_attention_rows(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale, sliding_window,
@@ -691,16 +727,10 @@ def paged_attention_rows(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_l
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    keys_from, values_from = (cache.view(-1, num_kv_heads, head_dim) for cache in (k_cache, v_cache))
-    if slots is not None:
-        keys_from, values_from = keys_from.index_select(0, slots), values_from.index_select(0, slots)
+    keys_from, values_from = _keys_of_rows(k_cache, v_cache, slots)
     upcast = q.dtype != torch.float32
     for b, (first, count, mask) in enumerate(rows):
-        # [1, kv heads, n, D] views: 4D, as the CPU's fused SDPA kernel takes (3D inputs run the ~3x slower math path)
-        shape, strides = (1, num_kv_heads, count, head_dim), (count * num_kv_heads * head_dim, head_dim,
-                                                              num_kv_heads * head_dim, 1)
-        keys = keys_from.as_strided(shape, strides, keys_from.storage_offset() + first * num_kv_heads * head_dim)
-        values = values_from.as_strided(shape, strides, values_from.storage_offset() + first * num_kv_heads * head_dim)
+        keys, values = _row_views(keys_from, first, count), _row_views(values_from, first, count)
         # GQA: a KV head's q heads are consecutive, stacked along the query axis (K/V are never repeated)
         qg = q[b]
         if q_len > 1:
@@ -736,10 +766,11 @@ def _build_row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sl
         ranges.append((lo, hi))
         if hi <= lo:
             return None
-        blocks = table[lo // block_size:(hi - 1) // block_size + 1]
-        if len(blocks) != (hi - 1) // block_size - lo // block_size + 1 or min(blocks) < 0:
+        pages = _row_pages(table, block_size, lo, hi)
+        if pages is None:
             return None  # a visible key without a block: left to the reference's checks
-        consecutive &= all(b == blocks[0] + i for i, b in enumerate(blocks))
+        first, row_consecutive = pages
+        consecutive &= row_consecutive
         mask = None
         if q_len > 1 and (causal or sliding_window is not None):
             key_pos = torch.arange(lo, hi)[None, :]
@@ -752,15 +783,8 @@ def _build_row_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size, sl
             if not bool(visible.any(-1).all()):
                 return None
             mask = None if bool(visible.all()) else visible.repeat(group, 1)
-        rows.append((blocks[0] * block_size + lo % block_size, hi - lo, mask))
-    if consecutive:
-        return None, rows
-    slots = array("q")
-    starts = []
-    for table, (lo, hi) in zip(tables, ranges):  # every row's keys, one row after the other
-        starts.append(len(slots))
-        _extend_with_slots(slots, table, block_size, lo, hi)
-    return _int64_tensor(slots), [(start, count, mask) for start, (_, count, mask) in zip(starts, rows)]
+        rows.append((first, hi - lo, mask))
+    return _gathered(rows, consecutive, tables, ranges, block_size)
 
 
 def _key_slots(block_tables, block_size, kv_lo, kv_hi):
