@@ -601,7 +601,7 @@ def paged_attention_prompt(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q
     plan = _prompt_plan(block_tables, kv_lens, q_pos0, q_lens, q.shape[1], k_cache.shape[1])
     if plan is None:
         return False
-    slots, rows = plan
+    slots, rows, bands = plan
     q_len = q.shape[1]
     keys_from, values_from = _keys_of_rows(k_cache, v_cache, slots)
     window = sliding_window if sliding_window is not None else q_len
@@ -625,26 +625,29 @@ def paged_attention_prompt(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q
             stop = min(count, start + PROMPT_CHUNK)
             lo = max(0, start - window + 1)  # the earliest key the chunk's first query sees
             result = F.scaled_dot_product_attention(queries[:, :, start:stop], keys[:, :, lo:stop],
-                                                    values[:, :, lo:stop], attn_mask=_band(start, stop, window),
+                                                    values[:, :, lo:stop], attn_mask=_band(bands, start, stop, window),
                                                     scale=scale, enable_gqa=True)
             target[start:stop].copy_(result[0].transpose(0, 1))
     return True
 
 
-@functools.lru_cache(maxsize=256)
-def _band(start: int, stop: int, window: int) -> torch.Tensor:
+def _band(bands: dict, start: int, stop: int, window: int) -> torch.Tensor:
     """Which keys [max(0, start - window + 1), stop) the queries at positions [start, stop) see under a causal window
-    of ``window`` keys ([queries, keys] bool; built once for every row and layer of a prompt that has this chunk)."""
-    with torch.inference_mode(False):  # kept for later calls: a plain tensor, whatever mode built it
+    of ``window`` keys ([queries, keys] bool), kept in ``bands`` (the forward's plan: built once for every row and
+    layer of the forward that has this chunk, and gone with the forward)."""
+    band = bands.get((start, stop, window))
+    if band is None:
         key_pos = torch.arange(max(0, start - window + 1), stop)[None, :]
         pos = torch.arange(start, stop)[:, None]
-        return (key_pos <= pos) & (key_pos > pos - window)
+        band = bands[start, stop, window] = (key_pos <= pos) & (key_pos > pos - window)
+    return band
 
 
 def _prompt_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size):
-    """(slots, rows) for :func:`paged_attention_prompt`, or None where it does not apply: per row (its first key in
-    the cache, or in the gathered keys; its number of keys), ``slots`` None when every row's keys lie in consecutive
-    slots, else every row's key slots one after the other."""
+    """(slots, rows, band masks) for :func:`paged_attention_prompt`, or None where it does not apply: per row (its
+    first key in the cache, or in the gathered keys; its number of keys), ``slots`` None when every row's keys lie in
+    consecutive slots, else every row's key slots one after the other; the band masks of its sliding layers' chunks
+    (:func:`_band`), filled as they are first needed."""
     return _cached_plan(_build_prompt_plan, block_tables, kv_lens, q_pos0, q_lens, q_len, block_size)
 
 
@@ -665,7 +668,7 @@ def _build_prompt_plan(block_tables, kv_lens, q_pos0, q_lens, q_len, block_size)
         first, row_consecutive = pages
         consecutive &= row_consecutive
         rows.append((first, count))
-    return _gathered(rows, consecutive, tables, ranges, block_size)
+    return (*_gathered(rows, consecutive, tables, ranges, block_size), {})  # {}: the forward's band masks
 
 
 def _row_pages(table: list[int], block_size: int, lo: int, hi: int) -> tuple[int, bool] | None:
