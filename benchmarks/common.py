@@ -122,7 +122,7 @@ def copy_bandwidth_gb_s(device: str, num_bytes: int | None = None, repeats: int 
 
 
 def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int = 1, snapshot=None,
-                warmups: int = 1) -> dict:
+                warmups: int = 1, before_pair=None) -> dict:
     """Steady-state decoding speed of ``generate(n)`` (n new tokens per row), prefill excluded:
     tokens/s = batch * (N - 1) / (t(N) - t(1)), after one warm-up call of length 1 and ``warmups`` of length N;
     with ``repeats`` > 1 the median of that many (t(1), t(N)) pairs. ``first_token_ms``: the median t(1) over the
@@ -131,12 +131,15 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
 
     ``stats(result)`` may return the number of target forwards of a call; with it the result also has
     ``step_ms`` (time per target forward, from the same differencing) and ``forwards``. ``snapshot()``, called
-    after each long call, is returned as ``snapshot`` for the pair the result comes from."""
+    after each long call, is returned as ``snapshot`` for the pair the result comes from. ``before_pair(i)`` is called
+    before the i-th timed pair (e.g. to draw its synthetic acceptances from seed i)."""
     generate(1)  # warm-up: kernels, autotuning, allocator, compile
     for _ in range(warmups):
         generate(new_tokens)
     pairs = []
-    for _ in range(max(1, repeats)):
+    for i in range(max(1, repeats)):
+        if before_pair is not None:
+            before_pair(i)
         short, t_short = timed(lambda: generate(1))
         f_short = stats(short) if stats else None
         out, t_long = timed(lambda: generate(new_tokens))

@@ -111,20 +111,27 @@ class SyntheticAcceptance(Acceptance):
         self._drawn = 0  # how many times the state was drawn anew (names the graphs that captured it)
         self._serial = next(self._serials)
 
-    def restart(self) -> None:
-        """The next call starts at position 0 of every row (call before each generate being compared)."""
-        if self._position is not None:
-            with torch.inference_mode():  # (drawn inside generate's inference mode)
+    def restart(self, seed: int | None = None) -> None:
+        """The next call starts at position 0 of every row (call before each generate being compared); with
+        ``seed``, on the draws of that seed (redrawn in place: graphs that captured the state read the new ones)."""
+        with torch.inference_mode():  # (drawn inside generate's inference mode)
+            if seed is not None and seed != self.seed:
+                self.seed = seed
+                if self._uniform is not None:
+                    self._uniform.copy_(self._draw(self._uniform.shape[0], self._uniform.device))
+            if self._position is not None:
                 self._position.zero_()
+
+    def _draw(self, capacity: int, device: torch.device) -> torch.Tensor:
+        generator = torch.Generator(device=device).manual_seed(self.seed)
+        return torch.rand(capacity, self.SPAN, device=device, generator=generator)
 
     def _state(self, rows: int, device: torch.device) -> None:
         """Uniforms and positions for ``rows`` rows on ``device``: drawn once (for twice the rows: a graph of this
         batch's bucket captures its padding rows too), anew only for more rows or another device."""
         if self._uniform is None or self._uniform.device != device or self._uniform.shape[0] < rows:
-            capacity = max(self.ROWS, 2 * rows)
-            generator = torch.Generator(device=device).manual_seed(self.seed)
-            self._uniform = torch.rand(capacity, self.SPAN, device=device, generator=generator)
-            self._position = torch.zeros(capacity, dtype=torch.int64, device=device)
+            self._uniform = self._draw(max(self.ROWS, 2 * rows), device)
+            self._position = torch.zeros(self._uniform.shape[0], dtype=torch.int64, device=device)
             self._drawn += 1
 
     def _decide(self, draft_tokens: torch.Tensor, target_tokens: torch.Tensor):

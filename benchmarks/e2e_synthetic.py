@@ -11,6 +11,9 @@ throughput at a given tau (expected tau = sum_{i<=k} alpha^i), as vLLM's synthet
 Beside them: ``hf_dynamic`` (transformers ``generate``) and ``hf_specdec`` plain on the same shape.
 tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)). ``vs_floor_tau`` =
 tokens/s / (tau * floor tokens/s), the fraction of the ideal "tau tokens per bandwidth-bound step".
+With ``--seeds`` each of the ``--repeats`` timed calls draws its acceptances from a seed of its own, the same seeds for
+every row (records: ``acceptance_seeds``), so that rows that differ in k (or "auto") are compared over several
+draws: at batch 1 and 128 new tokens one draw's tau moves by ~10% around its expected value.
 ``--k auto`` rows get five warm-up calls instead of one: the controller times its rounds there (a new k also
 captures its graphs, 50-300 ms each on a 12-layer 31B cut), and on the GPU, where no k gains much, plain decoding in
 one call, as a user's first calls of a model at a batch size would; later calls start from those timings and that
@@ -65,6 +68,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="time each row this many times and keep the median (the full-depth rows vary by a "
                              "few percent between runs)")
+    parser.add_argument("--seeds", action="store_true",
+                        help="each of the --repeats draws its synthetic acceptances from a seed of its own (0, 1, "
+                             "...), the same for every row: the median is then over draws too, not one draw's luck "
+                             "(at batch 1 and 128 tokens one draw's tau moves by ~10%%)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers generate rows")
     parser.add_argument("--drafter", nargs="+", choices=["mtp", "dflash"], default=["mtp", "dflash"],
                         help="drafters to run: the Gemma 4 MTP assistant and/or a DFlash drafter (assumed shape, "
@@ -90,7 +97,8 @@ def run(args, progress) -> list[dict]:
         context = args.prompt + args.new_tokens // 2
         floor = floor_tokens_per_s(target, batch, context, bandwidth)["floor_tokens_per_s"]
         common = dict(model_shape=model_shape, weights=args.weights, batch=batch, prompt=args.prompt,
-                      new_tokens=args.new_tokens, floor_tokens_per_s=floor, repeats=args.repeats)
+                      new_tokens=args.new_tokens, floor_tokens_per_s=floor, repeats=args.repeats,
+                      acceptance_seeds=args.seeds)
         batch_rows = []
         if not args.skip_hf:
             batch_rows.append(dict(common, backend="hf_dynamic", k=None, alpha=None, lossless=True,
@@ -149,17 +157,23 @@ def _transformers_speed(target, ids, args) -> dict:
 def _speed(target, ids, args, extra: dict) -> dict:
     enabled = getattr(target, "_hf_specdec", None) is not None
 
+    acceptance = extra.get("acceptance")
+
     def generate(n):
-        if "acceptance" in extra:
-            extra["acceptance"].restart()  # every call (and every k) draws the same acceptances
+        if acceptance is not None:
+            acceptance.restart()  # every call (and every k) draws the same acceptances
         return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                do_sample=False, **extra)
+
+    def reseed(pair):  # --seeds: the i-th timed pair of every row on seed i (the warm-ups on the first pair's)
+        acceptance.restart(seed=pair)
 
     stats = (lambda _out: hf_specdec.last_generation_stats(target).num_target_forwards) if enabled else None
     tau_of_call = (lambda: hf_specdec.last_generation_stats(target).mean_accepted_length) if enabled else None
     measured = decode_rate(generate, ids.shape[0], args.new_tokens, stats=stats, repeats=args.repeats,
                            snapshot=tau_of_call,
-                           warmups=AUTO_WARMUPS if extra.get("num_speculative_tokens") == "auto" else 1)
+                           warmups=AUTO_WARMUPS if extra.get("num_speculative_tokens") == "auto" else 1,
+                           before_pair=reseed if args.seeds and acceptance is not None else None)
     tau = measured["snapshot"] if enabled else 1.0
     return {"tokens_per_s": measured["tokens_per_s"], "tau": tau}
 

@@ -310,6 +310,39 @@ def test_synthetic_acceptance_draws_one_number_per_position_for_every_k():
     assert sum(sum(d) for d in decisions) > 0
 
 
+def test_synthetic_acceptance_restarts_on_the_draws_of_another_seed():
+    """restart(seed) redraws the uniforms in place (a graph that captured them reads the new ones), as a fresh
+    acceptance of that seed draws them, and decides as that one does; restart() keeps the seed's draws."""
+    from benchmarks.drafters import SyntheticAcceptance
+
+    def decide(acceptance, k=6):
+        return acceptance(torch.zeros(3, k, dtype=torch.long), None, torch.zeros(3, k + 1, 5))[0].tolist()
+
+    acceptance = SyntheticAcceptance(0.6)
+    first = decide(acceptance)
+    state = acceptance._uniform
+    acceptance.restart(seed=4)
+    fresh = SyntheticAcceptance(0.6, seed=4)
+    assert decide(acceptance) == decide(fresh) != first
+    assert acceptance._uniform is state and torch.equal(state, fresh._uniform)
+    acceptance.restart()
+    assert decide(acceptance) == decide(fresh.__class__(0.6, seed=4))
+    acceptance.restart(seed=0)
+    assert decide(acceptance) == first
+
+
+def test_decode_rate_sets_up_each_timed_pair(monkeypatch):
+    """before_pair(i) runs before the i-th timed pair (its two calls), after the warm-ups."""
+    from benchmarks import common
+
+    calls = []
+    monkeypatch.setattr(common, "timed", lambda fn: (fn(), 2.0 if calls[-1] == ("call", 9) else 1.0))
+    common.decode_rate(lambda n: calls.append(("call", n)), batch=1, new_tokens=9, repeats=3, warmups=2,
+                       before_pair=lambda i: calls.append(("pair", i)))
+    assert calls == [("call", 1), ("call", 9), ("call", 9)] + [
+        entry for i in range(3) for entry in (("pair", i), ("call", 1), ("call", 9))]
+
+
 def test_a_rate_hidden_by_the_calls_other_work_is_refused(monkeypatch):
     """When generating N tokens took no longer than generating 1 (a slow, noisy prefill hides the decode), the rate
     is refused with the fix, not reported as an absurd number; a long call that is slower gives the rate."""
