@@ -122,7 +122,7 @@ def copy_bandwidth_gb_s(device: str, num_bytes: int | None = None, repeats: int 
 
 
 def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int = 1, snapshot=None,
-                warmups: int = 1, before_pair=None) -> dict:
+                warmups: int = 1, before_pair=None, pooled: bool = False) -> dict:
     """Steady-state decoding speed of ``generate(n)`` (n new tokens per row), prefill excluded:
     tokens/s = batch * (N - 1) / (t(N) - t(1)), after one warm-up call of length 1 and ``warmups`` of length N;
     with ``repeats`` > 1 the median of that many (t(1), t(N)) pairs. ``first_token_ms``: the median t(1) over the
@@ -132,7 +132,9 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
     ``stats(result)`` may return the number of target forwards of a call; with it the result also has
     ``step_ms`` (time per target forward, from the same differencing) and ``forwards``. ``snapshot()``, called
     after each long call, is returned as ``snapshot`` for the pair the result comes from. ``before_pair(i)`` is called
-    before the i-th timed pair (e.g. to draw its synthetic acceptances from seed i)."""
+    before the i-th timed pair (e.g. to draw its synthetic acceptances from seed i). ``pooled``: the rate of all the
+    pairs together (their tokens over their summed times) instead of the median pair's, for pairs that differ by more
+    than timing noise (each on its own draws); ``snapshots`` then has every pair's snapshot."""
     generate(1)  # warm-up: kernels, autotuning, allocator, compile
     for _ in range(warmups):
         generate(new_tokens)
@@ -153,9 +155,11 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
                            f"{elapsed * 1e3:.1f} ms over the median of {len(pairs)} pairs): the calls' other work "
                            "(a slow prefill) varies more than the decode takes, so no rate can be given; raise "
                            "--new-tokens or --repeats")
+    if pooled:
+        elapsed = sum(p["elapsed"] for p in pairs) / len(pairs)
     result = {"tokens_per_s": batch * (new_tokens - 1) / elapsed, "output": pair["out"], "seconds": pair["t_long"],
               "first_token_ms": 1e3 * sorted(p["t_short"] for p in pairs)[len(pairs) // 2], "repeats": len(pairs),
-              "snapshot": pair["snapshot"]}
+              "snapshot": pair["snapshot"], "snapshots": [p["snapshot"] for p in pairs]}
     if stats:
         result |= {"step_ms": 1e3 * elapsed / max(pair["forwards"], 1), "forwards": pair["forwards"]}
     return result

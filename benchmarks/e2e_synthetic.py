@@ -13,7 +13,8 @@ tokens/s is steady state, prefill excluded: batch*(N-1) / (t(N) - t(1)). ``vs_fl
 tokens/s / (tau * floor tokens/s), the fraction of the ideal "tau tokens per bandwidth-bound step".
 With ``--seeds`` each of the ``--repeats`` timed calls draws its acceptances from a seed of its own, the same seeds for
 every row (records: ``acceptance_seeds``), so that rows that differ in k (or "auto") are compared over several
-draws: at batch 1 and 128 new tokens one draw's tau moves by ~10% around its expected value.
+draws: at batch 1 and 128 new tokens one draw's tau moves by ~10% around its expected value. Such a row's rate is
+then the pooled one (all its timed calls' tokens over their summed times) and its tau the mean over the draws.
 ``--k auto`` rows get five warm-up calls instead of one: the controller times its rounds there (a new k also
 captures its graphs, 50-300 ms each on a 12-layer 31B cut), and on the GPU, where no k gains much, plain decoding in
 one call, as a user's first calls of a model at a batch size would; later calls start from those timings and that
@@ -25,6 +26,8 @@ bytes. The transformers row runs its own FP8 layers (W8A8, a GPU kernel); where 
 """
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 
@@ -70,8 +73,8 @@ def add_arguments(parser) -> None:
                              "few percent between runs)")
     parser.add_argument("--seeds", action="store_true",
                         help="each of the --repeats draws its synthetic acceptances from a seed of its own (0, 1, "
-                             "...), the same for every row: the median is then over draws too, not one draw's luck "
-                             "(at batch 1 and 128 tokens one draw's tau moves by ~10%%)")
+                             "...), the same for every row, and the rows' rates pool them: a rate over several "
+                             "draws, not one draw's luck (at batch 1 and 128 tokens one draw's tau moves by ~10%%)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers generate rows")
     parser.add_argument("--drafter", nargs="+", choices=["mtp", "dflash"], default=["mtp", "dflash"],
                         help="drafters to run: the Gemma 4 MTP assistant and/or a DFlash drafter (assumed shape, "
@@ -173,8 +176,11 @@ def _speed(target, ids, args, extra: dict) -> dict:
     measured = decode_rate(generate, ids.shape[0], args.new_tokens, stats=stats, repeats=args.repeats,
                            snapshot=tau_of_call,
                            warmups=AUTO_WARMUPS if extra.get("num_speculative_tokens") == "auto" else 1,
-                           before_pair=reseed if args.seeds and acceptance is not None else None)
-    tau = measured["snapshot"] if enabled else 1.0
+                           before_pair=reseed if args.seeds and acceptance is not None else None,
+                           pooled=args.seeds)
+    tau = 1.0
+    if enabled:  # --seeds: the mean over the draws, as the rate is their pooled one
+        tau = statistics.mean(measured["snapshots"]) if args.seeds else measured["snapshot"]
     return {"tokens_per_s": measured["tokens_per_s"], "tau": tau}
 
 

@@ -343,6 +343,18 @@ def test_decode_rate_sets_up_each_timed_pair(monkeypatch):
         entry for i in range(3) for entry in (("pair", i), ("call", 1), ("call", 9))]
 
 
+def test_decode_rate_pools_pairs_on_request(monkeypatch):
+    """pooled: the pairs' tokens over their summed times (not the median pair's rate), every pair's snapshot."""
+    from benchmarks import common
+
+    times = iter([1.0, 4.0, 1.0, 2.0, 0.5, 2.0])  # three timed pairs (1 token, 9 tokens): 3, 1 and 1.5 s apart
+    monkeypatch.setattr(common, "timed", lambda fn: (fn(), next(times)))
+    snapshots = iter(["a", "b", "c"])
+    pooled = common.decode_rate(lambda n: n, batch=2, new_tokens=9, repeats=3, snapshot=lambda: next(snapshots),
+                                pooled=True)
+    assert pooled["tokens_per_s"] == pytest.approx(3 * 2 * 8 / (3 + 1 + 1.5)) and pooled["snapshots"] == ["a", "b", "c"]
+
+
 def test_a_rate_hidden_by_the_calls_other_work_is_refused(monkeypatch):
     """When generating N tokens took no longer than generating 1 (a slow, noisy prefill hides the decode), the rate
     is refused with the fix, not reported as an absurd number; a long call that is slower gives the rate."""
