@@ -113,6 +113,29 @@ def test_assisted_and_tiny_rows_give_transformers_tokens(smoke):
         ("tiny-gemma4", "hf_specdec_mtp"), ("tiny-gemma4", "hf_specdec_dflash"), ("tiny-step3p5", "hf_specdec_mtp")}
 
 
+def test_tiny_rows_timed_in_turn_keep_their_median_round(monkeypatch):
+    """--rounds: a member's hf_specdec rows are timed one after the other, round after round, and each row keeps
+    the speed of its median round (transformers' row is timed once, first)."""
+    from types import SimpleNamespace
+
+    from benchmarks import e2e_tiny
+
+    speeds = iter([100.0] + [10.0, 20.0] + [12.0, 18.0] + [11.0, 25.0])  # transformers, then 3 rounds of 2 rows
+    timed = []
+
+    def fake_rate(generate, batch, new_tokens, **kwargs):
+        timed.append(kwargs.get("warmups"))
+        return {"tokens_per_s": next(speeds), "output": generate(2)}
+
+    monkeypatch.setattr(e2e_tiny, "decode_rate", fake_rate)
+    args = SimpleNamespace(rounds=3, repeats=1, new_tokens=2, mtp_k=[2], auto=True, device="cpu")
+    monkeypatch.setattr(e2e_tiny, "available_assets", lambda: ["tiny-gemma4", "tiny-gemma4-assistant"])
+    rows = e2e_tiny.bench_member("tiny-gemma4", 1, args)
+    assert [(r["backend"], r["k"]) for r in rows] == [("hf_dynamic", None), ("hf_specdec", None), ("hf_specdec_mtp", 2)]
+    assert [r["tokens_per_s"] for r in rows] == [100.0, 11.0, 20.0]  # the median round of each (10/12/11, 20/18/25)
+    assert all(r["rounds"] == 3 for r in rows[1:]) and len(timed) == 1 + 3 * 2
+
+
 def test_step_mtp_rows_give_transformers_step3p7_tokens(smoke):
     """hf_native_step_mtp: every row that ran gives the greedy tokens of transformers' Step 3.7 built from the
     same weights; its MTP row runs or says why not (5.17: its MTP layers fail); the bundled model drafts at
