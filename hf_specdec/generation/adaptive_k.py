@@ -206,9 +206,15 @@ class AcceptanceRates:
     def update(self, accepted: list[int], k: int) -> None:
         """After a round of ``k`` drafts per row: ``accepted[b]`` drafts row b accepted."""
         self._grow(k)
-        for j in range(k):  # position j + 1: reached by the rows that accepted j drafts or more
-            self.reached[j] = self.decay * self.reached[j] + sum(a >= j for a in accepted)
-            self.passed[j] = self.decay * self.passed[j] + sum(a > j for a in accepted)
+        counts = [0] * (k + 1)  # rows by drafts accepted (at most k)
+        for a in accepted:
+            counts[min(a, k)] += 1
+        reached = len(accepted)  # position j + 1: reached by the rows that accepted j drafts or more
+        for j in range(k):
+            passed = reached - counts[j]  # ... and passed by those that accepted more than j
+            self.reached[j] = self.decay * self.reached[j] + reached
+            self.passed[j] = self.decay * self.passed[j] + passed
+            reached = passed
 
     def rates(self, k_max: int) -> list[float]:
         """The acceptance rate of each draft position 1..k_max given the ones before it were accepted: the measured
@@ -255,6 +261,8 @@ class AdaptiveK:
         state at a larger k would be stale after rounds at a smaller one: it runs at most the k of its last round,
         up to ``k_max`` again at the next call). ``plain``: k = 0 is a candidate too, a round with no drafts (a plain
         decoding step of the loop), for where no k pays for its drafting."""
+        self._costed, self._cost_of = None, {}  # the curve last read and each k's cost on it (cost)
+        self._tokens_of = None  # (rates, expected tokens at each k) last computed (tokens_per_cost)
         self.k_max = k_max
         self.grows = grows
         self.ceiling = k_max  # the most drafts the next rounds may have (falls with k where k does not grow)
@@ -346,7 +354,8 @@ class AdaptiveK:
         if self.incumbent is not None:  # the sweep is over: back to the k it started from, timed over more rounds
             self._set_k(self.incumbent)  # (where k does not grow: the lowest probe, the best below it next)
             self.incumbent = None
-        best, rates = self._best(), self.rates()
+        rates = self.rates()
+        best = self._best(rates=rates)
         # move only for a clear gain, so that noise in the estimate (or in a candidate's few timed rounds) does not
         # make each round run another k
         if self.tokens_per_cost(best, rates) > SWITCH_GAIN * self.tokens_per_cost(self.k, rates):
@@ -379,18 +388,30 @@ class AdaptiveK:
         self._set_k(self.probe)
         return True
 
-    def _best(self, least: int = 0) -> int:
-        rates = self.rates()
+    def _best(self, least: int = 0, rates: list[float] | None = None) -> int:
+        rates = self.rates() if rates is None else rates
         return max((k for k in self.candidates if least <= k <= self.ceiling),
                    key=lambda k: self.tokens_per_cost(k, rates))
 
     def cost(self, k: int) -> float:
         """A round of k drafts: measured seconds on the timed curve, else the prior's target steps."""
         if self.curve is not None:
-            return cost_on(self.curve, k)
+            if self._costed is not self.curve:  # each k read off a curve once (the curve changes as rounds are timed)
+                self._costed, self._cost_of = self.curve, {}
+            if k not in self._cost_of:
+                self._cost_of[k] = cost_on(self.curve, k)
+            return self._cost_of[k]
         return 1 + self.verify_per_token * k + (self.draft_cost(k) if k else 0.0)
 
     def tokens_per_cost(self, k: int, rates: list[float] | None = None) -> float:
         """Expected tokens per row of a round of ``k`` drafts over its cost (``rates``: per position, default the
         measured ones)."""
-        return expected_tokens(self.rates() if rates is None else rates, k) / self.cost(k)
+        rates = self.rates() if rates is None else rates
+        if self._tokens_of is None or self._tokens_of[0] is not rates:  # every k's tokens from one pass over rates
+            tokens, chain = [1.0], 1.0
+            for rate in rates:  # (expected_tokens's sums, in its order)
+                chain *= rate
+                tokens.append(tokens[-1] + chain)
+            self._tokens_of = (rates, tokens)
+        tokens = self._tokens_of[1]
+        return (tokens[k] if k < len(tokens) else expected_tokens(rates, k)) / self.cost(k)

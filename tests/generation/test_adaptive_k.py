@@ -26,6 +26,34 @@ def test_the_controller_settles_at_the_smallest_k_without_acceptances_and_grows_
     assert wide.tokens_per_cost(3, EIGHTY) > wide.tokens_per_cost(7, EIGHTY)
 
 
+def test_a_rounds_counts_and_choice_are_those_of_their_definitions():
+    """The per-round bookkeeping, written for speed (one pass over the rows; each k's cost and tokens computed once
+    per curve and per estimate), gives what the definitions give: the decayed counts of the rows that reached and
+    passed each position, and expected_tokens over the cost read off the timed curve."""
+    gen = torch.Generator().manual_seed(0)
+    rates = AcceptanceRates(7, prior_alpha=0.6, decay=0.9)
+    reached, passed = [4.0] + [0.0] * 6, [2.4] + [0.0] * 6
+    costs = RoundCosts()
+    controller = AdaptiveK(7, lambda k: 0.1 * k, batch=8, costs=costs)
+    ks = torch.randint(1, 8, (40,), generator=gen).tolist()
+    for round_ in range(160):
+        k = ks[round_ // 4]  # each k a few rounds in a row: the later ones are timed
+        accepted = torch.randint(0, k + 1, (int(torch.randint(1, 9, (), generator=gen)),), generator=gen).tolist()
+        rates.update(accepted, k)
+        for j in range(k):
+            reached[j] = 0.9 * reached[j] + sum(a >= j for a in accepted)
+            passed[j] = 0.9 * passed[j] + sum(a > j for a in accepted)
+        assert rates.reached == reached and rates.passed == passed
+        controller.observe(k, 1e-3 * (1 + 0.1 * k + 0.05 * float(torch.rand((), generator=gen))), k)
+        controller.update(accepted, k)
+        estimate = controller.rates()
+        for j in candidate_ks(7):
+            expected = expected_tokens(estimate, j) / (cost_on(controller.curve, j) if controller.curve
+                                                       else controller.cost(j))
+            assert controller.tokens_per_cost(j, estimate) == expected
+    assert controller.curve is not None and len(controller.curve) >= 5
+
+
 def test_the_controller_does_not_switch_k_on_noise_around_a_flat_optimum():
     """Rows accepting about 80% of their drafts, k drafted per round by the controller: once settled it keeps one
     k (or moves once), where following each round's estimate would flip between neighbouring k."""
