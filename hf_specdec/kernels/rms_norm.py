@@ -208,9 +208,10 @@ def _norm_add_kernel(
     x_ptr, res_ptr, w_ptr, sum_ptr, scale_ptr, w2_ptr, out2_ptr,  # rows [rows, dim]; w, w2 [dim]; scale [1]
     stride_x, stride_res, stride_sum, stride_out2, dim, eps, eps2, w3_ptr, out3_ptr, stride_out3, eps3,
     q2_ptr, qs2_ptr, groups2, q3_ptr, qs3_ptr, groups3,  # the next norms' codes and scales (CODES2, CODES3)
+    mul4_ptr, out4_ptr, stride_out4, eps4, scalar4,  # a third next norm, unscaled, then times mul4, then scalar4
     HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr, NEXT_HAS_WEIGHT: tl.constexpr, HAS_NEXT2: tl.constexpr,
     NEXT2_HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QGROUP: tl.constexpr, CHUNK: tl.constexpr,
-    CODES2: tl.constexpr, CODES3: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+    CODES2: tl.constexpr, CODES3: tl.constexpr, EMULATE: tl.constexpr, HAS_NEXT3: tl.constexpr, PDL: tl.constexpr,
 ):
     # program (row, c) computes the row's statistics and writes chunk c of its outputs as a [groups, QGROUP] tile,
     # with the codes of the next norms' outputs (CODES2, CODES3); without codes one program writes the whole row
@@ -229,10 +230,15 @@ def _norm_add_kernel(
         r2 = _rstd(s.to(tl.float32), dim, eps2)
     if HAS_NEXT2:
         r3 = _rstd(s.to(tl.float32), dim, eps3)
+    r4 = r
+    if HAS_NEXT3:
+        r4 = _rstd(s.to(tl.float32), dim, eps4)
     if QGROUP == 0:
         _seam_outputs(s, r2, r3, row, cols, mask, cols, sum_ptr, stride_sum, w2_ptr, out2_ptr, stride_out2, w3_ptr,
                       out3_ptr, stride_out3, q2_ptr, qs2_ptr, groups2, q3_ptr, qs3_ptr, groups3, dim, HAS_NEXT,
                       NEXT_HAS_WEIGHT, HAS_NEXT2, NEXT2_HAS_WEIGHT, False, False, EMULATE)
+        if HAS_NEXT3:
+            _third_output(s, r4, row, cols, mask, mul4_ptr, out4_ptr, stride_out4, scalar4)
     else:  # this program's groups of the row: the sum recomputed there from its x and residual values
         g = tl.program_id(1) * (CHUNK // QGROUP) + tl.arange(0, CHUNK // QGROUP)
         ks = g[:, None] * QGROUP + tl.arange(0, QGROUP)[None, :]
@@ -243,6 +249,16 @@ def _norm_add_kernel(
         _seam_outputs(sc, r2, r3, row, ks, ok, g, sum_ptr, stride_sum, w2_ptr, out2_ptr, stride_out2, w3_ptr,
                       out3_ptr, stride_out3, q2_ptr, qs2_ptr, groups2, q3_ptr, qs3_ptr, groups3, dim, HAS_NEXT,
                       NEXT_HAS_WEIGHT, HAS_NEXT2, NEXT2_HAS_WEIGHT, CODES2, CODES3, EMULATE)
+        if HAS_NEXT3:
+            _third_output(sc, r4, row, ks, ok, mul4_ptr, out4_ptr, stride_out4, scalar4)
+
+
+@triton.jit
+def _third_output(s, r4, row, ks, ok, mul4_ptr, out4_ptr, stride_out4, scalar4):
+    """A seam's third next norm at ``ks``: ``s * r4`` rounded, times ``mul4`` rounded, times ``scalar4`` (an unscaled
+    norm and the products after it, as :func:`rms_norm`'s ``then_mul`` and ``then_scalar`` round them)."""
+    z = _scaled(s.to(tl.float32) * r4, mul4_ptr, mul4_ptr, scalar4, ks, ok, s.dtype, False, 0.0, True, True)
+    tl.store(out4_ptr + row * stride_out4 + ks, z, mask=ok)
 
 
 @triton.jit
@@ -278,6 +294,9 @@ def norm_add(
     next2_eps: float | None = None,  # None: no second norm
     next_quantize_group: int | None = None,  # the next norm's output quantized too (rms_norm's quantize_group)
     next2_quantize_group: int | None = None,  # the second's
+    next3_eps: float | None = None,  # a third norm of the sum, unscaled (None: none)
+    next3_mul: torch.Tensor | None = None,  # [dim] in x's dtype: multiplies the third (rms_norm's then_mul)
+    next3_scalar: float | None = None,  # then multiplies it (rms_norm's then_scalar)
 ) -> tuple[torch.Tensor, ...]:
     """``s = (residual + rms_norm(x, weight)) [* scale]`` and, with ``next_eps``, ``rms_norm(s, next_weight)``:
     the sandwich-norm seams of a Gemma 4 block (post-norm, residual add, layer scalar, the next pre-norm),
@@ -285,7 +304,9 @@ def norm_add(
     -> ``(s, next)`` (``next`` None without ``next_eps``); with ``next2_eps`` also a second norm of the sum
     (two branches that read it, e.g. a dense MLP's and the experts' pre-norms): ``(s, next, next2)``.
     ``next_quantize_group`` / ``next2_quantize_group``: those outputs quantized too (:func:`rms_norm`'s
-    ``quantize_group``); both in one tile shape, so a second group unlike the first is left to its products."""
+    ``quantize_group``); both in one tile shape, so a second group unlike the first is left to its products.
+    ``next3_eps`` (with ``next3_mul`` and ``next3_scalar``): a third output after those, ``rms_norm(s, None,
+    next3_eps, then_mul=next3_mul, then_scalar=next3_scalar)`` (e.g. an MoE router's input scaling)."""
     dim = x.shape[-1]
     check(residual.shape == x.shape and weight.shape == (dim,),
           f"residual must be x's shape {tuple(x.shape)} and weight [{dim}], got {tuple(residual.shape)}, "
@@ -296,15 +317,21 @@ def norm_add(
           "next_quantize_group / next2_quantize_group quantize a next norm's output: pass its eps too")
     check_quantize_group(next_quantize_group, dim)
     check_quantize_group(next2_quantize_group, dim)
+    check(next3_eps is None or (next2_eps is not None and next3_mul is not None and next3_mul.shape == (dim,)
+                                and next3_mul.dtype == x.dtype and next3_scalar is not None),
+          f"a third next norm (next3_eps) comes after the second (next2_eps), with next3_mul [{dim}] in x's dtype "
+          f"{x.dtype} and next3_scalar")
+    third = dict(next3_eps=next3_eps, next3_mul=next3_mul, next3_scalar=next3_scalar) if next3_eps is not None else {}
     if not use_triton(x) or x.numel() == 0 or dim > 65536:
         return norm_add_reference(x, residual, weight, eps, scale=scale, next_weight=next_weight, next_eps=next_eps,
-                                  next2_weight=next2_weight, next2_eps=next2_eps)
+                                  next2_weight=next2_weight, next2_eps=next2_eps, **third)
     rows, res = x.reshape(-1, dim), residual.reshape(-1, dim)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     res = res if res.stride(-1) == 1 else res.contiguous()
     total = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     nxt = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if next_eps is not None else None
     nxt2 = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if next2_eps is not None else None
+    nxt3 = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if next3_eps is not None else None
     block = next_power_of_2(dim)
     if next_quantize_group is not None and next2_quantize_group not in (None, next_quantize_group):
         next2_quantize_group = None  # one tile shape for both: the second's products quantize their rows themselves
@@ -317,25 +344,33 @@ def norm_add(
         float(eps), float(next_eps or 0.0), next2_weight if next2_weight is not None else weight,
         nxt2 if nxt2 is not None else total, (nxt2 if nxt2 is not None else total).stride(0), float(next2_eps or 0.0),
         *codes2, *codes3,
+        next3_mul if nxt3 is not None else weight, nxt3 if nxt3 is not None else total,
+        (nxt3 if nxt3 is not None else total).stride(0), float(next3_eps or 0.0), float(next3_scalar or 0.0),
         HAS_SCALE=scale is not None, HAS_NEXT=next_eps is not None, NEXT_HAS_WEIGHT=next_weight is not None,
         HAS_NEXT2=next2_eps is not None, NEXT2_HAS_WEIGHT=next2_weight is not None,
         BLOCK=block, QGROUP=group, CHUNK=chunk, CODES2=next_quantize_group is not None,
-        CODES3=next2_quantize_group is not None, EMULATE=codes_emulated(x.device),
+        CODES3=next2_quantize_group is not None, EMULATE=codes_emulated(x.device), HAS_NEXT3=nxt3 is not None,
         num_warps=max(1, min(16, block // 256)), **pdl_args(total),
     )
     out = total.view(x.shape), None if nxt is None else attach_row_codes(nxt.view(x.shape), next_quantize_group,
                                                                          *codes2[:2])
-    return out if nxt2 is None else (*out, attach_row_codes(nxt2.view(x.shape), next2_quantize_group, *codes3[:2]))
+    if nxt2 is not None:
+        out = (*out, attach_row_codes(nxt2.view(x.shape), next2_quantize_group, *codes3[:2]))
+    return out if nxt3 is None else (*out, nxt3.view(x.shape))
 
 
 def norm_add_reference(x, residual, weight, eps, *, scale=None, next_weight=None, next_eps=None, next2_weight=None,
-                       next2_eps=None):
+                       next2_eps=None, next3_eps=None, next3_mul=None, next3_scalar=None):
     """Torch version: the CPU path and the test oracle (the eager ops of transformers' Gemma 4 block)."""
     total = residual + rms_norm_reference(x, weight, eps)
     if scale is not None:
         total = (total * scale).to(total.dtype)  # transformers: `hidden_states *= layer_scalar`, in place
     out = total, None if next_eps is None else rms_norm_reference(total, next_weight, next_eps)
-    return out if next2_eps is None else (*out, rms_norm_reference(total, next2_weight, next2_eps))
+    if next2_eps is not None:
+        out = (*out, rms_norm_reference(total, next2_weight, next2_eps))
+    if next3_eps is not None:
+        out = (*out, rms_norm_reference(total, None, next3_eps, then_mul=next3_mul, then_scalar=next3_scalar))
+    return out
 
 
 @triton.jit

@@ -424,3 +424,38 @@ def test_triton_cross_layer_seams_compute_the_next_norms(triton_device, build, m
     torch.testing.assert_close(logits[True], expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
     torch.testing.assert_close(hooked, expected_hooked, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(hooked, expected, atol=1e-3)
+
+
+def test_triton_router_input_in_the_seam(triton_device, monkeypatch):
+    """An MoE block's router input (its unscaled norm of the residual, times its scale and hidden_size ** -0.5) comes
+    from the seam before the block: one norm launch less per MoE layer, the logits' bits kept. A forward hook on a
+    router (which would not run if its forward were skipped) makes that router run as a module again."""
+    from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+    from hf_specdec.models.gemma4 import fusion
+    from tests.tiny_models import gemma4_26b_style
+
+    model = gemma4_26b_style().to(triton_device)
+    model.set_attn_implementation("sdpa")
+    routers = [m for m in model.modules() if type(m).__name__ == "Gemma4TextRouter"]
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    ids, norms = ids.to(triton_device), []
+    with torch.inference_mode():
+        expected = model(ids).logits
+        fuse_modules(model)
+        monkeypatch.setattr(fusion, "rms_norm", lambda *a, **kw: norms.append(1) or rms_norm(*a, **kw))
+        launches, logits = {}, {}
+        for in_seam in (False, True):
+            monkeypatch.setattr(fusion, "ROUTER_IN_SEAM", in_seam)
+            norms.clear()
+            logits[in_seam] = model(ids).logits
+            launches[in_seam] = len(norms)
+        assert routers and launches[False] - launches[True] == len(routers)
+        called = []
+        handle = routers[0].register_forward_hook(lambda module, args, out: called.append(1))
+        norms.clear()
+        hooked = model(ids).logits
+        handle.remove()
+        assert called == [1] and len(norms) == launches[True] + 1
+        unfuse_modules(model)
+    assert torch.equal(logits[True], logits[False]) and torch.equal(hooked, logits[True])
+    torch.testing.assert_close(logits[True], expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
