@@ -386,7 +386,7 @@ def test_triton_cross_layer_seams_compute_the_next_norms(triton_device, build, m
     the model's logits kept (but for the first KV-shared layer's input where transformers slices it first). A forward
     hook on a layer, which may change its output (here in place, which inference tensors do not count), makes that
     layer's next norm run on its own again; unfuse_modules takes the links away."""
-    from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+    from hf_specdec.generation.fusion import unfuse_modules
     from hf_specdec.models.gemma4 import fusion
     from tests import tiny_models
 
@@ -394,17 +394,9 @@ def test_triton_cross_layer_seams_compute_the_next_norms(triton_device, build, m
     model.set_attn_implementation("sdpa")
     layers = [m for m in model.modules() if type(m).__name__ == "Gemma4TextDecoderLayer"]
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
-    ids, norms = ids.to(triton_device), []
+    ids = ids.to(triton_device)
     with torch.inference_mode():
-        expected = model(ids).logits
-        fuse_modules(model)
-        monkeypatch.setattr(fusion, "rms_norm", lambda *a, **kw: norms.append(1) or rms_norm(*a, **kw))
-        launches, logits = {}, {}
-        for seams in (False, True):
-            monkeypatch.setattr(fusion, "CROSS_LAYER_SEAMS", seams)
-            norms.clear()
-            logits[seams] = model(ids).logits
-            launches[seams] = len(norms)
+        expected, launches, logits, norms = _fused_norm_launches(model, ids, monkeypatch, "CROSS_LAYER_SEAMS")
         # every layer's, but where transformers (5.24+) slices the hidden states before the first KV-shared layer (a
         # new tensor: that layer's input norm runs on its own)
         sliced = (bool(model.config.get_text_config().num_kv_shared_layers)
@@ -430,25 +422,16 @@ def test_triton_router_input_in_the_seam(triton_device, monkeypatch):
     """An MoE block's router input (its unscaled norm of the residual, times its scale and hidden_size ** -0.5) comes
     from the seam before the block: one norm launch less per MoE layer, the logits' bits kept. A forward hook on a
     router (which would not run if its forward were skipped) makes that router run as a module again."""
-    from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
-    from hf_specdec.models.gemma4 import fusion
+    from hf_specdec.generation.fusion import unfuse_modules
     from tests.tiny_models import gemma4_26b_style
 
     model = gemma4_26b_style().to(triton_device)
     model.set_attn_implementation("sdpa")
     routers = [m for m in model.modules() if type(m).__name__ == "Gemma4TextRouter"]
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
-    ids, norms = ids.to(triton_device), []
+    ids = ids.to(triton_device)
     with torch.inference_mode():
-        expected = model(ids).logits
-        fuse_modules(model)
-        monkeypatch.setattr(fusion, "rms_norm", lambda *a, **kw: norms.append(1) or rms_norm(*a, **kw))
-        launches, logits = {}, {}
-        for in_seam in (False, True):
-            monkeypatch.setattr(fusion, "ROUTER_IN_SEAM", in_seam)
-            norms.clear()
-            logits[in_seam] = model(ids).logits
-            launches[in_seam] = len(norms)
+        expected, launches, logits, norms = _fused_norm_launches(model, ids, monkeypatch, "ROUTER_IN_SEAM")
         assert routers and launches[False] - launches[True] == len(routers)
         called = []
         handle = routers[0].register_forward_hook(lambda module, args, out: called.append(1))
@@ -459,3 +442,22 @@ def test_triton_router_input_in_the_seam(triton_device, monkeypatch):
         unfuse_modules(model)
     assert torch.equal(logits[True], logits[False]) and torch.equal(hooked, logits[True])
     torch.testing.assert_close(logits[True], expected, atol=1e-4, rtol=1e-4)  # fp32: the order of the norms' sums
+
+
+def _fused_norm_launches(model, ids, monkeypatch, switch: str):
+    """Run ``model`` unfused, then fused with the Gemma 4 fusion's ``switch`` off and on (in inference mode):
+    (the unfused logits, {setting: rms_norm launches of its forward}, {setting: its logits}, the list that records
+    the launches, which the forwards after it go on filling)."""
+    from hf_specdec.generation.fusion import fuse_modules
+    from hf_specdec.models.gemma4 import fusion
+
+    norms, launches, logits = [], {}, {}
+    expected = model(ids).logits
+    fuse_modules(model)
+    monkeypatch.setattr(fusion, "rms_norm", lambda *a, **kw: norms.append(1) or rms_norm(*a, **kw))
+    for setting in (False, True):
+        monkeypatch.setattr(fusion, switch, setting)
+        norms.clear()
+        logits[setting] = model(ids).logits
+        launches[setting] = len(norms)
+    return expected, launches, logits, norms
