@@ -133,8 +133,9 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
     ``step_ms`` (time per target forward, from the same differencing) and ``forwards``. ``snapshot()``, called
     after each long call, is returned as ``snapshot`` for the pair the result comes from. ``before_pair(i)`` is called
     before the i-th timed pair (e.g. to draw its synthetic acceptances from seed i). ``pooled``: the rate of all the
-    pairs together (their tokens over their summed times) instead of the median pair's, for pairs that differ by more
-    than timing noise (each on its own draws); ``snapshots`` then has every pair's snapshot."""
+    pairs together (their tokens over their summed times; ``step_ms`` over their summed forwards) instead of the
+    median pair's, for pairs that differ by more than timing noise (each on its own draws). ``snapshots``: every
+    pair's snapshot."""
     generate(1)  # warm-up: kernels, autotuning, allocator, compile
     for _ in range(warmups):
         generate(new_tokens)
@@ -149,19 +150,20 @@ def decode_rate(generate, batch: int, new_tokens: int, stats=None, repeats: int 
         pairs.append(dict(elapsed=t_long - t_short, out=out, t_long=t_long, t_short=t_short, forwards=forwards,
                           snapshot=snapshot() if snapshot else None))
     pair = sorted(pairs, key=lambda p: p["elapsed"])[len(pairs) // 2]
-    elapsed = pair["elapsed"]
+    elapsed, forwards = pair["elapsed"], pair["forwards"]
+    if pooled:  # the pairs' mean: their tokens over their summed times (and forwards)
+        elapsed = sum(p["elapsed"] for p in pairs) / len(pairs)
+        forwards = sum(p["forwards"] for p in pairs) / len(pairs) if stats else None
     if elapsed <= 0:
         raise RuntimeError(f"generating {new_tokens} tokens per row took no longer than generating 1 (t(N) - t(1) = "
-                           f"{elapsed * 1e3:.1f} ms over the median of {len(pairs)} pairs): the calls' other work "
-                           "(a slow prefill) varies more than the decode takes, so no rate can be given; raise "
-                           "--new-tokens or --repeats")
-    if pooled:
-        elapsed = sum(p["elapsed"] for p in pairs) / len(pairs)
+                           f"{elapsed * 1e3:.1f} ms, the {'mean' if pooled else 'median'} of {len(pairs)} pairs): the "
+                           "calls' other work (a slow prefill) varies more than the decode takes, so no rate can be "
+                           "given; raise --new-tokens or --repeats")
     result = {"tokens_per_s": batch * (new_tokens - 1) / elapsed, "output": pair["out"], "seconds": pair["t_long"],
               "first_token_ms": 1e3 * sorted(p["t_short"] for p in pairs)[len(pairs) // 2], "repeats": len(pairs),
               "snapshot": pair["snapshot"], "snapshots": [p["snapshot"] for p in pairs]}
     if stats:
-        result |= {"step_ms": 1e3 * elapsed / max(pair["forwards"], 1), "forwards": pair["forwards"]}
+        result |= {"step_ms": 1e3 * elapsed / max(forwards, 1), "forwards": forwards}
     return result
 
 

@@ -14,7 +14,8 @@ tokens/s / (tau * floor tokens/s), the fraction of the ideal "tau tokens per ban
 With ``--seeds`` each of the ``--repeats`` timed calls draws its acceptances from a seed of its own, the same seeds for
 every row (records: ``acceptance_seeds``), so that rows that differ in k (or "auto") are compared over several
 draws: at batch 1 and 128 new tokens one draw's tau moves by ~10% around its expected value. Such a row's rate is
-then the pooled one (all its timed calls' tokens over their summed times) and its tau the mean over the draws.
+then the pooled one (all its timed calls' tokens over their summed times) and its tau their tokens over their target
+forwards (the harmonic mean of the calls' taus); rows without draws (plain decoding) keep the median.
 ``--k auto`` rows get five warm-up calls instead of one: the controller times its rounds there (a new k also
 captures its graphs, 50-300 ms each on a 12-layer 31B cut), and on the GPU, where no k gains much, plain decoding in
 one call, as a user's first calls of a model at a batch size would; later calls start from those timings and that
@@ -70,7 +71,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1,
                         help="time each row this many times and keep the median (the full-depth rows vary by a "
-                             "few percent between runs)")
+                             "few percent between runs; with --seeds, the rows that draw acceptances pool them)")
     parser.add_argument("--seeds", action="store_true",
                         help="each of the --repeats draws its synthetic acceptances from a seed of its own (0, 1, "
                              "...), the same for every row, and the rows' rates pool them: a rate over several "
@@ -88,6 +89,9 @@ AUTO_K_MAX = 7  # the most drafts a round of an "auto" row may have (Step 3.5: i
 
 
 def run(args, progress) -> list[dict]:
+    if args.seeds and args.repeats < 2:
+        raise SystemExit(f"{NAME}: --seeds draws each repeat's acceptances from a seed of its own: give --repeats 2 or "
+                         f"more (got {args.repeats})")
     bandwidth = copy_bandwidth_gb_s(args.device)
     target = target_for(args.shape, args.layers, args.device, args.dtype, args.weights)
     # a Step 3.5 target drafts with its own MTP layers (spec_mode="mtp", k <= 3); Gemma 4 with its assistant
@@ -101,7 +105,7 @@ def run(args, progress) -> list[dict]:
         floor = floor_tokens_per_s(target, batch, context, bandwidth)["floor_tokens_per_s"]
         common = dict(model_shape=model_shape, weights=args.weights, batch=batch, prompt=args.prompt,
                       new_tokens=args.new_tokens, floor_tokens_per_s=floor, repeats=args.repeats,
-                      acceptance_seeds=args.seeds)
+                      acceptance_seeds=args.repeats if args.seeds else None)
         batch_rows = []
         if not args.skip_hf:
             batch_rows.append(dict(common, backend="hf_dynamic", k=None, alpha=None, lossless=True,
@@ -161,6 +165,7 @@ def _speed(target, ids, args, extra: dict) -> dict:
     enabled = getattr(target, "_hf_specdec", None) is not None
 
     acceptance = extra.get("acceptance")
+    pooled = args.seeds and acceptance is not None  # --seeds: the rows that draw acceptances pool their draws
 
     def generate(n):
         if acceptance is not None:
@@ -176,11 +181,10 @@ def _speed(target, ids, args, extra: dict) -> dict:
     measured = decode_rate(generate, ids.shape[0], args.new_tokens, stats=stats, repeats=args.repeats,
                            snapshot=tau_of_call,
                            warmups=AUTO_WARMUPS if extra.get("num_speculative_tokens") == "auto" else 1,
-                           before_pair=reseed if args.seeds and acceptance is not None else None,
-                           pooled=args.seeds)
+                           before_pair=reseed if pooled else None, pooled=pooled)
     tau = 1.0
-    if enabled:  # --seeds: the mean over the draws, as the rate is their pooled one
-        tau = statistics.mean(measured["snapshots"]) if args.seeds else measured["snapshot"]
+    if enabled:  # pooled: over the draws as the rate pools them (each call's tokens alike: the harmonic mean)
+        tau = statistics.harmonic_mean(measured["snapshots"]) if pooled else measured["snapshot"]
     return {"tokens_per_s": measured["tokens_per_s"], "tau": tau}
 
 

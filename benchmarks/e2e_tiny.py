@@ -14,7 +14,9 @@ token against transformers. tokens/s is steady state, prefill excluded: batch*(N
 median of ``--repeats`` timed pairs (a call lasts tens of milliseconds: single pairs of the same row moved by
 up to 45% between two runs). ``--rounds R`` times a member's hf_specdec rows in turn R times and keeps each row's
 median round: rows timed one after the other also measure the host's drift between them (an "auto" row against
-fixed k at the same k and tau ran 1.7x slower, and another 1.25x faster, in one run on a lent H200).
+fixed k at the same k and tau ran 1.7x slower, and another 1.25x faster, in one run on a lent H200). Transformers'
+row is timed once, before them; an "auto" row keeps its round timings from one round to the next, as a user's later
+calls would.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def bench_member(name: str, batch: int, args) -> list[dict]:
 
 
 def run(args, progress) -> list[dict]:
+    if args.rounds < 1:
+        raise SystemExit(f"{NAME}: --rounds takes a positive number of rounds, got {args.rounds}")
     members = [m for m in args.members if m in available_assets()]
     progress.total(len(members) * len(args.batch))
     rows = []

@@ -378,6 +378,41 @@ def test_decode_rate_pools_pairs_on_request(monkeypatch):
     assert pooled["tokens_per_s"] == pytest.approx(3 * 2 * 8 / (3 + 1 + 1.5)) and pooled["snapshots"] == ["a", "b", "c"]
 
 
+def test_synthetic_rows_pool_their_draws_with_seeds(monkeypatch):
+    """--seeds: a row that draws acceptances gives each timed pair a seed of its own (restart(seed=i) before pair i)
+    and pools them, its tau the harmonic mean of the calls' (their tokens over their forwards); a plain row keeps the
+    median pair; fewer than two repeats are refused."""
+    from types import SimpleNamespace
+
+    from benchmarks import e2e_synthetic
+    from benchmarks.drafters import SyntheticAcceptance
+
+    seen = []
+
+    def fake_rate(generate, batch, new_tokens, **kwargs):
+        seen.append(kwargs)
+        if kwargs["before_pair"] is not None:
+            for i in range(3):
+                kwargs["before_pair"](i)
+        return {"tokens_per_s": 1.0, "snapshot": 2.0, "snapshots": [2.0, 4.0, 4.0]}
+
+    monkeypatch.setattr(e2e_synthetic, "decode_rate", fake_rate)
+    target = SimpleNamespace(generate=lambda *a, **k: None)
+    args = SimpleNamespace(seeds=True, repeats=3, new_tokens=4)
+    acceptance = SyntheticAcceptance(0.8)
+    seeds = []
+    monkeypatch.setattr(acceptance, "restart", lambda seed=None: seeds.append(seed))
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    drafted = e2e_synthetic._speed(target, ids, args, {"acceptance": acceptance})
+    plain = e2e_synthetic._speed(target, ids, args, {})
+    assert seen[0]["pooled"] and seeds == [0, 1, 2] and not seen[1]["pooled"] and seen[1]["before_pair"] is None
+    assert drafted["tau"] == 1.0 and plain["tau"] == 1.0  # (not enabled: no hf_specdec stats to read)
+    target._hf_specdec = object()
+    assert e2e_synthetic._speed(target, ids, args, {"acceptance": acceptance})["tau"] == pytest.approx(3.0)
+    with pytest.raises(SystemExit, match="give --repeats 2 or more"):
+        e2e_synthetic.run(SimpleNamespace(seeds=True, repeats=1), None)
+
+
 def test_a_rate_hidden_by_the_calls_other_work_is_refused(monkeypatch):
     """When generating N tokens took no longer than generating 1 (a slow, noisy prefill hides the decode), the rate
     is refused with the fix, not reported as an absurd number; a long call that is slower gives the rate."""

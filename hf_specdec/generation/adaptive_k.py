@@ -236,10 +236,15 @@ class AcceptanceRates:
 def expected_tokens(rates: list[float], k: int) -> float:
     """Tokens a row commits in a round of ``k`` drafts: its bonus token and each draft with the chance that it
     and every draft before it are accepted (``rates``: per position, given the ones before)."""
-    tokens, chain = 1.0, 1.0
-    for rate in rates[:k]:
+    return tokens_by_k(rates[:k])[-1]
+
+
+def tokens_by_k(rates: list[float]) -> list[float]:
+    """:func:`expected_tokens` at every k from 0 to ``len(rates)``, in one pass (the same sums in the same order)."""
+    tokens, chain = [1.0], 1.0
+    for rate in rates:
         chain *= rate
-        tokens += chain
+        tokens.append(tokens[-1] + chain)
     return tokens
 
 
@@ -405,13 +410,10 @@ class AdaptiveK:
 
     def tokens_per_cost(self, k: int, rates: list[float] | None = None) -> float:
         """Expected tokens per row of a round of ``k`` drafts over its cost (``rates``: per position, default the
-        measured ones)."""
+        measured ones; the tokens of a ``rates`` list are kept while it is the last one given, so a list changed in
+        place must not be given again)."""
         rates = self.rates() if rates is None else rates
         if self._tokens_of is None or self._tokens_of[0] is not rates:  # every k's tokens from one pass over rates
-            tokens, chain = [1.0], 1.0
-            for rate in rates:  # (expected_tokens's sums, in its order)
-                chain *= rate
-                tokens.append(tokens[-1] + chain)
-            self._tokens_of = (rates, tokens)
+            self._tokens_of = (rates, tokens_by_k(rates))
         tokens = self._tokens_of[1]
         return (tokens[k] if k < len(tokens) else expected_tokens(rates, k)) / self.cost(k)

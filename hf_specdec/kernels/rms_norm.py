@@ -317,10 +317,13 @@ def norm_add(
           "next_quantize_group / next2_quantize_group quantize a next norm's output: pass its eps too")
     check_quantize_group(next_quantize_group, dim)
     check_quantize_group(next2_quantize_group, dim)
+    check(next3_eps is not None or (next3_mul is None and next3_scalar is None),
+          "next3_mul and next3_scalar scale a third next norm: pass its next3_eps too")
     check(next3_eps is None or (next2_eps is not None and next3_mul is not None and next3_mul.shape == (dim,)
                                 and next3_mul.dtype == x.dtype and next3_scalar is not None),
           f"a third next norm (next3_eps) comes after the second (next2_eps), with next3_mul [{dim}] in x's dtype "
-          f"{x.dtype} and next3_scalar")
+          f"{x.dtype} and next3_scalar; got next2_eps={next2_eps}, next3_mul "
+          f"{None if next3_mul is None else (tuple(next3_mul.shape), next3_mul.dtype)}, next3_scalar={next3_scalar}")
     third = dict(next3_eps=next3_eps, next3_mul=next3_mul, next3_scalar=next3_scalar) if next3_eps is not None else {}
     if not use_triton(x) or x.numel() == 0 or dim > 65536:
         return norm_add_reference(x, residual, weight, eps, scale=scale, next_weight=next_weight, next_eps=next_eps,

@@ -461,3 +461,37 @@ def _fused_norm_launches(model, ids, monkeypatch, switch: str):
         logits[setting] = model(ids).logits
         launches[setting] = len(norms)
     return expected, launches, logits, norms
+
+
+def test_the_router_input_comes_from_the_seam_only_where_nothing_sees_the_router_skipped(monkeypatch):
+    """The seam computes a router's input only where its own forward could be skipped unseen: the fused forward
+    installed, no hook on it, no global hook, the residual's dtype and device, and a projection that does not take
+    codes of its rows (W8A8)."""
+    from hf_specdec.generation.fusion import fuse_modules, unfuse_modules
+    from hf_specdec.models.gemma4 import fusion
+    from tests.tiny_models import gemma4_26b_style
+
+    model = gemma4_26b_style()
+    router = next(m for m in model.modules() if type(m).__name__ == "Gemma4TextRouter")
+    hidden = torch.zeros(1, 2, model.config.get_text_config().hidden_size)
+    assert fusion._router_seam(router, hidden) == {}  # not fused
+    fuse_modules(model)
+    seam = fusion._router_seam(router, hidden)
+    assert seam["next3_eps"] == router.norm.eps and seam["next3_mul"] is router.scale
+    assert seam["next3_scalar"] == router.scalar_root_size
+    handle = router.register_forward_pre_hook(lambda module, args: None)
+    assert fusion._router_seam(router, hidden) == {}
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    assert fusion._router_seam(router, hidden) == {}
+    handle.remove()
+    assert fusion._router_seam(router, hidden.double()) == {}
+    monkeypatch.setattr(fusion, "w8a8_input_group", lambda *args: 128)
+    assert fusion._router_seam(router, hidden) == {}
+    monkeypatch.undo()
+    monkeypatch.setattr(fusion, "ROUTER_IN_SEAM", False)
+    assert fusion._router_seam(router, hidden) == {}
+    monkeypatch.undo()
+    assert fusion._router_seam(router, hidden) == seam
+    unfuse_modules(model)
+    assert fusion._router_seam(router, hidden) == {}

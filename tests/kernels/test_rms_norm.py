@@ -206,10 +206,10 @@ def test_triton_moe_block_norms(triton_device, dtype, dim):
     for g, e in zip(norm_add(x, residual, w, 1e-6, **kwargs), norm_add_reference(x, residual, w, 1e-6, **kwargs)):
         torch.testing.assert_close(g.float().cpu(), e.float().cpu(), **tol)
     # the router's input as a third output: the bits of its own norm launch over the sum, the others unchanged
-    third = dict(next3_eps=1e-5, next3_mul=router_scale, next3_scalar=dim ** -0.5)
+    third = dict(next3_eps=0.5, next3_mul=router_scale, next3_scalar=dim ** -0.5)  # an eps unlike the others'
     got = norm_add(x, residual, w, 1e-6, **kwargs, **third)
     assert len(got) == 4 and all(torch.equal(g, p) for g, p in zip(got, norm_add(x, residual, w, 1e-6, **kwargs)))
-    assert torch.equal(got[3], rms_norm(got[0], None, 1e-5, then_mul=router_scale, then_scalar=dim ** -0.5))
+    assert torch.equal(got[3], rms_norm(got[0], None, 0.5, then_mul=router_scale, then_scalar=dim ** -0.5))
     expected = norm_add_reference(x, residual, w, 1e-6, **kwargs, **third)[3]
     torch.testing.assert_close(got[3].float().cpu(), expected.float().cpu(), **tol)
     routed = x.flip(0) * 3
@@ -266,10 +266,14 @@ def test_triton_norms_quantize_their_rows_for_w8a8_products(triton_device, dim, 
             else:
                 _assert_codes_of(out, group)
     # the router's input as a third output beside the quantized ones (the tiles of the codes): its own launch's bits
-    third = dict(next3_eps=1e-6, next3_mul=(w2 * 0.3).contiguous(), next3_scalar=dim ** -0.5)
-    got = norm_add(x, residual, w, 1e-6, **kwargs, **third, next_quantize_group=group, next2_quantize_group=group)
-    assert all(torch.equal(g, p) for g, p in zip(got, plain))
-    assert torch.equal(got[3], rms_norm(got[0], None, 1e-6, then_mul=third["next3_mul"], then_scalar=dim ** -0.5))
+    third = dict(next3_eps=0.5, next3_mul=(w2 * 0.3).contiguous(), next3_scalar=dim ** -0.5)  # its own eps
+    for dtype in (torch.bfloat16, torch.float32):  # fp32: where another eps would show in the bits
+        cast = dict(third, next3_mul=third["next3_mul"].to(dtype))
+        args = [t.to(dtype) for t in (x, residual, w)]
+        wanted = norm_add(*args, 1e-6, **kwargs)
+        got = norm_add(*args, 1e-6, **kwargs, **cast, next_quantize_group=group, next2_quantize_group=group)
+        assert all(torch.equal(g, p) for g, p in zip(got, wanted))
+        assert torch.equal(got[3], rms_norm(got[0], None, 0.5, then_mul=cast["next3_mul"], then_scalar=dim ** -0.5))
     # one tile shape for both outputs: a second group unlike the first is left to its products
     got = norm_add(x, residual, w, 1e-6, **kwargs, next_quantize_group=group, next2_quantize_group=group // 2)
     assert all(torch.equal(g, p) for g, p in zip(got, plain))
@@ -297,9 +301,11 @@ def test_moe_block_norms_bad_arguments_name_the_fix():
         norm_add(x, x, torch.ones(8), 1e-6, next2_eps=1e-6)
     with pytest.raises(ValueError, match="a third next norm"):
         norm_add(x, x, torch.ones(8), 1e-6, next_eps=1e-6, next3_eps=1e-6, next3_mul=torch.ones(8), next3_scalar=1.0)
-    with pytest.raises(ValueError, match="a third next norm"):
+    with pytest.raises(ValueError, match=r"a third next norm .* got next2_eps=1e-06, next3_mul \(\(7,\)"):
         norm_add(x, x, torch.ones(8), 1e-6, next_eps=1e-6, next2_eps=1e-6, next3_eps=1e-6, next3_mul=torch.ones(7),
                  next3_scalar=1.0)
+    with pytest.raises(ValueError, match="pass its next3_eps too"):
+        norm_add(x, x, torch.ones(8), 1e-6, next_eps=1e-6, next2_eps=1e-6, next3_mul=torch.ones(8))
     with pytest.raises(ValueError, match="quantize_group must be None or a power of two up to 8"):
         rms_norm(x, None, 1e-6, quantize_group=3)
     with pytest.raises(ValueError, match="quantize_group must be None or a power of two"):

@@ -100,8 +100,9 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     post-attention norm + residual add + pre-feedforward norm in one launch, post-feedforward norm + residual
     add + layer scalar in another. A per-layer-input block (E2B, E4B) puts its gate between the last two:
     gelu(gate(h)) * per_layer_input in one launch (:func:`gelu_tanh_mul`), then its projection's post-norm +
-    residual add + layer scalar in one. An MoE block (26B-A4B) takes its experts' pre-norm from the first seam
-    too (a second output of the same launch) and ends in one launch for both branches' post-norms, their sum,
+    residual add + layer scalar in one. An MoE block (26B-A4B) takes its experts' pre-norm and its router's input from
+    the first seam too (more outputs of the same launch, :func:`_router_seam`) and ends in one launch for both
+    branches' post-norms, their sum,
     the block's post-norm, the residual add and the layer scalar (:func:`dual_norm_add`). The last seam also
     computes the norm that reads the layer's output next (see CROSS_LAYER_SEAMS). The CPU runs the original.
 
@@ -207,14 +208,18 @@ def _following_norm(self, hidden_states):
     """(the norm that reads this layer's output next, the values per scale its output's codes take or None) where the
     layer's last seam may compute it (see CROSS_LAYER_SEAMS), else (None, None)."""
     entry = _FOLLOWING.get(self)
-    if (entry is None or not CROSS_LAYER_SEAMS or runs_own_forward(self)
-            or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks):
+    if entry is None or not CROSS_LAYER_SEAMS or runs_own_forward(self) or _global_hooks():
         return None, None
     norm, layer = entry[0](), entry[1] and entry[1]()
     if (norm is None or type(norm) is not Gemma4RMSNorm or (layer is not None and other_hooks(layer, pre=True))
             or (norm.with_scale and norm.weight.device != hidden_states.device)):
         return None, None
     return norm, None if layer is None else _input_group(layer, hidden_states)
+
+
+def _global_hooks() -> bool:
+    """Whether a global forward (pre-)hook is set: every module's call is then seen, and none may be skipped."""
+    return bool(torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
 
 
 def _computed_norm(hidden_states, norm):
@@ -271,7 +276,7 @@ def _gemma4_router_forward(self, hidden_states):
     ``hidden_size ** -0.5`` (one kernel, each product rounded as eager torch rounds it), the projection, and the
     fp32 softmax + top-k + renormalise + per-expert scale (:func:`softmax_topk_route`, one kernel: the same
     experts but at near-ties, the probabilities and weights within a few ulps). The CPU runs the original."""
-    if not use_triton(hidden_states) or needs_grad(hidden_states):
+    if not use_triton(hidden_states) or needs_grad(hidden_states) or self.scale.dtype != hidden_states.dtype:
         return type(self).forward(self, hidden_states)
     normed = rms_norm(hidden_states, None, self.norm.eps, then_mul=self.scale, then_scalar=self.scalar_root_size,
                       quantize_group=w8a8_input_group(hidden_states, self.proj))
@@ -287,18 +292,21 @@ def _route(router, normed):
 
 # An MoE block's router input (its unscaled norm of the residual, times its scale and hidden_size ** -0.5) is a third
 # output of the seam before the block (norm_add's next3): one launch less a layer, on the experts' path. Only where
-# nothing can see the router's own forward skipped: the fused router forward installed as it is, no hook on it, no
-# global hook, its projection not one that quantizes its rows (W8A8). ROUTER_IN_SEAM = False (set at run time, with
-# the graphs captured before released) keeps the router's own norm launch, e.g. to compare the two.
+# nothing can see that the router's own forward is skipped: the router runs the fused forward (directly, or under an
+# accelerate hook that only moves inputs to its GPU), no other hook on it (transformers' output-capturing hooks turn
+# it off for good once installed), no global hook. Not where its projection quantizes its rows (W8A8): the seam
+# writes no codes for it, and the router's own norm would. ROUTER_IN_SEAM = False (set at run time, with the graphs
+# captured before released) keeps the router's own norm launch, e.g. to compare the two.
 ROUTER_IN_SEAM = True
 
 
 def _router_seam(router, hidden_states) -> dict:
     """norm_add's third-norm arguments that compute ``router``'s input in the seam, or {} where it runs its own."""
-    forward = vars(router).get("forward")
-    if (not ROUTER_IN_SEAM or getattr(forward, "__func__", None) is not _gemma4_router_forward
-            or other_hooks(router, pre=True) or other_hooks(router, pre=False)
-            or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
+    if not ROUTER_IN_SEAM or runs_own_forward(router) or _global_hooks():
+        return {}
+    # accelerate's hook (device_map) wraps the forward, the fused one kept as its _old_forward
+    forward = vars(router).get("_old_forward" if getattr(router, "_hf_hook", None) is not None else "forward")
+    if (getattr(forward, "__func__", None) is not _gemma4_router_forward or forward.__self__ is not router
             or w8a8_input_group(hidden_states, router.proj) is not None
             or router.scale.dtype != hidden_states.dtype or router.scale.device != hidden_states.device):
         return {}
