@@ -416,4 +416,4 @@ class AdaptiveK:
         if self._tokens_of is None or self._tokens_of[0] is not rates:  # every k's tokens from one pass over rates
             self._tokens_of = (rates, tokens_by_k(rates))
         tokens = self._tokens_of[1]
-        return (tokens[k] if k < len(tokens) else expected_tokens(rates, k)) / self.cost(k)
+        return tokens[min(k, len(tokens) - 1)] / self.cost(k)  # (past the rates, no more drafts count)

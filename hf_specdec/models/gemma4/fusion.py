@@ -102,9 +102,9 @@ def _gemma4_decoder_layer_forward(self, hidden_states, per_layer_input=None, sha
     gelu(gate(h)) * per_layer_input in one launch (:func:`gelu_tanh_mul`), then its projection's post-norm +
     residual add + layer scalar in one. An MoE block (26B-A4B) takes its experts' pre-norm and its router's input from
     the first seam too (more outputs of the same launch, :func:`_router_seam`) and ends in one launch for both
-    branches' post-norms, their sum,
-    the block's post-norm, the residual add and the layer scalar (:func:`dual_norm_add`). The last seam also
-    computes the norm that reads the layer's output next (see CROSS_LAYER_SEAMS). The CPU runs the original.
+    branches' post-norms, their sum, the block's post-norm, the residual add and the layer scalar
+    (:func:`dual_norm_add`). The last seam also computes the norm that reads the layer's output next (see
+    CROSS_LAYER_SEAMS). The CPU runs the original.
 
     The cache comes as ``cache`` or ``past_key_values`` and goes on by keyword, under the name the original
     takes: transformers 5.24's gradient checkpointing drops a keyword cache before the recompute."""
