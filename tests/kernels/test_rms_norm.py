@@ -272,8 +272,15 @@ def test_triton_norms_quantize_their_rows_for_w8a8_products(triton_device, dim, 
         args = [t.to(dtype) for t in (x, residual, w)]
         wanted = norm_add(*args, 1e-6, **kwargs)
         got = norm_add(*args, 1e-6, **kwargs, **cast, next_quantize_group=group, next2_quantize_group=group)
-        assert all(torch.equal(g, p) for g, p in zip(got, wanted))
-        assert torch.equal(got[3], rms_norm(got[0], None, 0.5, then_mul=cast["next3_mul"], then_scalar=dim ** -0.5))
+        own, other_eps = (rms_norm(got[0], None, eps, then_mul=cast["next3_mul"], then_scalar=dim ** -0.5)
+                          for eps in (0.5, 1e-6))
+        if dtype == torch.bfloat16:
+            assert all(torch.equal(g, p) for g, p in zip(got, wanted)) and torch.equal(got[3], own)
+        else:  # fp32 keeps what rounding to bf16 hides: the compiler's fused multiply-adds, which differ between
+            # the codes' tiles and a whole row, and between kernels (an ulp on the GPU); the eps shows far beyond it
+            for g, p in zip((*got, got[3]), (*wanted, own)):
+                torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(got[3], other_eps, rtol=1e-5, atol=1e-5)
     # one tile shape for both outputs: a second group unlike the first is left to its products
     got = norm_add(x, residual, w, 1e-6, **kwargs, next_quantize_group=group, next2_quantize_group=group // 2)
     assert all(torch.equal(g, p) for g, p in zip(got, plain))
