@@ -11,11 +11,16 @@ A norm whose output feeds FP8 products that quantize their rows in groups (W8A8:
 quantizing launch would (``fp8_w8a8.quantize_rows``, the same values bit for bit), and attaches them to the output
 (``fp8_w8a8.attach_row_codes``), so the products skip that launch. Such a launch spreads each row over programs of
 :data:`CODES_CHUNK` values, every one computing the row's statistics over the whole row as the one-program kernel
-does (so the outputs are those without codes, bit for bit): in one program the row's quantization took longer than
-the products' launch (H200, ``benchmarks/results/norm_codes_probe_h200.log``).
+does (so the outputs are those without codes, bit for bit in bf16 and fp16): in one program the row's quantization
+took longer than the products' launch (H200, ``benchmarks/results/norm_codes_probe_h200.log``).
+
+In fp32 the same arithmetic in another layout (the codes' tiles against a whole row, a seam against a norm alone) may
+differ by an ulp on the GPU: the compiler fuses products and sums into multiply-adds per layout, and nothing rounds
+the fp32 results to hide it (the fp32 tests on the CPU are the exact ones: the torch references, which fuse nothing).
 """
 
 import torch
+import torch.nn.functional as F
 
 from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
 from .fp8_w8a8 import attach_row_codes, check_quantize_group, codes_emulated, row_code_args, store_row_codes
@@ -42,7 +47,7 @@ def _rms_norm_kernel(
         x = (tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32) + x).to(dtype)
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
         x = x.to(tl.float32)
-    r = _rstd(x, dim, eps)  # the seams' arithmetic (norm_add): a norm gives the same bits in a seam or alone
+    r = _rstd(x, dim, eps)  # the seams' arithmetic (norm_add): in bf16 the same bits in a seam or alone
     if QGROUP == 0:
         y = _scaled(x * r, weight_ptr, then_mul_ptr, then_scalar, cols, mask, dtype, HAS_WEIGHT, WEIGHT_OFFSET,
                     HAS_THEN_MUL, HAS_THEN_SCALAR)
@@ -156,15 +161,30 @@ def _launch(x, weight, eps, *, then_mul=None, then_scalar=None, residual=None, w
             None if residual is None else total.view(x.shape))
 
 
+CPU_COMPOSITE = True  # the CPU reference through F.rms_norm (False: the seven calls, for A/B)
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
                        then_mul: torch.Tensor | None = None, then_scalar: float | None = None,
                        weight_offset: float = 0.0) -> torch.Tensor:
-    """Torch version: the CPU path and the test oracle (transformers' Gemma4RMSNorm arithmetic)."""
-    h = x.float()
-    y = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if weight is not None:
-        y = y * (weight_offset + weight.float() if weight_offset else weight.float())
-    y = y.type_as(x)
+    """Torch version: the CPU path and the test oracle (transformers' Gemma4RMSNorm arithmetic).
+
+    On the CPU, ``F.rms_norm`` of the fp32 rows: torch composes it of the same kernels in the same order (``pow``,
+    ``mean``, ``add``, ``rsqrt``, which is what ``pow(., -0.5)`` runs, then the two products), so the same bits
+    (``tests/kernels/test_rms_norm.py`` holds it to the module's), in one call instead of seven; fp32 rows and
+    scale take no casts around it. A small model's CPU step runs ~60 norms."""
+    scale = weight
+    if weight is not None and (weight_offset or weight.dtype != torch.float32):
+        scale = weight_offset + weight.float() if weight_offset else weight.float()
+    if x.device.type == "cpu" and CPU_COMPOSITE:
+        y = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), scale, eps)
+    else:  # CUDA's F.rms_norm is one fused kernel of its own rounding
+        h = x.float()
+        y = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+        if scale is not None:
+            y = y * scale
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     if then_mul is not None:
         y = y * then_mul
     if then_scalar is not None:

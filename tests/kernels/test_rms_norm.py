@@ -7,6 +7,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
 import hf_specdec
 from hf_specdec.generation.fusion import FORCE_TRITON_ENV, fuse_modules, unfuse_modules
+from hf_specdec.kernels import rms_norm as rms_norm_module
 from hf_specdec.kernels.rms_norm import (
     add_rms_norm,
     dual_norm_add,
@@ -19,16 +20,28 @@ from hf_specdec.kernels.rms_norm import (
 from tests.tiny_models import gemma4_e2b_style
 
 
+@pytest.mark.parametrize("composite", [True, False])  # the CPU's F.rms_norm, and the seven calls it replaces
 @pytest.mark.parametrize("with_scale", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reference_is_transformers_norm_exactly(with_scale, dtype):
-    torch.manual_seed(0)
-    norm = Gemma4RMSNorm(48, eps=1e-6, with_scale=with_scale)
-    if with_scale:
-        torch.nn.init.normal_(norm.weight)
-    x = torch.randn(3, 5, 48).to(dtype)
-    expected = norm(x)
-    assert torch.equal(rms_norm_reference(x, norm.weight if with_scale else None, 1e-6), expected)
+def test_reference_is_transformers_norm_exactly(with_scale, dtype, composite, monkeypatch):
+    """Gemma 4's norm, the zero-centred one of Gemma and Step 3.5 (``weight_offset=1``) and Qwen3's (the rows rounded,
+    then times the weight: ``then_mul``), bit for bit, at widths of heads and of hidden states, rows of small and
+    large magnitude."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    monkeypatch.setattr(rms_norm_module, "CPU_COMPOSITE", composite)
+    gen = torch.Generator().manual_seed(0)
+    for dim in (48, 256, 2816):
+        norm, centred, qwen = Gemma4RMSNorm(dim, eps=1e-6, with_scale=with_scale), GemmaRMSNorm(dim), Qwen3RMSNorm(dim)
+        for module in (norm, centred, qwen):
+            if getattr(module, "weight", None) is not None:
+                module.weight.data = torch.randn(dim, generator=gen)
+        qwen = qwen.to(dtype)  # its weight multiplies the rounded rows in their dtype
+        x = (torch.randn(3, 5, dim, generator=gen) * torch.logspace(-3, 3, 5)[:, None]).to(dtype)
+        assert torch.equal(rms_norm_reference(x, norm.weight if with_scale else None, 1e-6), norm(x))
+        assert torch.equal(rms_norm_reference(x, centred.weight, centred.eps, weight_offset=1.0), centred(x))
+        assert torch.equal(rms_norm_reference(x, None, qwen.variance_epsilon, then_mul=qwen.weight), qwen(x))
 
 
 @pytest.mark.parametrize("dim,with_scale,dtype", [(48, True, torch.float32), (256, False, torch.float32),
@@ -109,16 +122,18 @@ def test_enable_fuses_gemma_norms_where_the_kernels_run_and_disable_restores_the
     hf_specdec.disable(model)
     assert not any("forward" in vars(m) for m in norms)
     monkeypatch.delenv(FORCE_TRITON_ENV)
-    hf_specdec.enable(model)  # on the CPU every fused forward would call the module's own: none is installed
-    assert not any("forward" in vars(m) for m in norms)
-    hf_specdec.disable(model)
     fused_attentions = [m for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"]  # KV-shared too
     layers_and_mlps = [m for m in model.modules() if type(m).__name__ in ("Gemma4TextDecoderLayer", "Gemma4TextMLP")]
+    hf_specdec.enable(model)  # on the CPU the norms take their one-call reference; the kernels-only forwards, which
+    assert all("forward" in vars(m) for m in norms)  # would call the module's own there, are not installed
+    assert not any("forward" in vars(m) for m in fused_attentions + layers_and_mlps)
+    hf_specdec.disable(model)
+    assert not any("forward" in vars(m) for m in norms)
     # attentions, layers and MLPs: tests/kernels/test_norm_rope.py
     assert fuse_modules(model) == len(norms) + len(fused_attentions) + len(layers_and_mlps)
-    x = torch.randn(2, 3, norms[0].weight.shape[0]) if norms[0].with_scale else None
-    if x is not None:  # off the kernels' device a fused forward is the module's own
-        assert torch.equal(norms[0](x), Gemma4RMSNorm.forward(norms[0], x))
+    for norm in norms:  # off the kernels' device a fused norm gives the module's own bits
+        x = torch.randn(2, 3, norm.weight.shape[0] if norm.with_scale else 24)  # (no weight: any width)
+        assert "forward" in vars(norm) and torch.equal(norm(x), Gemma4RMSNorm.forward(norm, x))
     unfuse_modules(model)
     assert not any("forward" in vars(m) for m in norms)
 
