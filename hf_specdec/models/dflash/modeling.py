@@ -26,10 +26,10 @@ import torch.nn as nn
 from transformers import PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from hf_specdec.kernels._dispatch import needs_grad, other_hooks, runs_own_forward, use_triton
+from hf_specdec.kernels._dispatch import needs_grad, other_hooks, use_triton
 from hf_specdec.kernels.gelu_mul import silu_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
-from hf_specdec.kernels.rms_norm import rms_norm, rms_norm_reference
+from hf_specdec.kernels.rms_norm import rms_norm
 from hf_specdec.kernels.stacked_linear import stack_weights, stacked_projections
 from hf_specdec.models.loading import check_checkpoint_keys
 
@@ -82,13 +82,10 @@ def _is_silu(act) -> bool:
 
 def qwen3_norm(norm: Qwen3RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` with its arithmetic (the normalised rows rounded to x's dtype, then times the weight) in one
-    kernel where the kernels run (:func:`rms_norm` with ``then_mul``); on the CPU (no autograd, the weight in x's
-    dtype, no hooks) the kernel's torch reference, the module's bits in fewer calls; the module elsewhere."""
-    if _kernels_take(x, norm):
-        return rms_norm(x, None, norm.variance_epsilon, then_mul=norm.weight)
-    if x.device.type == "cpu" and not needs_grad(x) and norm.weight.dtype == x.dtype and not runs_own_forward(norm):
-        return rms_norm_reference(x, None, norm.variance_epsilon, then_mul=norm.weight)
-    return norm(x)
+    kernel where the kernels run (:func:`rms_norm` with ``then_mul``); the module elsewhere."""
+    if not _kernels_take(x, norm):
+        return norm(x)
+    return rms_norm(x, None, norm.variance_epsilon, then_mul=norm.weight)
 
 
 def _norm_rope(heads: tuple[torch.Tensor, ...], norms: tuple[Qwen3RMSNorm, ...], cos: torch.Tensor,
@@ -127,7 +124,7 @@ class DFlashAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values: [batch, seq, kv_heads, head_dim]
         shape = (*x.shape[:2], self.num_kv_heads, self.head_dim)
         if not _kernels_take(x, self.k_norm):
-            return apply_rope(qwen3_norm(self.k_norm, self.k_proj(x).view(shape)), *rope), self.v_proj(x).view(shape)
+            return apply_rope(self.k_norm(self.k_proj(x).view(shape)), *rope), self.v_proj(x).view(shape)
         keys, values = stacked_projections(x, self.k_proj, self.v_proj)  # one GEMM when stacked
         return _norm_rope((keys.view(shape),), (self.k_norm,), *rope)[0], values.view(shape)
 
@@ -145,7 +142,7 @@ class DFlashAttention(nn.Module):
             query, block_k = _norm_rope((query.view(q_shape), keys.view(kv_shape)), (self.q_norm, self.k_norm), *rope)
             block_v = values.view(kv_shape)
         else:
-            query = apply_rope(qwen3_norm(self.q_norm, self.q_proj(x).view(q_shape)), *rope)
+            query = apply_rope(self.q_norm(self.q_proj(x).view(q_shape)), *rope)
             block_k, block_v = self.key_value(x, rope)
         out = context.attend(self.layer_idx, query, block_k, block_v, scaling=self.scaling,
                              causal_block=self.causal_block, sliding_window=self.sliding_window)

@@ -6,8 +6,7 @@ E2B/E4B's per-layer-input gate in two; a 26B-A4B MoE block's experts branch besi
 the experts interface, see ``generation/experts.py``) and MLPs (activation and gate product in one), with
 transformers' arithmetic. Each checks at ``enable`` that the module has what it reads, and runs the module's own
 forward on CPU, for the variants it does not cover, and whenever autograd tracks the input (the kernels have no
-backward); the norms run on CPU as the kernels' torch reference, whose bits are the module's in one call
-(:func:`rms_norm_reference`).
+backward).
 """
 
 from __future__ import annotations
@@ -35,15 +34,13 @@ from hf_specdec.kernels.fp8_w8a8 import reshape_with_codes
 from hf_specdec.kernels.fused_moe import softmax_topk_route
 from hf_specdec.kernels.gelu_mul import gelu_tanh_mul, is_gelu_tanh
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
-from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add, rms_norm, rms_norm_reference
+from hf_specdec.kernels.rms_norm import dual_norm_add, norm_add, rms_norm
 from hf_specdec.kernels.stacked_linear import stacked_projections
 
 
 def _gemma_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if needs_grad(hidden_states):
+    if not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states)  # the module's own ops: the same arithmetic, no wrapper
-    if not use_triton(hidden_states):  # the CPU's one composite call (rms_norm_reference); its bits are the module's
-        return rms_norm_reference(hidden_states, self.weight if self.with_scale else None, self.eps)
     normed = _computed_norm(hidden_states, self)  # by the seam that computed hidden_states (the last decoder layer's)
     if normed is not None:
         return normed
@@ -386,7 +383,7 @@ def _fusible_gemma4_attention(module) -> bool:
 def register() -> None:
     """Register Gemma 4's fused forwards with ``enable`` (idempotent)."""
     register_fused_forwards(
-        FusedForward(Gemma4RMSNorm, _gemma_rms_norm_forward, kernels_only=False),  # the CPU's one call too
+        FusedForward(Gemma4RMSNorm, _gemma_rms_norm_forward),
         FusedForward(Gemma4TextAttention, _gemma4_attention_forward, _fusible_gemma4_attention,
                      stacked=(("q_proj", "k_proj", "v_proj"),)),
         FusedForward(Gemma4TextDecoderLayer, _gemma4_decoder_layer_forward, _fusible_gemma4_decoder_layer),

@@ -8,8 +8,7 @@ norms and its partial rotary take one launch together (:func:`qkv_norm_rope`), a
 (:func:`silu_mul`); and ``enable`` stacks an attention's q/k/v and head-wise gate projections, and an MLP's (dense
 or shared expert) gate and up projections, into one storage each, so that they run as one GEMM per group
 (:func:`stacked_projections`). Each fused forward runs the module's own forward on CPU and whenever autograd
-tracks the input (the kernels have no backward); the norms run on CPU as the kernels' torch reference, whose bits
-are the module's in one call (:func:`rms_norm_reference`).
+tracks the input (the kernels have no backward).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from hf_specdec.kernels import use_triton
 from hf_specdec.kernels._dispatch import needs_grad
 from hf_specdec.kernels.gelu_mul import head_gate_mul, silu_mul
 from hf_specdec.kernels.norm_rope import qkv_norm_rope
-from hf_specdec.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
+from hf_specdec.kernels.rms_norm import add_rms_norm, rms_norm
 from hf_specdec.kernels.stacked_linear import stacked_projections
 from hf_specdec.models.step3p5.layers import Step3p5Attention, Step3p5MLP, Step3p5RMSNorm
 from hf_specdec.models.step3p5.modeling import Step3p5DecoderLayer, Step3p5MTPLayer
@@ -29,10 +28,8 @@ from hf_specdec.runtime.distributed import is_sharded
 
 
 def _step3p5_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    if needs_grad(hidden_states):
+    if not use_triton(hidden_states) or needs_grad(hidden_states):
         return type(self).forward(self, hidden_states)  # the module's own ops
-    if not use_triton(hidden_states):  # the torch reference: the module's bits, on the CPU in one composite call
-        return rms_norm_reference(hidden_states, self.weight, self.eps, weight_offset=1.0)
     return rms_norm(hidden_states, self.weight, self.eps, weight_offset=1.0)
 
 
@@ -111,7 +108,7 @@ def _fusible_norm(module) -> bool:
 def register() -> None:
     """Register Step 3.5's fused forwards with ``enable`` (idempotent)."""
     register_fused_forwards(
-        FusedForward(Step3p5RMSNorm, _step3p5_rms_norm_forward, _fusible_norm, kernels_only=False),
+        FusedForward(Step3p5RMSNorm, _step3p5_rms_norm_forward, _fusible_norm),
         FusedForward(Step3p5Attention, _step3p5_attention_forward, _fusible_attention,
                      stacked=(("q_proj", "k_proj", "v_proj", "g_proj"),)),
         FusedForward(Step3p5MLP, _step3p5_mlp_forward, stacked=(("gate_proj", "up_proj"),)),
