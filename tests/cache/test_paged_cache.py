@@ -73,7 +73,6 @@ def test_a_forward_at_device_positions_describes_what_a_host_plan_at_them_would(
     """plan_at: a forward at positions only the device knows (each at most the row's length) stores and reads as a
     forward planned on the host after rolling each row back to that position; room is kept for the longest case and
     the commit sets the lengths."""
-    gen = torch.Generator().manual_seed(0)
     caches = [PagedKVCache(LAYOUT, [64, 64], 2, block_size=4, dtype=torch.float32, device="cpu") for _ in range(2)]
     for cache in caches:
         _store(cache, [9, 5], 9, torch.Generator().manual_seed(1))

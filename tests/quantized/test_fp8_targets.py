@@ -20,7 +20,7 @@ from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 import hf_specdec
 from hf_specdec.generation.quantization import fp8_quantize_model, weight_format
 from hf_specdec.kernels.fp8_gemm import dequantize_fp8
-from hf_specdec.kernels.fp8_w8a8 import fp8_linear_forward, w8a8_linear_reference
+from hf_specdec.kernels.fp8_w8a8 import fp8_linear_forward
 from hf_specdec.kernels.fp8_moe import fp8_experts_forward
 from tests.bundled import batch
 from tests.distribution import assert_follows, second_token_marginal, second_tokens_of_sampled_mtp

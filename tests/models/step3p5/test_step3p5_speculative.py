@@ -9,7 +9,7 @@ import hf_specdec
 from hf_specdec.runtime import ModelRunner
 from hf_specdec.generation.drafter import DraftSelector
 from hf_specdec.generation.sampling import PositionScorer
-from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDraftRunner, _Captured
+from hf_specdec.models.step3p5.mtp_drafter import Step3p5MTPDraftRunner
 from tests.models.step3p5.tiny_step3p5 import tiny_model
 from tests.tiny_models import left_padded_batch
 
