@@ -88,6 +88,55 @@ _LENGTH_ONLY = {
 _PER_ROW_STATE = {"RepetitionPenaltyLogitsProcessor": ("prompt_ignore_length",)}
 
 
+def _prompt_row(processor, row: int, batch: int):
+    """A processor built on the prompts before ``num_return_sequences`` repeated them (``encoder_*`` options: the
+    unrepeated input ids) narrowed to the prompt of ``row`` of the repeated ``batch``, as it would read that row."""
+    view = copy.copy(processor)
+    if type(processor).__name__ == "EncoderNoRepeatNGramLogitsProcessor":
+        source = row // max(1, batch // processor.batch_size)
+        view.batch_size, view.generated_ngrams = 1, [processor.generated_ngrams[source]]
+    else:  # EncoderRepetitionPenaltyLogitsProcessor
+        ids = processor.encoder_input_ids
+        source = row // max(1, batch // ids.shape[0])
+        view.encoder_input_ids = ids[source:source + 1]
+    return view
+
+
+def _prefix_row(processor, row: int, batch: int):
+    """``prefix_allowed_tokens_fn`` called with the batch id of ``row`` (rows of a prompt's ``num_return_sequences``
+    repeats share it, as transformers' processor counts them) while the processor sees that row alone."""
+    view, allowed, repeats = copy.copy(processor), processor._prefix_allowed_tokens_fn, processor._num_beams
+    view._num_beams = 1
+    view._prefix_allowed_tokens_fn = lambda batch_id, ids: allowed(row // repeats, ids)
+    return view
+
+
+# Processors that know which row of the batch they score (by its index): name -> f(processor, row, batch), the
+# processor as it would score that row of the whole batch, called on that row alone
+_ROW_AWARE = {
+    "PrefixConstrainedLogitsProcessor": _prefix_row,
+    "EncoderRepetitionPenaltyLogitsProcessor": _prompt_row,
+    "EncoderNoRepeatNGramLogitsProcessor": _prompt_row,
+}
+
+
+# Processors that keep state from one decoding step to the next (their own forward and cache over the step's ids):
+# a speculative round scores several positions of a row at once, and rejected drafts would have advanced that state.
+# name -> the generate option that adds it
+_STEPWISE = {"UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale"}
+
+
+def check_speculative_processors(logits_processor) -> None:
+    """Refuse, before anything runs, the processors a speculative round cannot score (:data:`_STEPWISE`)."""
+    for processor in logits_processor or ():
+        option = _STEPWISE.get(type(processor).__name__)
+        if option is not None:
+            raise ValueError(
+                f"{option} runs the model again on an unconditional prompt at every decoding step, with a cache of its "
+                f"own, while a speculative round scores several positions at once and may reject some: they cannot be "
+                f"combined. Drop {option}, or drop the assistant_model / spec_mode to use it with plain decoding.")
+
+
 class PositionScorer:
     """Applies a LogitsProcessorList to several positions of rows of different lengths.
 
@@ -97,12 +146,22 @@ class PositionScorer:
     (``min_length``, ``min_new_tokens``), they run on all positions of all rows in one batched call each.
     """
 
-    def __init__(self, logits_processor):
+    def __init__(self, logits_processor, batch: int | None = None):
+        """``batch``: the rows of the request, for processors with per-row state (their index in it); rows that
+        leave the batch are told with :meth:`keep_rows`."""
         self.processors = logits_processor
         self.history_free = all(type(p).__name__ in _HISTORY_FREE for p in logits_processor)
         self.batched = all(type(p).__name__ in _HISTORY_FREE or type(p).__name__ in _LENGTH_ONLY
                            for p in logits_processor)
         self._row_views: dict[int, LogitsProcessorList] = {}
+        self.batch = batch
+        self.order: list[int] | None = None  # each scored row's index in the request (None: the same)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Rows ``rows`` of the scored batch (indices into it, in that order) are the batch from now on: row ``i``
+        after is row ``rows[i]`` before (the loop dropped the others)."""
+        order = self.order if self.order is not None else range(self.batch)
+        self.order = [order[b] for b in rows]
 
     def score(self, prefixes: list[torch.Tensor], extra: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """prefixes: per row [len_b] token ids; extra [batch, >= positions-1] tokens after the prefix."""
@@ -113,7 +172,7 @@ class PositionScorer:
             return self._score_batched(prefixes, extra, logits)
         out = torch.empty_like(logits)
         for b in range(batch):
-            processors = self._row_view(b, batch)
+            processors = self._row_view(b if self.order is None else self.order[b], self.batch or batch)
             for j in range(positions):
                 ids = torch.cat([prefixes[b], extra[b, :j]])[None, :]
                 out[b, j] = processors(ids, logits[b, j][None, :].clone())[0]
@@ -138,11 +197,16 @@ class PositionScorer:
         return scores.reshape(batch, positions, vocab)
 
     def _row_view(self, row: int, batch: int) -> LogitsProcessorList:
-        """The processors as seen by one row alone: per-row state built by ``generate`` for the whole batch
-        (e.g. the repetition penalty's per-row prompt padding) is narrowed to that row."""
+        """The processors as seen by row ``row`` of the request's ``batch`` rows, called on it alone: per-row state
+        built by ``generate`` for the whole batch (e.g. the repetition penalty's per-row prompt padding) is narrowed
+        to that row, and a processor that reads the row's index (``prefix_allowed_tokens_fn``) is told it."""
         if row not in self._row_views:
             view = LogitsProcessorList()
             for processor in self.processors:
+                row_aware = _ROW_AWARE.get(type(processor).__name__)
+                if row_aware is not None:
+                    view.append(row_aware(processor, row, batch))
+                    continue
                 names = [n for n in _PER_ROW_STATE.get(type(processor).__name__, ())
                          if isinstance(getattr(processor, n, None), torch.Tensor)
                          and getattr(processor, n).dim() >= 1 and getattr(processor, n).shape[0] == batch]

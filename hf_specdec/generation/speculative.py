@@ -41,7 +41,8 @@ from hf_specdec.generation.adaptive_k import AdaptiveK, costs_for
 from hf_specdec.generation.decode import paged_decode
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector, DraftsInVerify, take_rows
 from hf_specdec.generation import sampling
-from hf_specdec.generation.sampling import PositionScorer, reads_scores, same_on_every_rank, select_tokens
+from hf_specdec.generation.sampling import (PositionScorer, check_speculative_processors, reads_scores,
+                                           same_on_every_rank, select_tokens)
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
 from hf_specdec.cache.paged_cache import to_device_async
@@ -109,6 +110,7 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     chosen per round (up to the drafter's k) where the drafter allows it, and the whole call decoded plainly where no
     k pays for its drafting (:func:`adaptive_k.plain_call`; the output is the same); ``draft_model``: the model whose
     attention writes the drafter's own caches (its assistant, or the target)."""
+    check_speculative_processors(logits_processor)
     costs = _auto_costs(model, drafter, draft_model, input_ids.shape[0]) if adaptive and drafter.adaptive_k else None
     # (a benchmark's acceptance that is not lossless commits other tokens than plain decoding: its calls stay rounds)
     if (costs is not None and input_ids.device.type in adaptive_k.PLAIN_CALL_DEVICES
@@ -157,7 +159,7 @@ class SpeculativeLoop:
                                         grows=drafter.k_grows, plain=True)
         self.config = generation_config
         self.logits_processor = logits_processor
-        self.scorer = PositionScorer(logits_processor)
+        self.scorer = PositionScorer(logits_processor, batch=input_ids.shape[0])
         self.stopper = RowStopper(stopping_criteria, generation_config)
         self.stats = SpecStats(spec_mode=drafter.spec_mode, num_speculative_tokens=self.k,
                                lossless=acceptance.lossless)
@@ -428,6 +430,7 @@ class SpeculativeLoop:
         self.rows, self.order = [self.rows[b] for b in keep], [self.order[b] for b in keep]
         self.running = [True] * len(keep)
         self.row_ids.keep_rows(keep)
+        self.scorer.keep_rows(keep)
         if self.ahead is not None:
             self.ahead = DraftProposal(take_rows(self.ahead.tokens, keep), take_rows(self.ahead.probs, keep))
         if self.adaptive_k is not None:

@@ -62,3 +62,32 @@ def test_a_sampled_batch_keeps_its_stopped_rows(mode, monkeypatch):
     model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                    pad_token_id=0, **extra)
     assert calls_greedy  # the same batch, greedy: its rows stop at different rounds and leave
+
+
+@pytest.mark.parametrize("mode", bundled.SPEC_MODES)
+def test_a_row_that_moves_up_keeps_its_own_processor_state(mode):
+    """Rows of very different prompt lengths (the repetition penalty skips each row's own left padding) that stop at
+    different rounds: after a row leaves the batch, the rows below it move up and keep their own padding, and a
+    prefix_allowed_tokens_fn is still asked about their own batch ids. Greedy, so transformers' tokens."""
+    model, extra, reference = bundled.mode(mode)
+    tok = bundled.tokenizer()
+    tok.padding_side = "left"
+    texts = [bundled.prompts(1, 200)[0], "x", "# a comment\nfor i in range(10):\n    print(i)\n    if i"]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    eos = bundled.fresh_token(reference, ids, mask, row=0, at=3, new_tokens=NEW_TOKENS)
+    asked = set()
+
+    def allowed(batch_id, prefix):  # every token but one per row: the rows see different constraints
+        asked.add(batch_id)
+        return [t for t in range(tok.vocab_size) if t != 5 + batch_id]
+
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                  repetition_penalty=1.5)
+    expected = reference.generate(ids, **kwargs)
+    assert torch.equal(model.generate(ids, **kwargs, **extra), expected)
+    kwargs["prefix_allowed_tokens_fn"] = allowed
+    expected = reference.generate(ids, **kwargs)
+    asked.clear()
+    assert torch.equal(model.generate(ids, **kwargs, **extra), expected)
+    assert asked == {0, 1, 2}

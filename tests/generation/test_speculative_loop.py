@@ -107,6 +107,34 @@ def test_history_processors_in_a_batch_match_plain_and_reach_the_drafts():
     assert stats.acceptance_histogram[:3] == [0, 0, 0]
 
 
+def test_processors_that_read_a_rows_index_or_its_prompt_match_plain():
+    """Processors that generate builds for the whole batch and that the scorer calls one row at a time: the encoder
+    repetition penalty and n-gram ban (the prompts' ids) and prefix_allowed_tokens_fn (the row's batch id) see their
+    own row's; greedy equals HF, and sampled rows of num_return_sequences keep their prompt's constraint."""
+    ref, ours = llama(), hf_specdec.enable(llama())
+    ids, mask = left_padded_batch([7, 3, 10, 5])
+    asked = set()
+
+    def allowed(batch_id, prefix):  # row b may emit the tokens = b (mod 4) only
+        asked.add(batch_id)
+        return list(range(3 + batch_id, 97, 4))
+
+    for extra in (dict(encoder_repetition_penalty=1.8), dict(encoder_no_repeat_ngram_size=2),
+                  dict(prefix_allowed_tokens_fn=allowed)):
+        kwargs = dict(attention_mask=mask, max_new_tokens=9, do_sample=False, eos_token_id=None, **extra)
+        expected = ref.generate(ids, **kwargs)
+        asked.clear()
+        got = ours.generate(ids, assistant_model=CopyDrafter(llama(), 3, noise=0.35), **kwargs)
+        assert torch.equal(got, expected), list(extra)
+    assert asked == {0, 1, 2, 3}
+    torch.manual_seed(0)
+    got = ours.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=True, num_return_sequences=2,
+                        eos_token_id=None, prefix_allowed_tokens_fn=allowed,
+                        assistant_model=CopyDrafter(llama(), 3, noise=0.35))
+    new = got[:, ids.shape[1]:]
+    assert got.shape[0] == 8 and all(set(new[r].tolist()) <= set(allowed(r // 2, None)) for r in range(8))
+
+
 def test_min_length_processors_in_a_batch_match_plain_and_reach_the_drafts():
     """min_length / min_new_tokens keep EOS out of the first tokens of each row: batched speculative greedy
     (rows of different prompt lengths, EOS the token plain decoding would emit early) equals HF, and the
