@@ -231,9 +231,10 @@ def add_generate_parser(commands) -> None:
                                           "or tiny-gemma4-assistant)")
     spec.add_argument("--mode", choices=["mtp", "dflash"], default=None,
                       help="spec_mode; inferred from --assistant when left out; Step 3.5 drafts with --mode mtp")
-    spec.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
-                      help="drafts per step (default per drafter: MTP assistant 4, Step 3.5 its MTP layers, DFlash "
-                           "block_size - 1)")
+    spec.add_argument("-k", "--num-speculative-tokens", type=_k_argument, default=None, metavar="K",
+                      help="drafts per step, or 'auto' (chosen per round from the measured acceptance and round "
+                           "times). Default: 'auto' when greedy; with --do-sample the drafter's own (MTP assistant "
+                           "4, Step 3.5 its MTP layers, DFlash block_size - 1)")
     sampling = gen.add_argument_group("decoding")
     sampling.add_argument("--max-new-tokens", type=int, default=64)
     sampling.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -251,6 +252,16 @@ def add_generate_parser(commands) -> None:
     run.add_argument("--threads", type=int, default=None,
                      help="CPU threads (default: 1 for models under 100M parameters, else torch's default)")
     run.add_argument("--no-stream", action="store_true", help="print the completion at the end instead of streaming")
+
+
+def _k_argument(text: str) -> int | str:
+    """-k's value: a whole number of drafts, or 'auto' (generate() judges the number against the drafter)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number of drafts or 'auto', got {text!r}") from None
 
 
 # device_map strategies accelerate takes besides a device

@@ -99,6 +99,23 @@ def test_a_plain_causal_lm_as_assistant_points_to_disable(gemma):
         target.generate(ids, attention_mask=mask, assistant_model=reference, max_new_tokens=3)
 
 
+def test_a_dflash_checkpoint_loaded_by_transformers_auto_class_names_the_loader(gemma):
+    """transformers' Auto class builds a DFlash checkpoint's base type (Qwen3) without the drafter's layers: the
+    error says to load it with hf_specdec's Auto class, not that no mode fits."""
+    import transformers
+
+    from hf_specdec.assets import asset_path, available_assets
+
+    if "tiny-gemma4-dflash" not in available_assets():
+        pytest.skip("the bundled DFlash drafter is not installed")
+    target, _, _ = gemma
+    plain = transformers.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4-dflash"), dtype=torch.float32)
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match=r"loaded from a DFlash drafter checkpoint as a plain causal LM.*"
+                                         r"hf_specdec\.AutoModelForCausalLM\.from_pretrained"):
+        target.generate(ids, attention_mask=mask, assistant_model=plain, max_new_tokens=3)
+
+
 def test_assistant_for_another_target_width(gemma):
     _, assistant, _ = gemma  # built for hidden_size 256
     narrow = hf_specdec.enable(gemma4_e2b_style(vocab_size=4096, vocab_size_per_layer_input=4096))
@@ -156,6 +173,26 @@ def test_num_assistant_tokens_alias_is_checked_too(step):
     ids, mask = _batch()
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be a positive integer or 'auto', got 0"):
         step.generate(ids, attention_mask=mask, spec_mode="mtp", num_assistant_tokens=0, max_new_tokens=3)
+
+
+def test_k_given_twice_is_refused_and_a_generation_configs_k_is_taken(gemma):
+    """num_speculative_tokens and its alias num_assistant_tokens both given: refused, naming both. A generation
+    config's num_assistant_tokens (where transformers' assisted decoding reads it) sets k where it is not
+    transformers' default (20), for sampled and greedy calls; at the default, greedy calls choose k per round."""
+    from transformers import GenerationConfig
+
+    target, assistant, _ = gemma
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=5 and num_assistant_tokens=2 both set k"):
+        target.generate(ids, attention_mask=mask, assistant_model=assistant, num_speculative_tokens=5,
+                        num_assistant_tokens=2, max_new_tokens=3)
+    for sample in (True, False):
+        config = GenerationConfig(max_new_tokens=6, do_sample=sample, num_assistant_tokens=2, pad_token_id=0)
+        target.generate(ids, attention_mask=mask, assistant_model=assistant, generation_config=config)
+        assert hf_specdec.last_generation_stats(target).num_speculative_tokens == 2
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)  # num_assistant_tokens 20
+    target.generate(ids, attention_mask=mask, assistant_model=assistant, generation_config=config)
+    assert hf_specdec.last_generation_stats(target).num_speculative_tokens == 7  # "auto": up to the assistant's 7
 
 
 def test_more_drafts_than_step3p5_has_mtp_layers(step):
@@ -300,6 +337,22 @@ def test_per_step_scores_with_drafts_are_refused_not_dropped(gemma):
     with pytest.raises(ValueError, match=r"returns sequences only, not output_scores; drop output_scores=True"):
         target.generate(ids, attention_mask=mask, assistant_model=assistant, max_new_tokens=3,
                         return_dict_in_generate=True, output_scores=True)
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_classifier_free_guidance_with_drafts_is_refused_before_anything_runs(gemma, step, mode, monkeypatch):
+    """guidance_scale's processor runs the model on an unconditional prompt step by step with a cache of its own: a
+    round's several positions (and rejected drafts) would corrupt it. Refused with the fix; plain decoding keeps it."""
+    from hf_specdec.generation.speculative import SpeculativeLoop
+
+    model, extra, _ = bundled.mode(mode)
+    ids, mask = _batch()
+    monkeypatch.setattr(SpeculativeLoop, "__init__", lambda *a, **k: pytest.fail("the loop started"))
+    with pytest.raises(ValueError, match=r"guidance_scale runs the model again .* Drop guidance_scale, or drop the "
+                                         r"assistant_model / spec_mode"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, guidance_scale=1.5, **GREEDY, **extra)
+    monkeypatch.undo()
+    assert model.generate(ids, attention_mask=mask, max_new_tokens=3, guidance_scale=1.5, **GREEDY).shape[1] > 0
 
 
 def test_hidden_states_of_plain_decoding_come_from_transformers_loop(gemma):

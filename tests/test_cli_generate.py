@@ -44,6 +44,17 @@ def test_streamed_completion_is_the_api_completion(capsys, mode, options):
     assert "24 tokens" in err and ("tau" in err) == (mode != "plain")
 
 
+def test_k_auto_on_the_command_line(capsys):
+    """-k auto is generate()'s "auto" (k chosen per round), also for a sampled call, whose default is the drafter's
+    own k; a -k that is neither a number nor auto is refused by the parser with what it takes."""
+    code, out, err = _cli(capsys, "tiny-gemma4", "--prompt", PROMPT, "--max-new-tokens", "16", "--assistant",
+                          "tiny-gemma4-assistant", "-k", "auto", "--do-sample", "--seed", "1")
+    assert code == 0 and "(mtp, k=7)" in err  # "auto" drafts up to the assistant's 7; the default here is 4
+    with pytest.raises(SystemExit) as stop:
+        _cli(capsys, "tiny-gemma4", "--prompt", PROMPT, "--assistant", "tiny-gemma4-assistant", "-k", "fast")
+    assert stop.value.code == 2 and "takes a whole number of drafts or 'auto', got 'fast'" in capsys.readouterr().err
+
+
 def test_a_dflash_drafter_checkpoint(capsys, tmp_path):
     if not bundled.dflash_registered():
         pytest.skip("no DFlash drafter is registered for spec_mode='dflash' yet")
