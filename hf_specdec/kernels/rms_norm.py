@@ -16,13 +16,14 @@ took longer than the products' launch (H200, ``benchmarks/results/norm_codes_pro
 
 In fp32 the same arithmetic in another layout (the codes' tiles against a whole row, a seam against a norm alone) may
 differ by an ulp on the GPU: the compiler fuses products and sums into multiply-adds per layout, and nothing rounds
-the fp32 results to hide it (the fp32 tests on the CPU are the exact ones: the torch references, which fuse nothing).
+the fp32 results to hide it (the fp32 tests on the CPU are the exact ones: the torch references and the interpreter
+contract no product and sum into one multiply-add).
 """
 
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import check, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
+from ._dispatch import check, needs_grad, next_power_of_2, pdl_args, pdl_wait, tl, triton, use_triton
 from .fp8_w8a8 import attach_row_codes, check_quantize_group, codes_emulated, row_code_args, store_row_codes
 
 
@@ -47,7 +48,7 @@ def _rms_norm_kernel(
         x = (tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32) + x).to(dtype)
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
         x = x.to(tl.float32)
-    r = _rstd(x, dim, eps)  # the seams' arithmetic (norm_add): in bf16 the same bits in a seam or alone
+    r = _rstd(x, dim, eps)  # the seams' arithmetic (norm_add): in bf16 / fp16 the same bits in a seam or alone
     if QGROUP == 0:
         y = _scaled(x * r, weight_ptr, then_mul_ptr, then_scalar, cols, mask, dtype, HAS_WEIGHT, WEIGHT_OFFSET,
                     HAS_THEN_MUL, HAS_THEN_SCALAR)
@@ -172,11 +173,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     On the CPU, ``F.rms_norm`` of the fp32 rows: torch composes it of the same kernels in the same order (``pow``,
     ``mean``, ``add``, ``rsqrt``, which is what ``pow(., -0.5)`` runs, then the two products), so the same bits
     (``tests/kernels/test_rms_norm.py`` holds it to the module's), in one call instead of seven; fp32 rows and
-    scale take no casts around it. A small model's CPU step runs ~60 norms."""
+    scale take no casts around it. Not where autograd tracks ``x``: rsqrt's backward is not pow's, and a module's
+    gradients keep their bits."""
     scale = weight
     if weight is not None and (weight_offset or weight.dtype != torch.float32):
         scale = weight_offset + weight.float() if weight_offset else weight.float()
-    if x.device.type == "cpu" and CPU_COMPOSITE:
+    if x.device.type == "cpu" and CPU_COMPOSITE and not needs_grad(x):
         y = F.rms_norm(x if x.dtype == torch.float32 else x.float(), (x.shape[-1],), scale, eps)
     else:  # CUDA's F.rms_norm is one fused kernel of its own rounding
         h = x.float()

@@ -70,7 +70,7 @@ def _kernels_take(x: torch.Tensor, *modules: nn.Module) -> bool:
     """Whether the drafter's fused ops run for activations ``x`` in ``modules``: where the kernels run, without
     autograd (the kernels have no backward: a drafter in training runs the modules' own ops), for modules without
     hooks whose weights are in x's dtype (the products round to it, as the modules' do only then). Elsewhere (the
-    CPU) the modules' own ops, which are as many as the kernels' torch references."""
+    CPU) the modules' own ops."""
     return (use_triton(x) and not needs_grad(x)
             and all(not other_hooks(m, pre=False) and not other_hooks(m, pre=True) for m in modules)
             and all(p.dtype == x.dtype for m in modules for p in m.parameters(recurse=False)))
