@@ -233,7 +233,8 @@ def add_generate_parser(commands) -> None:
                       help="spec_mode; inferred from --assistant when left out; Step 3.5 drafts with --mode mtp")
     spec.add_argument("-k", "--num-speculative-tokens", type=_k_argument, default=None, metavar="K",
                       help="drafts per step, or 'auto' (chosen per round from the measured acceptance and round "
-                           "times). Default: 'auto' when greedy; with --do-sample the drafter's own (MTP assistant "
+                           "times; with --do-sample the draws then follow the rounds, so --seed no longer fixes the "
+                           "tokens). Default: 'auto' when greedy; with --do-sample the drafter's own (MTP assistant "
                            "4, Step 3.5 its MTP layers, DFlash block_size - 1)")
     sampling = gen.add_argument_group("decoding")
     sampling.add_argument("--max-new-tokens", type=int, default=64)

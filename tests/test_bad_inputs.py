@@ -175,24 +175,14 @@ def test_num_assistant_tokens_alias_is_checked_too(step):
         step.generate(ids, attention_mask=mask, spec_mode="mtp", num_assistant_tokens=0, max_new_tokens=3)
 
 
-def test_k_given_twice_is_refused_and_a_generation_configs_k_is_taken(gemma):
-    """num_speculative_tokens and its alias num_assistant_tokens both given: refused, naming both. A generation
-    config's num_assistant_tokens (where transformers' assisted decoding reads it) sets k where it is not
-    transformers' default (20), for sampled and greedy calls; at the default, greedy calls choose k per round."""
-    from transformers import GenerationConfig
-
+def test_k_given_twice_is_refused(gemma):
+    """num_speculative_tokens and its alias num_assistant_tokens both given: refused, naming both (one silently
+    won before)."""
     target, assistant, _ = gemma
     ids, mask = _batch()
     with pytest.raises(ValueError, match=r"num_speculative_tokens=5 and num_assistant_tokens=2 both set k"):
         target.generate(ids, attention_mask=mask, assistant_model=assistant, num_speculative_tokens=5,
                         num_assistant_tokens=2, max_new_tokens=3)
-    for sample in (True, False):
-        config = GenerationConfig(max_new_tokens=6, do_sample=sample, num_assistant_tokens=2, pad_token_id=0)
-        target.generate(ids, attention_mask=mask, assistant_model=assistant, generation_config=config)
-        assert hf_specdec.last_generation_stats(target).num_speculative_tokens == 2
-    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)  # num_assistant_tokens 20
-    target.generate(ids, attention_mask=mask, assistant_model=assistant, generation_config=config)
-    assert hf_specdec.last_generation_stats(target).num_speculative_tokens == 7  # "auto": up to the assistant's 7
 
 
 def test_more_drafts_than_step3p5_has_mtp_layers(step):
@@ -339,20 +329,32 @@ def test_per_step_scores_with_drafts_are_refused_not_dropped(gemma):
                         return_dict_in_generate=True, output_scores=True)
 
 
+def _stepwise_options(name: str) -> dict:
+    if name == "guidance_scale":
+        return dict(guidance_scale=1.5)
+    from transformers import SynthIDTextWatermarkingConfig
+
+    return dict(watermarking_config=SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123, 340, 443], ngram_len=3))
+
+
+@pytest.mark.parametrize("option", ["guidance_scale", "watermarking_config"])
 @pytest.mark.parametrize("mode", SPEC_MODES)
-def test_classifier_free_guidance_with_drafts_is_refused_before_anything_runs(gemma, step, mode, monkeypatch):
-    """guidance_scale's processor runs the model on an unconditional prompt step by step with a cache of its own: a
-    round's several positions (and rejected drafts) would corrupt it. Refused with the fix; plain decoding keeps it."""
+def test_processors_with_state_across_steps_are_refused_with_drafts_before_anything_runs(gemma, step, mode, option,
+                                                                                         monkeypatch):
+    """guidance_scale's processor runs the model on an unconditional prompt step by step with a cache of its own, and
+    SynthID's watermark keeps the tokens it has seen: a round's several positions (and rejected drafts) would corrupt
+    them (a batch of 3 crashed, a batch of 1 gave other tokens). Refused with the fix; plain decoding keeps them."""
     from hf_specdec.generation.speculative import SpeculativeLoop
 
     model, extra, _ = bundled.mode(mode)
     ids, mask = _batch()
+    options = _stepwise_options(option)
     monkeypatch.setattr(SpeculativeLoop, "__init__", lambda *a, **k: pytest.fail("the loop started"))
-    with pytest.raises(ValueError, match=r"guidance_scale runs the model again .* Drop guidance_scale, or drop the "
-                                         r"assistant_model / spec_mode"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=3, guidance_scale=1.5, **GREEDY, **extra)
+    with pytest.raises(ValueError, match=rf"{option}.* keeps state from one decoding step to the next .* "
+                                         rf"Drop {option}, or drop the assistant_model / spec_mode"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, **options, **GREEDY, **extra)
     monkeypatch.undo()
-    assert model.generate(ids, attention_mask=mask, max_new_tokens=3, guidance_scale=1.5, **GREEDY).shape[1] > 0
+    assert model.generate(ids, attention_mask=mask, max_new_tokens=3, **options, **GREEDY).shape[1] > 0
 
 
 def test_hidden_states_of_plain_decoding_come_from_transformers_loop(gemma):

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Mapping
 
 import torch
-from transformers import GenerationConfig, GenerationMixin
+from transformers import GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
 from hf_specdec.config import AUTO
@@ -52,8 +52,6 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
     if num_speculative_tokens is None:
         num_speculative_tokens = num_assistant_tokens
     speculative = assistant_model is not None or spec_mode is not None
-    if speculative and num_speculative_tokens is None:
-        num_speculative_tokens = _configured_k(self, generation_config)
     if num_speculative_tokens is not None and not speculative:
         raise ValueError(
             f"num_speculative_tokens={num_speculative_tokens} without a drafter: pass assistant_model=... (a Gemma 4 "
@@ -158,17 +156,6 @@ def _exclusive(model, state):
             yield
         finally:
             state.owner = None
-
-
-def _configured_k(model, generation_config) -> int | str | None:
-    """k set as a generation config's ``num_assistant_tokens`` (the call's config, else the model's), where it is not
-    transformers' default (20, which a config carries whether or not anyone set it); else None."""
-    config = generation_config if generation_config is not None else model.generation_config
-    value = getattr(config, "num_assistant_tokens", None)
-    return None if value is None or value == _DEFAULT_ASSISTANT_TOKENS else value
-
-
-_DEFAULT_ASSISTANT_TOKENS = GenerationConfig().num_assistant_tokens
 
 
 def _setting(model, generation_config, kwargs, name, default=None):

@@ -61,7 +61,8 @@ def mask_finished(tokens: torch.Tensor, unfinished: torch.Tensor, pad_token_id: 
 # Processors whose output depends on the scores alone (never on input_ids): they can be applied to every
 # verified position of every row in one batched call.
 _HISTORY_FREE = (
-    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "TopHLogitsWarper", "MinPLogitsWarper",
+    "TypicalLogitsWarper",
     "EpsilonLogitsWarper", "EtaLogitsWarper", "SuppressTokensLogitsProcessor", "InfNanRemoveLogitsProcessor",
     "LogitNormalization",
 )
@@ -123,7 +124,8 @@ _ROW_AWARE = {
 # Processors that keep state from one decoding step to the next (their own forward and cache over the step's ids):
 # a speculative round scores several positions of a row at once, and rejected drafts would have advanced that state.
 # name -> the generate option that adds it
-_STEPWISE = {"UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale"}
+_STEPWISE = {"UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+             "SynthIDTextWatermarkLogitsProcessor": "watermarking_config (SynthID Text)"}
 
 
 def check_speculative_processors(logits_processor) -> None:
@@ -132,9 +134,10 @@ def check_speculative_processors(logits_processor) -> None:
         option = _STEPWISE.get(type(processor).__name__)
         if option is not None:
             raise ValueError(
-                f"{option} runs the model again on an unconditional prompt at every decoding step, with a cache of its "
-                f"own, while a speculative round scores several positions at once and may reject some: they cannot be "
-                f"combined. Drop {option}, or drop the assistant_model / spec_mode to use it with plain decoding.")
+                f"{option} keeps state from one decoding step to the next (CFG: its own forward and cache over an "
+                f"unconditional prompt; SynthID: the tokens it has seen), while a speculative round scores several "
+                f"positions at once and may reject some: they cannot be combined. Drop {option.split(' ')[0]}, or "
+                f"drop the assistant_model / spec_mode to use it with plain decoding.")
 
 
 class PositionScorer:

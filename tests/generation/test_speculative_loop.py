@@ -3,6 +3,7 @@ loop, stopping inside an accepted chunk, and the sampled distribution (invariant
 
 import pytest
 import torch
+import transformers
 
 import hf_specdec
 from tests.distribution import assert_follows, second_token_marginal
@@ -168,6 +169,8 @@ def test_length_only_processors_are_scored_in_one_batched_call():
     extra = torch.randint(40, (3, 5), generator=gen)
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), MinLengthLogitsProcessor(8, [3, 11]),
                                       TopKLogitsWarper(6), MinNewTokensLengthLogitsProcessor(5, 5, 17)])
+    if hasattr(transformers, "TopHLogitsWarper"):  # (a row's scores alone, too)
+        processors.append(transformers.TopHLogitsWarper(0.4))
     scorer = PositionScorer(processors)
     assert scorer.batched and not scorer.history_free
     expected = torch.stack([torch.stack([processors(torch.cat([prefixes[b], extra[b, :j]])[None], logits[b, j][None])[0]
