@@ -34,6 +34,9 @@ class DrafterBuilder:
     describe: str  # what this builder expects, for error messages
     # the most drafts a num_speculative_tokens="auto" round may have (None: the drafter's default k)
     auto_k_max: int | None = None
+    # (assistant) -> what is wrong, naming the fix, where the assistant is this mode's drafter loaded as something
+    # else (e.g. by transformers' Auto class as its base model type), else None
+    misloaded: Callable | None = None
 
 
 _BUILDERS: list[DrafterBuilder] = []
@@ -65,27 +68,15 @@ def build_drafter(target, assistant, spec_mode: str | None = None,
         )
     known = "; ".join(f"{b.spec_mode}: {b.describe}" for b in _BUILDERS) or "none registered"
     what = type(assistant).__name__ if assistant is not None else "no assistant_model"
-    if _drafter_checkpoint_loaded_as_a_causal_lm(assistant):
-        raise ValueError(
-            f"the assistant_model ({what}) was loaded from a DFlash drafter checkpoint as a plain causal LM, which "
-            "leaves out its drafter layers: load it with hf_specdec.AutoModelForCausalLM.from_pretrained(path) "
-            "(or hf_specdec.models.dflash.DFlashDrafter.from_pretrained)."
-        )
+    for builder in _BUILDERS:
+        problem = builder.misloaded(assistant) if builder.misloaded is not None else None
+        if problem:
+            raise ValueError(f"the assistant_model ({what}) {problem}")
     raise ValueError(
         f"no speculative mode fits target {type(target).__name__} with {what}. Supported: {known}. Pass the drafter "
         "built for this target (and a matching spec_mode), or neither for plain decoding; for transformers' own "
         "assisted decoding with a small causal LM as assistant, call hf_specdec.disable(model) first."
     )
-
-
-def _drafter_checkpoint_loaded_as_a_causal_lm(assistant) -> bool:
-    """A model whose config names a DFlash drafter (its architectures, or the ``dflash_config`` block z-lab's
-    checkpoints carry) that is not one: transformers' Auto class builds their base model type (e.g. Qwen3)."""
-    config = getattr(assistant, "config", None)
-    if config is None or type(assistant).__name__ == "DFlashDrafter":
-        return False
-    return ("DFlashDraftModel" in (getattr(config, "architectures", None) or ())
-            or getattr(config, "dflash_config", None) is not None)
 
 
 def _check_placement(target, assistant) -> None:

@@ -128,12 +128,19 @@ def test_processors_that_read_a_rows_index_or_its_prompt_match_plain():
         got = ours.generate(ids, assistant_model=CopyDrafter(llama(), 3, noise=0.35), **kwargs)
         assert torch.equal(got, expected), list(extra)
     assert asked == {0, 1, 2, 3}
+    # sampled, each prompt twice: transformers numbers the batch ids as its version does (5.24: one per prompt, 5.17:
+    # one per row), and each row keeps the constraint of the id it is asked about
+    sampled = dict(attention_mask=mask, max_new_tokens=9, do_sample=True, num_return_sequences=2, eos_token_id=None,
+                   prefix_allowed_tokens_fn=allowed)
+    asked.clear()
+    ref.generate(ids, **sampled)
+    repeats = 8 // len(asked)
     torch.manual_seed(0)
-    got = ours.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=True, num_return_sequences=2,
-                        eos_token_id=None, prefix_allowed_tokens_fn=allowed,
-                        assistant_model=CopyDrafter(llama(), 3, noise=0.35))
+    asked.clear()
+    got = ours.generate(ids, **sampled, assistant_model=CopyDrafter(llama(), 3, noise=0.35))
     new = got[:, ids.shape[1]:]
-    assert got.shape[0] == 8 and all(set(new[r].tolist()) <= set(allowed(r // 2, None)) for r in range(8))
+    assert got.shape[0] == 8 and asked == set(range(8 // repeats))
+    assert all(set(new[r].tolist()) <= set(allowed(r // repeats, None)) for r in range(8))
 
 
 def test_min_length_processors_in_a_batch_match_plain_and_reach_the_drafts():

@@ -37,7 +37,8 @@ def register_auto_classes() -> None:
 
 register_auto_classes()
 register_drafter(DrafterBuilder("dflash", drafter.matches, drafter.build,
-                                "a DFlash drafter (DFlashDraftModel, z-lab format) trained for this target"))
+                                "a DFlash drafter (DFlashDraftModel, z-lab format) trained for this target",
+                                misloaded=drafter.misloaded))
 
 __all__ = [
     "CHECKPOINT_KEY_MAPPING", "DFlashConfig", "DFlashContextSource", "DFlashDraftRunner", "DFlashDrafter",

@@ -44,6 +44,7 @@ from hf_specdec.kernels.argmax import argmax
 from hf_specdec.kernels.store_kv import store_kv_layers
 from hf_specdec.runtime.placement import execution_device, input_device, loaded_weights, place_drafter
 
+from .configuration import is_dflash_checkpoint
 from .modeling import DFlashDrafter
 from .target import capture_hidden_states, check_compatible
 
@@ -314,6 +315,16 @@ def _every_position(target, layer_ids):
 
 def matches(target, assistant) -> bool:
     return isinstance(assistant, DFlashDrafter)
+
+
+def misloaded(assistant) -> str | None:
+    """What is wrong where ``assistant`` is a DFlash checkpoint that transformers' Auto class built as its base model
+    type (a Qwen3 causal LM, without the drafter's layers), else None."""
+    config = getattr(assistant, "config", None)
+    if isinstance(assistant, DFlashDrafter) or config is None or not is_dflash_checkpoint(config.to_dict()):
+        return None
+    return ("was loaded from a DFlash drafter checkpoint as a plain causal LM, which leaves out its drafter layers: "
+            "load it with hf_specdec.AutoModelForCausalLM.from_pretrained(path) (or DFlashDrafter.from_pretrained).")
 
 
 def build(target, assistant, num_speculative_tokens):
