@@ -62,9 +62,8 @@ def mask_finished(tokens: torch.Tensor, unfinished: torch.Tensor, pad_token_id: 
 # verified position of every row in one batched call.
 _HISTORY_FREE = (
     "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "TopHLogitsWarper", "MinPLogitsWarper",
-    "TypicalLogitsWarper",
-    "EpsilonLogitsWarper", "EtaLogitsWarper", "SuppressTokensLogitsProcessor", "InfNanRemoveLogitsProcessor",
-    "LogitNormalization",
+    "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "SuppressTokensLogitsProcessor",
+    "InfNanRemoveLogitsProcessor", "LogitNormalization",
 )
 
 
