@@ -65,7 +65,7 @@ def test_a_sampled_batch_keeps_its_stopped_rows(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", bundled.SPEC_MODES)
-def test_a_row_that_moves_up_keeps_its_own_processor_state(mode):
+def test_a_row_that_moves_up_keeps_its_own_processor_state(mode, monkeypatch):
     """Rows of very different prompt lengths (the repetition penalty skips each row's own left padding) that stop at
     different rounds: after a row leaves the batch, the rows below it move up and keep their own padding, and a
     prefix_allowed_tokens_fn is still asked about their own batch ids. Greedy, so transformers' tokens."""
@@ -85,7 +85,12 @@ def test_a_row_that_moves_up_keeps_its_own_processor_state(mode):
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0,
                   repetition_penalty=1.5)
     expected = reference.generate(ids, **kwargs)
+    sizes = []  # the batch after each drop: row 0 stops first and leaves, the others move up
+    monkeypatch.setattr(SpeculativeLoop, "_drop_stopped",
+                        lambda self, token, _drop=SpeculativeLoop._drop_stopped: (
+                            _drop(self, token), sizes.append(self.context.cache.batch_size))[0])
     assert torch.equal(model.generate(ids, **kwargs, **extra), expected)
+    assert sizes and sizes[0] < 3
     kwargs["prefix_allowed_tokens_fn"] = allowed
     expected = reference.generate(ids, **kwargs)
     asked.clear()
