@@ -83,22 +83,36 @@ _LENGTH_ONLY = {
         p, lengths - p.prompt_length_to_skip, scores, p.min_new_tokens),
 }
 
-# Per-row state that generate() gives some processors for the whole batch, by attribute name; the scorer
-# calls those processors one row at a time and narrows the state to that row.
-_PER_ROW_STATE = {"RepetitionPenaltyLogitsProcessor": ("prompt_ignore_length",)}
+# Processors that generate() builds with state for the whole batch, or that read a row's index in it; the scorer
+# calls them one row at a time, each through a view of that row: name -> f(processor, row, batch), the processor as
+# it would score row ``row`` of the request's ``batch`` rows (after num_return_sequences repeated the prompts),
+# called on that row alone (:data:`_ROW_VIEWS`, below)
 
 
-def _prompt_row(processor, row: int, batch: int):
-    """A processor built on the prompts before ``num_return_sequences`` repeated them (``encoder_*`` options: the
-    unrepeated input ids) narrowed to the prompt of ``row`` of the repeated ``batch``, as it would read that row."""
+def _padding_row(processor, row: int, batch: int):
+    """The repetition penalty's per-row prompt padding (``prompt_ignore_length``, one per repeated row) of ``row``."""
+    ignore = processor.prompt_ignore_length
+    if not (isinstance(ignore, torch.Tensor) and ignore.dim() >= 1 and ignore.shape[0] == batch):
+        return processor  # an int, or none: the same for every row
     view = copy.copy(processor)
-    if type(processor).__name__ == "EncoderNoRepeatNGramLogitsProcessor":
-        source = row // max(1, batch // processor.batch_size)
-        view.batch_size, view.generated_ngrams = 1, [processor.generated_ngrams[source]]
-    else:  # EncoderRepetitionPenaltyLogitsProcessor
-        ids = processor.encoder_input_ids
-        source = row // max(1, batch // ids.shape[0])
-        view.encoder_input_ids = ids[source:source + 1]
+    view.prompt_ignore_length = ignore[row:row + 1]
+    return view
+
+
+def _encoder_ids_row(processor, row: int, batch: int):
+    """The encoder repetition penalty, built on the unrepeated prompts' ids, narrowed to the prompt of ``row``."""
+    ids = processor.encoder_input_ids
+    view = copy.copy(processor)
+    source = row // max(1, batch // ids.shape[0])
+    view.encoder_input_ids = ids[source:source + 1]
+    return view
+
+
+def _encoder_ngrams_row(processor, row: int, batch: int):
+    """The encoder n-gram ban, built on the unrepeated prompts' n-grams, narrowed to the prompt of ``row``."""
+    view = copy.copy(processor)
+    source = row // max(1, batch // processor.batch_size)
+    view.batch_size, view.generated_ngrams = 1, [processor.generated_ngrams[source]]
     return view
 
 
@@ -111,12 +125,11 @@ def _prefix_row(processor, row: int, batch: int):
     return view
 
 
-# Processors that know which row of the batch they score (by its index): name -> f(processor, row, batch), the
-# processor as it would score that row of the whole batch, called on that row alone
-_ROW_AWARE = {
+_ROW_VIEWS = {
+    "RepetitionPenaltyLogitsProcessor": _padding_row,
     "PrefixConstrainedLogitsProcessor": _prefix_row,
-    "EncoderRepetitionPenaltyLogitsProcessor": _prompt_row,
-    "EncoderNoRepeatNGramLogitsProcessor": _prompt_row,
+    "EncoderRepetitionPenaltyLogitsProcessor": _encoder_ids_row,
+    "EncoderNoRepeatNGramLogitsProcessor": _encoder_ngrams_row,
 }
 
 
@@ -205,17 +218,7 @@ class PositionScorer:
         if row not in self._row_views:
             view = LogitsProcessorList()
             for processor in self.processors:
-                row_aware = _ROW_AWARE.get(type(processor).__name__)
-                if row_aware is not None:
-                    view.append(row_aware(processor, row, batch))
-                    continue
-                names = [n for n in _PER_ROW_STATE.get(type(processor).__name__, ())
-                         if isinstance(getattr(processor, n, None), torch.Tensor)
-                         and getattr(processor, n).dim() >= 1 and getattr(processor, n).shape[0] == batch]
-                if names:
-                    processor = copy.copy(processor)
-                    for n in names:
-                        setattr(processor, n, getattr(processor, n)[row: row + 1])
-                view.append(processor)
+                narrow = _ROW_VIEWS.get(type(processor).__name__)
+                view.append(processor if narrow is None else narrow(processor, row, batch))
             self._row_views[row] = view
         return self._row_views[row]
