@@ -38,6 +38,7 @@ prompt position differently.)
 import functools
 import math
 from array import array
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -225,10 +226,11 @@ class _Tiles:
     block_n: int  # keys per loop step
     block_d: int  # head_dim padded to a power of 2
     num_warps: int
+    num_stages: int | None = None  # None: Triton's default
 
 
 def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = None, ieee: bool = False,
-                prompt_rows: int | None = None) -> _Tiles:
+                prompt_rows: int | None = None, wide_steps: bool = False) -> _Tiles:
     """Tile sizes from head_dim: K, V and q tiles (x num_stages) must fit shared memory, and
     head_dim 512 leaves room only for 16 x 32 tiles. At most 32 q rows: from 64 rows Hopper's dot becomes a
     warpgroup MMA, whose rounding a one-query decode tile (16 rows) would not share. ``ieee``: fp32 dots (no
@@ -241,17 +243,25 @@ def _pick_tiles(head_dim: int, group: int, q_len: int, block_n: int | None = Non
     query shares a launch with it, so its rounding need not be theirs, and each K/V tile loaded serves twice the
     queries (H200, a 2048-token prompt: E2B sliding layer 0.16 -> 0.09 ms, Step 3.5 sliding 0.75 -> 0.34). At head_dim
     512 the taller tile needs 16-key steps to fit shared memory, slower than the 16-row tile (E2B full layer 0.84 ->
-    0.93 ms), so it keeps that."""
+    0.93 ms), so it keeps that.
+
+    ``wide_steps`` (the launcher's :func:`wide_key_steps` of the GPU): decode and verify launches (not a prompt's,
+    not fp32) at head_dim 256 and 512 walk :data:`WIDE_KEY_STEPS` keys a loop step, :data:`WIDE_KEY_STAGES` stages
+    deep. Both launches of a layer take the same steps (a query's keys are summed in the same order in a decode and in
+    a verify step)."""
     block_d = max(16, next_power_of_2(head_dim))
     max_m, default_n, num_warps = {16: (32, 64, 4), 32: (32, 64, 4), 64: (32, 64, 4),
                                    128: (32, 64, 4), 256: (32, 32, 8), 512: (16, 32, 8)}[block_d]
     if is_prefill(q_len) and not ieee and block_d <= 256:
         max_m *= PREFILL_ROWS if prompt_rows is None else prompt_rows
     block_m = max(16, next_power_of_2(group), min(max_m, next_power_of_2(group * q_len)))
+    stages = None
     if ieee and block_m >= 32 and block_d in (128, 256):
         num_warps, default_n = 8, 16 if block_d == 256 else default_n
+    elif wide_steps and WIDE_KEY_STEPS and not ieee and not is_prefill(q_len) and block_d in (256, 512):
+        default_n, stages = WIDE_KEY_STEPS, WIDE_KEY_STAGES
     return _Tiles(block_t=block_m // group, block_m=block_m, block_n=block_n or default_n,
-                  block_d=block_d, num_warps=num_warps)
+                  block_d=block_d, num_warps=num_warps, num_stages=stages)
 
 
 # A launch of this many query slots per row or more is a prompt's (decode runs 1, a verify k + 1, a DFlash block its
@@ -271,6 +281,16 @@ PREFILL_ROWS = 2
 # a program: GPUs that give a program less (sm_86, sm_89, sm_120: ~99 KB) keep the decode step's tile heights.
 PROMPT_TILE_SHARED_BYTES = 160 * 1024
 
+# Decode and verify tiles at head_dim 256 and 512 (:func:`_pick_tiles`): 64 keys a loop step, two stages, instead of
+# 32 keys at Triton's default depth. A split-KV chunk of 64 keys is then one step, and an unsplit row's walk half as
+# many (H200, graph-timed, 640 keys: batch 1 decode 0.9-1.3 us faster a launch on the E2B, 26B-A4B and 31B layers,
+# batch 8 sliding layers of 8-16 KV heads 1.33-1.38x; docs/perf_log.md, session 55). The K and V tiles of a step at
+# head_dim 512 take 128 KB: GPUs whose programs may take less than WIDE_STEP_SHARED_BYTES keep 32-key steps.
+# WIDE_KEY_STEPS = 0 keeps them everywhere.
+WIDE_KEY_STEPS = 64
+WIDE_KEY_STAGES = 2
+WIDE_STEP_SHARED_BYTES = 160 * 1024
+
 
 def is_prefill(q_len: int) -> bool:
     return q_len >= PREFILL_QUERIES
@@ -286,6 +306,18 @@ def prompt_rows(device: torch.device) -> int:
 def _prompt_rows_on(index: int) -> int:
     """:func:`prompt_rows` of GPU ``index``, known once."""
     return PREFILL_ROWS if shared_memory_bytes(index) >= PROMPT_TILE_SHARED_BYTES else 1
+
+
+def wide_key_steps(device: torch.device) -> bool:
+    """Whether decode and verify tiles on ``device`` may take :data:`WIDE_KEY_STEPS` keys a step (the interpreter:
+    yes)."""
+    return device.type != "cuda" or _wide_key_steps_on(gpu_index(device))
+
+
+@functools.cache
+def _wide_key_steps_on(index: int) -> bool:
+    """:func:`wide_key_steps` of GPU ``index``, known once."""
+    return shared_memory_bytes(index) >= WIDE_STEP_SHARED_BYTES
 
 
 def shared_memory_bytes(index: int) -> int:
@@ -378,7 +410,8 @@ def num_kv_splits(chunk: int, max_keys: int, aligned_start: bool) -> int:
 
 
 def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale,
-                            sliding_window, causal, out, block_n=None, kv_chunk_keys=None) -> torch.Tensor:
+                            sliding_window, causal, out, block_n=None, kv_chunk_keys=None,
+                            num_stages=None) -> torch.Tensor:
     batch, q_len, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check(head_dim <= MAX_TRITON_HEAD_DIM, f"the Triton kernel supports head_dim <= {MAX_TRITON_HEAD_DIM}, "
@@ -388,7 +421,10 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
     upcast_dot = q.dtype == torch.bfloat16 and interpreting(_paged_attention_kernel)
     ieee = q.dtype == torch.float32 or upcast_dot
     tiles = _pick_tiles(head_dim, group, q_len, block_n, ieee=q.dtype == torch.float32,
-                        prompt_rows=prompt_rows(q.device) if is_prefill(q_len) else None)
+                        prompt_rows=prompt_rows(q.device) if is_prefill(q_len) else None,
+                        wide_steps=wide_key_steps(q.device))
+    if num_stages is not None:
+        tiles = dataclasses.replace(tiles, num_stages=num_stages)
     tiles_per_row = triton.cdiv(q_len, tiles.block_t)
     if kv_chunk_keys is not None:
         chunk = kv_chunk_keys
@@ -415,7 +451,8 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
         # fp32 inputs must not be rounded to tf32: fp32 is the exactness dtype of the tests.
         DOT_PRECISION="ieee" if ieee else "tf32",
         UPCAST_DOT=upcast_dot, SPLIT=num_splits > 1,
-        num_warps=tiles.num_warps, **pdl_args(out),
+        num_warps=tiles.num_warps, **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}),
+        **pdl_args(out),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch * q_len, num_heads)](

@@ -537,6 +537,55 @@ def test_triton_verify_queries_equal_decode_queries(triton_device, sliding_windo
                 torch.testing.assert_close(decode[:, 0], verify[:, i], atol=2e-6, rtol=2e-6)
 
 
+def test_wide_key_steps_for_decode_and_verify_tiles(monkeypatch):
+    """Half-precision decode and verify tiles at head_dim 256 and 512 walk WIDE_KEY_STEPS keys a step, two stages deep,
+    where the GPU's programs may take the shared memory; both launches of a layer take the same steps (batch
+    invariance); a prompt's launch, fp32 tiles and head_dim 128 keep theirs; known once per GPU."""
+    for head_dim, group in ((256, 8), (512, 4)):
+        decode, verify = (_pick_tiles(head_dim, group, q_len, wide_steps=True) for q_len in (1, 8))
+        assert decode.block_n == verify.block_n == pa.WIDE_KEY_STEPS == 64
+        assert decode.num_stages == verify.num_stages == pa.WIDE_KEY_STAGES
+        assert _pick_tiles(head_dim, group, 1).block_n == 32 and _pick_tiles(head_dim, group, 1).num_stages is None
+        assert _pick_tiles(head_dim, group, pa.PREFILL_QUERIES, wide_steps=True).block_n < 64
+        assert _pick_tiles(head_dim, group, 1, ieee=True, wide_steps=True) == _pick_tiles(head_dim, group, 1, ieee=True)
+    assert _pick_tiles(128, 8, 1, wide_steps=True) == _pick_tiles(128, 8, 1)
+    monkeypatch.setattr(pa, "WIDE_KEY_STEPS", 0)
+    assert _pick_tiles(256, 8, 1, wide_steps=True) == _pick_tiles(256, 8, 1)
+    asked = []
+    try:
+        for shared, wide in ((101376, False), (232448, True)):
+            pa._wide_key_steps_on.cache_clear()
+            monkeypatch.setattr(pa, "shared_memory_bytes", lambda index, shared=shared: asked.append(index) or shared)
+            device = torch.device("cuda", 3)
+            assert pa.wide_key_steps(device) is wide and pa.wide_key_steps(device) is wide
+    finally:
+        pa._wide_key_steps_on.cache_clear()  # the fake GPU's answers go
+    assert asked == [3, 3]  # once per GPU
+    assert pa.wide_key_steps(torch.device("cpu"))  # the interpreter
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_triton_wide_key_steps_attend_like_the_reference_and_decode_like_verify(triton_device, sliding_window):
+    """bf16 at head_dim 256 with the launcher's own tiles (64-key steps) and chunks: a decode and a 4-query verify
+    launch attend like the reference, and each verify query has its decode launch's output."""
+    lens = [150, 71]
+    case = make_case(lens, q_len=4, sliding_window=sliding_window, num_heads=2, num_kv_heads=1, head_dim=256,
+                     dtype=torch.bfloat16, poison=NAN_BLOCK, seed=10, device=triton_device)
+    assert _pick_tiles(256, 2, 4, wide_steps=pa.wide_key_steps(case.q.device)).block_n == 64
+    run = dict(scale=0.0625, sliding_window=sliding_window, causal=True)
+    verify = _paged_attention_triton(*case.args(), out=torch.full_like(case.q, float("nan")), **run)
+    torch.testing.assert_close(verify, paged_attention_reference(*case.args(), **run), atol=1e-2, rtol=1e-2)
+    for i in range(4):
+        kv_lens = case.kv_lens - 3 + i
+        args = (case.q[:, i:i + 1].contiguous(), case.k_cache, case.v_cache, case.block_tables, kv_lens,
+                kv_lens - 1, torch.ones_like(kv_lens))
+        decode = _paged_attention_triton(*args, out=torch.empty_like(case.q[:, :1]), **run)
+        if case.q.is_cuda:
+            assert torch.equal(decode[:, 0], verify[:, i]), (i, (decode[:, 0] - verify[:, i]).abs().max())
+        else:  # the interpreter's dots are numpy's (see test_triton_verify_queries_equal_decode_queries)
+            torch.testing.assert_close(decode[:, 0], verify[:, i], atol=1e-2, rtol=1e-2)
+
+
 def test_chunks_depend_on_batch_and_heads_only():
     assert kv_chunk(rows_x_kv_heads=4, block_n=32) == 64  # full layer, batch 1: at least 64 keys per chunk
     assert kv_chunk(rows_x_kv_heads=16, block_n=32) == 128  # ~16 chunks of a 2048-key context
