@@ -115,7 +115,8 @@ class GraphStore:
     KV group (a graph writes into the storage it was captured with, so requests reuse it), the captured
     target forwards and drafter calls (each graph with its own memory pool: graphs sharing one could
     overwrite each other's live outputs). Growing the storage drops every graph
-    (they point into the old one). Lives in ``model._hf_specdec``; ``hf_specdec.disable`` releases it."""
+    (they point into the old one), and so does a weight of the models they run moving to other memory
+    (:meth:`check_weights`). Lives in ``model._hf_specdec``; ``hf_specdec.disable`` releases it."""
 
     def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS):
         self.generation = 0
@@ -128,6 +129,7 @@ class GraphStore:
         self.disabled_reason: str | None = None
         # the GPUs a model accelerate placed over several of them runs on: its graphs span them (SpanningGraph)
         self.devices: tuple[torch.device, ...] = ()
+        self.weights: tuple | None = None  # where the weights the graphs read were (check_weights)
 
     def get(self, table: str, key: tuple):
         """The kept graph ``key`` of ``table`` ("graphs": target forwards, "calls": drafter calls), or None;
@@ -151,6 +153,18 @@ class GraphStore:
             (old_table, old_key), _ = self._recency.popitem(last=False)
             del getattr(self, old_table)[old_key]
             self.evicted += 1
+
+    def check_weights(self, *models: torch.nn.Module) -> None:
+        """Drop every graph when a weight or buffer of ``models`` (a request's target and its drafter's model) lies
+        elsewhere than when they were captured: a graph replays the addresses it was captured with, so weights
+        replaced since (``model.cpu().cuda()``, ``.half().float()``, ``param.data = ...``,
+        ``load_state_dict(assign=True)``) would be read from freed memory. Weights changed in place (an optimizer
+        step, ``load_state_dict`` without ``assign``) stay where they were: the graphs read their new values."""
+        where = tuple(_addresses(model) for model in dict.fromkeys(models))
+        if where != self.weights:
+            if self.weights is not None:
+                self._drop_graphs()
+            self.weights = where
 
     @property
     def storage(self):
@@ -188,6 +202,23 @@ class GraphStore:
         self.calls.clear()
         self._recency.clear()
         self.generation += 1
+
+
+def _addresses(model: torch.nn.Module) -> tuple:
+    """Where each parameter and buffer of ``model`` is: (address, shape) per tensor, through a tensor subclass's inner
+    tensors (quantized weights, a DTensor's shard)."""
+    return tuple(_where(t) for module in model.modules() for tensors in (module._parameters, module._buffers)
+                 for t in tensors.values() if t is not None)
+
+
+def _where(tensor: torch.Tensor):
+    try:
+        return tensor.data_ptr(), tensor.shape
+    except RuntimeError:  # a wrapper subclass without storage of its own
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        if flatten is None:
+            return id(tensor), tensor.shape
+        return tuple(_where(getattr(tensor, name)) for name in flatten()[0])
 
 
 def _layout_key(layout) -> tuple:

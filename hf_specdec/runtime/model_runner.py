@@ -102,6 +102,8 @@ class ModelRunner:
         dtype = self.model.get_input_embeddings().weight.dtype
         device = input_device(self.model)  # model.device is the meta device when the first weight is on disk
         store = self.graph_store if self.graph_store is not None and device.type == "cuda" else None
+        if store is not None:
+            store.check_weights(self.model, *([] if draft_model is None else [draft_model]))
         shared_budget = None if self.ranks is None else self.ranks.smallest
         self.cache = sizing.cache_for_request(self.layout, self.cache_config, prompt_lens, max_new_tokens, lookahead,
                                               dtype=dtype, device=device, storage_pool=store,

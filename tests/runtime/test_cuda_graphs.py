@@ -158,6 +158,80 @@ def test_graph_store_pools_storage_and_drops_graphs_when_it_grows():
     assert made[-1] == [16, 2] and not store.graphs and store.generation > generation  # grown: graphs dropped
 
 
+def test_graph_store_drops_graphs_when_a_weight_moves():
+    """A graph replays the addresses it was captured with: weights replaced since (a device or dtype round trip,
+    ``param.data = ...``, ``load_state_dict(assign=True)``), the target's or the drafter's, drop every graph; weights
+    changed in place keep them (the graphs read the new values)."""
+    from hf_specdec.runtime.cuda_graphs import GraphStore
+
+    target, drafter = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 2))
+    store = GraphStore()
+
+    def kept_after(change) -> bool:
+        store.check_weights(target, drafter)
+        store.graphs["a graph"] = None
+        change()
+        store.check_weights(target, drafter)
+        return bool(store.graphs)
+
+    with torch.no_grad():
+        assert kept_after(lambda: None)
+        assert kept_after(lambda: target.weight.add_(1.0))
+        assert kept_after(lambda: target.load_state_dict({k: v + 1 for k, v in target.state_dict().items()}))
+        assert not kept_after(lambda: setattr(target.weight, "data", target.weight.data.clone()))
+        assert not kept_after(lambda: target.load_state_dict(dict(target.state_dict(), bias=torch.ones(4)),
+                                                             assign=True))
+        assert not kept_after(lambda: setattr(drafter[0].bias, "data", drafter[0].bias.data.clone()))
+        assert not kept_after(lambda: drafter.append(torch.nn.Linear(2, 2)))
+
+
+@cuda
+@pytest.mark.parametrize("change", ["device_round_trip", "dtype_round_trip", "data", "assign", "drafter_moved"])
+def test_calls_after_weights_moved_give_the_new_weights_tokens(change):
+    """Weights replaced between calls (the target's or the assistant's) are what the next call decodes with, in plain
+    and MTP calls: graphs kept from the calls before are dropped, not replayed over freed memory (they gave other
+    tokens, or an illegal memory access once the old memory was reused)."""
+    import transformers
+
+    from hf_specdec.assets import asset_path
+
+    path = asset_path("tiny-gemma4")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    model, assistant = _bundled_on_cuda("tiny-gemma4", "tiny-gemma4-assistant")
+    ids, mask = left_padded_batch([12, 3, 9], vocab=reference.config.get_text_config().vocab_size)
+    kwargs = dict(attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    modes = [{}, dict(assistant_model=assistant, num_speculative_tokens=4)]
+    for _ in range(2):  # the second call replays what the first captured
+        for extra in modes:
+            assert torch.equal(model.generate(ids.cuda(), **kwargs, **extra), reference.generate(ids.cuda(), **kwargs))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        if change == "device_round_trip":
+            model.cpu().cuda()
+        elif change == "dtype_round_trip":
+            model.half().float()
+            reference.half().float()
+        elif change == "data":
+            for name, param in reference.named_parameters():
+                step = 0.02 * torch.randn(param.shape, device="cuda", generator=generator)
+                param.data = param.data + step
+                model.get_parameter(name).data = model.get_parameter(name).data + step
+        elif change == "assign":
+            stepped = {}  # tied weights (the embedding and the LM head) share one new tensor
+            state = {k: stepped.setdefault(v.data_ptr(), v + 0.02 * torch.randn(v.shape, device="cuda",
+                                                                                 generator=generator))
+                     for k, v in reference.state_dict().items()}
+            reference.load_state_dict(state)
+            model.load_state_dict(state, assign=True)
+        else:
+            assistant.cpu().cuda()
+    torch.cuda.empty_cache()
+    torch.randn(10**7, device="cuda")  # the freed memory taken by something else
+    expected = reference.generate(ids.cuda(), **kwargs)
+    for extra in modes:
+        assert torch.equal(model.generate(ids.cuda(), **kwargs, **extra), expected)
+
+
 @cuda
 def test_later_calls_replay_the_stored_graphs():
     model = hf_specdec.enable(llama().cuda())
