@@ -321,6 +321,34 @@ def test_beam_search_without_drafts_gives_transformers_answer(step):
     assert torch.equal(step.generate(ids, **kwargs), expected)
 
 
+_OTHER_METHODS = {  # options that ask transformers for another decoding method, and its name in our errors
+    "contrastive search": dict(penalty_alpha=0.6, top_k=4),
+    "DoLa decoding": dict(dola_layers="high"),
+    "constrained beam search": dict(force_words_ids=[[655]]),
+}
+
+
+@pytest.mark.parametrize("method", list(_OTHER_METHODS))
+def test_other_decoding_methods_go_to_transformers_loop_and_are_refused_with_drafts(gemma, step, method):
+    """Contrastive search, DoLa and constrained beam search (transformers' generation modes besides greedy and
+    sampling) were decoded as plain greedy, silently, because the paged loop took every call with one beam. Plain
+    calls now meet transformers' own handling (which asks for trust_remote_code: the methods live on the Hub),
+    and calls with a drafter are refused with the fix."""
+    target, _, reference = gemma
+    ids, mask = _batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, **_OTHER_METHODS[method], **GREEDY)
+    with pytest.raises(ValueError) as stock:
+        reference.generate(ids, **kwargs)
+    with pytest.raises(ValueError) as ours:
+        target.generate(ids, **kwargs)
+    assert str(ours.value) == str(stock.value)
+    for mode in SPEC_MODES:
+        model, extra = _mode(gemma, step, mode)
+        with pytest.raises(ValueError, match=rf"does not support {method} \(.*\); drop it, or drop the "
+                                             r"assistant_model / spec_mode"):
+            model.generate(ids, **kwargs, **extra)
+
+
 def test_per_step_scores_with_drafts_are_refused_not_dropped(gemma):
     target, assistant, _ = gemma
     ids, mask = _batch()

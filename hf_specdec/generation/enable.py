@@ -81,6 +81,15 @@ class EnabledState:
         copied.hold_collectives()
         return copied
 
+    def __getstate__(self):
+        """An enabled model is not pickled (``torch.save(model)``): its ``generate`` and fused forwards are methods
+        bound to it, which pickle looks up again by name on the loaded model and so finds transformers' own; the
+        loaded model would be half enabled. Say what to do instead."""
+        raise TypeError("an enabled model cannot be pickled (torch.save(model), pickle, copy.copy): its generate and "
+                        "forwards are hf_specdec's, bound to this instance. Call hf_specdec.disable(model) before "
+                        "saving it and hf_specdec.enable(model) after loading it, or save it with "
+                        "model.save_pretrained(path) (copy.deepcopy(model) keeps it enabled).")
+
     def hold_collectives(self) -> None:
         """A tensor-parallel model's graphs will hold NCCL collectives: have destroying its process group release
         them first (runtime/distributed.py). Called where a state gets its graph store (``enable``, a copy)."""
@@ -202,7 +211,8 @@ def _held(state: EnabledState, what: str):
 
 
 def _undo(model, state: EnabledState) -> None:
-    model.set_attn_implementation(state.original_attention)
+    if model.config._attn_implementation == ATTENTION_NAME:  # not one the user set since (it stays)
+        model.set_attn_implementation(state.original_attention)
     state.graph_store.release()
     unfuse_modules(model)
     restore_experts(model, state.original_experts)
@@ -212,7 +222,8 @@ def _undo(model, state: EnabledState) -> None:
 
 
 def last_generation_stats(model) -> SpecStats | None:
-    """SpecStats of the last ``generate`` call of an enabled model (None before the first)."""
+    """SpecStats of the last ``generate`` call of an enabled model (None before the first, and after a call that ran
+    transformers' own loop: beam search, a cache of the user's, ...)."""
     state = getattr(model, "_hf_specdec", None)
     if state is None:
         raise ValueError("this model is not enabled; call hf_specdec.enable(model) first.")

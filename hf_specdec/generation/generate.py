@@ -79,6 +79,7 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
             raise ValueError(f"speculative decoding does not support {unsupported}; drop it, or drop the "
                              "assistant_model / spec_mode to decode with transformers' own loop.")
         with _exclusive(self, state):
+            state.last_stats = None  # transformers' loop counts nothing of ours
             return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
                                             streamer=streamer, **kwargs)
     if speculative:
@@ -164,11 +165,26 @@ def _setting(model, generation_config, kwargs, name, default=None):
     return kwargs[name] if name in kwargs else getattr(config, name, default)
 
 
+# transformers' generation modes (`GenerationConfig.get_generation_mode`, without an assistant) that the paged loop
+# decodes; any other goes to transformers' own loop (named here by the options that ask for it)
+_PAGED_MODES = ("greedy_search", "sample")
+_OTHER_MODES = {
+    "contrastive_search": "contrastive search (penalty_alpha with top_k > 1)",
+    "dola_generation": "DoLa decoding (dola_layers)",
+    "constrained_beam_search": "constrained beam search (force_words_ids / constraints)",
+    "assisted_generation": "transformers' own assisted generation (prompt_lookup_num_tokens, assistant_early_exit, "
+                           "use_mtp)",
+}
+
+
 def _paged_loop_unsupported(model, inputs, generation_config, kwargs) -> str | None:
     """What in this call needs transformers' own loop (beam search, a user cache, ...), or None."""
     num_beams = _setting(model, generation_config, kwargs, "num_beams") or 1
     if num_beams > 1:
         return f"beam search (num_beams={num_beams})"
+    mode = _generation_mode(model, generation_config, kwargs)
+    if mode not in _PAGED_MODES:
+        return _OTHER_MODES.get(mode, mode.replace("_", " "))
     if inputs is None and kwargs.get("input_ids") is None:
         return "inputs_embeds without input_ids"
     for name in ("cache", "past_key_values"):
@@ -182,6 +198,13 @@ def _paged_loop_unsupported(model, inputs, generation_config, kwargs) -> str | N
         if wanted:
             return " / ".join(f"{n}=True" for n in wanted)
     return None
+
+
+def _generation_mode(model, generation_config, kwargs) -> str:
+    """transformers' name of the decoding method this call's settings ask for (without an assistant)."""
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    config.update(**{name: value for name, value in kwargs.items() if hasattr(config, name)})
+    return str(getattr(config.get_generation_mode(), "value", config.get_generation_mode()))
 
 
 def _check_speculative_outputs(model, generation_config, kwargs) -> None:

@@ -122,6 +122,50 @@ def test_set_attn_implementation_after_enable_is_refused_until_enable_again():
     assert torch.equal(model.generate(ids, **kwargs), expected)
 
 
+def test_disable_keeps_an_attention_the_user_set_after_enable():
+    """The refusal above says ``hf_specdec.disable(model)`` generates with the attention the user set: disable keeps
+    it (it restored the one of enable's time), and restores that one where hf_specdec's is still set."""
+    from tests.tiny_models import llama
+
+    model = llama()
+    model.set_attn_implementation("sdpa")
+    hf_specdec.enable(model).set_attn_implementation("eager")
+    hf_specdec.disable(model)
+    assert model.config._attn_implementation == "eager"  # (was "sdpa")
+    hf_specdec.disable(hf_specdec.enable(model))
+    assert model.config._attn_implementation == "eager"
+
+
+def test_an_enabled_model_is_not_pickled_half_enabled():
+    """``torch.save(model)`` of an enabled model raises, naming what to do (pickle would look its generate and fused
+    forwards up again by name on the loaded model, and find transformers' own); disabled, it pickles, and enabled
+    again after loading it decodes as before."""
+    import io
+
+    from tests.tiny_models import llama
+
+    model = hf_specdec.enable(llama())
+    ids = torch.tensor([[3, 14, 15, 92]])
+    expected = model.generate(ids, max_new_tokens=6, **GREEDY)
+    with pytest.raises(TypeError, match=r"cannot be pickled .* hf_specdec.disable\(model\) before saving it and "
+                                        r"hf_specdec.enable\(model\) after loading it, or .*save_pretrained"):
+        torch.save(model, io.BytesIO())
+    buffer = io.BytesIO()
+    torch.save(hf_specdec.disable(model), buffer)
+    buffer.seek(0)
+    loaded = hf_specdec.enable(torch.load(buffer, weights_only=False))
+    assert torch.equal(loaded.generate(ids, max_new_tokens=6, **GREEDY), expected)
+
+
+def test_stats_of_a_call_that_transformers_loop_ran_are_none_not_the_last_calls():
+    model, extra, _ = bundled.mode("gemma_mtp")
+    ids, mask = bundled.batch(2)
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY, **extra)
+    assert hf_specdec.last_generation_stats(model) is not None
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=2, **GREEDY)
+    assert hf_specdec.last_generation_stats(model) is None
+
+
 def test_the_bundled_family_loads_in_float32_on_cpu_unless_a_dtype_is_given():
     """Stored in bf16; float32 by default on CPU, where greedy speculative output is plain greedy's exactly."""
     from hf_specdec.assets import asset_path
