@@ -15,6 +15,7 @@ queued ahead is discarded (the tokens are the same; it costs one step per call).
 from __future__ import annotations
 
 import torch
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation import sampling
@@ -26,6 +27,16 @@ from hf_specdec.runtime import Readback, ReadbackClock, exhausted, real_token_co
 UNTIMED_STEPS = 2  # steps a call's step_times leaves out (a graph captured for the bucket, the first replays)
 
 
+def take_criteria_max_length(stopping_criteria, generation_config) -> None:
+    """The call's max length is its stopping criteria's: a ``MaxLengthCriteria`` the user passes takes the place of
+    the one ``generate`` builds from ``max_length`` / ``max_new_tokens`` (transformers' merge of the two lists), and
+    transformers' loop then stops there, before or after that length. The loops and the cache read
+    ``generation_config.max_length`` (the call's own copy), so it is set to the criteria's."""
+    lengths = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
+    if lengths:
+        generation_config.max_length = min(lengths)
+
+
 def paged_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                  streamer=None, *, stats: SpecStats | None = None, step_times=None, **model_kwargs):
     """Decode ``input_ids`` [batch, prompt_len] (left-padded) token by token; returns what ``_sample`` returns.
@@ -34,6 +45,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
     capture graphs), between consecutive read-backs (:class:`ReadbackClock`)."""
     state = model._hf_specdec
     stats = SpecStats() if stats is None else stats
+    take_criteria_max_length(stopping_criteria, generation_config)
     prompt_lens = real_token_counts(input_ids, model_kwargs.get("attention_mask"))
     batch = input_ids.shape[0]
     has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)

@@ -133,6 +133,29 @@ _ROW_VIEWS = {
 }
 
 
+def is_transformers_own(obj) -> bool:
+    """Whether ``obj`` is an instance of a class of transformers' (a processor or criterion it builds, or one of its
+    public ones a user passes), whose per-row behaviour this module knows; a class defined elsewhere may do
+    anything with a row's index."""
+    return type(obj).__module__.split(".")[0] == "transformers"
+
+
+class AtRow:
+    """A processor or stopping criterion of the user's, called for row ``row`` of the request's ``batch`` rows as
+    generate's loop would call it: with a batch of ``batch`` rows, every one of them showing that row's ids and
+    scores (a processor or criterion may treat each index of its batch its own way, e.g. ban other tokens in each
+    row), and that row's index read back. A speculative round scores and stops rows one position at a time, and rows
+    whose lengths differ could not share one call."""
+
+    def __init__(self, fn, row: int, batch: int):
+        self.fn, self.row, self.batch = fn, row, batch
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None):  # (two arguments: LogitsProcessorList)
+        ids = input_ids.expand(self.batch, -1).clone()
+        scores = None if scores is None else scores.expand(self.batch, -1).clone()  # (written in place, often)
+        return self.fn(ids, scores)[self.row:self.row + 1]
+
+
 # Processors that keep state from one decoding step to the next (their own forward and cache over the step's ids):
 # a speculative round scores several positions of a row at once, and rejected drafts would have advanced that state.
 # name -> the generate option that adds it
@@ -165,9 +188,9 @@ class PositionScorer:
         """``batch``: the rows of the request, for processors with per-row state (their index in it); rows that
         leave the batch are told with :meth:`keep_rows`."""
         self.processors = logits_processor
-        self.history_free = all(type(p).__name__ in _HISTORY_FREE for p in logits_processor)
-        self.batched = all(type(p).__name__ in _HISTORY_FREE or type(p).__name__ in _LENGTH_ONLY
-                           for p in logits_processor)
+        known = [type(p).__name__ if is_transformers_own(p) else None for p in logits_processor]
+        self.history_free = all(name in _HISTORY_FREE for name in known)
+        self.batched = all(name in _HISTORY_FREE or name in _LENGTH_ONLY for name in known)
         self._row_views: dict[int, LogitsProcessorList] = {}
         self.batch = batch
         self.order: list[int] | None = None  # each scored row's index in the request (None: the same)
@@ -214,11 +237,16 @@ class PositionScorer:
     def _row_view(self, row: int, batch: int) -> LogitsProcessorList:
         """The processors as seen by row ``row`` of the request's ``batch`` rows, called on it alone: per-row state
         built by ``generate`` for the whole batch (e.g. the repetition penalty's per-row prompt padding) is narrowed
-        to that row, and a processor that reads the row's index (``prefix_allowed_tokens_fn``) is told it."""
+        to that row, a processor that reads the row's index (``prefix_allowed_tokens_fn``) is told it, and a processor
+        of the user's is called at that index of a batch of the request's size (:class:`AtRow`)."""
         if row not in self._row_views:
             view = LogitsProcessorList()
             for processor in self.processors:
-                narrow = _ROW_VIEWS.get(type(processor).__name__)
-                view.append(processor if narrow is None else narrow(processor, row, batch))
+                narrow = _ROW_VIEWS.get(type(processor).__name__) if is_transformers_own(processor) else None
+                if narrow is not None:
+                    processor = narrow(processor, row, batch)
+                elif batch > 1 and not is_transformers_own(processor):
+                    processor = AtRow(processor, row, batch)
+                view.append(processor)
             self._row_views[row] = view
         return self._row_views[row]

@@ -38,11 +38,11 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hf_specdec.generation.acceptance import Acceptance, acceptance_for
 from hf_specdec.generation import adaptive_k
 from hf_specdec.generation.adaptive_k import AdaptiveK, costs_for
-from hf_specdec.generation.decode import paged_decode
+from hf_specdec.generation.decode import paged_decode, take_criteria_max_length
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector, DraftsInVerify, take_rows
 from hf_specdec.generation import sampling
-from hf_specdec.generation.sampling import (PositionScorer, check_speculative_processors, reads_scores,
-                                           same_on_every_rank, select_tokens)
+from hf_specdec.generation.sampling import (AtRow, PositionScorer, check_speculative_processors, is_transformers_own,
+                                           reads_scores, same_on_every_rank, select_tokens)
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
 from hf_specdec.cache.paged_cache import to_device_async
@@ -81,8 +81,12 @@ class _Round:
 class RowStopper:
     """Decides, token by token, when a row stops: the stopping criteria of ``generate`` applied to that row."""
 
-    def __init__(self, stopping_criteria, generation_config):
+    def __init__(self, stopping_criteria, generation_config, batch: int = 1):
+        """``batch``: the request's rows; a criterion of the user's is called at a row's index of a batch that size
+        (:class:`AtRow`), as generate's loop would call it."""
         self.criteria = stopping_criteria
+        self.batch = batch
+        self.at_row = batch > 1 and not all(is_transformers_own(c) for c in stopping_criteria)
         self.max_length = generation_config.max_length
         eos = [c for c in stopping_criteria if isinstance(c, EosTokenCriteria)]
         self.eos = set(eos[0].eos_token_id.tolist()) if eos else set()
@@ -92,15 +96,16 @@ class RowStopper:
         # clock only; anything else, a subclass of those too, may)
         self.reads_scores = reads_scores(stopping_criteria)
 
-    def stops(self, row_ids: list[int], scores=None) -> bool:
+    def stops(self, row_ids: list[int], scores=None, row: int = 0) -> bool:
         """``scores``: a callable giving the row's scores [1, vocab] at its last token (built only when a
-        criterion that may read them is there)."""
+        criterion that may read them is there); ``row``: the row's index in the request."""
         if len(row_ids) >= self.max_length or row_ids[-1] in self.eos:
             return True
         if self.only_builtin:
             return False
         ids = torch.tensor(row_ids)[None, :]
-        return bool(self.criteria(ids, scores() if scores is not None and self.reads_scores else None)[0])
+        criteria = AtRow(self.criteria, row, self.batch) if self.at_row else self.criteria
+        return bool(criteria(ids, scores() if scores is not None and self.reads_scores else None)[0])
 
 
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -111,6 +116,7 @@ def speculative_decode(model, input_ids, logits_processor, stopping_criteria, ge
     k pays for its drafting (:func:`adaptive_k.plain_call`; the output is the same); ``draft_model``: the model whose
     attention writes the drafter's own caches (its assistant, or the target)."""
     check_speculative_processors(logits_processor)
+    take_criteria_max_length(stopping_criteria, generation_config)
     costs = _auto_costs(model, drafter, draft_model, input_ids.shape[0]) if adaptive and drafter.adaptive_k else None
     # (a benchmark's acceptance that is not lossless commits other tokens than plain decoding: its calls stay rounds)
     if (costs is not None and input_ids.device.type in adaptive_k.PLAIN_CALL_DEVICES
@@ -160,11 +166,14 @@ class SpeculativeLoop:
         self.config = generation_config
         self.logits_processor = logits_processor
         self.scorer = PositionScorer(logits_processor, batch=input_ids.shape[0])
-        self.stopper = RowStopper(stopping_criteria, generation_config)
+        self.stopper = RowStopper(stopping_criteria, generation_config, batch=input_ids.shape[0])
         self.stats = SpecStats(spec_mode=drafter.spec_mode, num_speculative_tokens=self.k,
                                lossless=acceptance.lossless)
         batch = input_ids.shape[0]
         self.rows = [input_ids[b].tolist() for b in range(batch)]
+        # a batch of one streams each round's accepted chunk in one put; several rows stream as generate's loop does
+        # (:meth:`_stream_steps`), up to ``streamed`` tokens a row
+        self.streams_chunks, self.streamed = batch == 1, input_ids.shape[1]
         self.row_ids = RowIds(input_ids, generation_config.max_length + self.k + 1)
         self.running = [True] * batch
         # without an EOS, generate pads no finished row: a row a stopping criterion finished goes on decoding until
@@ -248,6 +257,8 @@ class SpeculativeLoop:
             self.drafter.num_speculative_tokens = self.k
             self.runner.finish()
         if self.streamer is not None:
+            if not self.streams_chunks:
+                self._stream_steps(final=True)
             self.streamer.end()
         self.model._hf_specdec.last_stats = self.stats.finish()
         return _pad_rows(self._all_rows(), self.config._pad_token_tensor, input_ids.device)
@@ -464,7 +475,7 @@ class SpeculativeLoop:
                     row.append(token)
                     count += 1
                     score = lambda b=b, j=j: scores[b, j][None].float()  # noqa: E731 - called only if read
-                    if self.order[b] not in self.finished and self.stopper.stops(row, score):
+                    if self.order[b] not in self.finished and self.stopper.stops(row, score, self.order[b]):
                         if self.pads_finished:
                             self.running[b] = False
                             break
@@ -473,14 +484,32 @@ class SpeculativeLoop:
                         self.running[b] = False
                         break
             emitted.append(count)
-            if self.streamer is not None and count:
+            if self.streamer is not None and count and self.streams_chunks:
                 self.streamer.put(torch.tensor(row[-count:])[None, :])
         if not self.pads_finished and self.until is None and len(self.finished) == len(self.order) + len(self.left):
             # every row finished (a row at its max length too): the batch ends where the last one finished, as
             # generate's batch would; rows past it are cut at the end of the call, rows short of it go on
             self.until = max(self.finished.values())
             self.running = [run and len(row) < self.until for run, row in zip(self.running, self.rows)]
+        if self.streamer is not None and not self.streams_chunks:
+            self._stream_steps()
         return emitted
+
+    def _stream_steps(self, final: bool = False) -> None:
+        """A batch of several rows streams what generate's loop streams: per step one [batch] tensor of each row's
+        token there (the pad token for a row that stopped before it), put once every running row has emitted its
+        token at that step (rows emit different counts a round); ``final``: the steps left at the call's end."""
+        rows = dict(self.left)
+        rows.update(zip(self.order, self.rows))
+        running = [len(row) for row, run in zip(self.rows, self.running) if run]
+        end = min(running) if running and not final else max(len(row) for row in rows.values())
+        if self.until is not None:
+            end = min(end, self.until)
+        pad = self.config._pad_token_tensor
+        pad = 0 if pad is None else int(pad)
+        for step in range(self.streamed, end):
+            self.streamer.put(torch.tensor([rows[i][step] if step < len(rows[i]) else pad for i in range(len(rows))]))
+        self.streamed = max(self.streamed, end)
 
 
 def _with_drafts(select: Select, in_verify: DraftsInVerify) -> Select:

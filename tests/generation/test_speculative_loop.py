@@ -4,6 +4,7 @@ loop, stopping inside an accepted chunk, and the sampled distribution (invariant
 import pytest
 import torch
 import transformers
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import hf_specdec
 from tests.distribution import assert_follows, second_token_marginal
@@ -141,6 +142,50 @@ def test_processors_that_read_a_rows_index_or_its_prompt_match_plain():
     new = got[:, ids.shape[1]:]
     assert got.shape[0] == 8 and asked == set(range(8 // repeats))
     assert all(set(new[r].tolist()) <= set(allowed(r // repeats, None)) for r in range(8))
+
+
+class BanPerRow(LogitsProcessor):
+    """A processor of the user's that treats each index of its batch its own way (row b may not emit its bans)."""
+
+    def __init__(self, bans):
+        self.bans = bans
+
+    def __call__(self, input_ids, scores):
+        for row, banned in enumerate(self.bans):
+            scores[row, banned] = -float("inf")
+        return scores
+
+
+class StopPerRow(StoppingCriteria):
+    """A criterion of the user's that treats each index of its batch its own way (row b stops on its own token)."""
+
+    def __init__(self, tokens):
+        self.tokens = torch.tensor(tokens)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.tokens.to(input_ids.device)
+
+
+def test_a_users_processor_and_criterion_see_each_row_at_its_own_index():
+    """A speculative round scores and stops rows one at a time; a processor or criterion of the user's is called with
+    a batch of the request's size whose rows show that row (its index read back): they were called with that row
+    alone, as if it were row 0, and rows 1 and up got row 0's bans and stop token. Greedy equals HF's."""
+    ref, ours = llama(), hf_specdec.enable(llama())
+    ids, mask = left_padded_batch([7, 3, 10])
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    free = ref.generate(ids, **kwargs)[:, ids.shape[1]:]
+    bans = [[], free[1, 1:3].tolist(), free[2, 1:3].tolist()]  # each row's next tokens, banned in that row only
+    expected = ref.generate(ids, logits_processor=LogitsProcessorList([BanPerRow(bans)]), **kwargs)
+    got = ours.generate(ids, logits_processor=LogitsProcessorList([BanPerRow(bans)]), **kwargs,
+                        assistant_model=CopyDrafter(llama(), 3, noise=0.35))
+    assert torch.equal(got, expected)
+    assert not torch.equal(expected[:, ids.shape[1]:], free)
+    stops = [free[0, 5].item(), free[1, 2].item(), free[2, 8].item()]  # each row stops at another step
+    expected = ref.generate(ids, stopping_criteria=StoppingCriteriaList([StopPerRow(stops)]), pad_token_id=0,
+                            **kwargs)
+    got = ours.generate(ids, stopping_criteria=StoppingCriteriaList([StopPerRow(stops)]), pad_token_id=0, **kwargs,
+                        assistant_model=CopyDrafter(llama(), 3, noise=0.35))
+    assert torch.equal(got, expected) and expected.shape[1] == ids.shape[1] + 9  # (the last row's stop)
 
 
 def test_min_length_processors_in_a_batch_match_plain_and_reach_the_drafts():

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from transformers import StoppingCriteria, TextIteratorStreamer, TextStreamer
+from transformers import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, TextStreamer
 
 from hf_specdec.assets import available_assets
 from tests import bundled
@@ -134,6 +134,50 @@ def test_custom_stopping_criteria_cut_inside_an_accepted_chunk_row_by_row(mode):
     width = enc["input_ids"].shape[1]
     assert got[0, width:].tolist()[: stop_at + 1] == free[: stop_at + 1] and got[0, width + stop_at] == token
     assert criterion.calls > 0
+
+
+class Puts:
+    """A streamer that keeps each put's shape and values, as a batch streamer written for generate's loop reads them."""
+
+    def __init__(self):
+        self.puts = []
+
+    def put(self, value):
+        self.puts.append((tuple(value.shape), value.tolist()))
+
+    def end(self):
+        self.puts.append("end")
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_a_batch_streams_one_token_of_each_row_a_step_like_transformers(mode):
+    """Several rows stream what generate's loop streams: the prompt, then per step a [batch] tensor of each row's
+    token (the pad token once a row stopped at EOS). Rows accept different counts a round; each row's chunk was put
+    alone, with no way to tell which row it was, and a streamer reading [batch] tensors failed."""
+    model, extra, reference = bundled.mode(mode)
+    ids, mask = bundled.batch(3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    free = reference.generate(ids, **kwargs)[:, ids.shape[1]:]
+    kwargs["eos_token_id"] = [free[0, 9].item(), free[2, 20].item()]  # rows stop at other steps
+    expected, got = Puts(), Puts()
+    out = reference.generate(ids, streamer=expected, **kwargs)
+    assert torch.equal(model.generate(ids, streamer=got, **kwargs, **extra), out)
+    assert got.puts == expected.puts and expected.puts[1][0] == (3,) and len(expected.puts) > 10
+
+
+@pytest.mark.parametrize("shorter", [True, False])
+@pytest.mark.parametrize("mode", ["plain"] + SPEC_MODES)
+def test_a_users_max_length_criterion_sets_the_calls_length(mode, shorter):
+    """A MaxLengthCriteria passed in stopping_criteria takes the place of the one generate builds from max_new_tokens
+    (transformers' merge), and its loop stops there, sooner or later: speculative calls ran to max_new_tokens, and
+    plain calls stopped there when the criterion's length was past it."""
+    model, extra, reference = bundled.mode(mode)
+    ids, mask = bundled.batch(2)
+    length = ids.shape[1] + (5 if shorter else 28)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = reference.generate(ids, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(length)]), **kwargs)
+    got = model.generate(ids, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(length)]), **kwargs, **extra)
+    assert expected.shape[1] == length and torch.equal(got, expected)
 
 
 def _free_run_and_a_stop_inside_a_chunk(model, extra, ids, mask, mode):
