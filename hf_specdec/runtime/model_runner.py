@@ -41,7 +41,8 @@ def real_token_counts(input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     if not torch.equal(mask, expected):
         raise ValueError(
             "hf_specdec needs left-padded batches (padding before the prompt, contiguous real tokens). "
-            "Set tokenizer.padding_side = 'left' before tokenizing."
+            "Set tokenizer.padding_side = 'left' before tokenizing, and pass its attention_mask (without one, "
+            "transformers takes every pad_token_id in a prompt for padding, also inside it)."
         )
     counts = counts.tolist()
     if min(counts) == 0:

@@ -166,6 +166,22 @@ def test_stats_of_a_call_that_transformers_loop_ran_are_none_not_the_last_calls(
     assert hf_specdec.last_generation_stats(model) is None
 
 
+@pytest.mark.parametrize("name,mode", [("tiny-gemma4-assistant", "gemma_mtp"), ("tiny-gemma4-dflash", "gemma_dflash")])
+def test_a_drafter_loads_with_the_targets_attention_kwarg(name, mode):
+    """A drafter loaded with its target's kwargs (attn_implementation="sdpa") loads, as with "eager" (transformers
+    refused it: its attention is hf_specdec's own, whatever that kwarg says), and drafts as the drafter does."""
+    from hf_specdec.assets import asset_path, available_assets
+
+    if name not in available_assets():
+        pytest.skip(f"{name} is not bundled")
+    model, extra, _ = bundled.mode(mode)
+    drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path(name), attn_implementation="sdpa")
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, **GREEDY)
+    assert torch.equal(model.generate(ids, **kwargs, **dict(extra, assistant_model=drafter)),
+                       model.generate(ids, **kwargs, **extra))
+
+
 def test_the_bundled_family_loads_in_float32_on_cpu_unless_a_dtype_is_given():
     """Stored in bf16; float32 by default on CPU, where greedy speculative output is plain greedy's exactly."""
     from hf_specdec.assets import asset_path

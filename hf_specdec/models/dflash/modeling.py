@@ -181,6 +181,9 @@ class DFlashDrafter(PreTrainedModel):
     _no_split_modules = ["DFlashDecoderLayer"]
     # Some trainers store a copy of the target's embedding/head beside the drafter: DFlash uses the target's.
     _keys_to_ignore_on_load_unexpected = [r"^embed_tokens\.weight$", r"^lm_head\.weight$"]
+    # attn_implementation="sdpa" (the target's loading kwargs, often) loads it as "eager" does, and changes nothing:
+    # its attention is hf_specdec's own
+    _supports_sdpa = True
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)

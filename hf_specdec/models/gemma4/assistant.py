@@ -268,6 +268,9 @@ class Gemma4MTPAssistant(PreTrainedModel):
     _no_split_modules = ["AssistantDecoderLayer"]
     # A stored copy of the tied head is redundant (tie_word_embeddings is required), not an error.
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\.weight$"]
+    # attn_implementation="sdpa" (the target's loading kwargs, often) loads it as "eager" does, and changes nothing:
+    # its attention is hf_specdec's own
+    _supports_sdpa = True
 
     def __init__(self, config: HFSpecGemma4AssistantConfig):
         super().__init__(config)
