@@ -349,6 +349,34 @@ def test_other_decoding_methods_go_to_transformers_loop_and_are_refused_with_dra
             model.generate(ids, **kwargs, **extra)
 
 
+def test_a_decoding_method_asked_with_the_models_defaults_goes_to_transformers_loop():
+    """The method is the one of the config transformers decodes with: a GenerationConfig's unset fields take the model's
+    defaults (its top_k of 64 with penalty_alpha is contrastive search, which was decoded as plain greedy)."""
+    from transformers import GenerationConfig
+
+    reference, ours = llama(), hf_specdec.enable(llama())
+    for model in (reference, ours):
+        model.generation_config.top_k = 64
+    ids, mask = _batch(vocab=97)
+    config = GenerationConfig(penalty_alpha=0.6, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError) as stock:
+        reference.generate(ids, attention_mask=mask, generation_config=config)
+    with pytest.raises(ValueError) as got:
+        ours.generate(ids, attention_mask=mask, generation_config=config)
+    assert str(got.value) == str(stock.value)
+
+
+def test_use_mtp_on_a_model_with_its_own_mtp_layers_drafts_with_them(step):
+    """transformers' switch for drafting with a model's own MTP layers (use_mtp=True) runs hf_specdec's MTP mode on
+    Step 3.5 (transformers' own loop failed, not finding MTP layers), with plain decoding's tokens."""
+    ids, mask = _batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, **GREEDY)
+    expected = step.generate(ids, **kwargs)
+    assert torch.equal(step.generate(ids, use_mtp=True, **kwargs), expected)
+    stats = hf_specdec.last_generation_stats(step)
+    assert stats.spec_mode == "mtp" and stats.num_target_forwards < 12
+
+
 def test_per_step_scores_with_drafts_are_refused_not_dropped(gemma):
     target, assistant, _ = gemma
     ids, mask = _batch()

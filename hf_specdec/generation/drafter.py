@@ -68,6 +68,11 @@ class Drafter:
     # commit, by :meth:`propose` at the next step, instead of by :meth:`propose_ahead` before the round is read back
     drafts_after_commit: bool = True
 
+    def weight_modules(self) -> list[torch.nn.Module]:
+        """The modules whose weights this drafter's forwards read besides the target's (CUDA graphs kept between
+        calls are dropped when one of them moved). Default: its attributes that are modules."""
+        return [value for value in getattr(self, "__dict__", {}).values() if isinstance(value, torch.nn.Module)]
+
     def draft_cost(self, k: int) -> float:
         """The cost of drafting k tokens, in target decode steps (for choosing k per round). Default: k draft
         steps of a tenth of a target step each."""

@@ -85,7 +85,7 @@ class EnabledState:
         """An enabled model is not pickled (``torch.save(model)``): its ``generate`` and fused forwards are methods
         bound to it, which pickle looks up again by name on the loaded model and so finds transformers' own; the
         loaded model would be half enabled. Say what to do instead."""
-        raise TypeError("an enabled model cannot be pickled (torch.save(model), pickle, copy.copy): its generate and "
+        raise TypeError("an enabled model cannot be pickled (torch.save(model), pickle): its generate and "
                         "forwards are hf_specdec's, bound to this instance. Call hf_specdec.disable(model) before "
                         "saving it and hf_specdec.enable(model) after loading it, or save it with "
                         "model.save_pretrained(path) (copy.deepcopy(model) keeps it enabled).")

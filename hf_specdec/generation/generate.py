@@ -7,9 +7,12 @@ routes the call:
 - greedy / sampling decoding of ``input_ids``: through transformers' own ``generate`` with the paged
   loop (plain or speculative) as ``custom_generate`` (transformers prepares the config, processors and
   stopping criteria);
-- what the paged loop does not cover (beam search, a user-supplied cache, ``inputs_embeds`` only, a
-  user ``custom_generate``, per-step attentions or hidden states): transformers' own decoding, on the
-  model's original attention; with a drafter these raise, naming what to drop.
+- what the paged loop does not cover (beam search, the other decoding methods of transformers'
+  ``get_generation_mode``: contrastive search, DoLa, constrained beam search, its own assisted options; a
+  user-supplied cache, ``inputs_embeds`` only, a user ``custom_generate``, per-step attentions or hidden
+  states): transformers' own decoding, on the model's original attention; with a drafter these raise,
+  naming what to drop;
+- ``use_mtp=True`` on a model whose own MTP layers a registered drafter serves: ``spec_mode="mtp"``.
 
 Bad input is rejected here, before transformers or the loop touch anything, with an error naming the fix.
 One call runs at a time per model (other threads wait).
@@ -24,14 +27,14 @@ import threading
 from collections.abc import Mapping
 
 import torch
-from transformers import GenerationMixin
+from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
 from hf_specdec.config import AUTO
 from hf_specdec.generation.acceptance import Acceptance
 from hf_specdec.generation.decode import paged_decode
 from hf_specdec.generation.drafter import Drafter
-from hf_specdec.generation.registry import build_drafter
+from hf_specdec.generation.registry import build_drafter, serves
 from hf_specdec.generation.speculative import speculative_decode
 from hf_specdec.runtime import check_mask_shape
 from hf_specdec.runtime.placement import on_input_gpu
@@ -51,6 +54,13 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
                          f"{num_assistant_tokens!r} both set k, the drafts a round: pass one of them.")
     if num_speculative_tokens is None:
         num_speculative_tokens = num_assistant_tokens
+    if (assistant_model is None and spec_mode in (None, "mtp") and _setting(self, generation_config, kwargs, "use_mtp")
+            and serves(self, None, "mtp")):
+        # transformers' switch for drafting with a model's own MTP layers: hf_specdec's MTP mode does that here
+        spec_mode = "mtp"
+        kwargs.pop("use_mtp", None)
+        if hasattr(GenerationConfig(), "use_mtp"):  # (a field since 5.24: off, or transformers' loop would take it)
+            kwargs["use_mtp"] = False
     speculative = assistant_model is not None or spec_mode is not None
     if num_speculative_tokens is not None and not speculative:
         raise ValueError(
@@ -201,10 +211,11 @@ def _paged_loop_unsupported(model, inputs, generation_config, kwargs) -> str | N
 
 
 def _generation_mode(model, generation_config, kwargs) -> str:
-    """transformers' name of the decoding method this call's settings ask for (without an assistant)."""
-    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    config.update(**{name: value for name, value in kwargs.items() if hasattr(config, name)})
-    return str(getattr(config.get_generation_mode(), "value", config.get_generation_mode()))
+    """transformers' name of the decoding method this call's settings ask for (without an assistant), from the
+    generation config transformers will decode with (the call's config and kwargs over the model's defaults)."""
+    config = model._prepare_generation_config(generation_config, **kwargs)[0]
+    mode = config.get_generation_mode()
+    return str(getattr(mode, "value", mode))
 
 
 def _check_speculative_outputs(model, generation_config, kwargs) -> None:

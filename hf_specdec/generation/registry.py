@@ -47,6 +47,12 @@ def register_drafter(builder: DrafterBuilder) -> None:
         _BUILDERS.append(builder)
 
 
+def serves(target, assistant, spec_mode: str) -> bool:
+    """Whether a registered drafter of ``spec_mode`` fits ``target`` with ``assistant`` (None: the target's own
+    layers)."""
+    return any(b.spec_mode == spec_mode and b.matches(target, assistant) for b in _BUILDERS)
+
+
 def build_drafter(target, assistant, spec_mode: str | None = None,
                   num_speculative_tokens: int | str | None = None) -> Drafter:
     """The drafter for this call, with ``spec_mode`` inferred from the assistant when omitted (``"auto"`` k: built for

@@ -219,7 +219,8 @@ class SpeculativeLoop:
         lookahead = 3 * (self.k + 1) if queues else self.k + 1
         self.context = self.runner.start(prompt_lens, self.config.max_length - input_ids.shape[1],
                                          lookahead=lookahead, draft_model=self.draft_model,
-                                         window_slack=self.k + 1 if queues else 0)
+                                         window_slack=self.k + 1 if queues else 0,
+                                         draft_modules=self.drafter.weight_modules())
         # eager forwards cost what their rows cost (on CPU a round's compute grows with its rows): a row that
         # stopped leaves the batch. A CUDA graph replays its whole batch bucket whatever rows are real, so with
         # graphs a stopped row stays (its drafts and verify slots are padding of the bucket). So do the rows of a

@@ -33,11 +33,13 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from hf_specdec.cache import ForwardMeta, ForwardPlan
 from hf_specdec.cache.paged_cache import StaticPlan
@@ -129,7 +131,8 @@ class GraphStore:
         self.disabled_reason: str | None = None
         # the GPUs a model accelerate placed over several of them runs on: its graphs span them (SpanningGraph)
         self.devices: tuple[torch.device, ...] = ()
-        self.weights: tuple | None = None  # where the weights the graphs read were (check_weights)
+        # where the weights the graphs read were, per model (check_weights): id -> (weak reference, addresses)
+        self.weights: dict[int, tuple] = {}
 
     def get(self, table: str, key: tuple):
         """The kept graph ``key`` of ``table`` ("graphs": target forwards, "calls": drafter calls), or None;
@@ -160,11 +163,15 @@ class GraphStore:
         replaced since (``model.cpu().cuda()``, ``.half().float()``, ``param.data = ...``,
         ``load_state_dict(assign=True)``) would be read from freed memory. Weights changed in place (an optimizer
         step, ``load_state_dict`` without ``assign``) stay where they were: the graphs read their new values."""
-        where = tuple(_addresses(model) for model in dict.fromkeys(models))
-        if where != self.weights:
-            if self.weights is not None:
-                self._drop_graphs()
-            self.weights = where
+        moved = False
+        for model in dict.fromkeys(models):
+            where = _addresses(model)
+            known = self.weights.get(id(model))
+            if known is not None and (known[0]() is not model or known[1] != where):
+                moved = True  # (another model under a reused id counts as moved)
+            self.weights[id(model)] = (weakref.ref(model), where)
+        if moved:
+            self._drop_graphs()
 
     @property
     def storage(self):
@@ -212,13 +219,13 @@ def _addresses(model: torch.nn.Module) -> tuple:
 
 
 def _where(tensor: torch.Tensor):
+    if is_traceable_wrapper_subclass(tensor):  # (its data_ptr() is 0, or raises): where its inner tensors are
+        return tuple(_where(inner) for inner in (getattr(tensor, name) for name in tensor.__tensor_flatten__()[0])
+                     if inner is not None)
     try:
         return tensor.data_ptr(), tensor.shape
-    except RuntimeError:  # a wrapper subclass without storage of its own
-        flatten = getattr(tensor, "__tensor_flatten__", None)
-        if flatten is None:
-            return id(tensor), tensor.shape
-        return tuple(_where(getattr(tensor, name)) for name in flatten()[0])
+    except RuntimeError:  # another tensor without storage of its own
+        return id(tensor), tensor.shape
 
 
 def _layout_key(layout) -> tuple:

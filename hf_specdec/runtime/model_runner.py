@@ -96,15 +96,17 @@ class ModelRunner:
         self._cache_argument = cache_argument(model.forward)
 
     def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0,
-              draft_model: torch.nn.Module | None = None, window_slack: int = 0) -> RequestContext:
+              draft_model: torch.nn.Module | None = None, window_slack: int = 0,
+              draft_modules: list[torch.nn.Module] = ()) -> RequestContext:
         """Build the request's cache (raises ``CacheCapacityError`` before anything runs when it does not fit)
         and its context. ``draft_model``: the model whose attention writes a drafter's own caches, if any.
-        ``window_slack``: positions sliding windows keep besides their own (``PagedKVCache.widen_windows``)."""
+        ``window_slack``: positions sliding windows keep besides their own (``PagedKVCache.widen_windows``).
+        ``draft_modules``: other modules whose weights the drafter's graphs read."""
         dtype = self.model.get_input_embeddings().weight.dtype
         device = input_device(self.model)  # model.device is the meta device when the first weight is on disk
         store = self.graph_store if self.graph_store is not None and device.type == "cuda" else None
         if store is not None:
-            store.check_weights(self.model, *([] if draft_model is None else [draft_model]))
+            store.check_weights(self.model, *([] if draft_model is None else [draft_model]), *draft_modules)
         shared_budget = None if self.ranks is None else self.ranks.smallest
         self.cache = sizing.cache_for_request(self.layout, self.cache_config, prompt_lens, max_new_tokens, lookahead,
                                               dtype=dtype, device=device, storage_pool=store,

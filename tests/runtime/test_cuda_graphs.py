@@ -183,6 +183,34 @@ def test_graph_store_drops_graphs_when_a_weight_moves():
                                                              assign=True))
         assert not kept_after(lambda: setattr(drafter[0].bias, "data", drafter[0].bias.data.clone()))
         assert not kept_after(lambda: drafter.append(torch.nn.Linear(2, 2)))
+    # calls with and without the drafter in turn (plain calls, "auto" running plain): nothing moved, graphs stay
+    store.graphs["a graph"] = None
+    for models in ((target,), (target, drafter), (target,), (target, drafter)):
+        store.check_weights(*models)
+    assert store.graphs
+
+
+def test_a_drafter_names_the_modules_its_graphs_read():
+    """A Drafter passed as the assistant (not a module): its modules are what the store watches besides the target."""
+    copy_model = llama()
+    assert CopyDrafter(copy_model, 3).weight_modules() == [copy_model]
+
+
+def test_graph_store_sees_a_quantized_weight_move():
+    """A tensor subclass (torchao's int8 weights) reports no address of its own: where its inner tensors are counts."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from hf_specdec.runtime.cuda_graphs import GraphStore
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    quantize_(model, Int8WeightOnlyConfig())
+    store = GraphStore()
+    store.check_weights(model)
+    store.graphs["a graph"] = None
+    model[0].weight = torch.nn.Parameter(model[0].weight.clone(), requires_grad=False)
+    store.check_weights(model)
+    assert not store.graphs
 
 
 @cuda
@@ -201,9 +229,12 @@ def test_calls_after_weights_moved_give_the_new_weights_tokens(change):
     ids, mask = left_padded_batch([12, 3, 9], vocab=reference.config.get_text_config().vocab_size)
     kwargs = dict(attention_mask=mask.cuda(), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
     modes = [{}, dict(assistant_model=assistant, num_speculative_tokens=4)]
-    for _ in range(2):  # the second call replays what the first captured
+    store = model._hf_specdec.graph_store
+    for call in range(2):  # the second pass replays what the first captured
+        generation = store.generation
         for extra in modes:
             assert torch.equal(model.generate(ids.cuda(), **kwargs, **extra), reference.generate(ids.cuda(), **kwargs))
+        assert call == 0 or store.generation == generation  # nothing dropped while no weight moved
     generator = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         if change == "device_round_trip":
