@@ -425,11 +425,101 @@ def test_hidden_states_of_plain_decoding_come_from_transformers_loop(gemma):
         torch.testing.assert_close(mine[-1], theirs[-1], rtol=1e-4, atol=1e-4)
 
 
-def test_inputs_embeds_alone_with_drafts_is_refused(gemma):
-    target, assistant, _ = gemma
-    embeds = target.get_input_embeddings()(torch.tensor([[5, 6, 7]]))
-    with pytest.raises(ValueError, match=r"does not support inputs_embeds without input_ids; drop it"):
-        target.generate(inputs_embeds=embeds, assistant_model=assistant, max_new_tokens=3)
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_inputs_embeds_go_to_transformers_loop_and_are_refused_with_drafts(gemma, with_ids):
+    """The paged prefill reads token ids: inputs_embeds (alone, or beside input_ids, where transformers prefills
+    from the embeddings) decode through transformers' loop, with its tokens; with a drafter they are refused."""
+    target, assistant, reference = gemma
+    ids = torch.tensor([[2, 5, 6, 7]])
+    embeds = target.get_input_embeddings()(ids).detach()
+    kwargs = dict(inputs_embeds=embeds, max_new_tokens=5, **GREEDY, **(dict(input_ids=ids) if with_ids else {}))
+    assert torch.equal(target.generate(**kwargs), reference.generate(**kwargs))
+    with pytest.raises(ValueError, match=r"does not support inputs_embeds; drop it, or drop the assistant_model"):
+        target.generate(assistant_model=assistant, **kwargs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_without_a_prompt_starts_from_bos_as_transformers_does(gemma, step, mode):
+    """No input_ids (the text-generation pipeline's empty prompt without special tokens): transformers starts the
+    row from the BOS token; so does every mode (drafted calls were refused), with transformers' greedy tokens."""
+    model, extra = _mode(gemma, step, mode)
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    expected = _disabled(model, lambda: model.generate(**kwargs))
+    got = model.generate(**kwargs, **extra)
+    assert torch.equal(got, expected) and got[0, 0] == model.generation_config.bos_token_id
+    assert hf_specdec.last_generation_stats(model) is not None  # the paged loop ran it
+
+
+def _with_model_defaults(model, **defaults):
+    """Set ``model.generation_config`` fields; returns a function that puts the old values back."""
+    old = {name: getattr(model.generation_config, name) for name in defaults}
+    for name, value in defaults.items():
+        setattr(model.generation_config, name, value)
+    return lambda: [setattr(model.generation_config, n, v) for n, v in old.items()]
+
+
+def test_a_passed_generation_config_takes_the_models_defaults_for_what_it_leaves_unset(gemma, step):
+    """transformers fills a passed GenerationConfig's unset fields from model.generation_config, so a default there
+    (per-step scores or attentions, sampling, use_mtp) counts as if asked in the call: refused with drafts, sent to
+    transformers' loop, sampled with the drafter's fixed k (a seed repeats its tokens), drafted with Step 3.5's own
+    MTP layers."""
+    from transformers import GenerationConfig
+
+    target, assistant, reference = gemma
+    ids, mask = _batch()
+    passed = GenerationConfig(max_new_tokens=6)
+    restore = _with_model_defaults(target, return_dict_in_generate=True, output_scores=True)
+    try:
+        with pytest.raises(ValueError, match=r"returns sequences only, not output_scores"):
+            target.generate(ids, attention_mask=mask, generation_config=passed, assistant_model=assistant)
+    finally:
+        restore()
+    restore = [_with_model_defaults(m, return_dict_in_generate=True, output_attentions=True)
+               for m in (target, reference)]
+    try:
+        got = target.generate(ids, attention_mask=mask, generation_config=passed)
+        expected = reference.generate(ids, attention_mask=mask, generation_config=passed)
+        assert got.attentions is not None and len(got.attentions) == len(expected.attentions)
+    finally:
+        [r() for r in restore]
+    restore = _with_model_defaults(target, do_sample=True)
+    try:
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            runs.append(target.generate(ids, attention_mask=mask, assistant_model=assistant,
+                                        generation_config=GenerationConfig(max_new_tokens=30)))
+            assert hf_specdec.last_generation_stats(target).num_speculative_tokens == 4  # the MTP default, not "auto"
+        assert torch.equal(runs[0], runs[1])
+    finally:
+        restore()
+    restore = _with_model_defaults(step, use_mtp=True)
+    try:
+        step.generate(ids, attention_mask=mask, generation_config=GenerationConfig(max_new_tokens=8, do_sample=False))
+        assert hf_specdec.last_generation_stats(step).spec_mode == "mtp"
+    finally:
+        restore()
+
+
+def test_stop_strings_in_the_models_generation_config(gemma):
+    """stop_strings set as a model default (with tokenizer= in the call) stop where transformers stops, with or
+    without a passed GenerationConfig, plain and drafted (they raised: transformers found no tokenizer)."""
+    from transformers import GenerationConfig
+
+    target, assistant, reference = gemma
+    tok = bundled.tokenizer()
+    ids, mask = bundled.batch(1)
+    free = reference.generate(ids, attention_mask=mask, max_new_tokens=24, **GREEDY)
+    stop = tok.decode(free[0, ids.shape[1] + 8:ids.shape[1] + 10])
+    restore = [_with_model_defaults(m, stop_strings=[stop]) for m in (target, reference)]
+    try:
+        kwargs = dict(attention_mask=mask, max_new_tokens=24, tokenizer=tok, **GREEDY)
+        expected = reference.generate(ids, **kwargs)
+        assert expected.shape[1] < free.shape[1]
+        for extra in ({}, dict(assistant_model=assistant), dict(generation_config=GenerationConfig(max_new_tokens=24))):
+            assert torch.equal(target.generate(ids, **kwargs, **extra), expected), extra
+    finally:
+        [r() for r in restore]
 
 
 # ---- where the assistant lives -----------------------------------------------------------------------------

@@ -21,7 +21,6 @@ One call runs at a time per model (other threads wait).
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import threading
 from collections.abc import Mapping
@@ -37,7 +36,7 @@ from hf_specdec.generation.drafter import Drafter
 from hf_specdec.generation.registry import build_drafter, serves
 from hf_specdec.generation.speculative import speculative_decode
 from hf_specdec.runtime import check_mask_shape
-from hf_specdec.runtime.placement import on_input_gpu
+from hf_specdec.runtime.placement import input_device, on_input_gpu
 
 
 def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None, *,
@@ -54,13 +53,15 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
                          f"{num_assistant_tokens!r} both set k, the drafts a round: pass one of them.")
     if num_speculative_tokens is None:
         num_speculative_tokens = num_assistant_tokens
-    if (assistant_model is None and spec_mode in (None, "mtp") and _setting(self, generation_config, kwargs, "use_mtp")
+    config = _call_config(self, generation_config, kwargs)
+    if (assistant_model is None and spec_mode in (None, "mtp") and getattr(config, "use_mtp", False)
             and serves(self, None, "mtp")):
         # transformers' switch for drafting with a model's own MTP layers: hf_specdec's MTP mode does that here
         spec_mode = "mtp"
         kwargs.pop("use_mtp", None)
         if hasattr(GenerationConfig(), "use_mtp"):  # (a field since 5.24: off, or transformers' loop would take it)
             kwargs["use_mtp"] = False
+            config = _call_config(self, generation_config, kwargs)
     speculative = assistant_model is not None or spec_mode is not None
     if num_speculative_tokens is not None and not speculative:
         raise ValueError(
@@ -70,7 +71,7 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
     if acceptance is not None and not speculative:
         raise ValueError("acceptance= without a drafter: pass assistant_model=... or spec_mode=..., or drop it.")
     if (speculative and num_speculative_tokens is None and not isinstance(assistant_model, Drafter)
-            and not _setting(self, generation_config, kwargs, "do_sample")):
+            and not config.do_sample):
         # greedy: k chosen per round where the drafter allows it (the output is the same whatever k). A sampled call
         # keeps the drafter's own k: the draws follow the rounds, and a seed must give the same tokens on every run,
         # whatever its rounds took to run. So does a Drafter passed as it is (built for its k)
@@ -83,7 +84,9 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
                                    adaptive=num_speculative_tokens == AUTO, draft_model=draft_model)
     else:
         decode = functools.partial(paged_decode, streamer=streamer)
-    unsupported = _paged_loop_unsupported(self, inputs, generation_config, kwargs)
+    if inputs is None and kwargs.get("input_ids") is None and kwargs.get("inputs_embeds") is None:
+        inputs = _bos_prompt(self, config, kwargs)  # (None without a BOS token: transformers says what to pass)
+    unsupported = _paged_loop_unsupported(config, inputs, kwargs)
     if unsupported:
         if speculative:
             raise ValueError(f"speculative decoding does not support {unsupported}; drop it, or drop the "
@@ -93,9 +96,9 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
             return GenerationMixin.generate(self, inputs, generation_config, logits_processor, stopping_criteria,
                                             streamer=streamer, **kwargs)
     if speculative:
-        _check_speculative_outputs(self, generation_config, kwargs)
+        _check_speculative_outputs(config)
     _check_input_shapes(inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask"))
-    generation_config, stopping_criteria = _stop_strings_to_criteria(self, generation_config, stopping_criteria, kwargs)
+    stopping_criteria = _stop_strings_to_criteria(config, stopping_criteria, kwargs)
     with _exclusive(self, state), on_input_gpu(self):  # the loop's kernels launch on the input device's GPU
         try:
             with _no_autograd(self, assistant_model):
@@ -169,10 +172,11 @@ def _exclusive(model, state):
             state.owner = None
 
 
-def _setting(model, generation_config, kwargs, name, default=None):
-    """The value of a generation setting for this call: the kwarg, else the generation config's."""
-    config = generation_config if generation_config is not None else model.generation_config
-    return kwargs[name] if name in kwargs else getattr(config, name, default)
+def _call_config(model, generation_config, kwargs) -> GenerationConfig:
+    """The generation config this call decodes with, as transformers builds it: the call's kwargs over the passed
+    config, whose unset fields take the model's defaults (``model.generation_config``). Every setting the routing
+    reads comes from it (a passed config must not hide a default such as ``do_sample`` or ``stop_strings``)."""
+    return model._prepare_generation_config(generation_config, **kwargs)[0]
 
 
 # transformers' generation modes (`GenerationConfig.get_generation_mode`, without an assistant) that the paged loop
@@ -187,42 +191,48 @@ _OTHER_MODES = {
 }
 
 
-def _paged_loop_unsupported(model, inputs, generation_config, kwargs) -> str | None:
-    """What in this call needs transformers' own loop (beam search, a user cache, ...), or None."""
-    num_beams = _setting(model, generation_config, kwargs, "num_beams") or 1
+def _bos_prompt(model, config, kwargs) -> torch.Tensor | None:
+    """The prompt transformers starts a call without one from: each row's BOS token (one row, or as many as the
+    first tensor among the call's arguments has), or None where the config has no BOS token."""
+    if config.bos_token_id is None:
+        return None
+    rows = next((v.shape[0] for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim()), 1)
+    bos = config.bos_token_id
+    bos = bos[0] if isinstance(bos, (list, tuple)) else int(bos)
+    return torch.full((rows, 1), bos, dtype=torch.long, device=input_device(model))
+
+
+def _paged_loop_unsupported(config, inputs, kwargs) -> str | None:
+    """What in this call (``config``: :func:`_call_config`) needs transformers' own loop (beam search, a user
+    cache, ...), or None."""
+    num_beams = config.num_beams or 1
     if num_beams > 1:
         return f"beam search (num_beams={num_beams})"
-    mode = _generation_mode(model, generation_config, kwargs)
+    mode = config.get_generation_mode()
+    mode = str(getattr(mode, "value", mode))
     if mode not in _PAGED_MODES:
         return _OTHER_MODES.get(mode, mode.replace("_", " "))
-    if inputs is None and kwargs.get("input_ids") is None:
-        return "inputs_embeds without input_ids"
+    if kwargs.get("inputs_embeds") is not None:  # the paged prefill reads token ids
+        return "inputs_embeds" if inputs is None and kwargs.get("input_ids") is None else "inputs_embeds"
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             return f"a user-supplied {name}"
     if kwargs.get("custom_generate") is not None:
         return "custom_generate"
-    if _setting(model, generation_config, kwargs, "return_dict_in_generate"):
-        wanted = [n for n in ("output_attentions", "output_hidden_states")
-                  if _setting(model, generation_config, kwargs, n)]
+    if inputs is None and kwargs.get("input_ids") is None:
+        return "a call without a prompt (pass input_ids, or set the generation config's bos_token_id)"
+    if config.return_dict_in_generate:
+        wanted = [n for n in ("output_attentions", "output_hidden_states") if getattr(config, n, False)]
         if wanted:
             return " / ".join(f"{n}=True" for n in wanted)
     return None
 
 
-def _generation_mode(model, generation_config, kwargs) -> str:
-    """transformers' name of the decoding method this call's settings ask for (without an assistant), from the
-    generation config transformers will decode with (the call's config and kwargs over the model's defaults)."""
-    config = model._prepare_generation_config(generation_config, **kwargs)[0]
-    mode = config.get_generation_mode()
-    return str(getattr(mode, "value", mode))
-
-
-def _check_speculative_outputs(model, generation_config, kwargs) -> None:
+def _check_speculative_outputs(config) -> None:
     """The speculative loop returns sequences only; refuse per-step outputs rather than return None for them."""
-    if not _setting(model, generation_config, kwargs, "return_dict_in_generate"):
+    if not config.return_dict_in_generate:
         return
-    wanted = [n for n in ("output_scores", "output_logits") if _setting(model, generation_config, kwargs, n)]
+    wanted = [n for n in ("output_scores", "output_logits") if getattr(config, n, False)]
     if wanted:
         raise ValueError(
             f"speculative decoding returns sequences only, not {' / '.join(wanted)}; drop "
@@ -245,19 +255,18 @@ def _check_input_shapes(input_ids, attention_mask) -> None:
     check_mask_shape(input_ids, attention_mask)
 
 
-def _stop_strings_to_criteria(model, generation_config, stopping_criteria, kwargs):
+def _stop_strings_to_criteria(config, stopping_criteria, kwargs):
     """transformers drops the tokenizer before calling a ``custom_generate``; build the stop-string
-    criterion here so ``stop_strings=`` keeps working. Returns (generation_config, stopping_criteria)."""
+    criterion here so ``stop_strings=`` keeps working, from the call's, the passed config's or the model's
+    (``config``: :func:`_call_config`), and turn transformers' own off for the call. Returns the stopping
+    criteria."""
     tokenizer = kwargs.pop("tokenizer", None)
-    config = generation_config if generation_config is not None else model.generation_config
-    stop_strings = kwargs.pop("stop_strings", None) or getattr(config, "stop_strings", None)
+    stop_strings = config.stop_strings
     if not stop_strings:
-        return generation_config, stopping_criteria
+        return stopping_criteria
     if tokenizer is None:
         raise ValueError("stop_strings needs the tokenizer: pass tokenizer=... to generate.")
-    if getattr(config, "stop_strings", None):
-        generation_config = copy.deepcopy(config)
-        generation_config.stop_strings = None
+    kwargs["stop_strings"] = None  # over the passed config's and the model's: the criterion below checks them
     criteria = StoppingCriteriaList(stopping_criteria or [])
     criteria.append(StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer))
-    return generation_config, criteria
+    return criteria
