@@ -19,7 +19,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hf_specdec.generation import sampling
-from hf_specdec.generation.sampling import GREEDY_NEXT, mask_finished, reads_scores, select_tokens
+from hf_specdec.generation.sampling import GREEDY_NEXT, mask_finished, select_tokens
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
 from hf_specdec.runtime import Readback, ReadbackClock, exhausted, real_token_counts
@@ -52,10 +52,11 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
     keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
     keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
     scores_out, logits_out = [], []
-    # greedy with nothing that reads the scores: each forward takes its rows' argmax itself (in its CUDA graph)
+    # greedy with nothing that reads the scores (stopping criteria get them only where they are kept, as in
+    # transformers' loop): each forward takes its rows' argmax itself (in its CUDA graph)
     select = None
     if sampling.SELECT_WITH_FORWARD and not (generation_config.do_sample or logits_processor or keep_scores
-                                             or keep_logits or reads_scores(stopping_criteria)):
+                                             or keep_logits):
         select = GREEDY_NEXT
     runner = state.runner(model)
     runner.start(prompt_lens, generation_config.max_length - input_ids.shape[1])
@@ -72,7 +73,7 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
         while True:
             # 2. pick the next token of each row from the processed scores (or the forward picked it)
             if select is not None:
-                scores = outputs.logits[:, -1]  # read by no criterion
+                scores = None  # not kept
                 next_tokens = outputs.selected[0].to(input_ids.device)
             else:
                 logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
@@ -85,8 +86,9 @@ def paged_decode(model, input_ids, logits_processor, stopping_criteria, generati
                 scores_out.append(scores)
             if keep_logits:
                 logits_out.append(logits)
-            # 3. stop check, read back after the next forward is queued (the one host sync of the step)
-            unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+            # 3. stop check, read back after the next forward is queued (the one host sync of the step); the criteria
+            #    get what transformers' loop hands them: every step's scores so far where they are kept, else None
+            unfinished = unfinished & ~stopping_criteria(input_ids, tuple(scores_out) if keep_scores else None)
             pending = readback.start(unfinished.sum(), next_tokens if streamer is not None else None,
                                      timed=clock is not None)
             at_max = input_ids.shape[1] >= generation_config.max_length

@@ -7,20 +7,9 @@ import math
 
 import torch
 from transformers import LogitsProcessorList
-from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria,
-                                                      StopStringCriteria)
 
 from hf_specdec.kernels.argmax import argmax
 from hf_specdec.runtime import Select
-
-# the stopping criteria that decide from the ids or the clock alone (transformers' own: a subclass may read scores)
-SCORE_FREE_CRITERIA = (EosTokenCriteria, MaxLengthCriteria, StopStringCriteria, MaxTimeCriteria)
-
-
-def reads_scores(stopping_criteria) -> bool:
-    """Whether a criterion of ``stopping_criteria`` may read the scores it is handed."""
-    return not all(type(c) in SCORE_FREE_CRITERIA for c in stopping_criteria)
-
 
 def _greedy_next(input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor]:
     return (argmax(logits[:, -1]),)

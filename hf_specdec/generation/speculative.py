@@ -42,7 +42,7 @@ from hf_specdec.generation.decode import paged_decode, take_criteria_max_length
 from hf_specdec.generation.drafter import Drafter, DraftProposal, DraftSelector, DraftsInVerify, take_rows
 from hf_specdec.generation import sampling
 from hf_specdec.generation.sampling import (AtRow, PositionScorer, check_speculative_processors, is_transformers_own,
-                                           reads_scores, same_on_every_rank, select_tokens)
+                                           same_on_every_rank, select_tokens)
 from hf_specdec.generation.stats import SpecStats
 from hf_specdec.cache import OutOfBlocksError
 from hf_specdec.cache.paged_cache import to_device_async
@@ -72,7 +72,6 @@ class _Round:
 
     k: int  # its drafts per row
     pending: object  # its Readback: per row the accepted count, the next token, its first position, the drafts
-    scores: torch.Tensor  # the target's scores of its verify (read by stopping criteria besides EOS and max length)
     num_accepted: torch.Tensor  # [batch] on the device (for the drafter's commit)
     advance: list[int] | None = None  # running ahead: per row 1 where the next round's verify sits past this one
     first: list[int] | None = None  # running ahead: each row's first position as the host derived it
@@ -92,20 +91,18 @@ class RowStopper:
         self.eos = set(eos[0].eos_token_id.tolist()) if eos else set()
         # max length and EOS are checked here directly; anything else goes through the criteria
         self.only_builtin = all(isinstance(c, (EosTokenCriteria, MaxLengthCriteria)) for c in stopping_criteria)
-        # whether a criterion may read the scores (transformers' own stop strings and time limit read the ids or the
-        # clock only; anything else, a subclass of those too, may)
-        self.reads_scores = reads_scores(stopping_criteria)
 
-    def stops(self, row_ids: list[int], scores=None, row: int = 0) -> bool:
-        """``scores``: a callable giving the row's scores [1, vocab] at its last token (built only when a
-        criterion that may read them is there); ``row``: the row's index in the request."""
+    def stops(self, row_ids: list[int], row: int = 0) -> bool:
+        """Whether the row with ids ``row_ids`` stops at its last token; ``row``: its index in the request. The
+        criteria get no scores, as transformers' loop hands them none where the scores are not kept (a speculative
+        call keeps none)."""
         if len(row_ids) >= self.max_length or row_ids[-1] in self.eos:
             return True
         if self.only_builtin:
             return False
         ids = torch.tensor(row_ids)[None, :]
         criteria = AtRow(self.criteria, row, self.batch) if self.at_row else self.criteria
-        return bool(criteria(ids, scores() if scores is not None and self.reads_scores else None)[0])
+        return bool(criteria(ids, None)[0])
 
 
 def speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -193,12 +190,10 @@ class SpeculativeLoop:
         self.vocab_size = model.config.get_text_config().vocab_size
         self.context = self.captured = None
         self.ahead: DraftProposal | None = None  # this round's drafts, queued by the last step
-        # one round ahead (module docstring): greedy, no processors, no stopping criterion that reads the scores (the
-        # round in flight overwrites them), a drafter that drafts ahead, one process, on a device where the host's
-        # work overlaps the device's
+        # one round ahead (module docstring): greedy, no processors, a drafter that drafts ahead, one process, on a
+        # device where the host's work overlaps the device's
         ahead = (input_ids.device.type in RUN_AHEAD_DEVICES and not generation_config.do_sample
-                 and not acceptance.draws_random and not self.scorer.processors and not self.stopper.reads_scores
-                 and self.ranks is None)
+                 and not acceptance.draws_random and not self.scorer.processors and self.ranks is None)
         self.runs_ahead = drafter.runs_ahead and ahead
         # rounds without drafts run ahead too where they end the call's drafting ("auto" at k = 0 for a drafter whose
         # k does not rise again within a call): the drafter needs nothing of them, so the rest of the call queues each
@@ -279,7 +274,7 @@ class SpeculativeLoop:
         logits = outputs.logits[:, -1].to(dtype=torch.float32)
         scores = self.logits_processor(input_ids, logits)
         next_tokens = select_tokens(scores, self.config.do_sample, self.ranks)
-        emitted = self._emit(next_tokens.tolist(), [[]] * len(self.rows), scores[:, None])
+        emitted = self._emit(next_tokens.tolist(), [[]] * len(self.rows))
         self.stats.record_step(emitted)
         self.clock.mark()
         return next_tokens
@@ -358,7 +353,7 @@ class SpeculativeLoop:
         first = self.context.forward_meta.q_pos0[:len(self.rows)]
         host = torch.cat([num_accepted[:, None].to(tokens.dtype), next_token[:, None].to(tokens.dtype),
                           first[:, None].to(device=tokens.device, dtype=tokens.dtype), tokens], dim=1)
-        verified = _Round(k, self.readback.start(host, timed=self.adaptive_k is not None), scores, num_accepted)
+        verified = _Round(k, self.readback.start(host, timed=self.adaptive_k is not None), num_accepted)
         if self.pending is not None:  # running ahead: the round before this one, while the device runs this one
             self._finish(self.pending, in_flight=verified)
         # 5. the next round's drafts, queued before the host waits (they depend on device tensors only), unless
@@ -410,7 +405,7 @@ class SpeculativeLoop:
             self.adaptive_k.observe(k, self.clock.since_last(verified.pending), ahead_k)
         was_running = list(self.running)
         chunks = [drafts[b][:accepted[b]] + [nxt[b]] for b in range(len(self.rows))]
-        emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks], verified.scores)
+        emitted = self._emit([c[-1] for c in chunks], [c[:-1] for c in chunks])
         accepted_running = [a for a, r in zip(accepted, was_running) if r]
         self.stats.record_step([e for e, r in zip(emitted, was_running) if r], accepted_running, k)
         if self.adaptive_k is not None:
@@ -464,19 +459,17 @@ class SpeculativeLoop:
             probs = torch.zeros(last_tokens.shape[0], 0, self.vocab_size, device=last_tokens.device)
         return DraftProposal(tokens, probs)
 
-    def _emit(self, last: list[int], accepted_drafts: list[list[int]], scores: torch.Tensor) -> list[int]:
+    def _emit(self, last: list[int], accepted_drafts: list[list[int]]) -> list[int]:
         """Append each running row's accepted drafts then its next token, stopping inside the chunk; returns the
-        tokens each row emitted. ``scores`` [batch, chunk, vocab]: the target's scores that chose each token of the
-        chunk, for stopping criteria that read them (as plain decoding hands them the step's scores)."""
+        tokens each row emitted."""
         emitted = []
         for b, row in enumerate(self.rows):
             count = 0
             if self.running[b]:
-                for j, token in enumerate(accepted_drafts[b] + [last[b]]):
+                for token in accepted_drafts[b] + [last[b]]:
                     row.append(token)
                     count += 1
-                    score = lambda b=b, j=j: scores[b, j][None].float()  # noqa: E731 - called only if read
-                    if self.order[b] not in self.finished and self.stopper.stops(row, score, self.order[b]):
+                    if self.order[b] not in self.finished and self.stopper.stops(row, self.order[b]):
                         if self.pads_finished:
                             self.running[b] = False
                             break

@@ -243,17 +243,22 @@ def record_selects(monkeypatch) -> list:
 
 
 class _ReadsScores(StoppingCriteria):
-    """Never stops, but reads the scores it is handed (they must be the processed fp32 scores)."""
+    """Never stops; records the scores it is handed (transformers' loop hands a criterion every step's processed
+    fp32 scores so far where they are kept, else None)."""
+
+    def __init__(self):
+        self.seen = []
 
     def __call__(self, input_ids, scores, **kwargs):
-        assert scores.dtype == torch.float32
+        self.seen.append(scores)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def test_greedy_tokens_are_taken_with_the_forward_unless_something_reads_the_scores(monkeypatch):
     """Greedy decoding with nothing that reads the scores takes each row's argmax with the forward (inside its
-    CUDA graph on the GPU); asking for scores, a logits processor or a criterion that reads them keeps the argmax
-    after the forward. Every way gives transformers' tokens."""
+    CUDA graph on the GPU); asking for scores or a logits processor keeps the argmax after the forward. A stopping
+    criterion gets no scores unless they are kept, as in transformers' loop, so it keeps the argmax in the forward.
+    Every way gives transformers' tokens."""
     from hf_specdec.generation.sampling import GREEDY_NEXT
 
     ref, ours = _pair("gemma4_e2b")
@@ -264,13 +269,49 @@ def test_greedy_tokens_are_taken_with_the_forward_unless_something_reads_the_sco
     assert torch.equal(ours.generate(ids, **kwargs), expected)
     assert len(selects) == 12 and all(s is GREEDY_NEXT for s in selects)  # the prefill's, then every step's
     variants = [dict(output_scores=True, return_dict_in_generate=True),
-                dict(stopping_criteria=[_ReadsScores()]),
                 dict(logits_processor=LogitsProcessorList([_Identity()]))]
     for extra in variants:
         selects.clear()
         out = ours.generate(ids, **kwargs, **extra)
         assert torch.equal(getattr(out, "sequences", out), expected), extra
         assert selects and all(s is None for s in selects), extra
+    selects.clear()
+    criterion = _ReadsScores()
+    assert torch.equal(ours.generate(ids, stopping_criteria=[criterion], **kwargs), expected)
+    assert all(s is GREEDY_NEXT for s in selects) and criterion.seen == [None] * 12
+
+
+def test_stopping_criteria_get_the_scores_transformers_hands_them():
+    """transformers' loop hands a stopping criterion the tuple of every step's processed scores so far where
+    they are kept (return_dict_in_generate and output_scores), else None; its own ConfidenceCriteria reads
+    ``scores[-1]`` of that tuple. A batch of rows, each criterion's view and the tokens equal transformers'."""
+    from transformers.generation.stopping_criteria import ConfidenceCriteria
+
+    ref, ours = _pair("gemma4_e2b")
+    ids, mask = left_padded_batch([7, 3, 5])
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    for keep in (False, True):
+        extra = dict(output_scores=True, return_dict_in_generate=True) if keep else {}
+        seen = {}
+        for name, model in (("transformers", ref), ("ours", ours)):
+            criterion = _ReadsScores()
+            model.generate(ids, stopping_criteria=[criterion], **kwargs, **extra)
+            seen[name] = criterion.seen
+        assert len(seen["ours"]) == len(seen["transformers"]) == 8
+        for got, want in zip(seen["ours"], seen["transformers"]):
+            if not keep:
+                assert got is None and want is None
+                continue
+            assert isinstance(got, tuple) and len(got) == len(want)
+            assert all(torch.allclose(g, w, atol=1e-5) and g.dtype == torch.float32 for g, w in zip(got, want))
+    prompt = ids[:1]  # (the longest row: no padding)
+    one_row = dict(kwargs, attention_mask=torch.ones_like(prompt), output_scores=True, return_dict_in_generate=True)
+    free = ref.generate(prompt, **one_row)
+    chosen = [s.softmax(-1)[0, t].item() for s, t in zip(free.scores, free.sequences[0, prompt.shape[1]:])]
+    bound = min(chosen[:-1]) * 1.0001  # the least confident step but the last: the criterion stops there or before
+    outs = [model.generate(prompt, stopping_criteria=[ConfidenceCriteria(bound)], **one_row).sequences
+            for model in (ref, ours)]
+    assert torch.equal(outs[1], outs[0]) and outs[0].shape[1] < prompt.shape[1] + 8  # it stopped early
 
 
 class _Identity(LogitsProcessor):

@@ -49,30 +49,31 @@ def test_a_deep_copy_of_an_enabled_model_decodes_on_its_own(mode):
     assert hasattr(model, "_hf_specdec")
 
 
-class StopOnConfidentScore(StoppingCriteria):
-    """Reads ``scores``, as criteria written for plain decoding may: stops a row once the chosen token's
-    probability exceeds a bound."""
+class StopOnTokenSeeingScores(StoppingCriteria):
+    """Stops a row on ``token`` and records the scores it is handed."""
 
-    def __init__(self):
-        self.seen = []
+    def __init__(self, token):
+        self.token, self.seen = token, []
 
     def __call__(self, input_ids, scores, **kwargs):
-        self.seen.append(tuple(scores.shape))
-        probs = torch.softmax(scores.float(), dim=-1)
-        return probs.gather(-1, input_ids[:, -1:].to(probs.device)).squeeze(-1) > 0.9
+        self.seen.append(scores)
+        return input_ids[:, -1] == self.token
 
 
 @pytest.mark.parametrize("mode", bundled.MODES)
-def test_a_stopping_criterion_that_reads_scores_works_with_drafts(mode):
-    model, extra, _ = bundled.mode(mode)
-    vocab = model.config.get_text_config().vocab_size
+def test_a_stopping_criterion_gets_the_scores_transformers_loop_hands_it(mode):
+    """transformers' loop hands a criterion None where the scores are not kept (a speculative call keeps none):
+    drafted rounds too, stopping where transformers' loop stops."""
+    model, extra, reference = bundled.mode(mode)
     ids, _ = bundled.batch(1)
-    plain, drafted = StopOnConfidentScore(), StopOnConfidentScore()
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=40, **GREEDY)
-    expected = model.generate(ids, stopping_criteria=[plain], **kwargs)
-    got = model.generate(ids, stopping_criteria=[drafted], **kwargs, **extra)
-    assert torch.equal(got, expected)
-    assert drafted.seen and all(shape[0] == 1 and shape[1] >= vocab for shape in drafted.seen)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, **GREEDY)
+    free = reference.generate(ids, **kwargs)[0, ids.shape[1]:]
+    token = free[10].item()
+    expected = reference.generate(ids, stopping_criteria=[StopOnTokenSeeingScores(token)], **kwargs)
+    criterion = StopOnTokenSeeingScores(token)
+    got = model.generate(ids, stopping_criteria=[criterion], **kwargs, **extra)
+    assert torch.equal(got, expected) and got.shape[1] <= ids.shape[1] + 11
+    assert criterion.seen and all(s is None for s in criterion.seen)
 
 
 @pytest.mark.parametrize("mode", ["plain", "gemma_mtp"])

@@ -78,8 +78,8 @@ def test_rounds_without_drafts_between_rounds_run_ahead(mode, ahead, monkeypatch
     assert 0 not in ahead and len(ahead) >= 4
 
 
-class _ReadsScores(StoppingCriteria):
-    """A user's criterion that reads the scores (never stops; records what it was given)."""
+class _RecordsScores(StoppingCriteria):
+    """A user's criterion (never stops; records the scores it was given)."""
 
     def __init__(self):
         self.seen = []
@@ -89,23 +89,27 @@ class _ReadsScores(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-@pytest.mark.parametrize("reason", ["sampling", "reads_scores"])
 @pytest.mark.parametrize("mode", ["gemma_mtp", "step_mtp"])
-def test_what_does_not_run_ahead(mode, reason, ahead):
-    """Sampled calls and a stopping criterion that reads the scores (the round in flight overwrites them) wait for
-    each round before the next, as everywhere else."""
+def test_sampled_calls_do_not_run_ahead(mode, ahead):
+    """Sampled calls wait for each round before the next, as everywhere else."""
     model, extra, reference = bundled.mode(mode)
     ids, mask = bundled.batch(2)
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0,
-                  do_sample=reason == "sampling")
-    criterion = _ReadsScores()
-    if reason == "reads_scores":
-        kwargs["stopping_criteria"] = StoppingCriteriaList([criterion])
-    model.generate(ids, **kwargs, **extra)
+    model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0, do_sample=True,
+                   **extra)
     assert ahead == []
-    if reason == "reads_scores":  # it got each token's scores
-        assert criterion.seen and all(s is not None and s.shape[-1] == model.config.get_text_config().vocab_size
-                                      for s in criterion.seen)
+
+
+@pytest.mark.parametrize("mode", ["gemma_mtp", "step_mtp"])
+def test_a_users_stopping_criterion_runs_ahead(mode, ahead):
+    """A user's criterion is handed no scores (none are kept, as in transformers' loop), only the rows' ids: the
+    call runs ahead with it, with transformers' tokens."""
+    model, extra, reference = bundled.mode(mode)
+    ids, mask = bundled.batch(2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    criterion = _RecordsScores()
+    got = model.generate(ids, stopping_criteria=StoppingCriteriaList([criterion]), **kwargs, **extra)
+    assert torch.equal(got, reference.generate(ids, **kwargs))
+    assert ahead and criterion.seen and all(s is None for s in criterion.seen)
 
 
 def test_stop_strings_run_ahead(ahead):
