@@ -122,6 +122,16 @@ class Step3p5Config(PretrainedConfig):
         super().__post_init__(**kwargs)
         self._reject_unsupported_variants()
 
+    def to_dict(self) -> dict[str, Any]:
+        """The config in the checkpoint's own format (what ``save_pretrained`` writes): ``rope_scaling`` (kept here
+        as ``layer_rope_scaling``) and one ``layer_types`` list over the main and the MTP layers (split here), so
+        that other readers of a saved folder find the rope scaling and every layer's type."""
+        output = super().to_dict()
+        output["rope_scaling"] = output.pop("layer_rope_scaling", None)
+        output["layer_types"] = self.all_layer_types
+        output.pop("mtp_layer_types", None)
+        return output
+
     def _split_layer_types(self) -> None:
         n, m = self.num_hidden_layers, self.num_nextn_predict_layers
         types = list(self.layer_types) if self.layer_types is not None else [FULL] * n

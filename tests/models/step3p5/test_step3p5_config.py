@@ -47,6 +47,23 @@ def test_save_load_roundtrip_and_auto_config(tmp_path):
     assert {**loaded.to_dict(), "_name_or_path": ""} == config.to_dict()
 
 
+def test_saved_config_keeps_the_checkpoint_format(tmp_path):
+    """save_pretrained writes the checkpoint's own keys: ``rope_scaling`` and one ``layer_types`` over the main and
+    MTP layers (the fields this class splits them into do not leak into the file, where other readers lost the
+    rope scaling and the MTP layers' types), and the saved file reads back to the same config."""
+    import json
+
+    raw = real_config_dict()
+    config = Step3p5Config(**raw)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["rope_scaling"] == raw["rope_scaling"] and saved["layer_types"] == raw["layer_types"]
+    assert "layer_rope_scaling" not in saved and "mtp_layer_types" not in saved
+    loaded = Step3p5Config.from_pretrained(tmp_path)
+    assert loaded.layer_types == config.layer_types and loaded.mtp_layer_types == config.mtp_layer_types
+    assert loaded.layer_rope_scaling == config.layer_rope_scaling
+
+
 @pytest.mark.parametrize("variant", [{"use_moe_router_bias": False}, {"moe_router_activation": "softmax"},
                                      {"sink": True}, {"zero_centered": False}])
 def test_unsupported_variants_raise(variant):
