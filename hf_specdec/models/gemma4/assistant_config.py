@@ -51,6 +51,12 @@ class HFSpecGemma4AssistantConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         validate_assistant_config(self)
 
+    def to_dict(self) -> dict[str, Any]:
+        # Saved assistants keep the released checkpoints' architecture: transformers and other readers key on it.
+        output = super().to_dict()
+        output["architectures"] = ["Gemma4AssistantForCausalLM"]
+        return output
+
 
 def _as_text_config(text_config: Gemma4TextConfig | dict[str, Any] | None) -> Gemma4TextConfig:
     if text_config is None:

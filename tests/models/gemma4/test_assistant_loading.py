@@ -1,5 +1,7 @@
 """Loading released-format `gemma4_assistant` checkpoints (config.json + safetensors with the real key names)."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -102,6 +104,8 @@ def test_save_pretrained_round_trip(tmp_path, target_config, ordered):
     Gemma4MTPAssistant.from_pretrained(path).save_pretrained(tmp_path / "saved")
     again = Gemma4MTPAssistant.from_pretrained(tmp_path / "saved")
     assert again.config.model_type == "gemma4_assistant"
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["architectures"] == ["Gemma4AssistantForCausalLM"]  # the released name, not this class's
     assert again.config.use_ordered_embeddings == ordered
     for name, tensor in state.items():
         assert torch.equal(again.state_dict()[name], tensor), name
