@@ -48,6 +48,15 @@ TP_GRAPHS = os.environ.get("HF_SPECDEC_TP_GRAPHS", "1") != "0"
 TP_FUSED = os.environ.get("HF_SPECDEC_TP_FUSED", "1") != "0"
 
 
+def _first_weight_at(model) -> int | None:
+    """Where the model's first parameter lies (its data pointer): it moves when the whole model is moved or cast."""
+    first = next(model.parameters(), None)
+    try:
+        return None if first is None else first.data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage of its own
+        return None
+
+
 @dataclass
 class EnabledState:
     """What ``enable`` attached to a model (``model._hf_specdec``)."""
@@ -67,6 +76,7 @@ class EnabledState:
     # "auto" k: timed rounds per (drafter, draft model, batch size), kept between calls (generation/adaptive_k.py)
     round_costs: dict = field(default_factory=dict)
     fused: bool = False  # the kernels-only fused forwards are installed (generation/fusion.py)
+    fused_at: int | None = None  # where the model's first weight lay when they were (fuse_where_kernels_run)
 
     def __deepcopy__(self, memo):
         """A copied model gets its own state: a fresh lock and an empty graph store (graphs and pooled storage
@@ -78,6 +88,7 @@ class EnabledState:
         copied.ranks, copied.head_shard, copied.dispatched = self.ranks, self.head_shard, self.dispatched
         copied.graph_store.devices = self.graph_store.devices
         copied.fused = self.fused
+        copied.fused_at = None  # (the copy's weights lie elsewhere: its first call stacks them if need be)
         copied.hold_collectives()
         return copied
 
@@ -104,12 +115,13 @@ class EnabledState:
         if self.ranks is not None and not TP_FUSED:
             return
         wanted = kernels_may_run(model)
-        if wanted != self.fused:
+        if wanted != self.fused or (wanted and _first_weight_at(model) != self.fused_at):
+            # (fused, but the weights moved since, e.g. model.half(): their stacked storages came apart)
             if wanted:
                 fuse_modules(model)
             else:
                 unfuse_modules(model, kernels_only=True)
-            self.fused = wanted
+            self.fused, self.fused_at = wanted, _first_weight_at(model)
 
     def graph_store_for(self, device: torch.device) -> GraphStore | None:
         """The GraphStore a call on ``device`` uses: when graphs are asked for, on CUDA, and not switched off; never

@@ -80,7 +80,8 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
     """Give every fusible submodule of ``model`` its fused forward (with ``kernels=False`` only those that are not
     :attr:`FusedForward.kernels_only`); returns how many were swapped. Where the kernels run (CUDA), the weights of
     projections that read the same input are also stacked into one storage (:func:`stack_projections`), so that
-    the fused forward runs them as one GEMM."""
+    the fused forward runs them as one GEMM; a module fused before has them stacked again where they were moved
+    apart since (``model.half()``, ``.cpu().cuda()`` give each weight a storage of its own)."""
     count = 0
     for module in model.modules():
         if holds_shards(module):  # a tensor-parallel shard: transformers' TP forward reads it, or ours on its shard
@@ -92,6 +93,9 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
             continue
         wrapped = "forward" in vars(module)  # accelerate's hook wraps it (device_map): its _old_forward is fused
         if wrapped and not (moves_activations_only(module) and _ORIGINAL not in vars(module)):
+            if kernels and _fused_here(module, fused):
+                with gpu_of_weights(module):
+                    stack_projections(module)
             continue
         with gpu_of_weights(module):  # the checks ask whether the kernels run where the weights are
             if not fused.fusible(module):
@@ -107,6 +111,12 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
         for link, _ in _LINKS:
             link(model)
     return count
+
+
+def _fused_here(module: torch.nn.Module, fused: FusedForward) -> bool:
+    """Whether :func:`fuse_modules` gave ``module`` the forward ``fused`` (directly, or inside accelerate's hook)."""
+    forward = vars(module).get("forward") if _ORIGINAL not in vars(module) else getattr(module, "_old_forward", None)
+    return getattr(forward, "__func__", None) is fused.forward
 
 
 def kernels_may_run(model: torch.nn.Module) -> bool:

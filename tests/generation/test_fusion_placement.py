@@ -2,6 +2,8 @@
 CPU model goes without them (each would only call the module's own forward), and ``generate`` follows the model
 when it moves."""
 
+import importlib
+
 import torch
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
@@ -27,6 +29,41 @@ def test_a_cpu_model_goes_without_kernels_only_forwards_until_the_kernels_can_ru
     monkeypatch.setenv(FORCE_TRITON_ENV, "0")
     state.fuse_where_kernels_run(model)
     assert not state.fused and _fused(model) == 0
+
+
+def test_projections_are_stacked_again_once_the_weights_moved_apart(monkeypatch):
+    """A cast or a round trip between devices gives every weight a storage of its own, so the stacked q/k/v and
+    gate/up came apart and each projection ran its own GEMM: the next call (``fuse_where_kernels_run``) stacks
+    them again; a call on weights that did not move walks no module."""
+    from hf_specdec.generation import fusion
+    from hf_specdec.generation.fusion import stacked_groups
+    from hf_specdec.kernels.stacked_linear import stacked_weight
+
+    model, _, _ = bundled.mode("plain")
+    state = model._hf_specdec
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")  # as if its weights were on a GPU
+    state.fuse_where_kernels_run(model)
+
+    def stacked():
+        groups = [[getattr(m, n) for n in names if getattr(m, n, None) is not None]
+                  for m in model.modules() for names in stacked_groups(m)]
+        groups = [linears for linears in groups if len(linears) > 1]  # (a KV-shared layer projects q alone)
+        return sum(stacked_weight(*linears) is not None for linears in groups), len(groups)
+
+    count, groups = stacked()
+    assert count == groups > 0
+    walks = []
+    original = fusion.fuse_modules
+    enable_module = importlib.import_module("hf_specdec.generation.enable")  # (the package names the function)
+    monkeypatch.setattr(enable_module, "fuse_modules", lambda m: walks.append(1) or original(m))
+    state.fuse_where_kernels_run(model)
+    assert walks == []
+    model.to(torch.float64).to(torch.float32)
+    assert stacked()[0] == 0
+    state.fuse_where_kernels_run(model)
+    assert walks == [1] and stacked()[0] == groups
+    monkeypatch.setenv(FORCE_TRITON_ENV, "0")
+    state.fuse_where_kernels_run(model)
 
 
 def test_generate_drops_them_from_a_model_moved_to_the_cpu(monkeypatch):
