@@ -10,6 +10,7 @@ from hf_specdec.attention import register as _register_attention
 from hf_specdec.auto import AutoModelForCausalLM
 from hf_specdec.config import CacheConfig, SpecDecodingConfig
 from hf_specdec.generation import SpecStats, disable, enable, last_generation_stats
+from hf_specdec.models import call_checks as _call_checks  # noqa: F401  (calls the paged loop leaves to transformers)
 from hf_specdec.models import dflash as _dflash  # noqa: F401  (registers the DFlash drafter)
 from hf_specdec.models import gemma4 as _gemma4  # noqa: F401  (registers the MTP assistant and its drafter)
 from hf_specdec.models import step3p5 as _step3p5  # noqa: F401  (registers Step3p5ForCausalLM and its MTP drafter)

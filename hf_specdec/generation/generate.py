@@ -9,9 +9,9 @@ routes the call:
   stopping criteria);
 - what the paged loop does not cover (beam search, the other decoding methods of transformers'
   ``get_generation_mode``: contrastive search, DoLa, constrained beam search, its own assisted options; a
-  user-supplied cache, ``inputs_embeds`` only, a user ``custom_generate``, per-step attentions or hidden
-  states): transformers' own decoding, on the model's original attention; with a drafter these raise,
-  naming what to drop;
+  user-supplied cache, ``inputs_embeds``, a user ``custom_generate``, per-step attentions or hidden states,
+  what a model's registered call check names): transformers' own decoding, on the model's original
+  attention; with a drafter these raise, naming what to drop;
 - ``use_mtp=True`` on a model whose own MTP layers a registered drafter serves: ``spec_mode="mtp"``.
 
 Bad input is rejected here, before transformers or the loop touch anything, with an error naming the fix.
@@ -33,7 +33,7 @@ from hf_specdec.config import AUTO
 from hf_specdec.generation.acceptance import Acceptance
 from hf_specdec.generation.decode import paged_decode
 from hf_specdec.generation.drafter import Drafter
-from hf_specdec.generation.registry import build_drafter, serves
+from hf_specdec.generation.registry import build_drafter, call_unsupported, serves
 from hf_specdec.generation.speculative import speculative_decode
 from hf_specdec.runtime import check_mask_shape
 from hf_specdec.runtime.placement import input_device, on_input_gpu
@@ -86,7 +86,7 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
         decode = functools.partial(paged_decode, streamer=streamer)
     if inputs is None and kwargs.get("input_ids") is None and kwargs.get("inputs_embeds") is None:
         inputs = _bos_prompt(self, config, kwargs)  # (None without a BOS token: transformers says what to pass)
-    unsupported = _paged_loop_unsupported(config, inputs, kwargs)
+    unsupported = _paged_loop_unsupported(config, inputs, kwargs) or call_unsupported(self, kwargs)
     if unsupported:
         if speculative:
             raise ValueError(f"speculative decoding does not support {unsupported}; drop it, or drop the "

@@ -6,6 +6,9 @@
   own layers, such as Step 3.5 MTP).
 - Fused forwards (:func:`register_fused_forwards`, see ``generation/fusion.py``): the module classes whose
   forwards ``enable`` swaps for fused kernels.
+- Call checks (:func:`register_call_check`): what in a ``generate`` call of a model the paged loop cannot run as
+  the model would (e.g. a mask that lets image tokens attend both ways, rotary positions computed from an
+  image's grid), so that the call goes to transformers' own loop (or is refused with a drafter).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from hf_specdec.generation.quantization import check_drafter_weights
 from hf_specdec.runtime.distributed import check_replicated
 from hf_specdec.runtime.placement import input_device
 
-__all__ = ["DrafterBuilder", "FusedForward", "build_drafter", "register_drafter", "register_fused_forwards",
-           "register_model_links"]
+__all__ = ["DrafterBuilder", "FusedForward", "build_drafter", "call_unsupported", "register_call_check",
+           "register_drafter", "register_fused_forwards", "register_model_links"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,21 @@ class DrafterBuilder:
 
 
 _BUILDERS: list[DrafterBuilder] = []
+
+
+_CALL_CHECKS: list[Callable] = []
+
+
+def register_call_check(check: Callable) -> None:
+    """``check(model, kwargs)`` -> what in this ``generate`` call of ``model`` (its model inputs ``kwargs``) the paged
+    loop cannot run as the model would, or None (idempotent)."""
+    if check not in _CALL_CHECKS:
+        _CALL_CHECKS.append(check)
+
+
+def call_unsupported(model, kwargs: dict) -> str | None:
+    """The first registered call check's reason that this call needs transformers' own loop, or None."""
+    return next((reason for check in _CALL_CHECKS if (reason := check(model, kwargs))), None)
 
 
 def register_drafter(builder: DrafterBuilder) -> None:
