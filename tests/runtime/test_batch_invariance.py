@@ -10,7 +10,7 @@ replaced, so rounds accept, reject and roll back at varying positions."""
 
 import pytest
 import torch
-from transformers import StoppingCriteria
+from transformers import LogitsProcessor
 
 import hf_specdec
 from hf_specdec.generation.drafter import Drafter, DraftProposal
@@ -52,20 +52,21 @@ class OracleDrafter(Drafter):
         self.generated = [g + n for g, n in zip(self.generated, kept)]
 
 
-class RecordScores(StoppingCriteria):
-    """Never stops; keeps each row's scores keyed by the row's last KEY tokens (the tail of its prompt and every
-    token generated so far: unique per row and step, even when random weights repeat a token). Plain decoding
-    calls it with the batch, the speculative loop row by row."""
+class RecordScores(LogitsProcessor):
+    """Changes nothing; keeps the scores of each row it is handed keyed by the row's last KEY tokens (the tail of its
+    prompt and every token so far: unique per row and position, even when random weights repeat a token). Plain
+    decoding calls it with the batch at each step, the speculative loop for each row at each position of a verify
+    (drafts it rejects too: their keys are not plain decoding's)."""
 
     KEY = NEW_TOKENS + 40
 
     def __init__(self):
         self.scores = {}
 
-    def __call__(self, input_ids, scores, **kwargs):
+    def __call__(self, input_ids, scores):
         for ids, row in zip(input_ids, scores):
             self.scores[tuple(ids[-self.KEY:].tolist())] = row.float().cpu()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return scores
 
 
 @pytest.fixture(scope="module", params=[("gemma4-31b", 6, "bf16"), ("gemma4-e4b", 12, "bf16"), ("gemma4-31b", 6, "fp8"),
@@ -97,20 +98,20 @@ def test_bf16_speculative_greedy_is_plain_greedy_bit_for_bit(target, batch):
     mask[1:, :37] = 0  # left padding on every row but the first
     run = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
     plain_scores = RecordScores()
-    plain = target.generate(ids, stopping_criteria=[plain_scores], **run)
+    plain = target.generate(ids, logits_processor=[plain_scores], **run)
     assert torch.equal(target.generate(ids, **run), plain)  # the recording changes nothing
     reference = plain[:, PROMPT:]
     for k in (3, 7):
         spec_scores = RecordScores()
         drafter = OracleDrafter(reference, k)
-        spec = target.generate(ids, assistant_model=drafter, stopping_criteria=[spec_scores], **run)
+        spec = target.generate(ids, assistant_model=drafter, logits_processor=[spec_scores], **run)
         stats = hf_specdec.last_generation_stats(target)
         assert 1.3 < stats.mean_accepted_length < k + 1, stats  # drafts accepted and rejected
         differs = (spec != plain).nonzero()
         assert differs.numel() == 0, f"k={k}: first differing (row, position) {differs[0].tolist()}"
-        # the speculative loop skips the criteria at a row's last token (max length decides): the others match
-        assert len(spec_scores.scores) == batch * (NEW_TOKENS - 1)
-        assert spec_scores.scores.keys() <= plain_scores.scores.keys()
+        # every position plain decoding scored was scored by a verify too (a row's last verify may run past it)
+        assert len(plain_scores.scores) == batch * NEW_TOKENS
+        assert plain_scores.scores.keys() <= spec_scores.scores.keys()
         differ = [(step, (spec_scores.scores[key] - row).abs().max().item())
                   for step, (key, row) in enumerate(plain_scores.scores.items())
                   if key in spec_scores.scores and not torch.equal(spec_scores.scores[key], row)]

@@ -103,8 +103,7 @@ def step3p7_text_config(config: Step3p5Config) -> dict:
     problems = _not_expressible(config)
     if problems:
         raise ValueError("transformers' Step 3.7 cannot express this Step 3.5 config: " + "; ".join(problems))
-    fields = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_KEYS_NOT_WRITTEN}
-    fields["rope_scaling"] = fields.pop("layer_rope_scaling", None)
+    fields = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_KEYS_NOT_WRITTEN}  # (config.json's keys)
     # written out: without it Step 3.7 makes layers 3.. MoE, Step 3.5 layers 1..
     fields["moe_layers_enum"] = ",".join(str(i) for i in sorted(config.moe_layer_indices))
     fields["mtp_per_layer_config"] = {k: {"num_attention_heads": config.layer_num_heads(config.num_hidden_layers + k)}
