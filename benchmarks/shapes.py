@@ -283,6 +283,7 @@ def _int4_quantize(model) -> None:
 
     linears = _quantized_linears(model)
     group = INT4_GROUP if all(m.in_features % INT4_GROUP == 0 for _, m in linears) else 32  # 32: the smoke shapes
+    linears = [(name, m) for name, m in linears if m.in_features % group == 0]  # narrower ones stay dense
     if model.device.type == "cuda":
         config = Int4WeightOnlyConfig(group_size=group, int4_packing_format="tile_packed_to_4d")
     else:

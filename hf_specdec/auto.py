@@ -27,10 +27,11 @@ class AutoModelForCausalLM:
         # DFlash checkpoints say model_type "qwen3": transformers alone would build a Qwen3 model from them
         if is_dflash_checkpoint(pretrained_model_name_or_path, **kwargs):
             return load_dflash_drafter(pretrained_model_name_or_path, *args, **kwargs)
-        model = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        if not isinstance(model, transformers.GenerationMixin):
-            return model
-        return enable(model, cache_config)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading info): output_loading_info=True
+        if isinstance(model, transformers.GenerationMixin):
+            enable(model, cache_config)
+        return loaded
 
 
 def _bundled_defaults(path, kwargs: dict) -> dict:

@@ -328,8 +328,10 @@ def run_generate(args) -> int:
         return 2
     try:
         prompt = _read_prompt(args)
-        model = hf_specdec.AutoModelForCausalLM.from_pretrained(_model_path(args.model), dtype=_dtype(args.dtype),
-                                                                device_map=args.device or _default_device())
+        model = _load(args.model, dtype=_dtype(args.dtype), device_map=args.device or _default_device())
+        if not hasattr(model, "_hf_specdec"):
+            raise ValueError(f"{args.model} is a drafter ({type(model).__name__}), not a target: pass its target as "
+                             f"the model and it as --assistant.")
         tokenizer = AutoTokenizer.from_pretrained(_model_path(args.model))
         _set_threads(args.threads, model)
         extra = _speculative_kwargs(args, model)
@@ -390,14 +392,23 @@ def _set_threads(threads: int | None, model) -> None:
         torch.set_num_threads(1)  # small models: threads cost more than they give (as in the demo)
 
 
-def _speculative_kwargs(args, model) -> dict:
-    """generate() arguments of the drafter options; the assistant is loaded beside the target, in its dtype."""
+def _load(name: str, **kwargs):
+    """``hf_specdec.AutoModelForCausalLM.from_pretrained`` of a command-line model name; what the loader raises
+    besides ValueError / OSError (a missing quantization library, weights of other shapes) as a ValueError naming
+    the checkpoint, which the command reports in one line."""
     import hf_specdec
 
+    try:
+        return hf_specdec.AutoModelForCausalLM.from_pretrained(_model_path(name), **kwargs)
+    except (ImportError, RuntimeError) as err:
+        raise ValueError(f"loading {name}: {err}") from err
+
+
+def _speculative_kwargs(args, model) -> dict:
+    """generate() arguments of the drafter options; the assistant is loaded beside the target, in its dtype."""
     extra = {}
     if args.assistant is not None:
-        extra["assistant_model"] = hf_specdec.AutoModelForCausalLM.from_pretrained(
-            _model_path(args.assistant), dtype=model.dtype, device_map=str(model.device))
+        extra["assistant_model"] = _load(args.assistant, dtype=model.dtype, device_map=str(model.device))
     if args.mode is not None:
         extra["spec_mode"] = args.mode
     if args.num_speculative_tokens is not None:

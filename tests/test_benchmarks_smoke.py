@@ -264,6 +264,18 @@ def test_4_bit_weights_rows_count_the_stored_bytes_and_compare_tokens(tmp_path, 
     assert all(r["tau"] > 1 for r in synthetic if r["backend"].endswith("_synthetic"))
 
 
+def test_int4_weights_leave_linears_narrower_than_a_group_dense():
+    """The smoke E4B shape's per-layer projection reads 8 inputs, under torchao's smallest group: it stays dense
+    (``bench decode --smoke --weights int4`` raised on it), the others take int4."""
+    pytest.importorskip("torchao", reason="torchao is not installed (pip install torchao)")
+    from benchmarks.shapes import target_for
+
+    model = target_for("smoke-e4b", None, "cpu", torch.float32, "int4")
+    narrow = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.in_features < 32]
+    assert narrow and all(type(m.weight) is torch.nn.Parameter for m in narrow)
+    assert type(model.model.layers[0].mlp.down_proj.weight) is not torch.nn.Parameter
+
+
 def test_floors_leave_out_a_targets_own_mtp_layers():
     """A Step 3.5 target's MTP layers (and their heads) run only when drafting: the bytes of a decode or verify step
     are those of the same model without them (they had doubled the cut shape's floor: plain decoding measured at

@@ -116,6 +116,26 @@ def test_a_missing_prompt_file_or_model_exits_2(capsys, tmp_path):
     assert code == 2 and "error:" in err
 
 
+@pytest.mark.parametrize("drafter", ["tiny-gemma4-dflash", "tiny-gemma4-assistant"])
+def test_a_drafter_as_the_model_exits_2_naming_the_fix(capsys, drafter):
+    code, out, err = _cli(capsys, drafter, "--prompt", "x", "--max-new-tokens", "2")
+    assert code == 2 and out.strip() == ""
+    assert f"hf-specdec generate: error: {drafter} is a drafter" in err and "as --assistant" in err
+
+
+def test_a_loader_error_other_than_value_or_os_errors_exits_2_naming_the_checkpoint(capsys, monkeypatch):
+    """transformers raises ImportError for a missing quantization library, RuntimeError for weights of other
+    shapes: one line naming the checkpoint, not a traceback."""
+    import hf_specdec
+
+    def missing_library(*args, **kwargs):
+        raise ImportError("compressed-tensors>=0.15.0 is required for compressed-tensors quantization")
+
+    monkeypatch.setattr(hf_specdec.AutoModelForCausalLM, "from_pretrained", classmethod(missing_library))
+    code, _, err = _cli(capsys, "tiny-gemma4", "--prompt", "x")
+    assert code == 2 and "error: loading tiny-gemma4: compressed-tensors>=0.15.0 is required" in err
+
+
 def test_prompt_and_file_are_exclusive_and_one_is_required(capsys):
     for argv in (["tiny-gemma4"], ["tiny-gemma4", "--prompt", "x", "--file", "y"]):
         with pytest.raises(SystemExit) as exit_info:

@@ -183,6 +183,18 @@ def test_a_drafter_loads_with_the_targets_attention_kwarg(name, mode):
                        model.generate(ids, **kwargs, **extra))
 
 
+def test_a_target_loaded_with_its_loading_info_is_enabled():
+    """``output_loading_info=True`` gives (model, info), as transformers does, with the model enabled (it came back
+    as transformers' own: plain calls decoded without hf_specdec and drafted ones were refused)."""
+    from hf_specdec.assets import asset_path
+
+    model, info = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path("tiny-gemma4"), output_loading_info=True)
+    assert hasattr(model, "_hf_specdec") and not info["missing_keys"]
+    ids, mask = bundled.batch(1)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, **GREEDY)
+    assert hf_specdec.last_generation_stats(model).num_generated_tokens == 4
+
+
 def test_the_bundled_family_loads_in_float32_on_cpu_unless_a_dtype_is_given():
     """Stored in bf16; float32 by default on CPU, where greedy speculative output is plain greedy's exactly."""
     from hf_specdec.assets import asset_path
