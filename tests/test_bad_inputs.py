@@ -99,6 +99,14 @@ def test_a_plain_causal_lm_as_assistant_points_to_disable(gemma):
         target.generate(ids, attention_mask=mask, assistant_model=reference, max_new_tokens=3)
 
 
+@pytest.mark.parametrize("name", ["tiny-gemma4-assistant", "tiny-gemma4-dflash"])
+def test_enable_on_a_drafter_says_to_pass_it_as_the_assistant(name):
+    drafter = hf_specdec.AutoModelForCausalLM.from_pretrained(asset_path(name))
+    with pytest.raises(TypeError, match=r"A drafter .* is not enabled: pass it to its target's generate as "
+                                        r"assistant_model="):
+        hf_specdec.enable(drafter)
+
+
 def test_a_dflash_checkpoint_loaded_by_transformers_auto_class_names_the_loader(gemma):
     """transformers' Auto class builds a DFlash checkpoint's base type (Qwen3) without the drafter's layers: the
     error says to load it with hf_specdec's Auto class, not that no mode fits."""

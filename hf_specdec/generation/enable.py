@@ -260,7 +260,8 @@ def _check_supported(model) -> None:
     if not isinstance(model, PreTrainedModel) or not hasattr(model, "generate"):
         raise TypeError(
             f"hf_specdec.enable needs a transformers causal LM (a PreTrainedModel with generate), got "
-            f"{type(model).__name__}. Load one with AutoModelForCausalLM.from_pretrained."
+            f"{type(model).__name__}. A drafter (a Gemma 4 MTP assistant, a DFlash drafter) is not enabled: pass it "
+            f"to its target's generate as assistant_model=...; load a target with AutoModelForCausalLM.from_pretrained."
         )
     if model.config.is_encoder_decoder:
         raise ValueError(f"{type(model).__name__} is an encoder-decoder; hf_specdec supports decoder-only causal LMs.")
