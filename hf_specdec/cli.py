@@ -332,6 +332,7 @@ def run_generate(args) -> int:
         if not hasattr(model, "_hf_specdec"):
             raise ValueError(f"{args.model} is a drafter ({type(model).__name__}), not a target: pass its target as "
                              f"the model and it as --assistant.")
+        _check_tokenizer_files(args.model)
         tokenizer = AutoTokenizer.from_pretrained(_model_path(args.model))
         _set_threads(args.threads, model)
         extra = _speculative_kwargs(args, model)
@@ -375,6 +376,22 @@ def _model_path(name: str):
     from hf_specdec.assets import asset_path, available_assets
 
     return asset_path(name) if name in available_assets() and not pathlib.Path(name).exists() else name
+
+
+# the files a saved tokenizer leaves in its folder (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "vocab.txt", "tokenizer.tiktoken")
+
+
+def _check_tokenizer_files(name: str) -> None:
+    """A local checkpoint folder without a tokenizer: say so (transformers names a missing converter or builds an
+    empty tokenizer instead)."""
+    import pathlib
+
+    folder = pathlib.Path(_model_path(name))
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"{name} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): save the base "
+                         f"model's tokenizer there (tokenizer.save_pretrained('{name}')).")
 
 
 def _dtype(name: str):

@@ -3,6 +3,7 @@ strings, and invalid input answered with exit status 2 and the error naming the 
 be what the Python API returns for the same arguments."""
 
 import io
+import pathlib
 import re
 import sys
 
@@ -202,3 +203,18 @@ def test_the_reported_commands_exit_2_without_a_traceback(options):
     assert "Traceback" not in result.stderr and lines[-1].startswith("hf-specdec generate: error: ")
     noise = re.compile(r"^Failed to load .*torchao|^(\[rank\d+\]:)?W\d{4} .*torch/utils/_pytree\.py:\d+\]")
     assert all(noise.search(line) for line in lines[:-1]), lines[:-1]
+
+
+def test_a_checkpoint_folder_without_a_tokenizer_exits_2_saying_so(capsys, tmp_path):
+    """transformers named a missing sentencepiece converter, or built an empty tokenizer ("no tokens")."""
+    from hf_specdec.assets import asset_path
+
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        source = pathlib.Path(asset_path("tiny-gemma4")) / name
+        if source.exists():
+            (folder / name).write_bytes(source.read_bytes())
+    code, out, err = _cli(capsys, str(folder), "--prompt", "x", "--max-new-tokens", "2")
+    assert code == 2 and out.strip() == ""
+    assert "has no tokenizer files" in err and "tokenizer.save_pretrained" in err
