@@ -213,7 +213,7 @@ def _paged_loop_unsupported(config, inputs, kwargs) -> str | None:
     if mode not in _PAGED_MODES:
         return _OTHER_MODES.get(mode, mode.replace("_", " "))
     if kwargs.get("inputs_embeds") is not None:  # the paged prefill reads token ids
-        return "inputs_embeds" if inputs is None and kwargs.get("input_ids") is None else "inputs_embeds"
+        return "inputs_embeds"
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             return f"a user-supplied {name}"
