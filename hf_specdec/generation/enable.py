@@ -118,7 +118,7 @@ class EnabledState:
         if wanted != self.fused or (wanted and _first_weight_at(model) != self.fused_at):
             # (fused, but the weights moved since, e.g. model.half(): their stacked storages came apart)
             if wanted:
-                fuse_modules(model)
+                fuse_modules(model, restack=self.fused)
             else:
                 unfuse_modules(model, kernels_only=True)
             self.fused, self.fused_at = wanted, _first_weight_at(model)

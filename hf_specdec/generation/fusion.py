@@ -76,12 +76,13 @@ def register_model_links(link: Callable[[torch.nn.Module], None], unlink: Callab
         _LINKS.append((link, unlink))
 
 
-def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
+def fuse_modules(model: torch.nn.Module, kernels: bool = True, restack: bool = False) -> int:
     """Give every fusible submodule of ``model`` its fused forward (with ``kernels=False`` only those that are not
     :attr:`FusedForward.kernels_only`); returns how many were swapped. Where the kernels run (CUDA), the weights of
     projections that read the same input are also stacked into one storage (:func:`stack_projections`), so that
-    the fused forward runs them as one GEMM; a module fused before has them stacked again where they were moved
-    apart since (``model.half()``, ``.cpu().cuda()`` give each weight a storage of its own)."""
+    the fused forward runs them as one GEMM. ``restack``: a module fused before has them stacked again where they
+    were moved apart since (``model.half()``, ``.cpu().cuda()`` give each weight a storage of its own); an enabled
+    target's call asks for it once its weights moved (drafters restack by their own checks)."""
     count = 0
     for module in model.modules():
         if holds_shards(module):  # a tensor-parallel shard: transformers' TP forward reads it, or ours on its shard
@@ -93,7 +94,7 @@ def fuse_modules(model: torch.nn.Module, kernels: bool = True) -> int:
             continue
         wrapped = "forward" in vars(module)  # accelerate's hook wraps it (device_map): its _old_forward is fused
         if wrapped and not (moves_activations_only(module) and _ORIGINAL not in vars(module)):
-            if kernels and _fused_here(module, fused):
+            if restack and kernels and _fused_here(module, fused):
                 with gpu_of_weights(module):
                     stack_projections(module)
             continue

@@ -55,7 +55,7 @@ def test_projections_are_stacked_again_once_the_weights_moved_apart(monkeypatch)
     walks = []
     original = fusion.fuse_modules
     enable_module = importlib.import_module("hf_specdec.generation.enable")  # (the package names the function)
-    monkeypatch.setattr(enable_module, "fuse_modules", lambda m: walks.append(1) or original(m))
+    monkeypatch.setattr(enable_module, "fuse_modules", lambda m, **k: walks.append(1) or original(m, **k))
     state.fuse_where_kernels_run(model)
     assert walks == []
     model.to(torch.float64).to(torch.float32)
