@@ -246,7 +246,7 @@ def _w8a8_gate_up_kernel(
     stride_ge, stride_gn, stride_ue, stride_un, s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, up_row0,
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_K: tl.constexpr, SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, FEW_PAIRS: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr,
     IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr, STACKED: tl.constexpr = False,
 ):
     """One program per (block, BLOCK_N columns of I): the block's token codes [BLOCK_M, H] (gathered by token)
@@ -254,13 +254,11 @@ def _w8a8_gate_up_kernel(
     times its rows' and its weight block's scales; then the activation, written [BLOCK_M, BLOCK_N] in the
     activations' dtype (padding rows: zeros)."""
     pdl_wait(PDL)
-    block = tl.program_id(0)
-    if not ONE_TOKEN:
-        if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
-            return
-    expert, rows, _, row_ok, token, cols, col_ok = program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs,
-                                                                num_experts, top_k, inter_size, BLOCK_M, BLOCK_N,
-                                                                ONE_TOKEN)
+    lead, expert, rows, _, row_ok, token, cols, col_ok = program_rows(
+        tl.program_id(0), row_pair_ptr, block_expert_ptr, num_blocks_ptr, num_pairs, num_experts, top_k, inter_size,
+        BLOCK_M, BLOCK_N, FEW_PAIRS)
+    if not lead:
+        return
     q_rows = q_ptr + token[:, None] * hidden
     qs_rows = qs_ptr + token * stride_qs_row
     if STACKED:  # one [2 * BLOCK_N, GROUP_K] tile a step: the gate's rows, then the up's (the warpgroup MMA with
@@ -318,17 +316,16 @@ def _w8a8_down_kernel(
     s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_PER_K: tl.constexpr, SCALE_E8M0: tl.constexpr, EMULATE: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    ONE_TOKEN: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
+    FEW_PAIRS: tl.constexpr, IMPRECISE_ACC: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (block, BLOCK_N columns of H): the block's intermediate codes times the expert's down tiles
     as in the gate/up kernel, rounded to DTYPE, times each pair's routing weight, written fp32 to row ``pair``."""
     pdl_wait(PDL)
-    block = tl.program_id(0)
-    if not ONE_TOKEN:
-        if block >= tl.load(num_blocks_ptr):
-            return
-    expert, rows, pair, row_ok, _, cols, col_ok = program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs,
-                                                               num_experts, 1, hidden, BLOCK_M, BLOCK_N, ONE_TOKEN)
+    lead, expert, rows, pair, row_ok, _, cols, col_ok = program_rows(
+        tl.program_id(0), row_pair_ptr, block_expert_ptr, num_blocks_ptr, num_pairs, num_experts, 1, hidden,
+        BLOCK_M, BLOCK_N, FEW_PAIRS)
+    if not lead:
+        return
     c_rows = c_ptr + rows[:, None] * inter_size
     cs_rows = cs_ptr + rows * stride_cs_row
     w_rows = wd_ptr + expert * stride_de + cols.to(tl.int64)[:, None] * stride_dn
@@ -362,10 +359,10 @@ def fused_moe_w8a8_kernels(hidden_states, gate_up, gate_up_scale, down, down_sca
     experts, inter = down.shape[0], down.shape[2]
     top_k = top_k_index.shape[1]
     pairs = tokens * top_k
-    one_token, row_pair, block_expert, num_blocks, max_blocks = route_blocks(top_k_index, experts, config.block_m)
+    few_pairs, row_pair, block_expert, num_blocks, max_blocks = route_blocks(top_k_index, experts, config.block_m)
     emulate = interpreting(_w8a8_gate_up_kernel)
     emulate_bf16 = emulate and x.dtype == torch.bfloat16
-    common = dict(BLOCK_M=config.block_m, EMULATE=emulate, EMULATE_BF16=emulate_bf16, ONE_TOKEN=one_token,
+    common = dict(BLOCK_M=config.block_m, EMULATE=emulate, EMULATE_BF16=emulate_bf16, FEW_PAIRS=few_pairs,
                   IMPRECISE_ACC=MAX_IMPRECISE_ACC)
     # gate/up: the token rows' codes, then the kernel
     bn, bk = expert_scale_blocks(gate_up_scale, block_size, *gate_up.shape[1:])

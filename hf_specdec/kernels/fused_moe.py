@@ -20,9 +20,12 @@ or two (the tests use 1e-5 and 2e-2).
 GPU design, no host sync (CUDA-graph capturable):
 1. Group the ``tokens * top_k`` (token, slot) pairs by expert (``group_pairs``): per-expert counts, each
    expert's group padded to a multiple of ``BLOCK_M`` rows, each pair's row (its rank among its expert's pairs:
-   a stable sort), each block's expert. Up to ``ALIGN_MAX_PAIRS`` pairs (decode, verify) one Triton program
-   does it all (``_moe_align_kernel``); beyond, device torch ops do (``_group_pairs``: sort, ``scatter_add_``,
-   cumsums, ``searchsorted``; no bincount / unique / nonzero). The host knows only an upper bound on the number
+   a stable sort), each block's expert. Up to ``FEW_MAX_PAIRS`` pairs (decode, verify) the expert kernels do it
+   themselves, with no launch before them (``block_pairs``: one block per pair; the pairs whose rank is a
+   multiple of ``BLOCK_M`` lead a block, the others' programs exit at once; one token's pairs, whose experts
+   differ, each lead their own). Up to ``ALIGN_MAX_PAIRS`` pairs
+   one Triton program does it all (``_moe_align_kernel``); beyond, device torch ops do (``_group_pairs``: sort,
+   ``scatter_add_``, cumsums, ``searchsorted``; no bincount / unique / nonzero). The host knows only an upper bound on the number
    of blocks, ``pairs // BLOCK_M + min(E, pairs)``; the grids take that bound and the programs past the real
    count (read from device memory) exit at once.
 2. ``_moe_gate_up_kernel``, one program per (block, ``BLOCK_N`` columns of I): gathers the block's token rows,
@@ -33,7 +36,6 @@ GPU design, no host sync (CUDA-graph capturable):
 4. ``_moe_sum_kernel``: each token's top_k rows summed in fp32 in slot order and cast to the model dtype, one
    launch. Not atomics into the output: the sum stays deterministic, needs no memset, and every row of the
    ``[pairs, H]`` buffer is written exactly once.
-A one-token forward (decode) skips step 1: block b is pair b alone, its expert read straight from the routing.
 
 Each selected expert's weights are read once per forward however many of its tokens picked it as long as its
 pairs fit in one block: ``BLOCK_M`` is 16 up to ``DECODE_MAX_TOKENS`` tokens, so that holds for every forward of up to
@@ -73,7 +75,9 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Bounds of the kernel path (tested up to 288 experts and top-8): larger routings take the reference.
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
-# up to this many (token, slot) pairs one Triton program groups them by expert; torch ops beyond (prefill)
+# up to this many (token, slot) pairs the expert kernels group them by expert themselves (decode, verify); up to
+# ALIGN_MAX_PAIRS one Triton program groups them before the kernels; torch ops beyond (prefill)
+FEW_MAX_PAIRS = 64
 ALIGN_MAX_PAIRS = 256
 SUM_BLOCK = 1024
 _warned: set[str] = set()
@@ -334,33 +338,54 @@ def _moe_align_kernel(index_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
 
 
 @triton.jit
-def block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr,
-                ONE_TOKEN: tl.constexpr):
-    """(expert, rows, pair): a block's expert, its rows of the intermediate and each row's pair (``num_pairs`` on
-    padding rows). ONE_TOKEN: block b is pair b alone and block_expert_ptr the routing itself (no grouping); a
-    pair whose expert is out of range gets no row (and no weight outside the tensors is read)."""
+def block_pairs(block, row_pair_ptr, block_expert_ptr, num_blocks_ptr, num_pairs, num_experts,
+                BLOCK_M: tl.constexpr, FEW_PAIRS: tl.constexpr):
+    """(lead, expert, rows, pair) of block ``block``: whether the block holds pairs (else its program exits), its
+    expert, its rows of the intermediate and each row's pair (``num_pairs`` on padding rows).
+
+    FEW_PAIRS = 0: the pairs grouped beforehand (``group_pairs``: ``row_pair_ptr``, ``block_expert_ptr``, the real
+    block count at ``num_blocks_ptr``). FEW_PAIRS = 1 (one token): block b is pair b alone. FEW_PAIRS > 1 (a power
+    of two >= the pairs): the grouping done here, no launch before the expert kernels. Block b is pair b's: ``block_expert_ptr`` is the routing itself; pair b
+    leads a block when its rank among its expert's pairs (their order in the routing) is a multiple of BLOCK_M,
+    and the block holds the pairs of ranks rank .. rank + BLOCK_M - 1, in rank order (the stable sort's). A pair
+    whose expert is out of range leads nothing (and no weight outside the tensors is read)."""
     rows = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    if ONE_TOKEN:
-        in_range = (expert >= 0) & (expert < num_experts)
-        pair = tl.where((tl.arange(0, BLOCK_M) == 0) & in_range, block.to(tl.int64), num_pairs)
-        expert = tl.where(in_range, expert, 0)
+    if FEW_PAIRS == 1:  # one token: its pairs' experts differ, each pair a block of its own, nothing to scan
+        mine = tl.load(block_expert_ptr + block)
+        lead = (mine >= 0) & (mine < num_experts)
+        pair = tl.where((tl.arange(0, BLOCK_M) == 0) & lead, block.to(tl.int64), num_pairs)
+        expert = tl.where(lead, mine, 0).to(tl.int64)
+    elif FEW_PAIRS > 0:
+        p = tl.arange(0, FEW_PAIRS)
+        ids = tl.load(block_expert_ptr + p, mask=p < num_pairs, other=-1)
+        mine = tl.load(block_expert_ptr + block)
+        in_range = (mine >= 0) & (mine < num_experts)
+        same = ((ids == mine) & (p < num_pairs)).to(tl.int32)
+        rank = tl.cumsum(same, 0) - 1  # each pair's rank among its expert's pairs (where same)
+        first = tl.sum(tl.where(p == block, rank, 0), 0)
+        lead = in_range & (first % BLOCK_M == 0)
+        match = (same[None, :] != 0) & (rank[None, :] == (first + tl.arange(0, BLOCK_M))[:, None])
+        held = tl.sum(match.to(tl.int32), 1) > 0
+        pair = tl.where(held, tl.sum(tl.where(match, p[None, :], 0), 1), num_pairs).to(tl.int64)
+        expert = tl.where(in_range, mine, 0).to(tl.int64)
     else:
+        lead = block < tl.load(num_blocks_ptr)  # the grid is an upper bound on the blocks
+        expert = tl.load(block_expert_ptr + block).to(tl.int64)
         pair = tl.load(row_pair_ptr + rows).to(tl.int64)
-    return expert, rows, pair
+    return lead, expert, rows, pair
 
 
 @triton.jit
-def program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, top_k, n,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_TOKEN: tl.constexpr):
-    """(expert, rows, pair, row_ok, token, cols, col_ok) of an expert kernel's program: its block's expert and rows
-    of the intermediate, each row's pair, which rows hold one and their tokens (0 on padding rows), its ``BLOCK_N``
-    columns of the ``n`` outputs."""
-    expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M,
-                                     ONE_TOKEN)
+def program_rows(block, row_pair_ptr, block_expert_ptr, num_blocks_ptr, num_pairs, num_experts, top_k, n,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FEW_PAIRS: tl.constexpr):
+    """(lead, expert, rows, pair, row_ok, token, cols, col_ok) of an expert kernel's program: whether its block holds
+    pairs (:func:`block_pairs`), the block's expert and rows of the intermediate, each row's pair, which rows hold
+    one and their tokens (0 on padding rows), its ``BLOCK_N`` columns of the ``n`` outputs."""
+    lead, expert, rows, pair = block_pairs(block, row_pair_ptr, block_expert_ptr, num_blocks_ptr, num_pairs,
+                                           num_experts, BLOCK_M, FEW_PAIRS)
     row_ok = pair < num_pairs
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, rows, pair, row_ok, tl.where(row_ok, pair // top_k, 0), cols, cols < n
+    return lead, expert, rows, pair, row_ok, tl.where(row_ok, pair // top_k, 0), cols, cols < n
 
 
 @triton.jit
@@ -395,7 +420,7 @@ def _moe_gate_up_kernel(
     stride_xt, stride_xh, stride_ge, stride_gn, stride_gk, stride_ue, stride_un, stride_uk,
     s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, up_row0, inv_ptr,
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, FEW_PAIRS: tl.constexpr,
     K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
     SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False, F16_ROWS: tl.constexpr = False,
     PDL: tl.constexpr = False,
@@ -405,13 +430,11 @@ def _moe_gate_up_kernel(
     F16_ROWS: ``x`` holds the bf16 token rows as fp16 times powers of two (``fp8_gemm.f16_rows``), the inverse
     powers at ``inv_ptr``: the weights convert to fp16 in one instruction per two, the sums are scaled back exactly."""
     pdl_wait(PDL)
-    block = tl.program_id(0)
-    if not ONE_TOKEN:
-        if block >= tl.load(num_blocks_ptr):  # past the real block count: the grid is an upper bound
-            return
-    expert, rows, _, row_ok, token, cols, col_ok = program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs,
-                                                                num_experts, top_k, inter_size, BLOCK_M, BLOCK_N,
-                                                                ONE_TOKEN)
+    lead, expert, rows, _, row_ok, token, cols, col_ok = program_rows(
+        tl.program_id(0), row_pair_ptr, block_expert_ptr, num_blocks_ptr, num_pairs, num_experts, top_k, inter_size,
+        BLOCK_M, BLOCK_N, FEW_PAIRS)
+    if not lead:
+        return
     x_rows = x_ptr + token[:, None] * stride_xt
     g_rows = wg_ptr + expert * stride_ge + cols.to(tl.int64)[:, None] * stride_gn
     u_rows = wu_ptr + expert * stride_ue + cols.to(tl.int64)[:, None] * stride_un
@@ -453,17 +476,16 @@ def _moe_down_kernel(
     num_pairs, num_experts, hidden, inter_size, stride_de, stride_dn, stride_dk,
     s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, ONE_TOKEN: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
+    EMULATE_BF16: tl.constexpr, FEW_PAIRS: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
     SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
-    block = tl.program_id(0)
-    if not ONE_TOKEN:
-        if block >= tl.load(num_blocks_ptr):
-            return
-    expert, rows, pair, row_ok, _, cols, col_ok = program_rows(block, row_pair_ptr, block_expert_ptr, num_pairs,
-                                                               num_experts, 1, hidden, BLOCK_M, BLOCK_N, ONE_TOKEN)
+    lead, expert, rows, pair, row_ok, _, cols, col_ok = program_rows(
+        tl.program_id(0), row_pair_ptr, block_expert_ptr, num_blocks_ptr, num_pairs, num_experts, 1, hidden,
+        BLOCK_M, BLOCK_N, FEW_PAIRS)
+    if not lead:
+        return
     a_rows = inter_ptr + rows[:, None] * inter_size
     w_rows = wd_ptr + expert * stride_de + cols.to(tl.int64)[:, None] * stride_dn
     s_cols = s_ptr + expert * stride_se + (cols // scale_bn).to(tl.int64) * stride_sn  # FP8: the scales' rows
@@ -701,7 +723,7 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
     experts, inter, _ = w_gate.shape
     top_k = top_k_index.shape[1]
     pairs = tokens * top_k
-    one_token, row_pair, block_expert, num_blocks, max_blocks = route_blocks(top_k_index, experts, config.block_m)
+    few_pairs, row_pair, block_expert, num_blocks, max_blocks = route_blocks(top_k_index, experts, config.block_m)
     # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw uint16 bits and truncates fp32 -> bf16
     # casts: there the kernels upcast the tiles and round by integer ops
     emulate = x.dtype == torch.bfloat16 and interpreting(_moe_gate_up_kernel)
@@ -723,7 +745,7 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
         pairs, experts, top_k, hidden, inter, float(limit or 0.0),
         *rows_in.stride(), *w_gate.stride(), *w_up.stride(), *gate_up_args, 0 if fp8 is None else fp8.up_row0,
         inverse, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate, ONE_TOKEN=one_token,
+        BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate, FEW_PAIRS=few_pairs,
         **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, F16_ROWS=fp16_dots,
         **gate_up_fp8, **pdl_args(intermediate))
     weights = top_k_weights.reshape(-1).float()
@@ -734,18 +756,21 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
         intermediate, w_down, parts, weights, row_pair, block_expert, num_blocks,
         pairs, experts, hidden, inter, *w_down.stride(), *down_args,
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate,
-        ONE_TOKEN=one_token, num_warps=warps, num_stages=stages, **down_fp8, **pdl_args(parts))
+        FEW_PAIRS=few_pairs, num_warps=warps, num_stages=stages, **down_fp8, **pdl_args(parts))
     return sum_parts(parts, tokens, top_k, x.dtype, emulate, addends)
 
 
 def route_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int):
-    """(one_token, row_pair, block_expert, num_blocks, max_blocks) of the expert kernels: a one-token forward
-    (decode) takes each pair as its own block with no grouping launch (the routing itself stands for the three
-    tensors), wider ones :func:`group_pairs`."""
-    if top_k_index.shape[0] == 1:
+    """(few_pairs, row_pair, block_expert, num_blocks, max_blocks) of the expert kernels. Up to
+    ``FEW_MAX_PAIRS`` pairs (decode, verify) the kernels group the pairs themselves (``few_pairs``: the power of
+    two their programs scan; the routing stands for the three tensors; one block per pair, most exit at once);
+    wider forwards :func:`group_pairs` (``few_pairs`` 0)."""
+    pairs = top_k_index.numel()
+    if top_k_index.shape[0] == 1 or pairs <= FEW_MAX_PAIRS:
         flat = top_k_index.reshape(-1)
-        return True, flat, flat, flat, top_k_index.shape[1]
-    return False, *group_pairs(top_k_index, num_experts, block_m)
+        few = 1 if top_k_index.shape[0] == 1 else max(16, next_power_of_2(pairs))
+        return few, flat, flat, flat, pairs
+    return 0, *group_pairs(top_k_index, num_experts, block_m)
 
 
 def sum_parts(parts: torch.Tensor,  # [tokens * top_k, hidden] fp32: each pair's weighted expert output

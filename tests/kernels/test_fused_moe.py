@@ -495,3 +495,27 @@ def test_triton_gemma4_moe_model_through_the_experts_interface(triton_device):
     assert all("forward" in vars(layer) for layer in model.model.layers)  # the fused decoder layer, MoE branch
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(tokens, ref.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("case", ["random", "same", "repeated", "out_of_range"])
+def test_triton_expert_kernels_group_few_pairs_themselves(triton_device, monkeypatch, case):
+    """Up to FEW_MAX_PAIRS pairs the expert kernels group the pairs (no grouping launch): the answer is the one the
+    grouping launch gives and the reference's, an expert with more than BLOCK_M pairs in several blocks included
+    ("same": 20 tokens on 2 experts, 20 pairs each); an out-of-range id spoils only its token."""
+    tokens = 20 if case == "same" else 5
+    args = make_moe(tokens, 8, 2, hidden=40, inter=24, routing="same" if case == "same" else "random",
+                    device=triton_device, seed=3)
+    if case == "repeated":
+        args[4][:, 1] = args[4][:, 0]
+    if case == "out_of_range":
+        args[4][0, 1] = 8
+    assert fused_moe_module.route_blocks(args[4], 8, 16)[0] >= args[4].numel()  # the kernels group the pairs
+    grouped_in_kernels = fused_moe(*args, activation="silu")
+    monkeypatch.setattr(fused_moe_module, "FEW_MAX_PAIRS", 0)
+    assert fused_moe_module.route_blocks(args[4], 8, 16)[0] == 0
+    grouped_before = fused_moe(*args, activation="silu")
+    first = 1 if case == "out_of_range" else 0
+    if case != "out_of_range":
+        torch.testing.assert_close(grouped_in_kernels.cpu(), fused_moe_reference(*args, activation="silu").cpu(),
+                                   **TOLERANCE[torch.float32])
+    torch.testing.assert_close(grouped_in_kernels[first:].cpu(), grouped_before[first:].cpu(), atol=1e-6, rtol=1e-6)
