@@ -32,6 +32,17 @@ def hf_specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                                  scaling=scaling, sliding_window=sliding_window, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{type(module).__name__} adds learned sinks to its softmax (s_aux), which hf_specdec's paged "
+                         "attention does not compute. Use the model without hf_specdec.enable().")
+    stored = paged_cache.layer_pages(module.layer_idx)[0].shape[-2]
+    if key is not None and key.shape[1] != stored:
+        raise ValueError(
+            f"{type(module).__name__} (layer {module.layer_idx}) hands its attention K/V of {key.shape[1]} heads but "
+            f"stores {stored}: it lays its query heads over its K/V heads itself (e.g. by tiling them), which "
+            "hf_specdec's paged attention, grouping consecutive query heads over each stored head, does not "
+            "reproduce. Use the model without hf_specdec.enable()."
+        )
     return paged_attention_forward(paged_cache, module.layer_idx, query, scaling), None
 
 

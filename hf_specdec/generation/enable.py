@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from hf_specdec.attention import ATTENTION_NAME, register
 from hf_specdec.cache import KVLayout, kv_layout_from_config, split_by_device
+from hf_specdec.cache.kv_layout import text_config_of
 from hf_specdec.config import CacheConfig
 from hf_specdec.generation.experts import restore_experts, select_experts
 from hf_specdec.generation.fusion import fuse_modules, kernels_may_run, unfuse_modules
@@ -256,6 +257,25 @@ def _cache_config(value) -> CacheConfig | None:
                     f"{type(value).__name__}: pass hf_specdec.CacheConfig(block_size=..., ...).")
 
 
+def _check_attention_kind(model) -> None:
+    """Attention that the paged cache and kernels do not compute is refused here, not decoded wrongly later: latent
+    (MLA) caches, whose pages would hold compressed latents of other widths, and learned softmax sinks."""
+    name = type(model).__name__
+    rank = getattr(text_config_of(model.config), "kv_lora_rank", None)
+    if rank:
+        raise ValueError(
+            f"{name} uses multi-head latent attention (kv_lora_rank={rank}): its cache holds compressed latents, "
+            "which hf_specdec's paged cache and attention do not store. Use the model without hf_specdec.enable()."
+        )
+    sinks = next((module_name for module_name, module in model.named_modules()
+                  if isinstance(getattr(module, "sinks", None), torch.Tensor)), None)
+    if sinks is not None:
+        raise ValueError(
+            f"{name}'s attention adds learned sinks to its softmax ({sinks}.sinks), which hf_specdec's paged "
+            "attention does not compute. Use the model without hf_specdec.enable()."
+        )
+
+
 def _check_supported(model) -> None:
     if not isinstance(model, PreTrainedModel) or not hasattr(model, "generate"):
         raise TypeError(
@@ -270,4 +290,5 @@ def _check_supported(model) -> None:
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so "
             "hf_specdec cannot plug its paged attention in. Use the model without hf_specdec.enable()."
         )
+    _check_attention_kind(model)
     check_target_weights(model)  # a quantization format the kernels and the loop do not take is refused

@@ -94,6 +94,9 @@ class ModelRunner:
         self.hooked = HookedState(None)
         self._mask_stub: torch.Tensor | None = None
         self._cache_argument = cache_argument(model.forward)
+        # a MoE config asking for router logits would have the forward compute its load-balancing loss against the
+        # mask stub (a training aid: generate returns no router logits)
+        self._flags = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
 
     def start(self, prompt_lens: list[int], max_new_tokens: int, lookahead: int = 0,
               draft_model: torch.nn.Module | None = None, window_slack: int = 0,
@@ -180,7 +183,7 @@ class ModelRunner:
             input_ids=input_ids, position_ids=position_ids,
             attention_mask=self._mask_stub.expand(input_ids.shape[0], -1, -1, -1),  # a graph's rows: its bucket
             paged_cache=self.cache, use_cache=True, logits_to_keep=keep_logits, return_dict=True,
-            **{self._cache_argument: self.cache}, **extra,
+            **{self._cache_argument: self.cache}, **self._flags, **extra,
         )
         if select is not None:
             out.selected = tuple(select.fn(input_ids, out.logits))

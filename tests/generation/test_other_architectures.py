@@ -1,0 +1,79 @@
+"""Transformers architectures beyond the bundled families: what their attention needs and the paged path does not
+compute is refused before anything is decoded, and MoE configs that ask for router logits decode as transformers."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import hf_specdec
+from tests.tiny_models import _build, left_padded_batch
+
+SMALL = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def gpt_oss():
+    config = transformers.GptOssConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                       sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    return _build(transformers.GptOssForCausalLM, config)
+
+
+def deepseek_v3():
+    config = transformers.DeepseekV3Config(**SMALL, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32,
+                                           moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                                           n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                           kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                           v_head_dim=8)
+    return _build(transformers.DeepseekV3ForCausalLM, config)
+
+
+def jetmoe():
+    config = transformers.JetMoeConfig(**SMALL, num_key_value_heads=2, kv_channels=8, intermediate_size=16,
+                                       num_local_experts=4, num_experts_per_tok=2)
+    return _build(transformers.JetMoeForCausalLM, config)
+
+
+def mixtral(**overrides):
+    config = transformers.MixtralConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, intermediate_size=16,
+                                        num_local_experts=4, num_experts_per_tok=2, **overrides)
+    return _build(transformers.MixtralForCausalLM, config)
+
+
+@pytest.mark.parametrize("build,what", [(gpt_oss, "sinks"), (deepseek_v3, "latent attention")])
+def test_attention_the_paged_path_does_not_compute_is_refused_at_enable(build, what):
+    model = build()
+    with pytest.raises(ValueError, match=what) as refused:
+        hf_specdec.enable(model)
+    assert "without hf_specdec.enable()" in str(refused.value)
+    assert getattr(model, "_hf_specdec", None) is None  # nothing was changed
+
+
+def test_a_model_laying_its_query_heads_over_kv_heads_itself_is_refused_before_any_token():
+    """JetMoE tiles its K/V heads (query head h reads K/V head h % kv_heads); the paged attention groups consecutive
+    query heads over each stored head. Its greedy tokens differed from the first one: now generate says so."""
+    model = jetmoe()
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    try:
+        hf_specdec.enable(model)
+    except ValueError as refused:  # a transformers version whose JetMoE takes no attention backend
+        assert "AttentionInterface" in str(refused)
+        return
+    with pytest.raises(ValueError, match="K/V of 4 heads but stores 2"):
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def test_router_logits_asked_by_the_config_do_not_break_decoding():
+    """output_router_logits=True made the forward compute its load-balancing loss against the loop's mask stub
+    (an IndexError); transformers' greedy tokens come out, batched with left padding too."""
+    model = mixtral(output_router_logits=True)
+    reference = copy.deepcopy(model)
+    hf_specdec.enable(model)
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+    ids, mask = left_padded_batch([6, 3, 5])
+    got = model.generate(ids, attention_mask=mask, **kwargs)
+    reference.config.output_router_logits = False  # transformers' own loss rejects a padded batch's mask
+    assert torch.equal(got, reference.generate(ids, attention_mask=mask, **kwargs))
