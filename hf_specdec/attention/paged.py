@@ -23,6 +23,17 @@ from hf_specdec.kernels._dispatch import on_gpu
 ATTENTION_NAME = "hf_specdec"
 
 
+# attention arguments that change the scores or the softmax; the paged kernels compute neither (a model handing one
+# over is refused, not decoded with it left out)
+UNSUPPORTED_TERMS = {
+    "softcap": "a tanh cap on the scores",
+    "s_aux": "learned softmax sinks",
+    "sinks": "learned softmax sinks",
+    "position_bias": "a bias added to the scores",
+    "block_indices": "sparse key blocks",
+}
+
+
 def hf_specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask, scaling: float | None = None, sliding_window: int | None = None,
                          paged_cache=None, **kwargs):
@@ -32,9 +43,12 @@ def hf_specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                                  scaling=scaling, sliding_window=sliding_window, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(f"{type(module).__name__} adds learned sinks to its softmax (s_aux), which hf_specdec's paged "
-                         "attention does not compute. Use the model without hf_specdec.enable().")
+    changed = [name for name in UNSUPPORTED_TERMS if kwargs.get(name) is not None]
+    if changed:
+        raise ValueError(
+            f"{type(module).__name__} hands its attention {', '.join(changed)} ({UNSUPPORTED_TERMS[changed[0]]}), "
+            "which hf_specdec's paged attention does not compute. Use the model without hf_specdec.enable()."
+        )
     stored = paged_cache.layer_pages(module.layer_idx)[0].shape[-2]
     if key is not None and key.shape[1] != stored:
         raise ValueError(

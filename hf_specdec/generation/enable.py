@@ -259,9 +259,17 @@ def _cache_config(value) -> CacheConfig | None:
 
 def _check_attention_kind(model) -> None:
     """Attention that the paged cache and kernels do not compute is refused here, not decoded wrongly later: latent
-    (MLA) caches, whose pages would hold compressed latents of other widths, and learned softmax sinks."""
+    (MLA) caches, whose pages would hold compressed latents of other widths, capped scores and learned softmax sinks
+    (the attention refuses these too, when a model hands them over)."""
     name = type(model).__name__
-    rank = getattr(text_config_of(model.config), "kv_lora_rank", None)
+    text = text_config_of(model.config)
+    cap = getattr(text, "attn_logit_softcapping", None)
+    if cap:
+        raise ValueError(
+            f"{name} caps its attention scores (attn_logit_softcapping={cap}), which hf_specdec's paged attention does "
+            "not compute. Use the model without hf_specdec.enable()."
+        )
+    rank = getattr(text, "kv_lora_rank", None)
     if rank:
         raise ValueError(
             f"{name} uses multi-head latent attention (kv_lora_rank={rank}): its cache holds compressed latents, "

@@ -1,5 +1,6 @@
 """Transformers architectures beyond the bundled families: what their attention needs and the paged path does not
-compute is refused before anything is decoded, and MoE configs that ask for router logits decode as transformers."""
+compute is refused before anything is decoded (sinks, latent caches, capped scores, K/V heads laid out by the model),
+and MoE configs that ask for router logits decode as transformers."""
 
 import copy
 
@@ -41,7 +42,14 @@ def mixtral(**overrides):
     return _build(transformers.MixtralForCausalLM, config)
 
 
-@pytest.mark.parametrize("build,what", [(gpt_oss, "sinks"), (deepseek_v3, "latent attention")])
+def gemma2():
+    config = transformers.Gemma2Config(**SMALL, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=8, sliding_window=4, attn_logit_softcapping=2.0)
+    return _build(transformers.Gemma2ForCausalLM, config)
+
+
+@pytest.mark.parametrize("build,what", [(gpt_oss, "sinks"), (deepseek_v3, "latent attention"),
+                                        (gemma2, "caps its attention scores")])
 def test_attention_the_paged_path_does_not_compute_is_refused_at_enable(build, what):
     model = build()
     with pytest.raises(ValueError, match=what) as refused:
@@ -77,3 +85,19 @@ def test_router_logits_asked_by_the_config_do_not_break_decoding():
     got = model.generate(ids, attention_mask=mask, **kwargs)
     reference.config.output_router_logits = False  # transformers' own loss rejects a padded batch's mask
     assert torch.equal(got, reference.generate(ids, attention_mask=mask, **kwargs))
+
+
+@pytest.mark.parametrize("term", ["softcap", "s_aux", "position_bias"])
+def test_the_attention_refuses_terms_it_does_not_compute(term):
+    """A model whose config says nothing of them may still hand the attention function a term that changes the
+    scores: the paged forward refuses it rather than leaving it out."""
+    from hf_specdec.attention.paged import hf_specdec_attention
+
+    class Paged:  # a forward under way: the paged path is taken
+        meta = object()
+
+    module = torch.nn.Linear(1, 1)
+    module.layer_idx = 0
+    q = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(ValueError, match=term):
+        hf_specdec_attention(module, q, None, None, None, paged_cache=Paged(), **{term: torch.zeros(4)})
