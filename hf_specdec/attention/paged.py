@@ -49,13 +49,20 @@ def hf_specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
             f"{type(module).__name__} hands its attention {', '.join(changed)} ({UNSUPPORTED_TERMS[changed[0]]}), "
             "which hf_specdec's paged attention does not compute. Use the model without hf_specdec.enable()."
         )
-    stored = paged_cache.layer_pages(module.layer_idx)[0].shape[-2]
+    k_cache, v_cache = paged_cache.layer_pages(module.layer_idx)[:2]
+    stored = k_cache.shape[-2]
     if key is not None and key.shape[1] != stored:
         raise ValueError(
             f"{type(module).__name__} (layer {module.layer_idx}) hands its attention K/V of {key.shape[1]} heads but "
             f"stores {stored}: it lays its query heads over its K/V heads itself (e.g. by tiling them), which "
             "hf_specdec's paged attention, grouping consecutive query heads over each stored head, does not "
             "reproduce. Use the model without hf_specdec.enable()."
+        )
+    if value is not None and value.shape[-1] != v_cache.shape[-1]:
+        raise ValueError(
+            f"{type(module).__name__} (layer {module.layer_idx}) hands its attention values {value.shape[-1]} wide "
+            f"but stores them {v_cache.shape[-1]} wide: it attends over parts of what it stored, which hf_specdec's "
+            "paged attention, reading the stored pages, does not reproduce. Use the model without hf_specdec.enable()."
         )
     return paged_attention_forward(paged_cache, module.layer_idx, query, scaling), None
 
@@ -67,6 +74,8 @@ def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, sc
     KV-shared layers): the kept slots are the last ones, so their positions follow from q_len. A layer whose pages
     live on another device (a KV-shared layer placed apart from its producer) sends its queries there and back."""
     k_cache, v_cache, block_tables, window = paged_cache.layer_pages(layer_idx)
+    if paged_cache.layers_seen is not None:  # a prefill checks that every layer that stored K/V read them
+        paged_cache.layers_seen[1].add(layer_idx)
     meta = paged_cache.meta_on(k_cache.device)
     q_len = query.shape[2]
     q_lens, q_pos0 = meta.q_lens, meta.q_pos0

@@ -274,6 +274,8 @@ class PagedKVCache(Cache):
         # group (``local_heads`` / ``gather_heads``), with which a drafter's Q-only attention over these pages
         # (``paged_query_attention``) attends with the matching query heads and gathers the others. None otherwise.
         self.head_shard = None
+        # during a checked forward (a prefill): the layers that stored K/V and the layers whose attention read pages
+        self.layers_seen: tuple[set[int], set[int]] | None = None
 
     def widen_windows(self, extra: int) -> None:
         """Sliding groups keep ``extra`` more positions behind a row's length: for forwards queued before the
@@ -492,6 +494,14 @@ class PagedKVCache(Cache):
                 "PagedKVCache is filled by hf_specdec's generate loop (begin_forward/commit). To run a plain "
                 "forward with a cache, pass a transformers DynamicCache instead."
             )
+        if layer_idx not in self.layout.layer_slot:
+            raise ValueError(
+                f"the model stores K/V for layer {layer_idx}, which its config does not describe (layers run more than "
+                "once, or K/V slots beyond the layers): hf_specdec's paged cache holds one slot per layer of the "
+                "config. Use the model without hf_specdec.enable()."
+            )
+        if self.layers_seen is not None:
+            self.layers_seen[0].add(layer_idx)
         group, index = self.layout.layer_slot[layer_idx]
         batch, heads, q_len, dim = key_states.shape
         if q_len != self.meta.q_len:

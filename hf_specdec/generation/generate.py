@@ -29,6 +29,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 
+from hf_specdec.cache.kv_layout import text_config_of
 from hf_specdec.config import AUTO
 from hf_specdec.generation.acceptance import Acceptance
 from hf_specdec.generation.decode import paged_decode
@@ -86,7 +87,8 @@ def generate(self, inputs=None, generation_config=None, logits_processor=None, s
         decode = functools.partial(paged_decode, streamer=streamer)
     if inputs is None and kwargs.get("input_ids") is None and kwargs.get("inputs_embeds") is None:
         inputs = _bos_prompt(self, config, kwargs)  # (None without a BOS token: transformers says what to pass)
-    unsupported = _paged_loop_unsupported(config, inputs, kwargs) or call_unsupported(self, kwargs)
+    unsupported = (_paged_loop_unsupported(config, inputs, kwargs) or _rotary_switch(self, config, inputs, kwargs)
+                   or call_unsupported(self, kwargs))
     if unsupported:
         if speculative:
             raise ValueError(f"speculative decoding does not support {unsupported}; drop it, or drop the "
@@ -219,12 +221,34 @@ def _paged_loop_unsupported(config, inputs, kwargs) -> str | None:
             return f"a user-supplied {name}"
     if kwargs.get("custom_generate") is not None:
         return "custom_generate"
+    if kwargs.get("token_type_ids") is not None:  # transformers extends them every step; the paged steps take ids only
+        return "token_type_ids"
     if inputs is None and kwargs.get("input_ids") is None:
         return "a call without a prompt (pass input_ids, or set the generation config's bos_token_id)"
     if config.return_dict_in_generate:
         wanted = [n for n in ("output_attentions", "output_hidden_states") if getattr(config, n, False)]
         if wanted:
             return " / ".join(f"{n}=True" for n in wanted)
+    return None
+
+
+def _rotary_switch(model, config, inputs, kwargs) -> str | None:
+    """Longrope rotary (Phi-3 long-context models) uses other factors from ``original_max_position_embeddings`` on:
+    transformers' loop drops its cache when a call's sequence first grows past it and encodes every position again
+    with the long factors, which cached pages cannot follow. Such calls take transformers' loop."""
+    text = text_config_of(model.config)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    original = getattr(text, "original_max_position_embeddings", None) or rope.get("original_max_position_embeddings")
+    if rope.get("rope_type", rope.get("type")) != "longrope" or not original:
+        return None
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    width = ids.shape[1]
+    last = width + config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or width)
+    if width <= original < last:
+        return (f"a call whose sequence grows past original_max_position_embeddings={original} with longrope rotary "
+                "(its positions are encoded again with the long factors there)")
     return None
 
 

@@ -162,7 +162,9 @@ class ModelRunner:
         else:
             plan = self.cache.plan_at(starts, input_ids.shape[1])
         extra = {k: v for k, v in model_kwargs.items() if k not in _RUNNER_KEYS}
-        if prefill or self.graphs is None or not self.graphs.can_run(input_ids, extra):
+        if prefill:
+            return self._checked_prefill(input_ids, plan, keep_logits, extra, select)
+        if self.graphs is None or not self.graphs.can_run(input_ids, extra):
             return self._eager(input_ids, plan, keep_logits, extra, select)
         key = self.graphs.key(input_ids, keep_logits, select)
         if self.graphs.has(key):
@@ -172,6 +174,25 @@ class ModelRunner:
         out = self._eager(input_ids, plan, keep_logits, extra, select)
         self.graphs.capture(key, input_ids, plan,
                             lambda ids: self._forward(ids, self.cache.meta.position_ids, keep_logits, {}, select))
+        return out
+
+    def _checked_prefill(self, input_ids, plan, keep_logits, extra, select):
+        """A request's first forward, checking that every layer that stored K/V attended through the pages: a model
+        whose layer does not hand the cache's forward to its attention (it drops the attention's kwargs) or that
+        stores under other layer indices than it reads would otherwise decode silently wrong."""
+        self.cache.layers_seen = (set(), set())
+        try:
+            out = self._eager(input_ids, plan, keep_logits, extra, select)
+            stored, attended = self.cache.layers_seen
+        finally:
+            self.cache.layers_seen = None
+        missed = sorted(stored - attended)
+        if missed:
+            raise ValueError(
+                f"{type(self.model).__name__}: layers {missed} stored K/V in hf_specdec's paged cache but their attention "
+                "did not read it (the layer does not pass the attention's keyword arguments on, or reads under another "
+                "layer index), so it would decode wrongly. Use the model without hf_specdec.enable()."
+            )
         return out
 
     def _eager(self, input_ids, plan, keep_logits, extra, select=None):

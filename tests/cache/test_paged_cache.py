@@ -174,3 +174,13 @@ def test_a_forward_description_copied_in_one_piece_views_the_same_values():
     for got, want in zip(moved, tensors):
         assert got.dtype == want.dtype and torch.equal(got, want)
         assert got.storage_offset() * got.element_size() % 16 == 0
+
+
+def test_a_layer_the_layout_does_not_describe_is_refused_by_name():
+    """A model that runs its layers more than once stores K/V under indices past its config's layers: a clear
+    error, not a KeyError from the layout."""
+    cache = PagedKVCache(LAYOUT, [64, 64], 1, block_size=4, dtype=torch.float32, device="cpu")
+    cache.begin_forward([2], 2)
+    k = torch.zeros(1, 2, 2, 8)
+    with pytest.raises(ValueError, match="stores K/V for layer 3, which its config does not describe"):
+        cache.update(k, k, 3)

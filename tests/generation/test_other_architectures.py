@@ -101,3 +101,65 @@ def test_the_attention_refuses_terms_it_does_not_compute(term):
     q = torch.zeros(1, 4, 1, 8)
     with pytest.raises(ValueError, match=term):
         hf_specdec_attention(module, q, None, None, None, paged_cache=Paged(), **{term: torch.zeros(4)})
+
+
+def nemotron():
+    config = transformers.NemotronConfig(**SMALL, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    return _build(transformers.NemotronForCausalLM, config)
+
+
+def test_a_layer_whose_attention_does_not_read_what_it_stored_is_refused_at_the_first_forward():
+    """Nemotron's decoder layer does not pass the attention's kwargs on: its attention took SDPA over this forward's
+    K/V alone, and decoded other tokens silently."""
+    model = hf_specdec.enable(nemotron())
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] stored K/V .* did not read it"):
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def test_values_of_another_width_than_stored_are_refused():
+    from hf_specdec.attention.paged import hf_specdec_attention
+
+    class Paged:
+        meta, layers_seen = object(), None
+
+        def layer_pages(self, layer):
+            return torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), None, None
+
+    module = torch.nn.Linear(1, 1)
+    module.layer_idx = 0
+    q, k = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 1, 8)
+    with pytest.raises(ValueError, match="values 4 wide but stores them 8 wide"):
+        hf_specdec_attention(module, q, k, torch.zeros(1, 2, 1, 4), None, paged_cache=Paged())
+
+
+def test_token_type_ids_take_transformers_loop():
+    """transformers extends token_type_ids every step (GPT-2 embeds them); the paged steps pass ids only."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4,
+                                                                 n_positions=64, pad_token_id=0)).eval()
+    reference = copy.deepcopy(model)
+    hf_specdec.enable(model)
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(token_type_ids=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+    assert hf_specdec.last_generation_stats(model) is None  # transformers' loop ran
+
+
+def test_longrope_calls_crossing_the_original_length_take_transformers_loop():
+    """Phi-3's longrope switches to its long factors past original_max_position_embeddings and transformers encodes
+    every position again there: the paged loop's tokens differed from the 6th new one."""
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(**SMALL, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=64, original_max_position_embeddings=16,
+                                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                      "short_factor": [1.0] * 4,
+                                                      "long_factor": [1.0 + 3.0 * i for i in range(4)]})
+    model = _build(transformers.Phi3ForCausalLM, config)
+    reference = copy.deepcopy(model)
+    hf_specdec.enable(model)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    for width, paged in ((11, False), (20, True)):  # crosses 16 while decoding / past it from the prompt on
+        ids = torch.randint(3, 97, (1, width), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+        assert (hf_specdec.last_generation_stats(model) is not None) == paged
