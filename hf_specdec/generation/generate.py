@@ -221,8 +221,6 @@ def _paged_loop_unsupported(config, inputs, kwargs) -> str | None:
             return f"a user-supplied {name}"
     if kwargs.get("custom_generate") is not None:
         return "custom_generate"
-    if kwargs.get("token_type_ids") is not None:  # transformers extends them every step; the paged steps take ids only
-        return "token_type_ids"
     if inputs is None and kwargs.get("input_ids") is None:
         return "a call without a prompt (pass input_ids, or set the generation config's bos_token_id)"
     if config.return_dict_in_generate:

@@ -6,6 +6,9 @@ numbers positions one per token. Some models attend otherwise, or number otherwi
 - Gemma 4 with ``use_bidirectional_attention="vision"`` lets each image's or video's tokens (``mm_token_type_ids``
   1 or 2) attend to each other both ways; Gemma 3's image-text model does so for image tokens (``token_type_ids``
   1); a text config with ``use_bidirectional_attention`` True or ``"all"`` attends both ways everywhere.
+- ``token_type_ids`` other than Gemma 3's: GPT-2 and its kin embed them at every step, PaliGemma's prefix attends
+  both ways.
+- DiffLlama and Doge attend in their own ways (differential attention; a dynamic mask of their own) at every call.
 - Models whose rotary positions come from the images' and videos' grids (``image_grid_thw`` /
   ``video_grid_thw``: Qwen2-VL and its successors, GLM-4V) number an image's tokens by rows and columns.
 
@@ -41,6 +44,26 @@ def attention_both_ways(model, kwargs: dict) -> str | None:
     return None
 
 
+def token_types(model, kwargs: dict) -> str | None:
+    """``token_type_ids`` that the model reads at every step (GPT-2 embeds them; transformers extends them each step,
+    the paged steps pass token ids only) or that shape its mask (PaliGemma's prefix attends both ways). Gemma 3's
+    image-text model reads them for its image tokens' mask alone (``attention_both_ways``)."""
+    if kwargs.get("token_type_ids") is None or getattr(model.config, "model_type", None) == "gemma3":
+        return None
+    return "token_type_ids (read at every step or by the mask)"
+
+
+# models whose attention reads other than the stored K/V with a causal mask, in shapes no check sees
+_OWN_ATTENTION = {
+    "diffllama": "differential attention (each half of the heads over a part of the values)",
+    "doge": "an attention mask of its own (dynamic masks added to the scores)",
+}
+
+
+def attention_of_its_own(model, kwargs: dict) -> str | None:
+    return _OWN_ATTENTION.get(getattr(getattr(model, "config", None), "model_type", None))
+
+
 def grid_positions(model, kwargs: dict) -> str | None:
     passed = [name for name in ("image_grid_thw", "video_grid_thw") if kwargs.get(name) is not None]
     if passed:
@@ -50,3 +73,5 @@ def grid_positions(model, kwargs: dict) -> str | None:
 
 register_call_check(attention_both_ways)
 register_call_check(grid_positions)
+register_call_check(token_types)
+register_call_check(attention_of_its_own)

@@ -163,3 +163,15 @@ def test_longrope_calls_crossing_the_original_length_take_transformers_loop():
         ids = torch.randint(3, 97, (1, width), generator=torch.Generator().manual_seed(1))
         assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
         assert (hf_specdec.last_generation_stats(model) is not None) == paged
+
+
+def test_differential_attention_takes_transformers_loop():
+    """DiffLlama attends over halves of the values it stored, in the same shapes: its calls run transformers' loop."""
+    config = transformers.DiffLlamaConfig(**SMALL, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    model = _build(transformers.DiffLlamaForCausalLM, config)
+    reference = copy.deepcopy(model)
+    hf_specdec.enable(model)
+    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+    assert hf_specdec.last_generation_stats(model) is None

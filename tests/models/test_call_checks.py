@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import hf_specdec
-from hf_specdec.models.call_checks import attention_both_ways, grid_positions
+from hf_specdec.models.call_checks import attention_both_ways, grid_positions, token_types
 from tests.models.gemma4.helpers import assistant_config_dict, random_state_dict, released_layout, write_checkpoint
 from tests.tiny_models import gemma4_31b_style
 
@@ -119,6 +119,9 @@ def test_the_checks_name_only_calls_that_need_them():
     assert attention_both_ways(model("gemma3"), dict(token_type_ids=images))
     assert not attention_both_ways(model("gemma3"), dict(token_type_ids=torch.zeros_like(images)))
     assert not attention_both_ways(model("llava"), dict(token_type_ids=images))
+    assert token_types(model("gpt2"), dict(token_type_ids=torch.zeros_like(images)))  # embedded every step
+    assert not token_types(model("gemma3"), dict(token_type_ids=images))  # its mask: attention_both_ways
+    assert not token_types(model("gpt2"), dict(token_type_ids=None))
     assert grid_positions(None, dict(image_grid_thw=torch.tensor([[1, 2, 2]])))
     assert grid_positions(None, dict(video_grid_thw=torch.tensor([[1, 2, 2]])))
     assert not grid_positions(None, dict(image_grid_thw=None))
