@@ -235,7 +235,8 @@ def _rotary_switch(model, config, inputs, kwargs) -> str | None:
     transformers' loop drops its cache when a call's sequence first grows past it and encodes every position again
     with the long factors, which cached pages cannot follow. Such calls take transformers' loop."""
     text = text_config_of(model.config)
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    rope = rope if isinstance(rope, Mapping) else {}
     original = getattr(text, "original_max_position_embeddings", None) or rope.get("original_max_position_embeddings")
     if rope.get("rope_type", rope.get("type")) != "longrope" or not original:
         return None
