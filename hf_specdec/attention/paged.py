@@ -43,6 +43,14 @@ def hf_specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                                  scaling=scaling, sliding_window=sliding_window, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if paged_cache.layers_seen is not None:  # a request's first forward: what the model hands over, checked once
+        _check_handed(module, key, value, kwargs, paged_cache)
+    return paged_attention_forward(paged_cache, module.layer_idx, query, scaling), None
+
+
+def _check_handed(module, key, value, kwargs, paged_cache) -> None:
+    """What a layer hands its attention and the paged kernels would not reproduce, refused: a term that changes the
+    scores or the softmax, K/V heads laid out by the model, values of another width than stored."""
     changed = [name for name in UNSUPPORTED_TERMS if kwargs.get(name) is not None]
     if changed:
         raise ValueError(
@@ -64,7 +72,6 @@ def hf_specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
             f"but stores them {v_cache.shape[-1]} wide: it attends over parts of what it stored, which hf_specdec's "
             "paged attention, reading the stored pages, does not reproduce. Use the model without hf_specdec.enable()."
         )
-    return paged_attention_forward(paged_cache, module.layer_idx, query, scaling), None
 
 
 def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -93,8 +93,8 @@ def test_the_attention_refuses_terms_it_does_not_compute(term):
     scores: the paged forward refuses it rather than leaving it out."""
     from hf_specdec.attention.paged import hf_specdec_attention
 
-    class Paged:  # a forward under way: the paged path is taken
-        meta = object()
+    class Paged:  # a request's first forward under way: the paged path is taken and checked
+        meta, layers_seen = object(), (set(), set())
 
     module = torch.nn.Linear(1, 1)
     module.layer_idx = 0
@@ -121,7 +121,7 @@ def test_values_of_another_width_than_stored_are_refused():
     from hf_specdec.attention.paged import hf_specdec_attention
 
     class Paged:
-        meta, layers_seen = object(), None
+        meta, layers_seen = object(), (set(), set())
 
         def layer_pages(self, layer):
             return torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), None, None
