@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import (
     Gemma4ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     Gemma4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -79,6 +81,21 @@ def qwen3(**overrides) -> Qwen3ForCausalLM:
                   num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     config.update(overrides)
     return _build(Qwen3ForCausalLM, Qwen3Config(**config))
+
+
+def gpt_oss(**overrides) -> GptOssForCausalLM:
+    """gpt-oss-style: learned softmax sinks on every layer (spread widely, so they move the scores), alternating
+    sliding and full layers, experts with biases and a clamped SwiGLU (transformers' experts run them)."""
+    config = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                  layer_types=[S, F], pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config.update(overrides)
+    model = _build(GptOssForCausalLM, GptOssConfig(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0, 2.0)
+    return model
 
 
 def _build(cls, config):

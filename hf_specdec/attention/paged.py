@@ -6,10 +6,14 @@ already in the pages (``PagedKVCache.update``), and attention reads the layer's 
 layer reads its producer's — applying causal and sliding-window masking itself; the mask argument is
 ignored. Without ``paged_cache`` (a plain ``model(...)`` call, training, a DynamicCache) the model's
 original attention runs, so an enabled model still behaves as before.
+
+Learned softmax sinks (gpt-oss hands them over as ``s_aux``) are computed by the paged kernels: each query head's
+sink logit joins its softmax's denominator.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,39 +27,47 @@ from hf_specdec.kernels._dispatch import on_gpu
 ATTENTION_NAME = "hf_specdec"
 
 
-# attention arguments that change the scores or the softmax; the paged kernels compute neither (a model handing one
-# over is refused, not decoded with it left out)
+# attention arguments that change the scores or the softmax; the paged kernels compute none of these (a model handing
+# one over is refused, not decoded with it left out)
 UNSUPPORTED_TERMS = {
     "softcap": "a tanh cap on the scores",
-    "s_aux": "learned softmax sinks",
-    "sinks": "learned softmax sinks",
     "position_bias": "a bias added to the scores",
     "block_indices": "sparse key blocks",
 }
+# the names under which a model hands its attention learned softmax sinks (one logit per query head), which it computes
+SINK_TERMS = ("s_aux", "sinks")
 
 
 def hf_specdec_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask, scaling: float | None = None, sliding_window: int | None = None,
                          paged_cache=None, **kwargs):
     """query [batch, heads, q_len, head_dim] -> (out [batch, q_len, heads, head_dim], None)."""
+    sinks = next((kwargs[name] for name in SINK_TERMS if kwargs.get(name) is not None), None)
     if paged_cache is None or paged_cache.meta is None:
-        return _fallback(module)(module, query, key, value, attention_mask,
-                                 scaling=scaling, sliding_window=sliding_window, **kwargs)
+        return _fallback(module, sinks)(module, query, key, value, attention_mask,
+                                        scaling=scaling, sliding_window=sliding_window, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if paged_cache.layers_seen is not None:  # a request's first forward: what the model hands over, checked once
-        _check_handed(module, key, value, kwargs, paged_cache)
-    return paged_attention_forward(paged_cache, module.layer_idx, query, scaling), None
+        _check_handed(module, query, key, value, kwargs, paged_cache, sinks)
+    return paged_attention_forward(paged_cache, module.layer_idx, query, scaling, sinks=sinks), None
 
 
-def _check_handed(module, key, value, kwargs, paged_cache) -> None:
+def _check_handed(module, query, key, value, kwargs, paged_cache, sinks) -> None:
     """What a layer hands its attention and the paged kernels would not reproduce, refused: a term that changes the
-    scores or the softmax, K/V heads laid out by the model, values of another width than stored."""
+    scores or the softmax, sinks that are not one per query head, K/V heads laid out by the model, values of another
+    width than stored."""
     changed = [name for name in UNSUPPORTED_TERMS if kwargs.get(name) is not None]
     if changed:
         raise ValueError(
             f"{type(module).__name__} hands its attention {', '.join(changed)} ({UNSUPPORTED_TERMS[changed[0]]}), "
             "which hf_specdec's paged attention does not compute. Use the model without hf_specdec.enable()."
+        )
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != query.shape[1]):
+        raise ValueError(
+            f"{type(module).__name__} (layer {module.layer_idx}) hands its attention sinks of shape "
+            f"{tuple(sinks.shape)} for {query.shape[1]} query heads; hf_specdec's paged attention takes one sink logit "
+            "per query head. Use the model without hf_specdec.enable()."
         )
     k_cache, v_cache = paged_cache.layer_pages(module.layer_idx)[:2]
     stored = k_cache.shape[-2]
@@ -74,8 +86,10 @@ def _check_handed(module, key, value, kwargs, paged_cache) -> None:
         )
 
 
-def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention of this forward's queries [batch, heads, q_len, head_dim] over a layer's pages.
+def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, scaling: float,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of this forward's queries [batch, heads, q_len, head_dim] over a layer's pages (``sinks``: one
+    learned logit per query head in each query's softmax denominator).
 
     The model may have dropped leading query slots (Gemma 4 slices to ``logits_to_keep`` before its
     KV-shared layers): the kept slots are the last ones, so their positions follow from q_len. A layer whose pages
@@ -91,7 +105,8 @@ def paged_attention_forward(paged_cache, layer_idx: int, query: torch.Tensor, sc
         q_lens = q_lens.clamp(max=q_len)
     with on_gpu(k_cache.device):  # a layer placed apart from the pages it reads
         out = paged_attention(query.transpose(1, 2).to(k_cache.device), k_cache, v_cache, block_tables, meta.kv_lens,
-                              q_pos0, q_lens, scale=scaling, sliding_window=window, validate=False)
+                              q_pos0, q_lens, scale=scaling, sliding_window=window, validate=False,
+                              sinks=None if sinks is None else sinks.to(k_cache.device))
     return out.to(query.device)
 
 
@@ -144,10 +159,33 @@ def paged_query_attention(paged_cache, layer_idx: int, query: torch.Tensor, rows
     return (out if shard is None else shard.gather_heads(out, dim=2)).to(home)
 
 
-def _fallback(module: torch.nn.Module):
+def _fallback(module: torch.nn.Module, sinks: torch.Tensor | None = None):
     # hf_specdec registers sdpa's boolean masks under its name, so every model falls back to sdpa
-    # (eager and flash originals compute the same function, up to rounding).
-    return sdpa_attention_forward
+    # (eager and flash originals compute the same function, up to rounding). SDPA has no sink term: a model handing
+    # over sinks runs its own module's eager function (gpt-oss's), with the boolean mask made additive.
+    if sinks is None:
+        return sdpa_attention_forward
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(
+            f"{type(module).__name__} hands its attention learned softmax sinks, and hf_specdec finds no eager "
+            "attention function of its model to run them outside its paged loop. Use the model without "
+            "hf_specdec.enable()."
+        )
+
+    def eager_with_additive_mask(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is None and query.shape[2] > 1:
+            # sdpa's mask builder leaves out a mask SDPA's own causal flag replaces: the queries then end with the
+            # keys and see nothing padded (and no window cuts their keys): a plain causal mask
+            q_len, kv_len = query.shape[2], key.shape[2]
+            positions = torch.arange(kv_len - q_len, kv_len, device=query.device)
+            attention_mask = torch.arange(kv_len, device=query.device) <= positions[:, None]
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        return eager(module, query, key, value, attention_mask, **kwargs)
+
+    return eager_with_additive_mask
 
 
 def register() -> None:

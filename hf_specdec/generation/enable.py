@@ -259,8 +259,8 @@ def _cache_config(value) -> CacheConfig | None:
 
 def _check_attention_kind(model) -> None:
     """Attention that the paged cache and kernels do not compute is refused here, not decoded wrongly later: latent
-    (MLA) caches, whose pages would hold compressed latents of other widths, capped scores and learned softmax sinks
-    (the attention refuses these too, when a model hands them over)."""
+    (MLA) caches, whose pages would hold compressed latents of other widths, and capped scores (the attention refuses
+    these too, when a model hands them over). Learned softmax sinks (gpt-oss) are computed."""
     name = type(model).__name__
     text = text_config_of(model.config)
     cap = getattr(text, "attn_logit_softcapping", None)
@@ -274,13 +274,6 @@ def _check_attention_kind(model) -> None:
         raise ValueError(
             f"{name} uses multi-head latent attention (kv_lora_rank={rank}): its cache holds compressed latents, "
             "which hf_specdec's paged cache and attention do not store. Use the model without hf_specdec.enable()."
-        )
-    sinks = next((module_name for module_name, module in model.named_modules()
-                  if isinstance(getattr(module, "sinks", None), torch.Tensor)), None)
-    if sinks is not None:
-        raise ValueError(
-            f"{name}'s attention adds learned sinks to its softmax ({sinks}.sinks), which hf_specdec's paged "
-            "attention does not compute. Use the model without hf_specdec.enable()."
         )
 
 

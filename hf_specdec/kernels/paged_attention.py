@@ -107,10 +107,11 @@ def _paged_attention_kernel(
     qk_scale, sliding_window,
     part_acc_ptr, part_ml_ptr,  # split-KV partials: [batch, q_len, num_heads, num_splits, head_dim] and [..., 2]
     num_splits, chunk_keys,
+    sinks_ptr,  # [num_heads]: each query head's learned sink logit (HAS_SINKS)
     GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -172,6 +173,13 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + part * 2, m_i, mask=in_tile)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=in_tile)
     else:
+        if HAS_SINKS:
+            # The sink joins the softmax's denominator, not its values: exp(sink) added to the sum at a common max.
+            sink = tl.load(sinks_ptr + head, mask=in_tile, other=0.0).to(tl.float32) * 1.4426950408889634  # base 2
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_f)  # 0 where no key was seen (m_i = -inf)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_f)
         # Padding rows and queries without a visible key have acc = 0, l = 0: they output 0.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + row * stride_ob + slot[:, None] * stride_ot + head[:, None] * stride_oh
@@ -185,7 +193,8 @@ def _merge_splits_kernel(
     out_ptr,  # [batch, q_len, num_heads, head_dim], any strides
     stride_ob, stride_ot, stride_oh, stride_od,
     q_len, num_heads, head_dim, num_splits,
-    BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+    sinks_ptr,  # [num_heads]: each query head's learned sink logit (HAS_SINKS)
+    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -204,6 +213,9 @@ def _merge_splits_kernel(
     for s0 in range(0, num_splits, GROUP):
         for j in tl.static_range(GROUP):
             m = tl.maximum(m, tl.load(part_ml_ptr + (base + s0 + j) * 2))
+    if HAS_SINKS:  # the sink joins the denominator, after the splits (as in the unsplit kernel)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e): base 2 like m
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     l = 0.0
@@ -214,6 +226,8 @@ def _merge_splits_kernel(
             w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_safe))
             total += tl.load(part_acc_ptr + part * head_dim + d, mask=d_mask, other=0.0) * w
             l += tl.load(part_ml_ptr + part * 2 + 1) * w
+    if HAS_SINKS:
+        l += tl.exp2(sink - m_safe)
     out = total / tl.where(l == 0.0, 1.0, l)
     tl.store(out_ptr + row * stride_ob + slot * stride_ot + head * stride_oh + d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -342,9 +356,14 @@ def paged_attention(
     causal: bool = True,
     out: torch.Tensor | None = None,  # [batch, q_len, num_heads, head_dim]
     validate: bool = True,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:
     """Attention of `q` over paged K/V (see the module docstring); returns [batch, q_len, num_heads,
     head_dim] in q.dtype, written into `out` when given. Softmax of ``scale * q.k`` in fp32.
+
+    ``sinks``: one learned logit per query head that joins each query's softmax denominator and carries no value
+    (gpt-oss's attention sinks): the weights of the keys become ``exp(s_j) / (sum_i exp(s_i) + exp(sink))``. A query
+    that sees no key still outputs 0.
 
     The Triton path never syncs with the host, so it can be captured in a CUDA graph. ``validate=False``
     skips the argument checks: for callers whose metadata comes from a PagedKVCache (every layer of every
@@ -352,13 +371,15 @@ def paged_attention(
     """
     if validate:
         _check_paged_attention_args(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
-                                    scale, sliding_window, out)
+                                    scale, sliding_window, out, sinks)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.numel() == 0:
         return out
     if use_triton(q):
         run = _paged_attention_triton
+    elif sinks is not None:  # the CPU's SDPA paths have no sink term: the reference's own softmax
+        run = paged_attention_reference
     elif q.device.type == "cpu" and q.shape[1] > 1 and causal and paged_attention_prompt(
             q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, scale=scale, sliding_window=sliding_window,
             out=out):
@@ -373,7 +394,7 @@ def paged_attention(
     else:
         run = paged_attention_reference
     run(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
-        scale=scale, sliding_window=sliding_window, causal=causal, out=out)
+        scale=scale, sliding_window=sliding_window, causal=causal, out=out, sinks=sinks)
     return out
 
 
@@ -411,7 +432,7 @@ def num_kv_splits(chunk: int, max_keys: int, aligned_start: bool) -> int:
 
 def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens, *, scale,
                             sliding_window, causal, out, block_n=None, kv_chunk_keys=None,
-                            num_stages=None) -> torch.Tensor:
+                            num_stages=None, sinks=None) -> torch.Tensor:
     batch, q_len, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check(head_dim <= MAX_TRITON_HEAD_DIM, f"the Triton kernel supports head_dim <= {MAX_TRITON_HEAD_DIM}, "
@@ -445,19 +466,20 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
         *q.stride(), *out.stride(),
         block_tables.stride(0), q_len, num_kv_heads, head_dim, block_size, block_tables.shape[1],
         scale * math.log2(math.e), sliding_window or 0,
-        part_acc, part_ml, num_splits, max(chunk, 1),
+        part_acc, part_ml, num_splits, max(chunk, 1), out if sinks is None else sinks,
         GROUP=group, BLOCK_T=tiles.block_t, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=tiles.block_d, CAUSAL=causal, HAS_WINDOW=sliding_window is not None,
         # fp32 inputs must not be rounded to tf32: fp32 is the exactness dtype of the tests.
         DOT_PRECISION="ieee" if ieee else "tf32",
-        UPCAST_DOT=upcast_dot, SPLIT=num_splits > 1,
+        UPCAST_DOT=upcast_dot, SPLIT=num_splits > 1, HAS_SINKS=sinks is not None,
         num_warps=tiles.num_warps, **({} if tiles.num_stages is None else {"num_stages": tiles.num_stages}),
         **pdl_args(out),
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch * q_len, num_heads)](
             part_acc, part_ml, out, *out.stride(), q_len, num_heads, head_dim, num_splits,
-            BLOCK_D=tiles.block_d, GROUP=math.gcd(8, num_splits), **pdl_args(out),
+            out if sinks is None else sinks,
+            BLOCK_D=tiles.block_d, GROUP=math.gcd(8, num_splits), HAS_SINKS=sinks is not None, **pdl_args(out),
         )
     return out
 
@@ -465,11 +487,13 @@ def _paged_attention_triton(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, kv_lens: torch.Tensor, q_pos0: torch.Tensor,
                               q_lens: torch.Tensor, *, scale: float, sliding_window: int | None = None,
-                              causal: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+                              causal: bool = True, out: torch.Tensor | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Torch version of paged_attention (the same arguments and shapes): the CPU path and the test oracle.
 
     Gathers each row's visible pages into dense fp32 [batch, num_kv_heads, L, head_dim] keys/values
-    and runs one masked fp32 SDPA for the whole batch. Reads L from the device (one sync).
+    and runs one masked fp32 SDPA for the whole batch (with ``sinks``, a softmax of its own over the scores and the
+    sinks). Reads L from the device (one sync).
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -486,7 +510,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         mask = _grouped_mask(visible, group)
     else:  # a long prefill: its mask is not kept between layers (it would hold 4 bytes per query and key)
         mask = visible[:, None].expand(-1, group, -1, -1).reshape(batch, 1, group * q_len, -1)
-    result = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    if sinks is None:
+        result = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    else:
+        result = _attend_with_sinks(qg, keys, values, mask, scale, sinks.float().view(num_kv_heads, group), q_len)
     # Queries that see no key output 0, whatever the SDPA backend makes of an all-masked row.
     if sees_key is not None:
         result = torch.where(sees_key[:, None, None, :, None].expand(-1, 1, group, -1, -1)
@@ -496,6 +523,17 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if out is None:
         return result.to(q.dtype)
     return out.copy_(result)
+
+
+def _attend_with_sinks(qg, keys, values, mask, scale, sinks, q_len):
+    """Softmax attention whose denominator also holds each head's ``exp(sink)``: qg [batch, kv, group * q_len, D]
+    (the group's heads stacked along the queries), mask additive or boolean (True: visible), sinks [kv, group]."""
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    sink = sinks[:, :, None].expand(-1, -1, q_len).reshape(1, sinks.shape[0], -1, 1)
+    combined = torch.cat([scores, sink.expand(scores.shape[0], -1, -1, -1)], dim=-1)
+    probs = torch.softmax(combined, dim=-1)[..., :-1]  # the sink's share is dropped: it carries no value
+    return torch.matmul(probs, values)
 
 
 def _visible_key_range(kv_lens, q_pos0, q_lens, q_len, sliding_window, causal):
@@ -846,7 +884,7 @@ def _key_slots(block_tables, block_size, kv_lo, kv_hi):
 
 
 def _check_paged_attention_args(q, k_cache, v_cache, block_tables, kv_lens, q_pos0, q_lens,
-                                scale, sliding_window, out) -> None:
+                                scale, sliding_window, out, sinks=None) -> None:
     check_paged_cache(k_cache, v_cache)
     check(q.dim() == 4, f"q must be [batch, q_len, num_heads, head_dim], got shape {tuple(q.shape)}")
     batch, _, num_heads, head_dim = q.shape
@@ -867,6 +905,10 @@ def _check_paged_attention_args(q, k_cache, v_cache, block_tables, kv_lens, q_po
               f"pass {name}.to(torch.int32).contiguous()")
     check(sliding_window is None or sliding_window >= 1, f"sliding_window must be None or >= 1, got {sliding_window}")
     check(isinstance(scale, (int, float)), f"scale must be a python float, got {type(scale).__name__}")
+    if sinks is not None:
+        check(sinks.shape == (num_heads,) and sinks.is_floating_point(),
+              f"sinks must be one float logit per query head, [{num_heads}], got {tuple(sinks.shape)} {sinks.dtype}")
+        check_same_device(q=q, sinks=sinks)
     if out is not None:
         check(out.shape == q.shape and out.dtype == q.dtype,
               f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")

@@ -1,6 +1,6 @@
 """Transformers architectures beyond the bundled families: what their attention needs and the paged path does not
-compute is refused before anything is decoded (sinks, latent caches, capped scores, K/V heads laid out by the model),
-and MoE configs that ask for router logits decode as transformers."""
+compute is refused before anything is decoded (latent caches, capped scores, K/V heads laid out by the model), MoE
+configs that ask for router logits decode as transformers, and gpt-oss's learned softmax sinks are computed."""
 
 import copy
 
@@ -9,16 +9,9 @@ import torch
 import transformers
 
 import hf_specdec
-from tests.tiny_models import _build, left_padded_batch
+from tests.tiny_models import _build, gpt_oss, left_padded_batch
 
 SMALL = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-
-
-def gpt_oss():
-    config = transformers.GptOssConfig(**SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                       intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-                                       sliding_window=4, layer_types=["sliding_attention", "full_attention"])
-    return _build(transformers.GptOssForCausalLM, config)
 
 
 def deepseek_v3():
@@ -48,8 +41,7 @@ def gemma2():
     return _build(transformers.Gemma2ForCausalLM, config)
 
 
-@pytest.mark.parametrize("build,what", [(gpt_oss, "sinks"), (deepseek_v3, "latent attention"),
-                                        (gemma2, "caps its attention scores")])
+@pytest.mark.parametrize("build,what", [(deepseek_v3, "latent attention"), (gemma2, "caps its attention scores")])
 def test_attention_the_paged_path_does_not_compute_is_refused_at_enable(build, what):
     model = build()
     with pytest.raises(ValueError, match=what) as refused:
@@ -87,7 +79,7 @@ def test_router_logits_asked_by_the_config_do_not_break_decoding():
     assert torch.equal(got, reference.generate(ids, attention_mask=mask, **kwargs))
 
 
-@pytest.mark.parametrize("term", ["softcap", "s_aux", "position_bias"])
+@pytest.mark.parametrize("term", ["softcap", "position_bias"])
 def test_the_attention_refuses_terms_it_does_not_compute(term):
     """A model whose config says nothing of them may still hand the attention function a term that changes the
     scores: the paged forward refuses it rather than leaving it out."""
@@ -175,3 +167,41 @@ def test_differential_attention_takes_transformers_loop():
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
     assert hf_specdec.last_generation_stats(model) is None
+
+
+def test_gpt_oss_sinks_decode_as_transformers():
+    """gpt-oss hands its attention learned sinks (``s_aux``): the paged loop computes them, so tokens and scores are
+    transformers' in fp32, batched with left padding; a plain forward of the enabled model runs the model's own
+    eager attention with them (SDPA has no sink term)."""
+    reference, model = gpt_oss(), hf_specdec.enable(gpt_oss())
+    ids, mask = left_padded_batch([6, 3, 9])
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True, pad_token_id=0)
+    want, got = reference.generate(ids, **kwargs), model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    with torch.no_grad():
+        for call in (dict(input_ids=ids, attention_mask=mask), dict(input_ids=ids[2:, -5:])):
+            rows = call.get("attention_mask", torch.ones_like(call["input_ids"])).bool()
+            torch.testing.assert_close(model(**call).logits[rows], reference(**call).logits[rows])
+    # the sinks matter at these values: without them the scores move
+    with torch.no_grad():
+        for module in reference.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.fill_(float("-inf"))
+    dropped = reference.generate(ids, **kwargs)
+    assert max((a - b).abs().max() for a, b in zip(dropped.scores, want.scores)) > 0.1
+
+
+def test_sampled_gpt_oss_tokens_follow_transformers_distribution():
+    """Sampling over the sinks' attention: the 2nd generated token's marginal is the model's own."""
+    from tests.distribution import assert_follows, second_token_marginal
+
+    model = hf_specdec.enable(gpt_oss(vocab_size=16))
+    rows, prompt = 3000, torch.tensor([[3, 5, 9, 7]])
+    torch.manual_seed(0)
+    out = model.generate(prompt.expand(rows, 4), attention_mask=torch.ones(rows, 4, dtype=torch.long),
+                         max_new_tokens=2, do_sample=True, eos_token_id=None, pad_token_id=0)
+    hf_specdec.disable(model)
+    assert_follows(out[:, 5], second_token_marginal(model, prompt, 16))

@@ -66,8 +66,9 @@ def make_case(kv_lens, q_len, q_lens=None, q_pos0=None, *, num_heads=4, num_kv_h
                      as_int(kv_lens), as_int(q_pos0), as_int(q_lens))
 
 
-def dense_attention(case: PagedCase, *, scale, sliding_window=None, causal=True) -> torch.Tensor:
-    """fp64 attention of each valid query over exactly its visible keys, read page by page."""
+def dense_attention(case: PagedCase, *, scale, sliding_window=None, causal=True, sinks=None) -> torch.Tensor:
+    """fp64 attention of each valid query over exactly its visible keys, read page by page (``sinks``: each head's
+    logit joins the softmax and its share is dropped, as gpt-oss's eager attention computes)."""
     q, table = case.q.double().cpu(), case.block_tables.cpu()
     k_cache, v_cache = case.k_cache.double().cpu(), case.v_cache.double().cpu()
     batch, q_len, num_heads, _ = q.shape
@@ -86,13 +87,16 @@ def dense_attention(case: PagedCase, *, scale, sliding_window=None, causal=True)
             offsets = torch.tensor([j % block_size for j in keys])
             k = k_cache[blocks, offsets][:, kv_head]  # [num_keys, num_heads, head_dim]
             v = v_cache[blocks, offsets][:, kv_head]
-            probs = torch.softmax(torch.einsum("nhd,hd->hn", k, q[b, i]) * scale, dim=-1)
+            scores = torch.einsum("nhd,hd->hn", k, q[b, i]) * scale
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.double().cpu()[:, None]], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[:, :len(keys)]
             out[b, i] = torch.einsum("hn,nhd->hd", probs, v)
     return out
 
 
-def assert_matches_dense(case, out, *, scale, sliding_window=None, causal=True):
-    expected = dense_attention(case, scale=scale, sliding_window=sliding_window, causal=causal)
+def assert_matches_dense(case, out, *, scale, sliding_window=None, causal=True, sinks=None):
+    expected = dense_attention(case, scale=scale, sliding_window=sliding_window, causal=causal, sinks=sinks)
     assert expected.abs().sum() > 0, "degenerate case: no query sees a key"
     assert out.dtype == case.q.dtype and out.shape == case.q.shape
     tol = TOLERANCE[case.q.dtype]
@@ -638,3 +642,76 @@ def test_use_triton_env_override(monkeypatch):
     assert not use_triton(cpu_tensor)
     monkeypatch.delenv("HF_SPECDEC_FORCE_TRITON")
     assert not use_triton(cpu_tensor)
+
+
+# ---------------------------------------------------------------- learned softmax sinks (gpt-oss)
+
+def _sinks(num_heads, device="cpu", seed=11):
+    """One logit per query head, spread widely (some dominate a query's keys, some vanish beside them)."""
+    return (torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 3).to(device)
+
+
+@pytest.mark.parametrize("q_len,q_lens,q_pos0,sliding_window,causal", [
+    (1, None, None, None, True),  # decode
+    (3, None, None, 6, True),  # verify under a window
+    (5, [5, 2, 0], [0, 6, 7], 3, True),  # a left-padded prompt, a padded row, a window
+    (4, None, None, None, False),  # a bidirectional block
+])
+def test_sinks_join_the_softmax_denominator(q_len, q_lens, q_pos0, sliding_window, causal):
+    kv_lens = [5, 9, 12] if q_pos0 else [11, 20, 4]
+    case = make_case(kv_lens, q_len=q_len, q_lens=q_lens, q_pos0=q_pos0, sliding_window=sliding_window,
+                     num_heads=8, num_kv_heads=2, seed=12)
+    sinks = _sinks(8)
+    run = dict(scale=0.25, sliding_window=sliding_window, causal=causal)
+    out = paged_attention(*case.args(), **run, sinks=sinks)  # the CPU dispatch: the reference's own softmax
+    assert_matches_dense(case, out, **run, sinks=sinks)
+    plain = paged_attention(*case.args(), **run)
+    assert (out - plain).abs().max() > 0.05  # the sinks moved every query's weights
+    # a sink of -inf takes no share: the attention without sinks
+    torch.testing.assert_close(paged_attention(*case.args(), **run, sinks=torch.full((8,), float("-inf"))), plain,
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_sinks_leave_queries_without_keys_at_zero():
+    case = make_case([0, 6, 9], q_len=2, q_lens=[2, 0, 2], q_pos0=[0, 4, 7], seed=5)
+    out = paged_attention(*case.args(), scale=0.25, sinks=_sinks(4))
+    assert torch.isfinite(out).all() and (out[:2] == 0).all() and (out[2] != 0).any()
+
+
+def test_sinks_of_another_shape_are_refused():
+    case = make_case([9], q_len=1)
+    with pytest.raises(ValueError, match="one float logit per query head"):
+        paged_attention(*case.args(), scale=0.25, sinks=torch.zeros(2))
+
+
+@pytest.mark.parametrize("q_len,sliding_window,chunk", [(1, None, NO_SPLIT), (1, None, 16), (4, 20, 16),
+                                                        (3, None, NO_SPLIT)])
+def test_triton_sinks_match_reference(triton_device, q_len, sliding_window, chunk):
+    """The unsplit kernel adds the sink at its end, the split merge after the chunks; rows of one short and two long
+    contexts (chunks without keys for the short one), padding poisoned."""
+    case = make_case([150, 97, 13], q_len=q_len, sliding_window=sliding_window, num_heads=8, num_kv_heads=2,
+                     poison=NAN_BLOCK, seed=8, device=triton_device)
+    sinks = _sinks(8, triton_device)
+    run = dict(scale=0.25, sliding_window=sliding_window, causal=True)
+    expected = paged_attention_reference(*case.args(), **run, sinks=sinks)
+    assert_matches_dense(case, expected, **run, sinks=sinks)
+    out = _paged_attention_triton(*case.args(), **run, out=torch.full_like(case.q, float("nan")), block_n=16,
+                                  kv_chunk_keys=chunk, sinks=sinks)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_sinks_keep_verify_queries_equal_to_decode_queries(triton_device):
+    """Batch invariance holds with sinks: a verify query's output is a decode query's at its position."""
+    case = make_case([150, 97], q_len=4, num_heads=8, num_kv_heads=2, seed=9, device=triton_device)
+    sinks = _sinks(8, triton_device)
+    run = dict(scale=0.25, sliding_window=None, causal=True, block_n=16, kv_chunk_keys=16, sinks=sinks)
+    verify = _paged_attention_triton(*case.args(), out=torch.empty_like(case.q), **run)
+    for i in range(4):
+        kv_lens = case.kv_lens - 3 + i
+        args = (case.q[:, i:i + 1].contiguous(), case.k_cache, case.v_cache, case.block_tables, kv_lens,
+                kv_lens - 1, torch.ones_like(kv_lens))
+        decode = _paged_attention_triton(*args, out=torch.empty_like(case.q[:, :1]), **run)
+        if case.q.is_cuda:
+            assert torch.equal(decode[:, 0], verify[:, i])
+        else:  # the interpreter's numpy dots (see test_triton_verify_queries_equal_decode_queries)
+            torch.testing.assert_close(decode[:, 0], verify[:, i], atol=2e-6, rtol=2e-6)

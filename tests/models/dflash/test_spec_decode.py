@@ -32,7 +32,8 @@ from tests.models.dflash.helpers import (
     write_checkpoint,
 )
 from tests.models.dflash.reference_loop import reference_dflash_generate
-from tests.tiny_models import gemma4_26b_style, gemma4_31b_style, gemma4_e2b_style, left_padded_batch, llama, mistral
+from tests.tiny_models import (gemma4_26b_style, gemma4_31b_style, gemma4_e2b_style, gpt_oss, left_padded_batch, llama,
+                               mistral)
 
 GEMMA_DRAFTER = dict(layer_types=[S, F], use_sliding_window=True, sliding_window=6)  # as Gemma 4 DFlash drafters
 TARGETS = {
@@ -42,6 +43,7 @@ TARGETS = {
     "gemma4_multimodal": (gemma4_conditional_generation, GEMMA_DRAFTER),
     "llama": (llama, {}),
     "mistral": (mistral, {}),  # a sliding window on every layer, without layer_types
+    "gpt_oss": (gpt_oss, {}),  # learned softmax sinks, an MoE of transformers' own experts (z-lab's gpt-oss drafters)
 }
 NEW_TOKENS = 22
 REFERENCE_SEEDS = (0, 3)  # single prompts of the reference-loop comparison
@@ -83,7 +85,7 @@ class RecordingDrafter(DFlashDraftRunner):
 
 @pytest.mark.parametrize("name,block_size,k", [("gemma4_e2b", 8, None), ("gemma4_31b", 4, None), ("llama", 2, None),
                                                ("gemma4_e2b", 5, 2), ("gemma4_multimodal", 4, None),
-                                               ("gemma4_26b", 4, None), ("mistral", 4, None)])
+                                               ("gemma4_26b", 4, None), ("mistral", 4, None), ("gpt_oss", 4, None)])
 def test_greedy_dflash_equals_plain_greedy(name, block_size, k):
     plain, target, drafter = trained_pair(name, block_size)
     ids, mask = prompt_batch()
@@ -208,11 +210,12 @@ def run_drafter(target, drafter, ids, lens, cache_config, verify=None, kept=None
         runner.finish()
 
 
-@pytest.mark.parametrize("make_target", [gemma4_e2b_style, gemma4_26b_style], ids=["e2b", "moe_26b"])
+@pytest.mark.parametrize("make_target", [functools.partial(gemma4_e2b_style, vocab_size_per_layer_input=16),
+                                         gemma4_26b_style, gpt_oss], ids=["e2b", "moe_26b", "gpt_oss"])
 def test_sampled_dflash_tokens_follow_the_target_distribution(make_target):
     """Invariant 4 in DFlash mode: the 2nd generated token (decided by rejection sampling against a random
-    drafter's block) has the target's exact marginal, over a dense and an MoE target."""
-    target = hf_specdec.enable(make_target(vocab_size=16, vocab_size_per_layer_input=16))
+    drafter's block) has the target's exact marginal, over a dense and two MoE targets (one with softmax sinks)."""
+    target = hf_specdec.enable(make_target(vocab_size=16))
     drafter = random_drafter(target, block_size=3, mask_token_id=15, **GEMMA_DRAFTER)
     rows, prompt = 3000, torch.tensor([[3, 5, 9, 7]])
     torch.manual_seed(0)
