@@ -6,6 +6,8 @@
   own layers, such as Step 3.5 MTP).
 - Fused forwards (:func:`register_fused_forwards`, see ``generation/fusion.py``): the module classes whose
   forwards ``enable`` swaps for fused kernels.
+- Expert gates (:func:`register_expert_gate`, see ``generation/experts.py``): what an experts class's own gate
+  computes, so that its experts run through the fused MoE kernels.
 - Call checks (:func:`register_call_check`): what in a ``generate`` call of a model the paged loop cannot run as
   the model would (e.g. a mask that lets image tokens attend both ways, rotary positions computed from an
   image's grid), so that the call goes to transformers' own loop (or is refused with a drafter).
@@ -20,13 +22,14 @@ import torch
 
 from hf_specdec.config import SpecDecodingConfig
 from hf_specdec.generation.drafter import Drafter
+from hf_specdec.generation.experts import register_expert_gate
 from hf_specdec.generation.fusion import FusedForward, register_fused_forwards, register_model_links
 from hf_specdec.generation.quantization import check_drafter_weights
 from hf_specdec.runtime.distributed import check_replicated
 from hf_specdec.runtime.placement import input_device
 
 __all__ = ["DrafterBuilder", "FusedForward", "build_drafter", "call_unsupported", "register_call_check",
-           "register_drafter", "register_fused_forwards", "register_model_links"]
+           "register_drafter", "register_expert_gate", "register_fused_forwards", "register_model_links"]
 
 
 @dataclass(frozen=True)

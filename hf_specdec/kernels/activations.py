@@ -8,7 +8,7 @@ from ._dispatch import tl, triton
 
 # the tanh-GELU's constants: sqrt(2/pi), 0.044715
 GELU_TANH_CONSTANTS = dict(K_BETA=0.7978845608028654, K_KAPPA=0.044715)
-ACTIVATIONS = ("gelu_tanh", "silu")
+ACTIVATIONS = ("gelu_tanh", "silu", "swiglu_oai")
 
 
 @triton.jit
@@ -24,12 +24,19 @@ def round_to(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
-def gated_activation(gate, up, limit, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
+def gated_activation(gate, up, limit, alpha, DTYPE: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
                      EMULATE_BF16: tl.constexpr, K_BETA: tl.constexpr, K_KAPPA: tl.constexpr):
     """act(gate) * up of fp32 tiles holding DTYPE values, rounded to DTYPE after each op as torch does (fp32):
     ``gelu(gate, approximate="tanh") * up`` or ``silu(gate) * up``, with HAS_LIMIT (SiLU) Step 3.5's clamps
-    ``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)``. tanh is written with exp (``1 - 2 / (exp(2z) + 1)``),
+    ``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)``; or gpt-oss's ``swiglu_oai``: ``g = gate.clamp(max=limit)``,
+    ``(up.clamp(-limit, limit) + 1) * (g * sigmoid(g * alpha))``. tanh is written with exp (``1 - 2 / (exp(2z) + 1)``),
     within a few fp32 ulps of the libm tanh."""
+    if ACTIVATION == "swiglu_oai":
+        g = tl.minimum(gate, limit)
+        sig = round_to(1.0 / (1.0 + tl.exp(-round_to(g * alpha, DTYPE, EMULATE_BF16))), DTYPE, EMULATE_BF16)
+        glu = round_to(g * sig, DTYPE, EMULATE_BF16)
+        up1 = round_to(tl.minimum(tl.maximum(up, -limit), limit) + 1.0, DTYPE, EMULATE_BF16)
+        return round_to(up1 * glu, DTYPE, EMULATE_BF16)
     if ACTIVATION == "gelu_tanh":
         inner = K_BETA * (gate + K_KAPPA * (gate * gate * gate))
         # |2 * inner| > 80: tanh is +-1 in fp32 already; the clamp keeps exp finite

@@ -304,8 +304,8 @@ def _w8a8_gate_up_kernel(
             acc_g = acc_g * load_scale(sg_cols, col_ok, SCALE_E8M0)[:, None]
             acc_u = acc_u * load_scale(su_cols, col_ok, SCALE_E8M0)[:, None]
     dtype: tl.constexpr = inter_ptr.dtype.element_ty
-    h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, dtype,
-                         ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
+    h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, 1.0,
+                         dtype, ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
     tl.store(inter_ptr + rows[None, :] * inter_size + cols[:, None], h, mask=col_ok[:, None])
 
 

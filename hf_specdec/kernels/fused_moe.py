@@ -419,11 +419,12 @@ def _moe_gate_up_kernel(
     num_pairs, num_experts, top_k, hidden, inter_size, limit,
     stride_xt, stride_xh, stride_ge, stride_gn, stride_gk, stride_ue, stride_un, stride_uk,
     s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, up_row0, inv_ptr,
+    bg_ptr, bu_ptr, stride_bge, stride_bgn, stride_bue, stride_bun, alpha,
     ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, FEW_PAIRS: tl.constexpr,
     K_BETA: tl.constexpr, K_KAPPA: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
     SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False, F16_ROWS: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """FP8: e4m3 gate and up weights (views of one stacked [E, 2I, H] tensor), their scales at ``s_ptr`` [E, sn,
     sk] (gate column c takes scale row ``c // scale_bn``, up column c row ``(up_row0 + c) // scale_bn``).
@@ -465,8 +466,12 @@ def _moe_gate_up_kernel(
         acc_g, acc_u = acc_g * inverse, acc_u * inverse
     dtype: tl.constexpr = inter_ptr.dtype.element_ty
     # F.linear rounds gate and up to the model dtype before the activation
-    h = gated_activation(round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16), limit, dtype,
-                         ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
+    gate, up = round_to(acc_g, dtype, EMULATE_BF16), round_to(acc_u, dtype, EMULATE_BF16)
+    if HAS_BIAS:  # the product, then its bias, each rounded (gpt-oss's eager ``x @ w + b``)
+        b_g = tl.load(bg_ptr + expert * stride_bge + cols * stride_bgn, mask=col_ok, other=0.0).to(tl.float32)
+        b_u = tl.load(bu_ptr + expert * stride_bue + cols * stride_bun, mask=col_ok, other=0.0).to(tl.float32)
+        gate, up = round_to(gate + b_g[None, :], dtype, EMULATE_BF16), round_to(up + b_u[None, :], dtype, EMULATE_BF16)
+    h = gated_activation(gate, up, limit, alpha, dtype, ACTIVATION, HAS_LIMIT, EMULATE_BF16, K_BETA, K_KAPPA)
     tl.store(inter_ptr + rows[:, None] * inter_size + cols[None, :], h, mask=col_ok[None, :])
 
 
@@ -474,10 +479,10 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     inter_ptr, wd_ptr, out_ptr, weights_ptr, row_pair_ptr, block_expert_ptr, num_blocks_ptr,
     num_pairs, num_experts, hidden, inter_size, stride_de, stride_dn, stride_dk,
-    s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk,
+    s_ptr, stride_se, stride_sn, stride_sk, scale_bn, scale_bk, bd_ptr, stride_bde, stride_bdn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     EMULATE_BF16: tl.constexpr, FEW_PAIRS: tl.constexpr, FP8: tl.constexpr = False, NATIVE_FP8: tl.constexpr = True,
-    SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False,
+    SCALE_PER_K: tl.constexpr = False, SCALE_E8M0: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -505,7 +510,11 @@ def _moe_down_kernel(
             acc = acc * load_scale(s_cols, col_ok, SCALE_E8M0)[None, :]
     # F.linear's output in the model dtype, then .float() * the routing weight
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
-    y = round_to(acc, out_dtype, EMULATE_BF16) * weight[:, None]
+    y = round_to(acc, out_dtype, EMULATE_BF16)
+    if HAS_BIAS:  # the product, then its bias, each rounded
+        b_d = tl.load(bd_ptr + expert * stride_bde + cols * stride_bdn, mask=col_ok, other=0.0).to(tl.float32)
+        y = round_to(y + b_d[None, :], out_dtype, EMULATE_BF16)
+    y = y * weight[:, None]
     tl.store(out_ptr + pair[:, None] * hidden + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -545,27 +554,33 @@ def fused_moe(
     *,
     activation: str,
     limit: float | None = None,
+    alpha: float | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: MoeConfig | None = None,
     addends: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:  # [tokens, hidden] in hidden_states' dtype
     """The routed experts' weighted sum per token (see the module docstring); ``config`` overrides the launch
     parameters (:func:`config_for`), e.g. for a tuning sweep. ``addends`` (up to two [tokens, hidden] tensors in
     hidden_states' dtype, e.g. a shared expert's output and the residual): added to the sum in turn, each result
-    rounded as eager torch's ``moe + shared``, ``residual + ...`` round it, in the sum's launch."""
-    _check_args(hidden_states, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit)
+    rounded as eager torch's ``moe + shared``, ``residual + ...`` round it, in the sum's launch. ``biases``: the
+    experts' ``(gate [E, I], up [E, I], down [E, H])`` biases (any strides), each added to its product (gpt-oss);
+    ``alpha``: the sigmoid's slope of ``activation="swiglu_oai"``."""
+    _check_args(hidden_states, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit, alpha, biases)
     _check_addends(hidden_states, addends)
     args = (hidden_states, w_gate, w_up, w_down, top_k_index, top_k_weights)
+    terms = dict(activation=activation, limit=limit, alpha=alpha, biases=biases)
     if (not use_triton(hidden_states) or hidden_states.shape[0] == 0
-            or any(needs_grad(t) for t in (hidden_states, w_gate, w_up, w_down, top_k_weights, *addends))):
-        return add_in_turn(fused_moe_reference(*args, activation=activation, limit=limit), addends)
+            or any(needs_grad(t) for t in (hidden_states, w_gate, w_up, w_down, top_k_weights, *addends,
+                                           *(biases or ())))):
+        return add_in_turn(fused_moe_reference(*args, **terms), addends)
     reason = _unsupported(hidden_states, w_gate, top_k_index)
     if reason is not None:
         _warn_once(reason)
-        return add_in_turn(fused_moe_reference(*args, activation=activation, limit=limit), addends)
+        return add_in_turn(fused_moe_reference(*args, **terms), addends)
     config = config or config_for(hidden_states.shape[0], fp32=hidden_states.dtype == torch.float32)
     check(config.block_m >= 16 and config.block_m == next_power_of_2(config.block_m),
           f"config.block_m must be a power of two >= 16, got {config.block_m}")
-    return launch(*args, activation, limit, config, addends=addends)
+    return launch(*args, activation, limit, config, addends=addends, alpha=alpha, biases=biases)
 
 
 def _check_addends(x: torch.Tensor, addends: tuple[torch.Tensor, ...]) -> None:
@@ -583,7 +598,8 @@ def add_in_turn(out: torch.Tensor, addends: tuple[torch.Tensor, ...]) -> torch.T
     return out
 
 
-def _check_args(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit) -> None:
+def _check_args(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit, alpha=None,
+                biases=None) -> None:
     check(x.dim() == 2, f"hidden_states must be [tokens, hidden] (reshape(-1, hidden)), got {tuple(x.shape)}")
     tokens, hidden = x.shape
     check(w_gate.dim() == 3 and w_gate.shape[2] == hidden,
@@ -603,9 +619,22 @@ def _check_args(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation,
           f"top_k_index must hold integer expert ids, got {top_k_index.dtype}")
     check(top_k_weights.is_floating_point(), f"top_k_weights must be floating point, got {top_k_weights.dtype}")
     check(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check(limit is None or (activation == "silu" and limit > 0),
-          f"limit clamps the silu activation only and must be > 0 (None for no clamp), got {limit!r} "
-          f"with {activation!r}")
+    if activation == "swiglu_oai":
+        check(limit is not None and limit > 0 and alpha is not None,
+              f"activation 'swiglu_oai' needs its limit (> 0) and alpha, got limit={limit!r}, alpha={alpha!r}")
+    else:
+        check(limit is None or (activation == "silu" and limit > 0),
+              f"limit clamps the silu activation only and must be > 0 (None for no clamp), got {limit!r} "
+              f"with {activation!r}")
+        check(alpha is None, f"alpha is the slope of activation 'swiglu_oai' only, got alpha={alpha!r} with "
+              f"{activation!r}")
+    if biases is not None:
+        check(len(biases) == 3, f"biases must be (gate, up, down), got {len(biases)} tensors")
+        for name, b, width in zip(("gate", "up", "down"), biases, (inter, inter, hidden)):
+            check(b.shape == (experts, width) and b.dtype == x.dtype,
+                  f"the {name} bias must be [num_experts={experts}, {width}] in {x.dtype}, got {tuple(b.shape)} "
+                  f"{b.dtype}")
+            check_same_device(hidden_states=x, **{f"{name}_bias": b})
     check_same_device(hidden_states=x, w_gate=w_gate, w_up=w_up, w_down=w_down, top_k_index=top_k_index,
                       top_k_weights=top_k_weights)
 
@@ -718,7 +747,8 @@ def _k_tile(block_k: int, fp8: Fp8Weights | None, scale: torch.Tensor | None, bk
 
 
 def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limit, config: MoeConfig,
-            fp8: Fp8Weights | None = None, addends: tuple[torch.Tensor, ...] = ()):
+            fp8: Fp8Weights | None = None, addends: tuple[torch.Tensor, ...] = (), alpha: float | None = None,
+            biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     tokens, hidden = x.shape
     experts, inter, _ = w_gate.shape
     top_k = top_k_index.shape[1]
@@ -737,6 +767,7 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
     down_args, down_fp8 = _scale_args(down_scale, fp8 and fp8.down_blocks, native, x)
     intermediate = torch.empty(max_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
     fp16_dots = fp8 is not None and fp8.fp16_dots
+    b_gate, b_up, b_down = biases if biases is not None else (x, x, x)  # unread placeholders without biases
     rows_in, inverse = f16_rows(x) if fp16_dots else (x, x)  # inverse: unread without fp16 dots
     block_n, block_k, warps, stages = _tile(config.gate_up, inter, hidden)
     block_k = _k_tile(block_k, fp8, gate_up_scale, gate_up_args[-1])
@@ -744,9 +775,10 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
         rows_in, w_gate, w_up, intermediate, row_pair, block_expert, num_blocks,
         pairs, experts, top_k, hidden, inter, float(limit or 0.0),
         *rows_in.stride(), *w_gate.stride(), *w_up.stride(), *gate_up_args, 0 if fp8 is None else fp8.up_row0,
-        inverse, ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
+        inverse, b_gate, b_up, *b_gate.stride(), *b_up.stride(), float(alpha or 0.0),
+        ACTIVATION=activation, HAS_LIMIT=limit is not None, BLOCK_M=config.block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate, FEW_PAIRS=few_pairs,
-        **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, F16_ROWS=fp16_dots,
+        **GELU_TANH_CONSTANTS, num_warps=warps, num_stages=stages, F16_ROWS=fp16_dots, HAS_BIAS=biases is not None,
         **gate_up_fp8, **pdl_args(intermediate))
     weights = top_k_weights.reshape(-1).float()
     parts = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
@@ -754,9 +786,10 @@ def launch(x, w_gate, w_up, w_down, top_k_index, top_k_weights, activation, limi
     block_k = _k_tile(block_k, fp8, down_scale, down_args[-1])
     _moe_down_kernel[(max_blocks, triton.cdiv(hidden, block_n))](
         intermediate, w_down, parts, weights, row_pair, block_expert, num_blocks,
-        pairs, experts, hidden, inter, *w_down.stride(), *down_args,
+        pairs, experts, hidden, inter, *w_down.stride(), *down_args, b_down, *b_down.stride(),
         BLOCK_M=config.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, EMULATE_BF16=emulate,
-        FEW_PAIRS=few_pairs, num_warps=warps, num_stages=stages, **down_fp8, **pdl_args(parts))
+        FEW_PAIRS=few_pairs, num_warps=warps, num_stages=stages, HAS_BIAS=biases is not None, **down_fp8,
+        **pdl_args(parts))
     return sum_parts(parts, tokens, top_k, x.dtype, emulate, addends)
 
 
@@ -792,8 +825,13 @@ def sum_parts(parts: torch.Tensor,  # [tokens * top_k, hidden] fp32: each pair's
 
 
 def gated_activation_reference(gate: torch.Tensor, up: torch.Tensor, activation: str,
-                               limit: float | None = None) -> torch.Tensor:
-    """Gemma 4's ``gelu_tanh(gate) * up`` or Step 3.5's ``clamped_swiglu(gate, up, limit)``, in the inputs' dtype."""
+                               limit: float | None = None, alpha: float | None = None) -> torch.Tensor:
+    """Gemma 4's ``gelu_tanh(gate) * up``, Step 3.5's ``clamped_swiglu(gate, up, limit)`` or gpt-oss's
+    ``swiglu_oai`` (``(up.clamp(-limit, limit) + 1) * g * sigmoid(g * alpha)``, ``g = gate.clamp(max=limit)``), in
+    the inputs' dtype."""
+    if activation == "swiglu_oai":
+        gate = gate.clamp(max=limit)
+        return (up.clamp(min=-limit, max=limit) + 1) * (gate * torch.sigmoid(gate * alpha))
     if activation == "gelu_tanh":
         return gelu_tanh_mul_reference(gate, up)
     return silu_mul_reference(gate, up, limit)
@@ -801,13 +839,20 @@ def gated_activation_reference(gate: torch.Tensor, up: torch.Tensor, activation:
 
 def fused_moe_reference(hidden_states: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, activation: str,
-                        limit: float | None = None) -> torch.Tensor:
+                        limit: float | None = None, alpha: float | None = None,
+                        biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Torch version of :func:`fused_moe` (the same arguments and shapes): the CPU path and the test oracle. One
-    pass per selected expert (``unique`` is a host sync), each contribution in fp32, summed in fp32, cast back."""
+    pass per selected expert (``unique`` is a host sync), each contribution in fp32, summed in fp32, cast back.
+    A bias is added to its product in the dtype, after the product (as gpt-oss's eager ``x @ w + b``)."""
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     for e in top_k_index.unique().tolist():
         token, slot = torch.where(top_k_index == e)
         x = hidden_states[token]
-        h = gated_activation_reference(F.linear(x, w_gate[e]), F.linear(x, w_up[e]), activation, limit)
-        out.index_add_(0, token, F.linear(h, w_down[e]).float() * top_k_weights[token, slot, None].float())
+        gate, up = F.linear(x, w_gate[e]), F.linear(x, w_up[e])
+        if biases is not None:
+            gate, up = gate + biases[0][e], up + biases[1][e]
+        y = F.linear(gated_activation_reference(gate, up, activation, limit, alpha), w_down[e])
+        if biases is not None:
+            y = y + biases[2][e]
+        out.index_add_(0, token, y.float() * top_k_weights[token, slot, None].float())
     return out.to(hidden_states.dtype)

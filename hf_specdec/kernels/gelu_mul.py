@@ -36,7 +36,7 @@ def _gated_mul_kernel(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, 
     dtype: tl.constexpr = out_ptr.dtype.element_ty
     x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gated_activation(x, up, limit, dtype, ACTIVATION, CLAMP, False, K_BETA, K_KAPPA).to(dtype)
+    y = gated_activation(x, up, limit, 1.0, dtype, ACTIVATION, CLAMP, False, K_BETA, K_KAPPA).to(dtype)
     tl.store(out_ptr + row * width + cols, y, mask=mask)
     if CODES:
         store_row_codes(y, row, cols, g, q_ptr, qs_ptr, width, groups, EMULATE)

@@ -519,3 +519,81 @@ def test_triton_expert_kernels_group_few_pairs_themselves(triton_device, monkeyp
         torch.testing.assert_close(grouped_in_kernels.cpu(), fused_moe_reference(*args, activation="silu").cpu(),
                                    **TOLERANCE[torch.float32])
     torch.testing.assert_close(grouped_in_kernels[first:].cpu(), grouped_before[first:].cpu(), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- gpt-oss: biases, interleaved gate/up, its SwiGLU
+
+
+def _gpt_oss_experts(experts=8, top_k=2, hidden=32, inter=24, dtype=torch.float32, device="cpu"):
+    """transformers' GptOssExperts with random weights and biases (its own layout: [E, H, 2I] interleaved gate/up
+    columns, biases [E, 2I] and [E, H]), a limit that clamps, and its module-level config."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                          num_experts_per_tok=top_k)
+    module = GptOssExperts(config)
+    module.limit = 1.5  # (its configs fix 7.0 in some versions)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.6 if p.dim() == 3 else 0.5))
+    return module.to(device, dtype)
+
+
+def _gpt_oss_args(module, tokens, top_k, seed=0):
+    from hf_specdec.generation.experts import fused_weights
+
+    w_gate, w_up, w_down, terms = fused_weights(module)
+    gen = torch.Generator().manual_seed(seed)
+    device, dtype = w_gate.device, w_gate.dtype
+    x = torch.randn(tokens, w_gate.shape[2], generator=gen).to(device, dtype)
+    index = torch.rand(tokens, w_gate.shape[0], generator=gen).topk(top_k, dim=-1).indices.to(device)
+    weights = torch.rand(tokens, top_k, generator=gen).to(device, dtype)
+    return (x, w_gate, w_up, w_down, index, weights), terms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_reference_is_gpt_oss_experts(dtype, tokens):
+    """The reference with gpt-oss's terms (registered for its experts' own gate: interleaved columns, biases,
+    ``swiglu_oai`` with its limit and alpha) computes transformers' GptOssExperts: to fp32 rounding, and in bf16 to
+    the last roundings (transformers sums the weighted parts in bf16 in expert order, the reference in fp32)."""
+    module = _gpt_oss_experts(dtype=dtype)
+    args, terms = _gpt_oss_args(module, tokens, 2)
+    assert terms["activation"] == "swiglu_oai" and terms["limit"] == 1.5 and terms["alpha"] == module.alpha
+    storage = module.gate_up_proj.untyped_storage().data_ptr()
+    assert all(w.untyped_storage().data_ptr() == storage for w in args[1:3])  # views of the parameter, not copies
+    x, _, _, _, index, weights = args
+    with torch.no_grad():
+        expected = type(module).forward.__wrapped__(module, x, index, weights)
+    got = fused_moe_reference(*args, **terms)
+    torch.testing.assert_close(got, expected, **({} if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)))
+    # the terms matter: without the biases, or with the plain SwiGLU, the answer moves
+    plain = dict(terms, biases=None)
+    assert (fused_moe_reference(*args, **plain).float() - expected.float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_triton_fused_moe_gpt_oss_terms(triton_device, dtype, tokens):
+    """Biases and ``swiglu_oai`` in the expert kernels over gpt-oss's interleaved views: one token (each pair its
+    block), 5 (grouped in the kernels) and 40 (the grouping launch); odd widths over the small tiles."""
+    module = _gpt_oss_experts(hidden=40, inter=24, dtype=dtype, device=triton_device)
+    args, terms = _gpt_oss_args(module, tokens, 2, seed=tokens)
+    for config in (None, SMALL):
+        got = fused_moe(*args, **terms, config=config)
+        expected = fused_moe_reference(*args, **terms)
+        torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **TOLERANCE[dtype])
+
+
+def test_gpt_oss_terms_bad_arguments_name_the_fix():
+    module = _gpt_oss_experts()
+    args, terms = _gpt_oss_args(module, 2, 2)
+    with pytest.raises(ValueError, match="needs its limit"):
+        fused_moe(*args, **dict(terms, alpha=None))
+    with pytest.raises(ValueError, match="alpha is the slope"):
+        fused_moe(*args, activation="silu", alpha=1.0)
+    gate, up, down = terms["biases"]
+    with pytest.raises(ValueError, match="the down bias must be"):
+        fused_moe(*args, **dict(terms, biases=(gate, up, down[:, :-1])))
