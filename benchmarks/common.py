@@ -350,6 +350,12 @@ def shape_memory(args) -> list[dict]:
             layers = getattr(args, "step_layers", None) or getattr(args, "layers", None)
             config = shapes.step3p5_config(name, layers)
             model = _meta_model(Step3p5ForCausalLM, config, args.dtype)
+        elif name in shapes.GPT_OSS:
+            from transformers import GptOssForCausalLM
+
+            layers = getattr(args, "layers", None)
+            config = shapes.gpt_oss_config(name, layers)
+            model = _meta_model(GptOssForCausalLM, config, args.dtype)
         else:
             continue
         weights = sum(t.numel() * t.element_size()

@@ -49,6 +49,9 @@ SHAPES = {
     "step3p5": dict(experts=STEP3P5["step3p5"]["experts"], top_k=STEP3P5["step3p5"]["top_k"],
                     hidden=STEP3P5["step3p5"]["hidden_size"], inter=STEP3P5["step3p5"]["expert_size"],
                     activation="silu", limit=7.0, stacked=False),
+    # gpt-oss-20b's experts: gate and up interleaved in one stacked projection, biases, its clamped SwiGLU
+    "gpt-oss-20b": dict(experts=32, top_k=4, hidden=2880, inter=2880, activation="swiglu_oai", limit=7.0, alpha=1.702,
+                        stacked="interleaved"),
 }
 TOKENS = (1, 4, 8, 32, 512)
 PASS_REL_ERROR = 2e-2
@@ -90,13 +93,20 @@ class Layer:
         gen = torch.Generator(device="cuda").manual_seed(0)
         bf16 = dict(dtype=torch.bfloat16, device="cuda", generator=gen)
         gate_up = torch.randn(e, 2 * i, h, **bf16).mul_(h ** -0.5)
-        if self.shape["stacked"]:  # Gemma 4's gate_up_proj: two strided views, nothing copied
+        self.biases = None
+        if self.shape["stacked"] == "interleaved":  # gpt-oss's gate_up_proj: even and odd rows, nothing copied
+            self.w_gate, self.w_up = gate_up[:, 0::2], gate_up[:, 1::2]
+            stacked_bias, down_bias = torch.randn(e, 2 * i, **bf16), torch.randn(e, h, **bf16)
+            self.biases = (stacked_bias[:, 0::2], stacked_bias[:, 1::2], down_bias)
+        elif self.shape["stacked"]:  # Gemma 4's gate_up_proj: two strided views, nothing copied
             self.w_gate, self.w_up = gate_up[:, :i], gate_up[:, i:]
         else:
             self.w_gate, self.w_up = gate_up[:, :i].contiguous(), gate_up[:, i:].contiguous()
             del gate_up
         self.w_down = torch.randn(e, h, i, **bf16).mul_(i ** -0.5)
         if weights in ("fp8", "w8a8"):  # the stacked gate/up and the down projection, expert by expert
+            if self.biases is not None:
+                raise SystemExit(f"{name}: the FP8 expert kernels take no biases; run it with --weights bf16")
             if not self.shape["stacked"]:
                 gate_up = torch.cat([self.w_gate, self.w_up], dim=1)
             self.fp8 = [_quantized(gate_up), _quantized(self.w_down)]
@@ -108,7 +118,7 @@ class Layer:
 
     def routing(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = torch.randn(tokens, self.shape["experts"], device="cuda", generator=self.gen)
-        if self.shape["activation"] == "gelu_tanh":
+        if self.shape["activation"] in ("gelu_tanh", "swiglu_oai"):
             return fm.softmax_topk_route(logits, self.shape["top_k"], self.scale)
         return fm.sigmoid_bias_topk_route(logits, self.bias, self.shape["top_k"], True, 1.0)
 
@@ -122,6 +132,8 @@ class Layer:
 
     def kwargs(self, config=None) -> dict:
         extra = dict(block_size=FP8_BLOCKS, w8a8=self.weights == "w8a8") if self.weights != "bf16" else {}
+        if self.biases is not None:
+            extra.update(alpha=self.shape["alpha"], biases=self.biases)
         return dict(activation=self.shape["activation"], limit=self.shape["limit"], config=config, **extra)
 
     def call(self, args, config=None) -> torch.Tensor:
@@ -265,7 +277,7 @@ def profile(layer: Layer, tokens: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["gemma4-26b-a4b", "step3p5"])
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--sweep", action="store_true",
                         help="tune the launch configs at tokens 1 and 4 (or the --tokens given) instead")

@@ -12,6 +12,10 @@ Targets (docs/models.md §1, §4):
   attention_k_eq_v; a dense MLP (2112) beside 128 experts (top-8, 704) in every layer; vocab 262144.
 - ``step3p5``: hidden 4096, vocab 128896; full layers 64 q heads, sliding 96, 8 kv, d128, window 512;
   layers 0-2 dense (11264), later layers MoE (288 experts top-8, 1280, one shared expert); 3 sliding MTP layers.
+- ``gpt-oss-20b``: 24 layers alternating [sliding, full], hidden 2880, 64 q / 8 kv heads of 64, window 128, learned
+  softmax sinks; 32 experts (top-4, 2880, with biases, gpt-oss's clamped SwiGLU) in every layer; vocab 201088; the
+  weights in bf16 (the published checkpoint's MXFP4 experts, dequantized as transformers loads them without its
+  MXFP4 kernels).
 - ``smoke-*``: the same structure at toy sizes, for CPU runs in seconds.
 
 ``layers=N`` keeps each family's layer pattern ([5 sliding, 1 full], E2B [4 sliding, 1 full]; last layer full)
@@ -109,6 +113,27 @@ STEP3P5 = {
     "smoke-step3p5": dict(hidden_size=64, vocab_size=512, heads=4, other_heads=6, kv=2, head_dim=16, window=16,
                           intermediate=128, experts=4, top_k=2, expert_size=32, num_layers=5),
 }
+
+
+GPT_OSS = {
+    "gpt-oss-20b": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                        num_experts_per_tok=4, sliding_window=128),
+    "smoke-gpt-oss": dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                          num_experts_per_tok=2, sliding_window=16),
+}
+
+
+def gpt_oss_config(shape: str, layers: int | None = None):
+    """GptOssConfig of a (cut) gpt-oss shape: layers alternate sliding and full attention."""
+    from transformers import GptOssConfig
+
+    fields = dict(GPT_OSS[shape])
+    num_layers = layers or fields["num_hidden_layers"]
+    fields.update(num_hidden_layers=num_layers, layer_types=[S if i % 2 == 0 else F for i in range(num_layers)],
+                  pad_token_id=0, eos_token_id=None, bos_token_id=2)
+    return GptOssConfig(**fields)
 
 
 def shape_name(shape: str, layers: int | None) -> str:
@@ -232,9 +257,15 @@ def step3p5_target(shape: str, layers: int | None, device: str, dtype: torch.dty
     return build_on_device(Step3p5ForCausalLM, step3p5_config(shape, layers), device, dtype)
 
 
+def gpt_oss_target(shape: str, layers: int | None, device: str, dtype: torch.dtype):
+    from transformers import GptOssForCausalLM
+
+    return build_on_device(GptOssForCausalLM, gpt_oss_config(shape, layers), device, dtype)
+
+
 def target_for(shape: str, layers: int | None, device: str, dtype: torch.dtype, weights: str = "bf16"):
-    """The target of any shape above (Gemma 4 or Step 3.5), its weights in ``weights`` (:data:`WEIGHTS`)."""
-    build = step3p5_target if shape in STEP3P5 else gemma4_target
+    """The target of any shape above (Gemma 4, Step 3.5, gpt-oss), its weights in ``weights`` (:data:`WEIGHTS`)."""
+    build = step3p5_target if shape in STEP3P5 else gpt_oss_target if shape in GPT_OSS else gemma4_target
     return with_weights(build(shape, layers, device, dtype), weights)
 
 
@@ -315,7 +346,8 @@ def random_prompt(batch: int, length: int, vocab: int, device: str, seed: int = 
 # packed expert weights [num_experts, ...] of the MoE shapes (Gemma 4 experts, Step 3.5 routed experts), and the
 # block scales of FP8 experts
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj", "moe.gate_proj.weight", "moe.up_proj.weight",
-                  "moe.down_proj.weight", "experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv")
+                  "moe.down_proj.weight", "experts.gate_up_proj_scale_inv", "experts.down_proj_scale_inv",
+                  "experts.gate_up_proj_bias", "experts.down_proj_bias")
 
 
 def expected_active_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -368,7 +400,8 @@ def _drafting_only_parameters(model) -> set[int]:
 
 
 def _top_k(config) -> int:
-    return getattr(config, "top_k_experts", None) or getattr(config, "moe_top_k")
+    return (getattr(config, "top_k_experts", None) or getattr(config, "num_experts_per_tok", None)
+            or getattr(config, "moe_top_k"))
 
 
 def _kv_layers(config):
@@ -385,8 +418,9 @@ def _kv_layers(config):
     else:
         heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        for _ in range(config.num_hidden_layers):
-            yield heads, dim, getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None) or [S] * config.num_hidden_layers
+        for i in range(config.num_hidden_layers):  # a window only on sliding layers (gpt-oss alternates)
+            yield heads, dim, getattr(config, "sliding_window", None) if types[i] == S else None
 
 
 def floor_tokens_per_s(model, batch: int, context: int, bandwidth_gb_s: float, tokens_per_row: int = 1) -> dict:

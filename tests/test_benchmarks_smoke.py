@@ -784,3 +784,30 @@ def test_fixed_drafter_runs_ahead_as_the_bundled_drafters_do(monkeypatch):
     assert (forwards, histogram) == (forwards_waiting, histogram_waiting) and 0 < sum(histogram[1:])
     assert queued_ahead >= forwards - 3 > 0 and all(made) and len(made) >= forwards - 3
     assert queued_waiting == 0 and made_waiting and not any(made_waiting)
+
+
+def test_gpt_oss_shape_decodes_transformers_tokens_and_counts_its_active_experts(tmp_path, clock_of_the_work):
+    """The gpt-oss shape (sinks, alternating windows, experts with biases): decode rows with transformers' tokens, and
+    a floor that reads the selected experts' weights and biases only, and a window's keys on sliding layers only."""
+    import benchmarks.decode as decode
+    from benchmarks.shapes import gpt_oss_target, streamed_bytes_per_step
+
+    run_bench(decode, ["--smoke", "--shapes", "smoke-gpt-oss", "--batch", "1", "--backends", "hf_dynamic",
+                       "hf_specdec", "--results-dir", str(tmp_path)], quiet=True)
+    rows = [json.loads(line) for line in (tmp_path / "decode.jsonl").read_text().splitlines()]
+    assert {r["backend"] for r in rows} == {"hf_dynamic", "hf_specdec"} and all(r["same_tokens"] for r in rows)
+    model = gpt_oss_target("smoke-gpt-oss", None, "cpu", torch.float32)
+    config = model.config
+    one = streamed_bytes_per_step(model, 1, 40)
+    experts = [m for m in model.modules() if type(m).__name__ == "GptOssExperts"]
+    expert_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters())
+    everything = sum(p.numel() * p.element_size() for p in model.parameters())
+    share = config.num_experts_per_tok / config.num_local_experts
+    embedding = model.get_input_embeddings().weight
+    read = everything - expert_bytes * (1 - share) - embedding.numel() * embedding.element_size() \
+        + embedding.shape[1] * embedding.element_size()
+    assert one["weight_bytes"] == pytest.approx(read, rel=1e-6)
+    window, full = config.sliding_window, 40
+    per_layer = 2 * config.num_key_value_heads * config.head_dim * 4
+    assert one["kv_bytes"] == per_layer * sum(window if t == "sliding_attention" else full
+                                              for t in config.layer_types)
