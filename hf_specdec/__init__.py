@@ -14,6 +14,7 @@ from hf_specdec.models import call_checks as _call_checks  # noqa: F401  (calls 
 from hf_specdec.models import dflash as _dflash  # noqa: F401  (registers the DFlash drafter)
 from hf_specdec.models import gemma4 as _gemma4  # noqa: F401  (registers the MTP assistant and its drafter)
 from hf_specdec.models import gpt_oss as _gpt_oss  # noqa: F401  (registers its experts' gate with the MoE kernels)
+from hf_specdec.models import rms_norms as _rms_norms  # noqa: F401  (Llama-family and gpt-oss norms in one kernel)
 from hf_specdec.models import step3p5 as _step3p5  # noqa: F401  (registers Step3p5ForCausalLM and its MTP drafter)
 
 __version__ = "0.1.0"
