@@ -4,7 +4,7 @@ A decode step of a big model is bound by weight bytes, but each of its norms, ro
 seams runs as several tiny kernels in eager torch; those launches cost ~20% of a step even inside a CUDA
 graph. ``enable`` swaps the ``forward`` of such modules, on that model's instances only, for forwards with the
 same arithmetic over fused kernels. Model packages register theirs (:func:`register_fused_forwards`, keyed by
-the module class); this module registers the ones every model may have: bias-free ``nn.Linear`` layers take a
+the module class); this module registers the ones every model may have: ``nn.Linear`` layers take a
 GEMM for a few rows that streams the weights faster than cuBLAS does. Each fused forward runs the module's own
 forward on CPU, for variants it does not cover, and whenever autograd tracks the input (the kernels have no
 backward). A model with no weights where the kernels run (all on CPU) goes without them: ``enable`` and each
@@ -204,9 +204,10 @@ def stack_projections(module: torch.nn.Module) -> None:
 
 
 def _fusible_linear(module) -> bool:
-    """Bias-free ``nn.Linear`` layers on a device where the kernels run take :func:`skinny_linear` for the few
-    rows of decode and verify steps (o_proj, down_proj, the LM head; stacked projections already do)."""
-    return (module.bias is None and (not getattr(module, "_hf_hook", None) or moves_activations_only(module))
+    """``nn.Linear`` layers on a device where the kernels run take :func:`skinny_linear` for the few rows of decode
+    and verify steps (o_proj, down_proj, the LM head; stacked projections already do), a bias added to the fp32 sums
+    before they are rounded (gpt-oss's and Qwen2's projections)."""
+    return ((not getattr(module, "_hf_hook", None) or moves_activations_only(module))
             and dense_weight(module.weight) and use_triton(module.weight))
 
 

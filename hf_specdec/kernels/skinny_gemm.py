@@ -53,11 +53,12 @@ def load_k_tile(w_rows, x_rows, k0, K, col_ok, row_ok, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_split,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        bias_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_BIAS: tl.constexpr = False):
     # one dot of 16 or 32 rows per K tile: the warp-level MMA (never Hopper's 64-row warpgroup one) for any rows;
     # PRECISION "fma": fp32 multiply-adds instead, no tensor cores (fp32_rows_matmul);
-    # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial
+    # split-K: program_id(1) takes K in [k_lo, k_hi) (a multiple of BLOCK_K from 0) and writes its own partial;
+    # HAS_BIAS (one part only): the bias joins the fp32 sums before they are rounded, as cuBLAS's epilogue adds it
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,32 +75,40 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         else:
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = (y_ptr + tl.program_id(1).to(tl.int64) * stride_split + rows.to(tl.int64)[:, None] * stride_ym
            + cols[None, :])
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y = the sum of ``splits`` fp32 partials, one after the other (a fixed order: rows stay batch-invariant)."""
+def _sum_splits_kernel(part_ptr, y_ptr, numel, splits, bias_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                       HAS_BIAS: tl.constexpr = False):
+    """y = the sum of ``splits`` fp32 partials, one after the other (a fixed order: rows stay batch-invariant),
+    plus (HAS_BIAS) the bias of each of the ``n`` columns, before the sum is rounded."""
     pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
     for s in range(1, splits):
         acc += tl.load(part_ptr + s * numel + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 SUM_BLOCK = 1024
 
 
-def sum_splits(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``parts`` ([splits, rows, n] fp32 partials of split-K) summed in split order, in ``dtype`` ([rows, n])."""
+def sum_splits(parts: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``parts`` ([splits, rows, n] fp32 partials of split-K) summed in split order, plus ``bias`` [n] when given, in
+    ``dtype`` ([rows, n])."""
     splits, rows, n = parts.shape
     summed = torch.empty(rows, n, dtype=dtype, device=parts.device)
-    _sum_splits_kernel[(triton.cdiv(rows * n, SUM_BLOCK),)](parts, summed, rows * n, splits, BLOCK=SUM_BLOCK,
-                                                              **pdl_args(parts))
+    _sum_splits_kernel[(triton.cdiv(rows * n, SUM_BLOCK),)](parts, summed, rows * n, splits,
+                                                              parts if bias is None else bias, n, BLOCK=SUM_BLOCK,
+                                                              HAS_BIAS=bias is not None, **pdl_args(parts))
     return summed
 
 
@@ -237,23 +246,35 @@ def fp32_rows_matmul(x: torch.Tensor, weight: torch.Tensor,
     block_n, block_k, warps = config or FP32_ROWS_CONFIG
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n), 1)](
-        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), k, 0,
+        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), k, 0, out,
         BLOCK_M=max(2, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="fma",
         num_warps=warps, **pdl_args(x))
     return out
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias): the kernel when :func:`skinny_eligible`, else torch."""
+# False: layers with a bias keep F.linear (to compare the two in one process)
+BIASED = True
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: the kernel when :func:`skinny_eligible` (and a bias, if any, is a plain [N]
+    tensor of x's dtype, added to the fp32 sums before they are rounded, as cuBLAS adds it), else torch."""
+    if bias is not None and not (BIASED and _plain_bias(bias, x, weight)):
+        return F.linear(x, weight, bias)
     if not skinny_eligible(x, weight):
-        if _fp32_rows(x, weight):
+        if bias is None and _fp32_rows(x, weight):
             rows = x.reshape(-1, x.shape[-1])
             return fp32_rows_matmul(rows, weight).view(*x.shape[:-1], weight.shape[0])
-        if _fp32_transposed(x, weight):
+        if bias is None and _fp32_transposed(x, weight):
             rows = x.reshape(-1, x.shape[-1])
             return torch.mm(weight, rows.t()).t().contiguous().view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight)
-    return skinny_matmul(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
+    return skinny_matmul(x.reshape(-1, x.shape[-1]), weight, bias=bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def _plain_bias(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (type(bias) in (torch.Tensor, torch.nn.Parameter) and bias.shape == (weight.shape[0],)
+            and bias.dtype == x.dtype and bias.device == x.device and bias.stride(0) == 1 and not needs_grad(bias))
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -287,11 +308,14 @@ def _fp32_transposed(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None,
-                  split_k: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  split_k: int | None = None, out_dtype: torch.dtype | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` by the kernel for ``x`` of [rows <= MAX_KERNEL_ROWS, K] (any float dtype; the launcher
     does not choose, :func:`skinny_linear` does). ``split_k``: parts of K (default :func:`split_k_for`, from the
     weight's shape and ``config``'s tiles). ``out_dtype`` (default x's): the fp32 sums rounded to it, e.g. fp32
-    for ``F.linear(x.float(), weight.float())`` of bf16 operands (a router's logits) without casting the weight."""
+    for ``F.linear(x.float(), weight.float())`` of bf16 operands (a router's logits) without casting the weight.
+    ``bias`` ([N], contiguous): added to the fp32 sums before they are rounded (in the last part's launch: the
+    kernel's, or the sum of the parts)."""
     rows, k = x.shape
     n = weight.shape[0]
     if not 0 < rows <= MAX_KERNEL_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
@@ -304,10 +328,11 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int,
     out = torch.empty(split, rows, n, dtype=out_dtype if split == 1 else torch.float32, device=x.device)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(1), k_per_split, out.stride(0),
+        out if bias is None else bias,
         BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 inputs: no tf32 rounding
-        **pdl_args(x))
-    return out[0] if split == 1 else sum_splits(out, out_dtype)
+        HAS_BIAS=bias is not None and split == 1, **pdl_args(x))
+    return out[0] if split == 1 else sum_splits(out, out_dtype, bias)
 
 
 def launch_plan(n: int, k: int, rows: int, element_size: int = 2, config: tuple[int, int, int, int] | None = None,
@@ -333,7 +358,5 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` through :func:`skinny_linear` when the layer has no bias (instance-scoped swap)."""
-    if self.bias is None:
-        return skinny_linear(x, self.weight)
-    return F.linear(x, self.weight, self.bias)
+    """``nn.Linear.forward`` through :func:`skinny_linear`, bias included (instance-scoped swap)."""
+    return skinny_linear(x, self.weight, self.bias)

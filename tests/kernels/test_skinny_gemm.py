@@ -79,7 +79,7 @@ def test_triton_split_rows_do_not_depend_on_the_batch(triton_device, monkeypatch
     assert splits == 2  # 8 tiles, at least 4 a part
     assert {config_for(n, k, rows) for rows in (1, MAX_ROWS, MAX_ROWS + 1, MAX_KERNEL_ROWS)} == {SPLIT_CONFIG}
     summed = []
-    monkeypatch.setattr(skinny_gemm, "sum_splits", lambda parts, dtype: summed.append(parts.shape[0])
+    monkeypatch.setattr(skinny_gemm, "sum_splits", lambda parts, dtype, bias=None: summed.append(parts.shape[0])
                         or parts.sum(0).to(dtype))  # the parts summed in order, as the kernel does
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(MAX_KERNEL_ROWS, k, generator=gen).to(torch.float16).to(triton_device)
@@ -257,3 +257,44 @@ def test_short_k_and_lm_head_configs_match_torch_and_keep_rows_batch_invariant(n
     for r in (0, 7, MAX_ROWS - 1):
         assert torch.equal(skinny_matmul(x[r:r + 1], w), full[r:r + 1])
     assert torch.equal(skinny_matmul(x[:5], w), full[:5])
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_triton_skinny_linear_adds_a_bias_before_rounding(triton_device, monkeypatch, rows, split):
+    """A bias joins the fp32 sums before they are rounded: in the kernel's own store (one part of K), or in the sum
+    of the parts; a biased nn.Linear's fused forward takes the kernel (gpt-oss's and Qwen2's projections)."""
+    monkeypatch.setattr(skinny_gemm, "MIN_WEIGHT_BYTES", 0)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, 100, generator=gen).to(torch.float16).to(triton_device)
+    w = (torch.randn(70, 100, generator=gen) * 0.1).to(torch.float16).to(triton_device)
+    bias = (torch.randn(70, generator=gen) * 4).to(torch.float16).to(triton_device)
+    got = skinny_matmul(x, w, SMALL, split, bias=bias)
+    expected = (x.double() @ w.double().T + bias.double()).to(torch.float16)
+    torch.testing.assert_close(got.cpu(), expected.cpu(), atol=2e-2, rtol=2e-3)
+    unbiased = skinny_matmul(x, w, SMALL, split)
+    assert (got.float() - unbiased.float() - bias.float()).abs().max() < 2e-2  # the bias is there, once
+    layer = nn.Linear(100, 70, bias=True).to(triton_device, torch.float16)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(bias)
+    calls = []
+    original = skinny_gemm.skinny_matmul
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul", lambda *a, **k: calls.append(k.get("bias")) or original(*a, **k))
+    with torch.no_grad():
+        out = linear_forward(layer, x[None])
+    assert calls and calls[0] is layer.bias
+    torch.testing.assert_close(out[0].float().cpu(), expected.float().cpu(), atol=2e-2, rtol=2e-3)
+
+
+def test_a_bias_the_kernel_does_not_take_goes_to_torch(monkeypatch):
+    """A bias of another layout or dtype than the kernel adds: F.linear computes the layer (and raises what it
+    raises for a dtype the layer cannot add)."""
+    monkeypatch.setenv("HF_SPECDEC_FORCE_TRITON", "1")
+    monkeypatch.setattr(skinny_gemm, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul", lambda *a, **k: pytest.fail("the kernel ran"))
+    x, w = torch.randn(2, 16).to(torch.bfloat16), torch.randn(8, 16).to(torch.bfloat16)
+    strided = torch.randn(16).to(torch.bfloat16)[::2]
+    assert torch.equal(skinny_linear(x, w, strided), F.linear(x, w, strided))
+    with pytest.raises(RuntimeError):
+        skinny_linear(x, w, torch.randn(8))
