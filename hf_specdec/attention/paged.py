@@ -174,12 +174,12 @@ def _fallback(module: torch.nn.Module, sinks: torch.Tensor | None = None):
         )
 
     def eager_with_additive_mask(module, query, key, value, attention_mask, **kwargs):
-        if attention_mask is None and query.shape[2] > 1:
-            # sdpa's mask builder leaves out a mask SDPA's own causal flag replaces: the queries then end with the
-            # keys and see nothing padded (and no window cuts their keys): a plain causal mask
-            q_len, kv_len = query.shape[2], key.shape[2]
-            positions = torch.arange(kv_len - q_len, kv_len, device=query.device)
-            attention_mask = torch.arange(kv_len, device=query.device) <= positions[:, None]
+        causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+        if attention_mask is None and query.shape[2] > 1 and causal:
+            # sdpa's mask builder leaves out a mask that SDPA's own causal flag replaces (nothing padded, no window
+            # cutting the keys): that flag's mask, whose query i sees keys 0 .. i (the prompt's queries start the
+            # keys, e.g. a prefill into an empty static cache longer than the prompt)
+            attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
                 ~attention_mask, torch.finfo(query.dtype).min)

@@ -70,7 +70,8 @@ def fused_weights(experts: torch.nn.Module):
     if (terms is None or not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor)
             or getattr(experts, "has_post_expert_norm", False) or not getattr(experts, "has_gate", False)
             or type(gate_up) is not torch.nn.Parameter or gate_up.dim() != 3 or down.dim() != 3
-            or (has_bias and not all(type(b) is torch.nn.Parameter and b.dim() == 2 for b in biases))):
+            or (has_bias and not all(type(b) is torch.nn.Parameter and b.dim() == 2 and b.dtype == gate_up.dtype
+                                     for b in biases))):
         return None
     if getattr(experts, "is_transposed", False):  # stored [E, H, 2I] and [E, I, H]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)

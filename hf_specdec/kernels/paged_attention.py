@@ -177,7 +177,8 @@ def _paged_attention_kernel(
             # The sink joins the softmax's denominator, not its values: exp(sink) added to the sum at a common max.
             sink = tl.load(sinks_ptr + head, mask=in_tile, other=0.0).to(tl.float32) * 1.4426950408889634  # base 2
             m_f = tl.maximum(m_i, sink)
-            alpha = tl.exp2(m_i - m_f)  # 0 where no key was seen (m_i = -inf)
+            m_f = tl.where(m_f == float("-inf"), 0.0, m_f)  # no key and a sink of -inf: sums stay 0, not NaN
+            alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_f))  # 0 where no key was seen
             acc = acc * alpha[:, None]
             l_i = l_i * alpha + tl.exp2(sink - m_f)
         # Padding rows and queries without a visible key have acc = 0, l = 0: they output 0.

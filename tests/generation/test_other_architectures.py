@@ -205,3 +205,17 @@ def test_sampled_gpt_oss_tokens_follow_transformers_distribution():
                          max_new_tokens=2, do_sample=True, eos_token_id=None, pad_token_id=0)
     hf_specdec.disable(model)
     assert_follows(out[:, 5], second_token_marginal(model, prompt, 16))
+
+
+def test_gpt_oss_outside_the_paged_loop_masks_as_transformers():
+    """A forward of an enabled gpt-oss outside the paged loop runs its eager attention with the sinks: where
+    transformers leaves the causal mask to SDPA's flag (a prompt into an empty static cache longer than it), the keys
+    a query sees are those of SDPA's flag, not the cache's empty slots; the same logits as without enable."""
+    from transformers import StaticCache
+
+    reference, model = gpt_oss(), hf_specdec.enable(gpt_oss())
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for cache in (lambda m: StaticCache(config=m.config, max_cache_len=16), lambda m: None):
+            want = reference(ids, past_key_values=cache(reference)).logits
+            torch.testing.assert_close(model(ids, past_key_values=cache(model)).logits, want, atol=1e-5, rtol=1e-5)

@@ -587,6 +587,17 @@ def test_triton_fused_moe_gpt_oss_terms(triton_device, dtype, tokens):
         torch.testing.assert_close(got.float().cpu(), expected.float().cpu(), **TOLERANCE[dtype])
 
 
+def test_gpt_oss_experts_with_biases_of_another_dtype_keep_their_own_forward():
+    """Biases the kernels would refuse (another dtype than the weights): no fused terms, so the module's own forward
+    runs instead of an error."""
+    from hf_specdec.generation.experts import fused_weights
+
+    module = _gpt_oss_experts()
+    assert fused_weights(module) is not None
+    module.down_proj_bias.data = module.down_proj_bias.data.double()
+    assert fused_weights(module) is None
+
+
 def test_gpt_oss_terms_bad_arguments_name_the_fix():
     module = _gpt_oss_experts()
     args, terms = _gpt_oss_args(module, 2, 2)

@@ -700,6 +700,19 @@ def test_triton_sinks_match_reference(triton_device, q_len, sliding_window, chun
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [NO_SPLIT, 4])
+def test_triton_sinks_of_minus_infinity_leave_queries_without_keys_at_zero(triton_device, chunk):
+    """A sink of -inf (a sink switched off) beside a query that sees no key (an empty row, a padded slot): zeros, not
+    NaN, in the unsplit kernel and the split merge alike; the other queries get the attention without sinks."""
+    case = make_case([0, 6, 9], q_len=2, q_lens=[2, 1, 2], q_pos0=[0, 4, 7], seed=5, device=triton_device)
+    sinks = torch.full((4,), float("-inf"), device=triton_device)
+    out = _paged_attention_triton(*case.args(), scale=0.25, sliding_window=None, causal=True,
+                                  out=torch.full_like(case.q, float("nan")), block_n=16, kv_chunk_keys=chunk,
+                                  sinks=sinks)
+    assert torch.isfinite(out).all() and (out[0] == 0).all() and (out[1, 0] == 0).all()
+    torch.testing.assert_close(out, paged_attention_reference(*case.args(), scale=0.25), atol=1e-5, rtol=1e-5)
+
+
 def test_triton_sinks_keep_verify_queries_equal_to_decode_queries(triton_device):
     """Batch invariance holds with sinks: a verify query's output is a decode query's at its position."""
     case = make_case([150, 97], q_len=4, num_heads=8, num_kv_heads=2, seed=9, device=triton_device)
