@@ -579,6 +579,13 @@ def test_triton_wide_key_steps_attend_like_the_reference_and_decode_like_verify(
     run = dict(scale=0.0625, sliding_window=sliding_window, causal=True)
     verify = _paged_attention_triton(*case.args(), out=torch.full_like(case.q, float("nan")), **run)
     torch.testing.assert_close(verify, paged_attention_reference(*case.args(), **run), atol=1e-2, rtol=1e-2)
+    assert_verify_queries_are_decode_queries(case, verify, run, tol=1e-2)
+
+
+def assert_verify_queries_are_decode_queries(case, verify, run, tol):
+    """Each query i of a verify launch ``verify`` over ``case`` (4 queries a row, ending at the rows' kv_lens) has the
+    bits of a one-query decode launch at its position on the GPU (within ``tol`` in the interpreter, whose dots are
+    numpy's: see test_triton_verify_queries_equal_decode_queries)."""
     for i in range(4):
         kv_lens = case.kv_lens - 3 + i
         args = (case.q[:, i:i + 1].contiguous(), case.k_cache, case.v_cache, case.block_tables, kv_lens,
@@ -586,8 +593,8 @@ def test_triton_wide_key_steps_attend_like_the_reference_and_decode_like_verify(
         decode = _paged_attention_triton(*args, out=torch.empty_like(case.q[:, :1]), **run)
         if case.q.is_cuda:
             assert torch.equal(decode[:, 0], verify[:, i]), (i, (decode[:, 0] - verify[:, i]).abs().max())
-        else:  # the interpreter's dots are numpy's (see test_triton_verify_queries_equal_decode_queries)
-            torch.testing.assert_close(decode[:, 0], verify[:, i], atol=1e-2, rtol=1e-2)
+        else:
+            torch.testing.assert_close(decode[:, 0], verify[:, i], atol=tol, rtol=tol)
 
 
 def test_chunks_depend_on_batch_and_heads_only():
@@ -719,12 +726,4 @@ def test_triton_sinks_keep_verify_queries_equal_to_decode_queries(triton_device)
     sinks = _sinks(8, triton_device)
     run = dict(scale=0.25, sliding_window=None, causal=True, block_n=16, kv_chunk_keys=16, sinks=sinks)
     verify = _paged_attention_triton(*case.args(), out=torch.empty_like(case.q), **run)
-    for i in range(4):
-        kv_lens = case.kv_lens - 3 + i
-        args = (case.q[:, i:i + 1].contiguous(), case.k_cache, case.v_cache, case.block_tables, kv_lens,
-                kv_lens - 1, torch.ones_like(kv_lens))
-        decode = _paged_attention_triton(*args, out=torch.empty_like(case.q[:, :1]), **run)
-        if case.q.is_cuda:
-            assert torch.equal(decode[:, 0], verify[:, i])
-        else:  # the interpreter's numpy dots (see test_triton_verify_queries_equal_decode_queries)
-            torch.testing.assert_close(decode[:, 0], verify[:, i], atol=2e-6, rtol=2e-6)
+    assert_verify_queries_are_decode_queries(case, verify, run, tol=2e-6)
